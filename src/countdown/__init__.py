@@ -1,0 +1,47 @@
+"""countdown: skip most of each Gated-MLP per token (M-/D-CountDown, CATS, Deja Vu), measured honestly.
+
+Quick start::
+
+    import countdown
+    model, tok = countdown.load_model("smollm2-135m")
+    countdown.sparsify(model, "mono", 0.8)          # SP-Ideal, prompt dense, generated tokens sparse
+    print(countdown.perplexity(model, tok))
+    countdown.unsparsify(model)
+"""
+
+from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
+from .registry import Method, get_method, kept_rows, methods
+from .sparse import (
+    AlreadySparsifiedError,
+    NotSparsifiedError,
+    dense_prefix,
+    is_sparsified,
+    reset_sparsity_stats,
+    sparsify,
+    sparsity_real,
+    unsparsify,
+)
+
+__version__ = "0.1.0"
+
+
+def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
+    """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id.
+    See :func:`countdown.models.load_model`."""
+    from .models import load_model as _load
+
+    return _load(name_or_path, dtype=dtype, device=device, **kwargs)
+
+
+def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
+    """Perplexity on held-out text (XSum articles by default). See :func:`countdown.perplexity.perplexity`."""
+    from .perplexity import perplexity as _ppl
+
+    return _ppl(model, tokenizer, texts=texts, max_tokens=max_tokens, **kwargs)
+
+
+__all__ = [
+    "GatedMLP", "Method", "NoGatedMLPError", "AlreadySparsifiedError", "NotSparsifiedError",
+    "dense_prefix", "find_gated_mlps", "get_method", "is_sparsified", "kept_rows", "load_model",
+    "methods", "perplexity", "reset_sparsity_stats", "sparsify", "sparsity_real", "unsparsify",
+]

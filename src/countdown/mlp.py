@@ -1,0 +1,231 @@
+"""Finding every Gated-MLP in a model, by structure, and reading its parts.
+
+A module is a Gated-MLP when its direct ``nn.Linear`` children can be cast as ``gate`` and ``up``
+(``d_model -> d_inter``) and ``down`` (``d_inter -> d_model``), or as one fused ``gate_up``
+(``d_model -> 2 d_inter``, Phi-3 style) and ``down``, together with an activation, such that
+
+    module(x) == down(act(gate(x)) * up(x))
+
+on a random probe input. Names and class names are never consulted: gate and up have the same
+shape, so which is which (and which half of a fused projection is the gate) is decided by the probe,
+which also confirms the activation. This finds Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3 and any
+look-alike, and rejects attention blocks and plain MLPs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NoGatedMLPError(ValueError):
+    """The model has no module of the Gated-MLP form y = down(act(gate(x)) * up(x))."""
+
+
+def _gelu_tanh(t):
+    return F.gelu(t, approximate="tanh")
+
+
+# Reference activations, used to name the model's own activation (kernels need a name) and as
+# candidates when a module keeps its activation in a plain function rather than a child module.
+KNOWN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": _gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+def activation_name(act: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """Name an activation by what it computes: "silu", "gelu_tanh", "gelu", "relu" or "custom"."""
+    t = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
+    with torch.no_grad():
+        try:
+            out = act(t)
+        except Exception:
+            return "custom"
+    for name, ref in KNOWN_ACTIVATIONS.items():
+        if torch.allclose(out, ref(t), atol=1e-7, rtol=1e-6):
+            return name
+    return "custom"
+
+
+@dataclass(eq=False)
+class GatedMLP:
+    """A view on one Gated-MLP module of a model. Weights are read live from the module, so the
+    view stays right after ``model.to(...)``.
+
+    ``gate``/``up``/``down``/``fused`` are the attribute names of the module's Linear children;
+    for a fused projection, ``gate_first`` says whether its first ``d_inter`` outputs are the gate.
+    """
+
+    name: str
+    module: nn.Module
+    down: str
+    act: Callable[[torch.Tensor], torch.Tensor]
+    act_name: str
+    gate: str | None = None
+    up: str | None = None
+    fused: str | None = None
+    gate_first: bool = True
+
+    def _linear(self, attr: str) -> nn.Linear:
+        return getattr(self.module, attr)
+
+    @property
+    def d_model(self) -> int:
+        return self._linear(self.down).out_features
+
+    @property
+    def d_inter(self) -> int:
+        return self._linear(self.down).in_features
+
+    def _fused_half(self, tensor: torch.Tensor | None, want_gate: bool) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        first = want_gate == self.gate_first
+        d = self.d_inter
+        return tensor[:d] if first else tensor[d:]
+
+    @property
+    def w_gate(self) -> torch.Tensor:
+        if self.fused:
+            return self._fused_half(self._linear(self.fused).weight, True)
+        return self._linear(self.gate).weight
+
+    @property
+    def w_up(self) -> torch.Tensor:
+        if self.fused:
+            return self._fused_half(self._linear(self.fused).weight, False)
+        return self._linear(self.up).weight
+
+    @property
+    def w_down(self) -> torch.Tensor:
+        return self._linear(self.down).weight
+
+    @property
+    def b_gate(self) -> torch.Tensor | None:
+        if self.fused:
+            return self._fused_half(self._linear(self.fused).bias, True)
+        return self._linear(self.gate).bias
+
+    @property
+    def b_up(self) -> torch.Tensor | None:
+        if self.fused:
+            return self._fused_half(self._linear(self.fused).bias, False)
+        return self._linear(self.up).bias
+
+    @property
+    def b_down(self) -> torch.Tensor | None:
+        return self._linear(self.down).bias
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-activation ``(u, g)`` for inputs ``x [..., d_model]``."""
+        if self.fused:
+            both = self._linear(self.fused)(x)
+            first, second = both.split(self.d_inter, dim=-1)
+            g, u = (first, second) if self.gate_first else (second, first)
+            return u, g
+        return self._linear(self.up)(x), self._linear(self.gate)(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense output ``down(act(g) * u)`` computed from the parts (used by the probe)."""
+        u, g = self.parts(x)
+        return self._linear(self.down)(self.act(g) * u)
+
+
+def _activation_candidates(module: nn.Module) -> list[Callable]:
+    found = [
+        child for child in module.children()
+        if not isinstance(child, nn.Linear) and not any(True for _ in child.parameters())
+    ]
+    return found or list(KNOWN_ACTIVATIONS.values())
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+
+
+def _candidate_views(name: str, module: nn.Module) -> Iterator[GatedMLP]:
+    linears = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
+    if not 2 <= len(linears) <= 3:
+        return
+    acts = _activation_candidates(module)
+    for down_name, down in linears:
+        d_model, d_inter = down.out_features, down.in_features
+        others = [(n, c) for n, c in linears if n != down_name]
+        if len(others) == 2:
+            if not all(c.in_features == d_model and c.out_features == d_inter for _, c in others):
+                continue
+            for (gate_name, _), (up_name, _) in itertools.permutations(others):
+                for act in acts:
+                    yield GatedMLP(name, module, down_name, act, "", gate=gate_name, up=up_name)
+        elif len(others) == 1:
+            fused_name, fused = others[0]
+            if fused.in_features != d_model or fused.out_features != 2 * d_inter:
+                continue
+            for gate_first in (True, False):
+                for act in acts:
+                    yield GatedMLP(name, module, down_name, act, "", fused=fused_name, gate_first=gate_first)
+
+
+def _verify(name: str, module: nn.Module) -> GatedMLP | None:
+    """Return the view under which ``module`` computes a Gated-MLP, or None."""
+    candidates = list(_candidate_views(name, module))
+    if not candidates:
+        return None
+    first = candidates[0]
+    weight = first.w_down
+    if weight.device.type == "meta":
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, first.d_model, generator=gen).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        try:
+            expected = module(x)
+        except Exception:
+            return None
+        if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
+            return None
+        scale = expected.float().norm().item() + 1e-12
+        best, best_err = None, math.inf
+        for view in candidates:
+            err = (view.reference(x).float() - expected.float()).norm().item() / scale
+            if err < best_err:
+                best, best_err = view, err
+    if best is None or best_err > _probe_tolerance(weight.dtype):
+        return None
+    best.act_name = activation_name(best.act)
+    return best
+
+
+def find_gated_mlps(model: nn.Module) -> list[GatedMLP]:
+    """Every Gated-MLP in ``model``, in module order, found by structure and verified by a probe."""
+    found: list[GatedMLP] = []
+    skip_below: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in skip_below):
+            continue
+        view = _verify(name, module)
+        if view is not None:
+            found.append(view)
+            skip_below.append(name)
+    return found
+
+
+def require_gated_mlps(model: nn.Module) -> list[GatedMLP]:
+    """Like :func:`find_gated_mlps`, but a model without any raises a clear error."""
+    found = find_gated_mlps(model)
+    if not found:
+        raise NoGatedMLPError(
+            f"{type(model).__name__} has no Gated-MLP block (a module computing "
+            "down(act(gate(x)) * up(x)) from nn.Linear children); countdown sparsifies SwiGLU/GeGLU "
+            "models such as Llama, Mistral, Qwen, Gemma and Phi-3"
+        )
+    return found

@@ -1,0 +1,373 @@
+"""Patching a model so that its Gated-MLPs skip rows, and restoring it.
+
+``sparsify`` attaches a :class:`SparseGatedMLP` to every Gated-MLP module and points the module's
+``forward`` at it; parameters, their names and the module tree stay as they were, so
+``unsparsify`` only has to undo two attributes and the original computation comes back bit for bit.
+
+Each sparse forward is: pick the rows to keep per token (a *selector*: exact top-k of the method's
+indicator in SP-Ideal, a calibrated threshold or a trained predictor in SP-Prac), then compute only
+those rows. Two equivalent paths:
+
+* ``masked``: every projection dense, coefficients of skipped rows zeroed (for evaluation);
+* ``gather``: only the union of the batch's kept rows of W_gate / W_up / W_down is read and
+  multiplied, so FLOPs really drop (for CPU decoding; batch-1 decode reads exactly the kept rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import GatedMLP, require_gated_mlps
+from .registry import Method, check_sparsity, get_method, kept_rows
+
+MODES = ("ideal", "prac")
+SCOPES = ("decode", "all")
+PATHS = ("masked", "gather")
+DEFAULT_SCOPE = "decode"
+
+
+class AlreadySparsifiedError(RuntimeError):
+    """sparsify() was called on a model that is already patched."""
+
+
+class NotSparsifiedError(RuntimeError):
+    """unsparsify() or a report was asked of a model that was never patched."""
+
+
+# --------------------------------------------------------------------------------------------
+# Selectors: x (and the dense u / h they ask for) -> keep mask [tokens, d_inter]
+# --------------------------------------------------------------------------------------------
+
+
+class RowSelector(nn.Module):
+    """Base class. ``needs_up``/``needs_gate`` name the dense projections the selector reads; the
+    sparse forward computes exactly those densely and everything else only for kept rows."""
+
+    needs_up: bool = False
+    needs_gate: bool = False
+
+    def forward(self, x: torch.Tensor, u: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TopKSelector(RowSelector):
+    """SP-Ideal: per token, exactly the ``n_keep`` rows with the largest indicator."""
+
+    def __init__(self, method: Method, n_keep: int):
+        super().__init__()
+        self.method = method
+        self.n_keep = int(n_keep)
+        self.needs_up = method.needs_up
+        self.needs_gate = method.needs_gate
+
+    def forward(self, x, u, h):
+        score = self.method.indicator(u, h)
+        idx = score.topk(self.n_keep, dim=-1, sorted=False).indices
+        return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method.name}, n_keep={self.n_keep}"
+
+
+class ThresholdSelector(RowSelector):
+    """SP-Prac for threshold methods: keep rows whose indicator exceeds a calibrated cut tau."""
+
+    def __init__(self, method: Method, threshold: float | torch.Tensor):
+        super().__init__()
+        self.method = method
+        self.needs_up = method.needs_up
+        self.needs_gate = method.needs_gate
+        self.register_buffer("threshold", torch.as_tensor(threshold, dtype=torch.float32).reshape(()))
+
+    def forward(self, x, u, h):
+        score = self.method.indicator(u, h)
+        return score > self.threshold.to(score.dtype)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method.name}, threshold={float(self.threshold):.5g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Per-model state: which positions are sparse in the current forward
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SparsityState:
+    method: Method
+    sparsity: float | None
+    mode: str
+    scope: str
+    path: str
+    layers: list["SparseGatedMLP"] = field(default_factory=list)
+    prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
+    dense_prefix: int | torch.Tensor | None = None  # set by dense_prefix(); overrides scope
+    hook: Any = None
+
+    def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
+        """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
+        if self.dense_prefix is not None:
+            seq = x.shape[-2] if x.dim() >= 2 else 1
+            pos = torch.arange(seq, device=x.device)
+            prefix = self.dense_prefix
+            if isinstance(prefix, torch.Tensor) and prefix.dim() == 1:
+                mask = pos[None, :] >= prefix.to(x.device)[:, None]  # [batch, seq]
+                if x.dim() == 2:
+                    mask = mask.reshape(-1)
+                return mask
+            n = int(prefix)
+            if n <= 0:
+                return True
+            if n >= seq:
+                return False
+            return (pos >= n).expand(x.shape[:-1])
+        if self.scope == "all":
+            return True
+        return not self.prompt_pass
+
+
+def _cache_is_empty(cache: Any) -> bool:
+    if cache is None:
+        return True
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length()) == 0
+    if isinstance(cache, (tuple, list)):
+        return len(cache) == 0
+    return False
+
+
+def _mark_prompt_pass(state: SparsityState):
+    def hook(module, args, kwargs):
+        state.prompt_pass = _cache_is_empty(kwargs.get("past_key_values"))
+
+    return hook
+
+
+# --------------------------------------------------------------------------------------------
+# The sparse Gated-MLP
+# --------------------------------------------------------------------------------------------
+
+
+class SparseGatedMLP(nn.Module):
+    """Replaces the forward of one Gated-MLP module while it is patched."""
+
+    def __init__(self, mlp: GatedMLP, selector: RowSelector | None, state: SparsityState, index: int):
+        super().__init__()
+        self.selector = selector
+        self.index = index
+        # Plain attributes (not submodules): the GatedMLP view refers back to the module we hang on.
+        object.__setattr__(self, "mlp", mlp)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "original_forward", None)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.kept_total = 0.0
+        self.rows_total = 0
+
+    def _count(self, keep: torch.Tensor) -> None:
+        # Sums stay on the device (no host sync per layer); sparsity_real() reads them once.
+        self.kept_total = self.kept_total + keep.sum(dtype=torch.float64)
+        self.rows_total += keep.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.selector is None:
+            return self.original_forward(x)
+        sparse = self.state.sparse_positions(x)
+        if sparse is False:
+            return self.original_forward(x)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        token_sparse = None if sparse is True else sparse.reshape(-1)
+        if self.state.path == "gather":
+            y = self._gather(x2, token_sparse)
+        else:
+            y = self._masked(x2, token_sparse)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _select(self, x2, u, h, token_sparse):
+        keep = self.selector(x2, u, h)
+        if token_sparse is not None:
+            self._count(keep[token_sparse])
+            keep = keep | ~token_sparse[:, None]
+        else:
+            self._count(keep)
+        return keep
+
+    def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
+        mlp = self.mlp
+        u, g = mlp.parts(x2)
+        h = mlp.act(g)
+        keep = self._select(x2, u, h, token_sparse)
+        s = torch.where(keep, u * h, torch.zeros((), dtype=u.dtype, device=u.device))
+        return F.linear(s, mlp.w_down, mlp.b_down)
+
+    def _gather(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
+        mlp, sel = self.mlp, self.selector
+        u = h = None
+        if sel.needs_up:
+            u = F.linear(x2, mlp.w_up, mlp.b_up)
+        if sel.needs_gate:
+            h = mlp.act(F.linear(x2, mlp.w_gate, mlp.b_gate))
+        keep = self._select(x2, u, h, token_sparse)
+        rows = keep.any(dim=0).nonzero().squeeze(1)
+        if u is not None:
+            u_rows = u.index_select(1, rows)
+        else:
+            u_rows = F.linear(x2, mlp.w_up.index_select(0, rows), _rows(mlp.b_up, rows))
+        if h is not None:
+            h_rows = h.index_select(1, rows)
+        else:
+            h_rows = mlp.act(F.linear(x2, mlp.w_gate.index_select(0, rows), _rows(mlp.b_gate, rows)))
+        s_rows = u_rows * h_rows
+        if x2.shape[0] > 1:  # rows kept by another token of the batch do not count for this one
+            s_rows = torch.where(keep.index_select(1, rows), s_rows, torch.zeros((), dtype=s_rows.dtype, device=s_rows.device))
+        return F.linear(s_rows, mlp.w_down.index_select(1, rows), mlp.b_down)
+
+
+def _rows(bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias.index_select(0, rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None, mode: str,
+                    artifacts: Any = None) -> list[RowSelector | None]:
+    """One selector per Gated-MLP for (method, sparsity, mode); None everywhere for dense."""
+    if method.is_dense:
+        return [None] * len(mlps)
+    if mode == "ideal":
+        return [TopKSelector(method, kept_rows(m.d_inter, sparsity)) for m in mlps]
+    if artifacts is None:
+        raise ValueError(
+            f"mode='prac' needs artifacts for {method.name} at k={sparsity}: make them with "
+            f"`countdown calibrate` / `countdown train` (or countdown.calibrate / countdown.train_predictors) "
+            "and pass artifacts=<path or object>"
+        )
+    from .artifacts import prac_selectors  # SP-Prac lives with its artifacts
+
+    return prac_selectors(artifacts, mlps, method, sparsity)
+
+
+def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode: str = "ideal",
+             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "masked") -> nn.Module:
+    """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
+
+    method: a name from :func:`countdown.methods` (or an alias such as ``"m-countdown"``).
+    sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense).
+    mode: ``"ideal"`` (exact per-token top-(1-k) of the indicator) or ``"prac"`` (calibrated
+        thresholds / trained predictors from ``artifacts``).
+    scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
+        with an empty KV cache, stays dense; generated tokens are sparse) or ``"all"`` (every
+        position sparse, as in perplexity-style evaluation).
+    path: ``"masked"`` (dense projections, skipped rows zeroed) or ``"gather"`` (only kept rows are
+        read: fewer FLOPs, for CPU decoding). Both compute the same function.
+    """
+    if getattr(model, "_countdown_state", None) is not None:
+        raise AlreadySparsifiedError(
+            "this model is already sparsified; call countdown.unsparsify(model) before patching it again"
+        )
+    m = get_method(method)
+    k = None if m.is_dense else check_sparsity(sparsity)
+    _check_choice(mode, MODES, "mode")
+    _check_choice(scope, SCOPES, "scope")
+    _check_choice(path, PATHS, "path")
+    mlps = require_gated_mlps(model)
+    selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
+
+    state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path)
+    for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
+        layer = SparseGatedMLP(mlp, selector, state, index)
+        ref = mlp.w_down
+        layer.to(device=ref.device)
+        module = mlp.module
+        object.__setattr__(layer, "original_forward", module.forward)
+        object.__setattr__(layer, "had_instance_forward", "forward" in module.__dict__)
+        object.__setattr__(layer, "previous_instance_forward", module.__dict__.get("forward"))
+        module.countdown_sparse = layer
+        module.forward = layer.forward
+        state.layers.append(layer)
+    state.hook = model.register_forward_pre_hook(_mark_prompt_pass(state), with_kwargs=True)
+    object.__setattr__(model, "_countdown_state", state)
+    return model
+
+
+def state_of(model: nn.Module) -> SparsityState:
+    state = getattr(model, "_countdown_state", None)
+    if state is None:
+        raise NotSparsifiedError("this model is not sparsified; call countdown.sparsify(model, ...) first")
+    return state
+
+
+def is_sparsified(model: nn.Module) -> bool:
+    return getattr(model, "_countdown_state", None) is not None
+
+
+def unsparsify(model: nn.Module) -> nn.Module:
+    """Undo :func:`sparsify`: the model computes exactly what it computed before; returns it."""
+    state = state_of(model)
+    for layer in state.layers:
+        module = layer.mlp.module
+        del module.forward
+        if layer.had_instance_forward:
+            module.forward = layer.previous_instance_forward
+        del module.countdown_sparse
+    state.hook.remove()
+    object.__delattr__(model, "_countdown_state")
+    return model
+
+
+@contextlib.contextmanager
+def dense_prefix(model: nn.Module, n: int | torch.Tensor):
+    """Inside the block, the first ``n`` positions of every row stay dense and the rest are sparse.
+
+    ``n`` is an int or a LongTensor ``[batch]`` of per-row prompt lengths. Used for decode-style
+    perplexity and for scoring continuations with a dense prompt (the paper's setting).
+    """
+    state = state_of(model)
+    previous = state.dense_prefix
+    state.dense_prefix = n
+    try:
+        yield model
+    finally:
+        state.dense_prefix = previous
+
+
+def reset_sparsity_stats(model: nn.Module) -> None:
+    """Start counting Sparsity-Real afresh."""
+    for layer in state_of(model).layers:
+        layer.reset_stats()
+
+
+def sparsity_real(model: nn.Module) -> dict:
+    """Fraction of rows actually skipped since the model was patched or the stats last reset.
+
+    Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
+    token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
+    sparse token report NaN.
+    """
+    state = state_of(model)
+    per_layer = []
+    for layer in state.layers:
+        if layer.rows_total == 0:
+            per_layer.append(float("nan"))
+        else:
+            per_layer.append(1.0 - float(layer.kept_total) / layer.rows_total)
+    seen = [v for v in per_layer if v == v]
+    mean = sum(seen) / len(seen) if seen else float("nan")
+    return {"mean": mean, "per_layer": per_layer, "target": state.sparsity}
