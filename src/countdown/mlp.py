@@ -142,8 +142,10 @@ class GatedMLP:
 
 def _activation_candidates(module: nn.Module) -> list[Callable]:
     found = [
-        child for child in module.children()
-        if not isinstance(child, nn.Linear) and not any(True for _ in child.parameters())
+        child for name, child in module.named_children()
+        if name != "countdown_sparse"
+        and not isinstance(child, nn.Linear)
+        and not any(True for _ in child.parameters())
     ]
     return found or list(KNOWN_ACTIVATIONS.values())
 
@@ -177,6 +179,9 @@ def _candidate_views(name: str, module: nn.Module) -> Iterator[GatedMLP]:
 
 def _verify(name: str, module: nn.Module) -> GatedMLP | None:
     """Return the view under which ``module`` computes a Gated-MLP, or None."""
+    patched = getattr(module, "countdown_sparse", None)
+    if patched is not None:  # already sparsified: its view was verified at patch time
+        return patched.mlp
     candidates = list(_candidate_views(name, module))
     if not candidates:
         return None
