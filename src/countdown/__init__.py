@@ -34,8 +34,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
 
 
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
-    """Perplexity on held-out text (XSum articles by default). See :func:`countdown.perplexity.perplexity`."""
-    from .perplexity import perplexity as _ppl
+    """Perplexity on held-out text (XSum articles by default). See :func:`countdown.ppl.perplexity`."""
+    from .ppl import perplexity as _ppl
 
     return _ppl(model, tokenizer, texts=texts, max_tokens=max_tokens, **kwargs)
 

@@ -47,9 +47,20 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def _validated_method(args):
+    """Check method and sparsity before the (slow) model load."""
+    from .registry import check_sparsity, get_method
+
+    method = get_method(args.method)
+    if not method.is_dense:
+        check_sparsity(args.sparsity)
+    return method
+
+
 def cmd_ppl(args) -> int:
     import countdown
 
+    _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     method = countdown.get_method(args.method)
     countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
@@ -72,6 +83,7 @@ def cmd_generate(args) -> int:
     import countdown
     from .demo import chat_prompt
 
+    _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     method = countdown.get_method(args.method)
     countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
@@ -89,6 +101,50 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     run_demo(args.model, sparsities=_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out)
+    return 0
+
+
+def cmd_cost(args) -> int:
+    from .cost import cost_table, format_cost_table
+
+    d_model, d_inter = args.d_model, args.d_inter
+    if args.model:
+        import countdown
+
+        model, _ = countdown.load_model(args.model)
+        first = countdown.find_gated_mlps(model)[0]
+        d_model, d_inter = first.d_model, first.d_inter
+    if d_model is None or d_inter is None:
+        raise ValueError("give --d-model and --d-inter (or --model to read them from a model)")
+    tables = {k: cost_table(d_model, d_inter, args.d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
+              for k in args.sparsity}
+    if args.json:
+        print(json.dumps({f"{k:g}": t for k, t in tables.items()}, indent=2))
+    else:
+        for k, table in tables.items():
+            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={args.d_rank} k={k:g}"))
+            print()
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    import countdown
+    from .analysis import collect_indicator_stats, format_indicator_stats, plot_tornado
+
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    texts = _texts(args.texts)
+    if texts is None:
+        from .data import eval_texts
+
+        texts = eval_texts()
+    stats = collect_indicator_stats(model, tok, texts, sparsities=args.sparsity, max_tokens=args.max_tokens)
+    print(format_indicator_stats(stats["overall"]))
+    if args.plot:
+        print(f"wrote {plot_tornado(stats['overall'], args.plot, title=f'{args.model}: u vs h against s')}")
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(stats, indent=2, default=float))
     return 0
 
 
@@ -122,14 +178,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens of XSum per perplexity")
     p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--d-inter", type=int)
+    p.add_argument("--d-rank", type=int, default=512)
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.7, 0.8, 0.9])
+    p.add_argument("--c-act", type=float, default=5.0, help="FLOPs per activation (SiLU ~ 5)")
+    p.add_argument("--dtype-bytes", type=int, default=None, help="add real bytes for this element size")
+    p.add_argument("--model", default=None, help="read d_model / d_inter from this model instead")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("analyze", help="CIF / CAF of u and h against s (M-CountDown vs CATS analysis)")
+    _model_args(p)
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--texts", default=None)
+    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG")
+    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file")
+    p.set_defaults(func=cmd_analyze)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .data import PackageUnavailableError
+    from .models import CorruptDownloadError
+    from .sparse import AlreadySparsifiedError, NotSparsifiedError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
+            AlreadySparsifiedError, NotSparsifiedError) as err:
         print(f"countdown {args.command}: error: {err}", file=sys.stderr)
         return 2
 

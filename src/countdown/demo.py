@@ -127,7 +127,7 @@ def run_grid(model, tokenizer, model_name: str, configs: Sequence[tuple[str, str
              texts: Sequence[str], max_tokens: int, out_csv: Path, styles: Sequence[str] = tuple(STYLES),
              artifacts_for: Callable[[str, float], object] | None = None, log=print) -> list[Cell]:
     """Perplexity of each (method, mode, k) in each style, resuming from ``out_csv``."""
-    from .perplexity import perplexity
+    from .ppl import perplexity
 
     cells = read_cells(out_csv)
     done = {c.key() for c in cells}

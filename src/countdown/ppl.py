@@ -89,7 +89,9 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
         # logits at position p predict token p+1; with a prompt of n tokens the first scored
         # prediction comes from position n-1, the prompt's last (dense) position, as in prefill.
         first = max(prompt - 1, 0)
-        pred = logits[:, first:-1].float()
+        pred = logits[:, first:-1]
+        if pred.dtype in (torch.float16, torch.bfloat16):
+            pred = pred.float()
         target = batch[:, first + 1:]
         nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum")
         total_nll += float(nll)
