@@ -59,12 +59,12 @@ def test_decode_style_scores_only_the_sparse_second_half():
     assert dense_half == pytest.approx(direct_ppl(model, rows, 11), rel=1e-9)
     countdown.sparsify(model, "dual", 0.8)  # scope decode: decode-style by default
     sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=120, window=24, progress=False)
+    # Only the 12 sparse positions of each of the 5 windows were counted.
+    assert countdown.sparse.state_of(model).layers[0].rows_total == 5 * 12 * 97
     with countdown.dense_prefix(model, 12):
         expected = direct_ppl(model, rows, 11)
     assert sparse == pytest.approx(expected, rel=1e-9)
     assert sparse != pytest.approx(dense_half, rel=1e-6)
-    # Only the 12 sparse positions of each of the 5 windows were counted.
-    assert countdown.sparse.state_of(model).layers[0].rows_total == 5 * 12 * 97
 
 
 def test_all_positions_sparse_differs_from_dense():
