@@ -28,7 +28,8 @@ from .registry import Method, check_sparsity, get_method, kept_rows
 
 MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
-PATHS = ("masked", "gather")
+PATHS = ("auto", "masked", "gather", "kernel")
+KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
 DEFAULT_SCOPE = "decode"
 
 
@@ -86,8 +87,8 @@ class ThresholdSelector(RowSelector):
         self.register_buffer("threshold", torch.as_tensor(threshold, dtype=torch.float32).reshape(()))
 
     def forward(self, x, u, h):
-        score = self.method.indicator(u, h)
-        return score > self.threshold.to(score.dtype)
+        # Compared in float32, as the kernels do, so both paths keep the same rows.
+        return self.method.indicator(u, h).float() > self.threshold
 
     def extra_repr(self) -> str:
         return f"method={self.method.name}, threshold={float(self.threshold):.5g}"
@@ -185,7 +186,10 @@ class SparseGatedMLP(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         token_sparse = None if sparse is True else sparse.reshape(-1)
-        if self.state.path == "gather":
+        path = self.state.path
+        if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
+            return self._kernel(x2).reshape(shape)
+        if path == "gather":
             y = self._gather(x2, token_sparse)
         else:
             y = self._masked(x2, token_sparse)
@@ -199,6 +203,35 @@ class SparseGatedMLP(nn.Module):
         else:
             self._count(keep)
         return keep
+
+    def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
+        """Kernels serve decode-sized batches of a threshold or predictor selector, no biases."""
+        if isinstance(self.selector, TopKSelector) or x2.shape[0] > KERNEL_MAX_TOKENS:
+            return False
+        if path == "auto" and not x2.is_cuda:
+            return False
+        mlp = self.mlp
+        if mlp.act_name not in ("silu", "gelu_tanh") or any(
+                b is not None for b in (mlp.b_gate, mlp.b_up, mlp.b_down)):
+            return False
+        from . import kernels
+
+        return kernels.available(x2)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        from . import kernels
+
+        mlp, sel = self.mlp, self.selector
+        # w_down.t() is contiguous: sparsify stored W_down transposed in place (see _store_down_transposed).
+        args = (x2, mlp.w_gate, mlp.w_up, mlp.w_down.t().contiguous(), )
+        if isinstance(sel, ThresholdSelector) and sel.method.name == "mono":
+            return kernels.mono_gated_mlp(*args, sel.threshold, mlp.act_name)
+        if isinstance(sel, ThresholdSelector) and sel.method.name == "cats":
+            return kernels.cats_gated_mlp(*args, sel.threshold, mlp.act_name)
+        u = F.linear(x2, mlp.w_up) if sel.needs_up else None
+        h = mlp.act(F.linear(x2, mlp.w_gate)) if sel.needs_gate else None
+        keep = sel(x2, u, h)
+        return kernels.masked_gated_mlp(*args, keep, mlp.act_name)
 
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         mlp = self.mlp
@@ -264,8 +297,22 @@ def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None
     return prac_selectors(artifacts, mlps, method, sparsity)
 
 
+def _store_down_transposed(mlp: GatedMLP, transposed: bool) -> None:
+    """Lay W_down out column-major (its .t() contiguous, as the kernels read it) or back.
+
+    The logical tensor, and so every dense computation, is unchanged, and no copy sits beside the
+    original: the storage is replaced, which is what keeps an 8B model from growing by 3.8 GB.
+    """
+    weight = mlp.w_down
+    want_t = weight.t().is_contiguous() and not weight.is_contiguous()
+    if transposed and not want_t:
+        weight.data = weight.data.t().contiguous().t()
+    elif not transposed and not weight.is_contiguous():
+        weight.data = weight.data.contiguous()
+
+
 def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode: str = "ideal",
-             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "masked") -> nn.Module:
+             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto") -> nn.Module:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
     method: a name from :func:`countdown.methods` (or an alias such as ``"m-countdown"``).
@@ -275,8 +322,10 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
     scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
         with an empty KV cache, stays dense; generated tokens are sparse) or ``"all"`` (every
         position sparse, as in perplexity-style evaluation).
-    path: ``"masked"`` (dense projections, skipped rows zeroed) or ``"gather"`` (only kept rows are
-        read: fewer FLOPs, for CPU decoding). Both compute the same function.
+    path: ``"auto"`` (default: the Triton kernels for decode steps on CUDA with SP-Prac selectors,
+        ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
+        (only kept rows are read: fewer FLOPs, for CPU decoding) or ``"kernel"`` (the kernels
+        wherever Triton can run, e.g. under TRITON_INTERPRET=1). All compute the same function.
     """
     if getattr(model, "_countdown_state", None) is not None:
         raise AlreadySparsifiedError(
@@ -302,6 +351,8 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         module.countdown_sparse = layer
         module.forward = layer.forward
         state.layers.append(layer)
+        if selector is not None and path in ("auto", "kernel") and ref.is_cuda:
+            _store_down_transposed(mlp, True)
     state.hook = model.register_forward_pre_hook(_mark_prompt_pass(state), with_kwargs=True)
     object.__setattr__(model, "_countdown_state", state)
     return model
@@ -327,6 +378,7 @@ def unsparsify(model: nn.Module) -> nn.Module:
         if layer.had_instance_forward:
             module.forward = layer.previous_instance_forward
         del module.countdown_sparse
+        _store_down_transposed(layer.mlp, False)
     state.hook.remove()
     object.__delattr__(model, "_countdown_state")
     return model

@@ -1,0 +1,56 @@
+"""The patched model's kernel path (Triton, interpreted on CPU here) against its masked path."""
+
+import pytest
+import torch
+
+import countdown
+from countdown.sparse import RowSelector, ThresholdSelector, state_of
+from conftest import tiny_model
+
+pytest.importorskip("triton")
+
+
+class FirstRowsSelector(RowSelector):
+    """A stand-in predictor: keeps rows whose (fixed, random) linear score of x is positive."""
+
+    def __init__(self, d_model, d_inter):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(d_model, d_inter), requires_grad=False)
+
+    def forward(self, x, u, h):
+        return (x.float() @ self.proj) > 0.5
+
+
+def _swap_selectors(model, make):
+    for layer in state_of(model).layers:
+        layer.selector = make(layer.mlp)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["mono", "cats", "predictor"])
+def test_kernel_path_matches_masked_path(arch, kind, monkeypatch):
+    from countdown import kernels
+
+    calls = []
+    for name in ("mono_gated_mlp", "cats_gated_mlp", "masked_gated_mlp"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    model = tiny_model(arch)
+    ids = torch.randint(3, 128, (3, 1))  # three sequences, one decode-sized token each
+
+    def make(mlp):
+        if kind == "predictor":
+            torch.manual_seed(1)
+            return FirstRowsSelector(mlp.d_model, mlp.d_inter)
+        return ThresholdSelector(countdown.get_method(kind), 0.05)
+
+    outs = {}
+    for path in ("masked", "kernel"):
+        countdown.sparsify(model, kind if kind != "predictor" else "dual", 0.5, scope="all", path=path)
+        _swap_selectors(model, make)
+        with torch.no_grad():
+            outs[path] = model(ids).logits
+        countdown.unsparsify(model)
+    torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
+    expected = {"mono": "mono_gated_mlp", "cats": "cats_gated_mlp", "predictor": "masked_gated_mlp"}[kind]
+    assert calls == [expected] * 2  # one call per layer, on the kernel path only
