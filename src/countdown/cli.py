@@ -88,7 +88,7 @@ def cmd_generate(args) -> int:
     method = countdown.get_method(args.method)
     countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
                        scope="decode", artifacts=args.artifacts,
-                       path="gather" if args.device == "cpu" else "masked")
+                       path="gather" if args.device == "cpu" else "auto")
     ids = chat_prompt(tok, args.prompt).to(next(model.parameters()).device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=args.max_new_tokens,
