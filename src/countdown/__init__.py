@@ -25,6 +25,20 @@ from .sparse import (
 __version__ = "0.1.0"
 
 
+def catalogue() -> dict:
+    """Model names ``load_model`` knows without a path: real models and paper-scale shapes."""
+    from .models import catalogue as _catalogue
+
+    return _catalogue()
+
+
+def load_texts(source: str = "xsum", limit: int | None = None) -> list:
+    """Held-out English text: "xsum" (evaluation), "wiki" (calibration), or a .txt/.jsonl file."""
+    from .data import load_texts as _load_texts
+
+    return _load_texts(source, limit=limit)
+
+
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id.
     See :func:`countdown.models.load_model`."""
@@ -42,6 +56,6 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 __all__ = [
     "GatedMLP", "Method", "NoGatedMLPError", "AlreadySparsifiedError", "NotSparsifiedError",
-    "dense_prefix", "find_gated_mlps", "get_method", "is_sparsified", "kept_rows", "load_model",
+    "catalogue", "dense_prefix", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
     "methods", "perplexity", "reset_sparsity_stats", "sparsify", "sparsity_real", "unsparsify",
 ]

@@ -57,6 +57,14 @@ def _validated_method(args):
     return method
 
 
+def cmd_models(args) -> int:
+    import countdown
+
+    for name, description in countdown.catalogue().items():
+        print(f"{name:<20} {description}")
+    return 0
+
+
 def cmd_ppl(args) -> int:
     import countdown
 
@@ -154,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("methods", help="list the sparsification methods")
     p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("models", help="list the catalogue of models (real ones and paper-scale shapes)")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
     _model_args(p)
