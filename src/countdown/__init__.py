@@ -47,6 +47,14 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
     return _load(name_or_path, dtype=dtype, device=device, **kwargs)
 
 
+def evaluate(model, tokenizer, tasks, **kwargs) -> dict:
+    """Downstream accuracy through unmodified lm-evaluation-harness (prompt dense, continuation
+    sparse). See :func:`countdown.lmeval.evaluate`; needs the ``eval`` extra."""
+    from .lmeval import evaluate as _evaluate
+
+    return _evaluate(model, tokenizer, tasks, **kwargs)
+
+
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
     """Perplexity on held-out text (XSum articles by default). See :func:`countdown.ppl.perplexity`."""
     from .ppl import perplexity as _ppl
@@ -56,6 +64,6 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 __all__ = [
     "GatedMLP", "Method", "NoGatedMLPError", "AlreadySparsifiedError", "NotSparsifiedError",
-    "catalogue", "dense_prefix", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
+    "catalogue", "dense_prefix", "evaluate", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
     "methods", "perplexity", "reset_sparsity_stats", "sparsify", "sparsity_real", "unsparsify",
 ]
