@@ -105,6 +105,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import countdown
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=method.name,
+                                sparsity=None if method.is_dense else args.sparsity, mode=args.mode,
+                                artifacts=args.artifacts, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result, default=str))
+        return 0
+    for task, metrics in result["tasks"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and not k.endswith("stderr"))
+        print(f"{task:<20} {shown}")
+    if result.get("sparsity_real") is not None:
+        print(f"Sparsity-Real {result['sparsity_real']:.3f}")
+    return 0
+
+
+def cmd_agreement(args) -> int:
+    import countdown
+    from .agreement import agreement
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    result = agreement(model, tok, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+                       artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
+                       judge_url=args.judge_url, judge_model=args.judge_model)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -182,6 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")
+    _model_args(p)
+    _sparse_args(p)
+    p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("agreement", help="agreement with the dense model: match rate, KL, top-1 (optional judge)")
+    _model_args(p)
+    _sparse_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (off by default)")
+    p.add_argument("--judge-model", default=None)
+    p.set_defaults(func=cmd_agreement)
 
     p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
     p.add_argument("--model", default="smollm2-135m")
