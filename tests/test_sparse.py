@@ -261,3 +261,22 @@ def test_kept_rows_hand_examples():
     assert kept_rows(97, 0.9) == 9
     assert kept_rows(14336, 0.9) == 1433
     assert kept_rows(10, 0.99) == 1
+
+
+def test_dense_prefix_with_padding_end_is_dense_and_uncounted():
+    model = tiny_model("llama")
+    countdown.sparsify(model, "mono", 0.5, scope="all")
+    mlp = countdown.find_gated_mlps(model)[0]
+    x = torch.randn(2, 5, mlp.d_model)
+    with torch.no_grad():
+        sparse = mlp.module(x)
+        countdown.reset_sparsity_stats(model)
+        with countdown.dense_prefix(model, torch.tensor([1, 2]), end=torch.tensor([4, 5])):
+            mixed = mlp.module(x)
+        dense = mlp.reference(x)
+    # Row 0: position 0 prompt, 1-3 sparse, 4 padding; row 1: 0-1 prompt, 2-4 sparse.
+    torch.testing.assert_close(mixed[0, 1:4], sparse[0, 1:4])
+    torch.testing.assert_close(mixed[0, 4], dense[0, 4])
+    torch.testing.assert_close(mixed[1, :2], dense[1, :2])
+    torch.testing.assert_close(mixed[1, 2:], sparse[1, 2:])
+    assert countdown.sparse.state_of(model).layers[0].rows_total == 6 * 97

@@ -140,7 +140,8 @@ class CountdownLM(HFLM):
             for row, (tokens, _) in enumerate(keys):
                 ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             n_dense = torch.tensor([n for _, n in keys], dtype=torch.long, device=self.device)
-            logits = self._forward_dense_prefix(ids.to(self.device), n_dense)
+            lengths = torch.tensor([len(tokens) for tokens, _ in keys], dtype=torch.long, device=self.device)
+            logits = self._forward_dense_prefix(ids.to(self.device), n_dense, lengths)
             for row, key in enumerate(keys):
                 length = len(key[0])
                 for i in groups[key]:
@@ -156,10 +157,11 @@ class CountdownLM(HFLM):
         bar.close()
         return results
 
-    def _forward_dense_prefix(self, ids: torch.Tensor, n_dense: torch.Tensor) -> torch.Tensor:
+    def _forward_dense_prefix(self, ids: torch.Tensor, n_dense: torch.Tensor,
+                              lengths: torch.Tensor | None = None) -> torch.Tensor:
         if not is_sparsified(self._model):
             return self._model_call(ids)
-        with dense_prefix(self._model, n_dense):
+        with dense_prefix(self._model, n_dense, lengths):
             return self._model_call(ids)
 
     def _requests_batch_size(self, override_bs: int | None, order: list) -> int:

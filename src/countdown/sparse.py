@@ -108,26 +108,27 @@ class SparsityState:
     path: str
     layers: list["SparseGatedMLP"] = field(default_factory=list)
     prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
-    dense_prefix: int | torch.Tensor | None = None  # set by dense_prefix(); overrides scope
+    dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
     hook: Any = None
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
         if self.dense_prefix is not None:
+            prefix, end = self.dense_prefix
             seq = x.shape[-2] if x.dim() >= 2 else 1
-            pos = torch.arange(seq, device=x.device)
-            prefix = self.dense_prefix
-            if isinstance(prefix, torch.Tensor) and prefix.dim() == 1:
-                mask = pos[None, :] >= prefix.to(x.device)[:, None]  # [batch, seq]
-                if x.dim() == 2:
-                    mask = mask.reshape(-1)
-                return mask
-            n = int(prefix)
-            if n <= 0:
-                return True
-            if n >= seq:
-                return False
-            return (pos >= n).expand(x.shape[:-1])
+            if end is None and not isinstance(prefix, torch.Tensor):
+                n = int(prefix)
+                if n <= 0:
+                    return True
+                if n >= seq:
+                    return False
+            pos = torch.arange(seq, device=x.device)[None, :]
+            prefix = torch.as_tensor(prefix, device=x.device).reshape(-1, 1)
+            mask = pos >= prefix
+            if end is not None:  # right padding: computed dense, never counted as sparse
+                mask = mask & (pos < torch.as_tensor(end, device=x.device).reshape(-1, 1))
+            mask = mask.expand(x.shape[0] if x.dim() >= 3 else 1, seq)
+            return mask.reshape(-1) if x.dim() == 2 else mask
         if self.scope == "all":
             return True
         return not self.prompt_pass
@@ -385,15 +386,17 @@ def unsparsify(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def dense_prefix(model: nn.Module, n: int | torch.Tensor):
+def dense_prefix(model: nn.Module, n: int | torch.Tensor, end: int | torch.Tensor | None = None):
     """Inside the block, the first ``n`` positions of every row stay dense and the rest are sparse.
 
-    ``n`` is an int or a LongTensor ``[batch]`` of per-row prompt lengths. Used for decode-style
-    perplexity and for scoring continuations with a dense prompt (the paper's setting).
+    ``n`` is an int or a LongTensor ``[batch]`` of per-row prompt lengths; ``end`` (same forms)
+    marks where each row's real tokens stop: positions from ``end`` on are right padding, computed
+    dense and left out of Sparsity-Real. Used for decode-style perplexity and for scoring
+    continuations with a dense prompt (the paper's setting).
     """
     state = state_of(model)
     previous = state.dense_prefix
-    state.dense_prefix = n
+    state.dense_prefix = (n, end)
     try:
         yield model
     finally:
