@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", default=None)
     p.set_defaults(func=cmd_agreement)
 
+    from .sweep import add_arguments as sweep_arguments, sweep_from_args
+
+    p = sub.add_parser("sweep", help="quality sweep: methods x modes x k on lm-eval tasks, perplexity and agreement (resumable)")
+    sweep_arguments(p)
+    p.set_defaults(func=sweep_from_args)
+
     p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9")
