@@ -1,0 +1,31 @@
+"""Triton kernels that turn skipped Gated-MLP rows into real speed, each beside its PyTorch reference.
+
+Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down^T [d_inter, d_model]):
+
+    mono_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation)   keep |x W_up^T| > tau
+    cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation)   keep |act(x W_gate^T)| > tau
+    masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation)      keep given [..., d_inter]
+    dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
+    sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
+
+activation is "silu" or "gelu_tanh"; thresholds are Python floats or 0-dim tensors (read on the
+device, no host sync). All are torch custom ops (``torch.ops.countdown.*``): torch.compile with
+fullgraph=True and CUDA-graph capture work. Where ``available(x)`` is False (no Triton, or a CPU
+tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference instead.
+"""
+
+from ._common import available
+from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
+from .down_proj import sparse_down_proj, sparse_down_proj_ref
+from .dual import dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
+from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
+from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
+
+__all__ = [
+    "available",
+    "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
+    "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
+    "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref",
+    "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
+    "sparse_down_proj", "sparse_down_proj_ref",
+]

@@ -1,0 +1,100 @@
+"""Shared helpers for the kernels: activations in PyTorch, thresholds, availability.
+
+Nothing here imports Triton, so ``import countdown.kernels`` works without it; the Triton modules
+(``_glu.py``, ``_down.py``) are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+GELU_TANH_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g * sigmoid(2 c (g + 0.044715 g^3))
+
+
+# Tests set this to fill every buffer a kernel must write with NaN first (proves full coverage).
+POISON_OUTPUTS = False
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
+
+
+def act_code(activation: str) -> int:
+    """0 = SiLU, 1 = GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return ACTIVATIONS.index(activation)
+
+
+def act_torch(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation in plain PyTorch at g's own precision (what a dense model computes)."""
+    if act_code(activation) == 0:
+        return torch.nn.functional.silu(g)
+    return torch.nn.functional.gelu(g, approximate="tanh")
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def has_triton() -> bool:
+    return _HAS_TRITON
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(t: torch.Tensor | None = None) -> bool:
+    """Whether the Triton kernels can run on tensor ``t`` (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    With ``t=None`` it says whether they can run at all here. The public ops fall back to their
+    PyTorch ``*_ref`` when this is False, so callers need not check it for correctness, only for speed.
+    """
+    if not has_triton():
+        return False
+    if t is None:
+        return torch.cuda.is_available() or interpreting()
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and interpreting()
+
+
+def split_threshold(threshold) -> tuple[torch.Tensor | None, float]:
+    """A threshold given as a Python number or a 0-dim tensor -> (tensor or None, float).
+
+    A tensor stays on the device and is read inside the kernel (no ``.item()``, no host sync)."""
+    if isinstance(threshold, torch.Tensor):
+        if threshold.numel() != 1:
+            raise ValueError("threshold tensor must hold one value")
+        return threshold.reshape(()), 0.0
+    return None, float(threshold)
+
+
+def threshold_value(thr_t: torch.Tensor | None, thr_f: float, like: torch.Tensor):
+    """The threshold as something comparable with a float32 tensor on ``like``'s device."""
+    if thr_t is None:
+        return thr_f
+    return thr_t.to(device=like.device, dtype=torch.float32)
+
+
+def check_mlp_args(x, w_gate, w_up, w_down_t):
+    d_model = x.shape[-1]
+    if w_up.dim() != 2 or w_up.shape[1] != d_model:
+        raise ValueError(f"w_up must be [d_inter, d_model={d_model}], got {tuple(w_up.shape)}")
+    d_inter = w_up.shape[0]
+    for name, w in (("w_gate", w_gate), ("w_down_t", w_down_t)):
+        if tuple(w.shape) != (d_inter, d_model):
+            raise ValueError(f"{name} must be [d_inter={d_inter}, d_model={d_model}] "
+                             f"(w_down_t is W_down transposed), got {tuple(w.shape)}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} differs from x dtype {x.dtype}")
+    return d_model, d_inter

@@ -1,0 +1,312 @@
+"""Triton kernel: gate and/or up GEMVs for kept rows only, activation and product fused.
+
+For every token b and row i of d_inter:
+
+    s[b, i] = up[b, i] * act(gate[b, i])   if keep[b, i]   else 0
+
+gate and up are computed here for kept rows only (``gate = x W_gate^T``, ``up = x W_up^T``, fp32
+accumulation) or, for the one that is the indicator, read from ``ind`` (mono: ind = u, cats: ind = g).
+keep[b, i] comes from the indicator:
+
+    MODE 0  ind != 0                      (dual, mask given)
+    MODE 1  ind > thr                     (dual, predictor scores and a cut)
+    MODE 2  |ind| > thr                   (mono, ind = u)
+    MODE 3  |act(ind)| > thr              (cats, ind = g)
+
+The indicator is either a tensor written before (cuBLAS) or, with DENSE, computed here for all rows
+of the chunk as ``ind = v W_d^T`` (mono: v = x, W_d = W_up; cats: W_d = W_gate; dual: v = x A, the
+predictor's latent, W_d = B^T), rounded to v's dtype as a dense GEMV would return it.
+
+One program owns CHUNK consecutive rows. It takes the union of their kept rows over its token group,
+compacts them in registers (prefix sum, then a [BLOCK_M, CHUNK] one-hot select) and runs GEMVs over
+tiles of BLOCK_M *kept* rows, so every weight byte it loads is a kept row (the paper's kernel loads
+masked [BLOCK_M, BLOCK_N] tiles of all rows: at k = 0.9, 90% of each tile's registers sit idle and
+the kernel is latency-bound). BLOCK_K >= d_model loads whole rows in one go: one DRAM round trip per
+tile. Rows no token keeps get s = 0: every element of s is written exactly once.
+
+Tokens go in groups of BP (grid axis 1): BP >= n_tok loads the union of the batch's rows once and
+applies each token's mask in the epilogue; BP = 1 ("per token") loads each token's own rows.
+
+With ZERO the programs also clear the down projection's fp32 accumulator (``_down.py``), which
+saves a memset launch in the chained ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import act_code
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    # fp32 in, fp32 out. silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2c (g + 0.044715 g^3))
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g))
+    else:
+        z = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _keep(ind, thr, MODE: tl.constexpr, ACT: tl.constexpr):
+    v = ind.to(tl.float32)
+    if MODE == 0:
+        k = v != 0.0
+    elif MODE == 1:
+        k = v > thr
+    elif MODE == 2:
+        k = tl.abs(v) > thr
+    else:
+        k = tl.abs(_act(v, ACT)) > thr
+    return k
+
+
+@triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """fp32 v rounded to DT's precision (round to nearest even), kept in fp32. For bf16 this is done on
+    the bits, because the interpreter's fp32 -> bf16 cast truncates."""
+    if DT == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _gemv_rows(V, stride_v, tok0, n_tok, WA, WB, roff, valid, K,
+               TWO: tl.constexpr, BP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc_a[b, m] = sum_k v[tok0 + b, k] WA[row m, k] (and acc_b with WB when TWO), fp32.
+
+    Rows are at offsets ``roff`` (elements); each K step issues every load (v, WA, WB) before any
+    arithmetic, so the two matrices of D-CountDown cost one round trip, not two."""
+    acc_a = tl.zeros([BP, BLOCK_M], dtype=tl.float32)
+    acc_b = tl.zeros([BP, BLOCK_M], dtype=tl.float32)
+    b = tok0 + tl.arange(0, BP)
+    bi = tl.arange(0, BP)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            wmask = valid[:, None]
+            vmask = (b < n_tok)[:, None]
+        else:
+            wmask = valid[:, None] & (kk < K)[None, :]
+            vmask = (b < n_tok)[:, None] & (kk < K)[None, :]
+        vt = tl.load(V + b[:, None] * stride_v + kk[None, :], mask=vmask, other=0.0)
+        wa = tl.load(WA + roff[:, None] + kk[None, :], mask=wmask, other=0.0)
+        if TWO:
+            wb = tl.load(WB + roff[:, None] + kk[None, :], mask=wmask, other=0.0)
+        if USE_DOT:
+            if DOT_PREC == "ieee":  # fp32 inputs, or bf16 under the interpreter (its bf16 dot is wrong)
+                acc_a += tl.dot(vt.to(tl.float32), tl.trans(wa.to(tl.float32)), input_precision="ieee")
+                if TWO:
+                    acc_b += tl.dot(vt.to(tl.float32), tl.trans(wb.to(tl.float32)), input_precision="ieee")
+            else:
+                acc_a += tl.dot(vt, tl.trans(wa))
+                if TWO:
+                    acc_b += tl.dot(vt, tl.trans(wb))
+        else:
+            vf = vt.to(tl.float32)
+            for j in tl.static_range(BP):
+                if BP == 1:
+                    vj = vf
+                else:
+                    vj = tl.sum(tl.where(bi[:, None] == j, vf, 0.0), axis=0)[None, :]
+                pa = tl.sum(wa.to(tl.float32) * vj, axis=1)
+                if BP == 1:
+                    acc_a += pa[None, :]
+                else:
+                    acc_a = tl.where(bi[:, None] == j, acc_a + pa[None, :], acc_a)
+                if TWO:
+                    pb = tl.sum(wb.to(tl.float32) * vj, axis=1)
+                    if BP == 1:
+                        acc_b += pb[None, :]
+                    else:
+                        acc_b = tl.where(bi[:, None] == j, acc_b + pb[None, :], acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _sparse_glu_kernel(
+    X, WG, WU, IND, WD, DV, THR, S, YACC,
+    thr_f, n_tok, d_model, d_inter, k_dense, n_y,
+    stride_x, stride_ind, stride_s, stride_dv,
+    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
+    THR_PTR: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr,
+    BIG: tl.constexpr, DENSE: tl.constexpr, BLOCK_KD: tl.constexpr, EVEN_KD: tl.constexpr,
+    ZERO: tl.constexpr, ZBLK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tok0 = tl.program_id(1) * BP
+    if ZERO:  # clear the down projection's accumulator (it runs after this kernel)
+        if tl.program_id(1) == 0:
+            z = pid * ZBLK + tl.arange(0, ZBLK)
+            tl.store(YACC + z, tl.zeros([ZBLK], dtype=tl.float32), mask=z < n_y)
+    b = tok0 + tl.arange(0, BP)
+    bmask = b < n_tok
+    r = pid * CHUNK + tl.arange(0, CHUNK)
+    rmask = r < d_inter
+    if THR_PTR:
+        thr = tl.load(THR).to(tl.float32)
+    else:
+        thr = thr_f
+
+    m2 = bmask[:, None] & rmask[None, :]
+    if DENSE:  # the indicator GEMV itself, for all CHUNK rows
+        if BIG:
+            roff_r = r.to(tl.int64) * k_dense
+        else:
+            roff_r = r * k_dense
+        accd, _accd_b = _gemv_rows(DV, stride_dv, tok0, n_tok, WD, WD, roff_r, rmask, k_dense,
+                                   False, BP, CHUNK, BLOCK_KD, USE_DOT, DOT_PREC, EVEN_KD)
+        ind = _round_to(accd, DV.dtype.element_ty)  # what a dense GEMV in v's dtype would return
+    else:
+        ind = tl.load(IND + b[:, None] * stride_ind + r[None, :], mask=m2, other=0)
+    keep = _keep(ind, thr, MODE, ACT) & m2
+    anyk = tl.max(keep.to(tl.int32), axis=0)  # union over the token group, [CHUNK]
+    cnt = tl.sum(anyk, axis=0)
+    pos = tl.where(anyk > 0, tl.cumsum(anyk, axis=0) - 1, -1)
+
+    zero = tl.zeros([BP, CHUNK], dtype=S.dtype.element_ty)
+    tl.store(S + b[:, None] * stride_s + r[None, :], zero, mask=m2 & (anyk == 0)[None, :])
+
+    for t in range(0, cnt, BLOCK_M):
+        m = t + tl.arange(0, BLOCK_M)
+        valid = m < cnt
+        rows = tl.sum(tl.where(pos[None, :] == m[:, None], r[None, :], 0), axis=1)  # kept rows, [BLOCK_M]
+        if BIG:
+            roff = rows.to(tl.int64) * d_model
+        else:
+            roff = rows * d_model
+        mt = bmask[:, None] & valid[None, :]
+        if DENSE:  # gather the tile's indicators from registers (one-hot over the chunk)
+            sel = pos[None, None, :] == m[None, :, None]
+            it = tl.sum(tl.where(sel, ind[:, None, :], 0.0), axis=2)
+        else:
+            it = tl.load(IND + b[:, None] * stride_ind + rows[None, :], mask=mt, other=0)
+        if GATE and UP:
+            g, u = _gemv_rows(X, stride_x, tok0, n_tok, WG, WU, roff, valid, d_model,
+                              True, BP, BLOCK_M, BLOCK_K, USE_DOT, DOT_PREC, EVEN_K)
+        elif GATE:
+            g, _unused = _gemv_rows(X, stride_x, tok0, n_tok, WG, WG, roff, valid, d_model,
+                                    False, BP, BLOCK_M, BLOCK_K, USE_DOT, DOT_PREC, EVEN_K)
+            u = it.to(tl.float32)
+        else:
+            u, _unused = _gemv_rows(X, stride_x, tok0, n_tok, WU, WU, roff, valid, d_model,
+                                    False, BP, BLOCK_M, BLOCK_K, USE_DOT, DOT_PREC, EVEN_K)
+            g = it.to(tl.float32)
+        kt = _keep(it, thr, MODE, ACT) & mt
+        s = tl.where(kt, u * _act(g, ACT), 0.0)
+        tl.store(S + b[:, None] * stride_s + rows[None, :], s.to(S.dtype.element_ty), mask=mt)
+
+
+MODES = {"mask": 0, "gt": 1, "abs": 2, "abs_act": 3}
+
+# Whether mono / cats / dual compute their indicator (u / g / predictor scores) inside the fused
+# kernel instead of cuBLAS first, by batch bucket (1 token; 2-16 tokens); measured with
+# benchmarks/kernels.py (variants "[fused]"). Dual needs B^T contiguous for it (see dual.py).
+FUSE_DENSE = {1: True, 16: False}
+
+# Launch configurations by batch bucket, measured on the device with benchmarks/kernels.py --sweep
+# (docs/kernels.md). BLOCK_K = 0 means whole rows (next power of two >= d_model) in one step.
+GLU_CONFIGS = {
+    1: dict(CHUNK=8, BLOCK_M=2, BLOCK_K=0, USE_DOT=False, num_warps=4, num_stages=1),
+    16: dict(CHUNK=32, BLOCK_M=32, BLOCK_K=256, USE_DOT=True, num_warps=4, num_stages=4),
+}
+
+
+def glu_config(n_tok: int) -> dict:
+    return GLU_CONFIGS[1 if n_tok == 1 else 16]
+
+
+# FUSE_DENSE changes which GEMV computes the indicator (another summation order, so a row tied with the
+# threshold to the last bit may flip): it applies on CUDA, where it was measured faster; elsewhere (the CPU
+# interpreter) the indicator comes from torch first, bit for bit what the *_ref functions use, unless a
+# test sets this.
+FUSE_DENSE_OFF_CUDA = False
+
+
+def fuse_dense(x: torch.Tensor) -> bool:
+    return FUSE_DENSE[1 if x.shape[0] == 1 else 16] and (x.is_cuda or FUSE_DENSE_OFF_CUDA)
+
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+LAST_KERNEL = None  # the last compiled kernel launched (benchmarks read its registers / spills)
+
+
+def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
+               gate: bool, up: bool, per_token: bool = False, config: dict | None = None,
+               dense=None, zero=None):
+    """s [n_tok, d_inter] in x's dtype from x [n_tok, d_model] and the indicator: ``ind``
+    [n_tok, d_inter], or ``dense = (v [n_tok, k], w_d [d_inter, k])`` to compute ind = v w_d^T here.
+    ``zero`` (the down projection's fp32 accumulator) is cleared on the way (see _down.py)."""
+    global LAST_KERNEL
+    n_tok, d_model = x.shape
+    d_inter = w_up.shape[0]
+    cfg = {**glu_config(n_tok), **(config or {})}
+    x = x.contiguous()
+    if dense is not None:
+        dv, wd = dense[0].contiguous(), dense[1]
+        assert wd.is_contiguous() and wd.shape[0] == d_inter and dv.shape == (n_tok, wd.shape[1])
+        ind = x  # placeholder pointer, never read
+    else:
+        dv, wd = x, x
+        ind = ind.contiguous()
+        if ind.dtype == torch.bool:
+            ind = ind.view(torch.uint8)
+    k_dense = dv.shape[1]
+    w_gate = w_gate.contiguous()
+    w_up = w_up.contiguous()
+    # The interpreter truncates fp32 -> bf16 (real GPUs round to nearest even): there, write fp32
+    # and let PyTorch round, so CPU tests see the GPU's rounding.
+    cpu_bf16 = x.device.type == "cpu" and x.dtype == torch.bfloat16 and _common.interpreting()
+    s_dtype = torch.float32 if cpu_bf16 else x.dtype
+    s = _common.new_output((n_tok, d_inter), s_dtype, x.device)
+    use_dot = bool(cfg["USE_DOT"]) and not per_token
+    if per_token:
+        bp = 1
+    elif use_dot:
+        bp = max(16, _pow2(min(n_tok, 16)))
+    else:
+        bp = _pow2(min(n_tok, 16))
+    chunk = cfg["CHUNK"]
+    block_m = cfg["BLOCK_M"] if not use_dot else max(16, cfg["BLOCK_M"])
+    if cfg["BLOCK_K"]:
+        block_k = min(cfg["BLOCK_K"], max(16, _pow2(d_model)))
+    else:  # whole rows in one step; fewer rows per tile beyond 4096 columns (registers)
+        block_k = max(16, _pow2(d_model))
+        if not use_dot:
+            block_m = max(1, min(block_m, block_m * 4096 // block_k))
+    # the dense indicator phase runs [CHUNK, BLOCK_KD] tiles: about 8K elements unless configured
+    block_kd = cfg.get("BLOCK_KD") or max(64, 8192 // chunk)
+    block_kd = min(block_kd, max(16, _pow2(k_dense)))
+    grid = (triton.cdiv(d_inter, chunk), triton.cdiv(n_tok, bp))
+    yacc = zero if zero is not None else s
+    n_y = zero.numel() if zero is not None else 0
+    thr_arg = thr_t if thr_t is not None else s  # any pointer; unused when THR_PTR is False
+    LAST_KERNEL = _sparse_glu_kernel[grid](
+        x, w_gate, w_up, ind, wd, dv, thr_arg, s, yacc,
+        float(thr_f), n_tok, d_model, d_inter, k_dense, n_y,
+        x.stride(0), ind.stride(0), s.stride(0), dv.stride(0),
+        MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
+        THR_PTR=thr_t is not None, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k,
+        USE_DOT=use_dot, DOT_PREC="ieee" if s_dtype == torch.float32 else "default",
+        EVEN_K=d_model % block_k == 0, BIG=d_inter * max(d_model, k_dense) >= 2**31,
+        DENSE=dense is not None, BLOCK_KD=block_kd, EVEN_KD=k_dense % block_kd == 0,
+        ZERO=zero is not None, ZBLK=_pow2(max(1, triton.cdiv(n_y, grid[0]))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return s.to(x.dtype)
+

@@ -1,0 +1,85 @@
+"""D-CountDown Gated-MLP with its low-rank predictor included.
+
+    score = (x A) B                 A [d_model, r], B [r, d_inter]: two small cuBLAS GEMVs
+    keep[b, i] = score[b, i] > cut  (compared in float32)
+    s[b, i] = (x W_up[i]^T) * act(x W_gate[i]^T)   for kept rows only, else 0
+    y[b] = sum_i s[b, i] * w_down_t[i, :]
+
+The fused kernel reads the scores and applies the cut itself (no mask tensor is written), computes
+both GEMVs for kept rows with the activation fused, then the masked down projection. Bytes read:
+d_model r + r d_inter + 3 d_model n_kept (+ vectors).
+
+Store the predictor's B transposed (``pred_b = bt.t()`` with ``bt`` a contiguous [d_inter, r]) and,
+where ``_glu.FUSE_DENSE`` says so, the scores are computed inside the fused kernel too (the second
+predictor GEMV and its launch disappear); a contiguous B takes the cuBLAS path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._common import available, check_mlp_args, split_threshold, threshold_value
+from .masked import gated_mlp_masked_ref
+
+
+def dual_scores(x, pred_a, pred_b) -> torch.Tensor:
+    """Predictor scores (x A) B at the predictor's precision."""
+    return (x.to(pred_a.dtype) @ pred_a) @ pred_b
+
+
+def dual_keep(x, pred_a, pred_b, cut) -> torch.Tensor:
+    thr_t, thr_f = split_threshold(cut)
+    score = dual_scores(x, pred_a, pred_b)
+    return score.float() > threshold_value(thr_t, thr_f, score)
+
+
+def dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu"):
+    """Plain PyTorch at the inputs' precision."""
+    keep = dual_keep(x, pred_a, pred_b, cut)
+    return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
+
+
+@torch.library.custom_op("countdown::dual_gated_mlp", mutates_args=())
+def _dual_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+             pred_a: torch.Tensor, pred_b: torch.Tensor, cut_t: Optional[torch.Tensor], cut_f: float,
+             activation: str, per_token: bool) -> torch.Tensor:
+    from ._chain import gated_chain
+    from ._glu import fuse_dense
+
+    if fuse_dense(x) and _rows_of_bt(pred_b):
+        # scores = (x A) B^T-rows inside the fused kernel: B is read once, by the kernel
+        latent = x.to(pred_a.dtype) @ pred_a
+        src = dict(dense=(latent, pred_b.t()))
+    else:
+        src = dict(ind=dual_scores(x, pred_a, pred_b))
+    return gated_chain(x, w_gate, w_up, w_down_t, **src, thr_t=cut_t, thr_f=cut_f, mode="gt",
+                       activation=activation, gate=True, up=True, per_token=per_token)
+
+
+def _rows_of_bt(pred_b: torch.Tensor) -> bool:
+    """Whether B [r, d_inter] is the transposed view of a contiguous B^T [d_inter, r]: then each score
+    is a contiguous row dot product and the fused kernel can compute it."""
+    return pred_b.dim() == 2 and pred_b.stride(0) == 1 and pred_b.stride(1) == pred_b.shape[0]
+
+
+@_dual_op.register_fake
+def _(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut_t, cut_f, activation, per_token):
+    return torch.empty_like(x)
+
+
+def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",
+                   per_token: bool = False) -> torch.Tensor:
+    """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor."""
+    d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
+    if pred_a.dim() != 2 or pred_a.shape[0] != d_model or pred_b.dim() != 2 \
+            or pred_b.shape != (pred_a.shape[1], d_inter):
+        raise ValueError(f"predictor must be A [{d_model}, r] and B [r, {d_inter}], got "
+                         f"{tuple(pred_a.shape)} and {tuple(pred_b.shape)}")
+    if not available(x):
+        return dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
+    cut_t, cut_f = split_threshold(cut)
+    y = torch.ops.countdown.dual_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
+                                           pred_a, pred_b, cut_t, cut_f, activation, per_token)
+    return y.reshape(x.shape)

@@ -1,0 +1,55 @@
+"""Gated-MLP with a given per-token keep mask (D-CountDown with its mask precomputed).
+
+    s[b, i] = (x W_up^T)[b, i] * act((x W_gate^T)[b, i])   for keep[b, i], else 0
+    y[b]    = sum_i s[b, i] * w_down_t[i, :]
+
+Only kept rows of all three matrices are read: one fused Triton kernel computes the gate and up
+GEMVs for the union of the batch's kept rows with the activation and product fused (``_glu.py``),
+then the masked down projection (``_down.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import act_torch, available, check_mlp_args
+
+
+def gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation: str) -> torch.Tensor:
+    """Plain PyTorch at the inputs' precision: the dense computation with unkept s zeroed."""
+    g = x @ w_gate.t()
+    u = x @ w_up.t()
+    s = u * act_torch(g, activation)
+    s = torch.where(keep, s, torch.zeros((), dtype=s.dtype, device=s.device))
+    return s @ w_down_t
+
+
+masked_gated_mlp_ref = gated_mlp_masked_ref
+
+
+@torch.library.custom_op("countdown::masked_gated_mlp", mutates_args=())
+def _masked_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+               keep: torch.Tensor, activation: str, per_token: bool) -> torch.Tensor:
+    from ._chain import gated_chain
+
+    return gated_chain(x, w_gate, w_up, w_down_t, ind=keep, mode="mask", activation=activation,
+                       gate=True, up=True, per_token=per_token)
+
+
+@_masked_op.register_fake
+def _(x, w_gate, w_up, w_down_t, keep, activation, per_token):
+    return torch.empty_like(x)
+
+
+def masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation: str = "silu",
+                     per_token: bool = False) -> torch.Tensor:
+    """x [..., d_model], keep bool [..., d_inter] -> y [..., d_model] in x's dtype."""
+    d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
+    if keep.shape[-1] != d_inter or keep.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"keep must be [..., {d_inter}] matching x, got {tuple(keep.shape)}")
+    keep = keep.to(torch.bool)
+    if not available(x):
+        return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
+    y = torch.ops.countdown.masked_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
+                                             keep.reshape(-1, d_inter), activation, per_token)
+    return y.reshape(x.shape)

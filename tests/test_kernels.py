@@ -1,0 +1,264 @@
+"""Correctness of the Triton kernels (countdown.kernels) against float64 references.
+
+flash-attention's rule: |out - ref64| <= 2 |out_torch - ref64| + atol, where ref64 is the same maths
+in float64 (with the keep mask the op itself would use at the input precision) and out_torch the plain
+PyTorch computation at the input precision. Every buffer a kernel must write is poisoned with NaN
+first. Speed is never asserted here (benchmarks/kernels.py times them).
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before Triton
+is imported) on small odd shapes. On a GPU, COUNTDOWN_KERNEL_TEST_SHAPES=real runs the same checks at
+Llama-3.1-8B's Gated-MLP shape (4096 x 14336).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+pytest.importorskip("triton")
+
+import countdown.kernels as K  # noqa: E402
+from countdown.kernels import _common, _down, _glu  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
+D_MODEL, D_INTER = (4096, 14336) if REAL else (67, 131)
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    # the indicator by cuBLAS, as the references compute it (test_fused_dense_indicator covers the
+    # kernel computing it itself, where a different summation order may move a threshold tie)
+    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
+    torch.manual_seed(0)
+
+
+def _mlp(batch, dtype, d_model=D_MODEL, d_inter=D_INTER, lead=None):
+    shape = (batch, d_model) if lead is None else (*lead, d_model)
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    w_gate = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
+    w_up = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
+    w_down_t = (torch.randn(d_inter, d_model, device=DEVICE) / d_inter**0.5).to(dtype)
+    return x, w_gate, w_up, w_down_t
+
+
+def _f64(*ts):
+    return [t.double() for t in ts]
+
+
+def _threshold(values: torch.Tensor, k: float, gap: float = 1e-4) -> float:
+    """A threshold near the k-quantile of ``values`` that sits in a gap between distinct values, so
+    that float32 rounding differences (Triton's vs PyTorch's activation) cannot flip a row."""
+    v = torch.unique(values.double().flatten())  # sorted
+    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
+    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
+        lo, hi = v[j - 1].item(), v[j].item()
+        if hi - lo > gap * max(abs(hi), 1e-6):
+            return (lo + hi) / 2
+    return (v[i - 1].item() + v[i].item()) / 2
+
+
+def _check(out, out_torch, ref64):
+    assert out.dtype == out_torch.dtype and out.shape == ref64.shape
+    assert not torch.isnan(out).any(), "an output element was not written"
+    err = (out.double() - ref64).abs()
+    bound = 2 * (out_torch.double() - ref64).abs() + ATOL[out.dtype] * max(1.0, ref64.abs().max().item())
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"max err {err.max().item():.3e} exceeds the bound by {worst:.3e}"
+
+
+CASES = [  # (dtype, batch, activation, k)
+    (torch.float32, 1, "silu", 0.5),
+    (torch.float16, 3, "gelu_tanh", 0.9),
+    (torch.bfloat16, 8, "silu", 0.99),
+    (torch.bfloat16, 1, "gelu_tanh", 0.1),
+    (torch.float16, 8, "silu", 0.7),
+    (torch.float32, 3, "gelu_tanh", 0.95),
+]
+CASE_IDS = [f"{str(d)[6:]}-b{b}-{a}-k{k}" for d, b, a, k in CASES]
+
+
+@pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
+def test_mono(dtype, batch, act, k):
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    thr = _threshold((x @ wu.t()).float().abs(), k)
+    keep = K.mono_keep(x, wu, thr)
+    out = K.mono_gated_mlp(x, wg, wu, wdt, thr, act)
+    _check(out, K.mono_gated_mlp_ref(x, wg, wu, wdt, thr, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
+def test_cats(dtype, batch, act, k):
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    thr = _threshold(_common.act_torch((x @ wg.t()).float(), act).abs(), k)
+    keep = K.cats_keep(x, wg, thr, act)
+    out = K.cats_gated_mlp(x, wg, wu, wdt, thr, act)
+    _check(out, K.cats_gated_mlp_ref(x, wg, wu, wdt, thr, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
+def test_dual(dtype, batch, act, k):
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    rank = 16 if not REAL else 512
+    pa = (torch.randn(D_MODEL, rank, device=DEVICE) / D_MODEL**0.5).to(dtype)
+    pb = (torch.randn(rank, D_INTER, device=DEVICE) / rank**0.5).to(dtype)
+    cut = _threshold(K.dual_scores(x, pa, pb).float(), k)
+    keep = K.dual_keep(x, pa, pb, cut)
+    out = K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut, act)
+    _check(out, K.dual_gated_mlp_ref(x, wg, wu, wdt, pa, pb, cut, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
+def test_masked(dtype, batch, act, k):
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    keep = torch.rand(batch, D_INTER, device=DEVICE) >= k
+    out = K.masked_gated_mlp(x, wg, wu, wdt, keep, act)
+    _check(out, K.masked_gated_mlp_ref(x, wg, wu, wdt, keep, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
+def test_sparse_down_proj(dtype, batch, act, k):
+    _, _, _, wdt = _mlp(batch, dtype)
+    s = torch.randn(batch, D_INTER, device=DEVICE).to(dtype)
+    keep = torch.rand(batch, D_INTER, device=DEVICE) >= k
+    _check(K.sparse_down_proj(s, keep, wdt), K.sparse_down_proj_ref(s, keep, wdt),
+           K.sparse_down_proj_ref(s.double(), keep, wdt.double()))
+
+
+@pytest.mark.parametrize("kept", ["none", "all"])
+@pytest.mark.parametrize("op", ["mono", "cats", "dual", "masked", "down"])
+def test_all_or_none_kept(op, kept):
+    dtype, batch, act = torch.bfloat16, 3, "silu"
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    thr = float("inf") if kept == "none" else float("-inf")
+    keep = torch.full((batch, D_INTER), kept == "all", device=DEVICE)
+    ref64 = K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act)
+    if op == "mono":
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
+    elif op == "cats":
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
+    elif op == "dual":
+        pa, pb = torch.randn(D_MODEL, 8, device=DEVICE).to(dtype), torch.randn(8, D_INTER, device=DEVICE).to(dtype)
+        out, out_torch = (f(x, wg, wu, wdt, pa, pb, thr, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+    elif op == "masked":
+        out, out_torch = (f(x, wg, wu, wdt, keep, act) for f in (K.masked_gated_mlp, K.masked_gated_mlp_ref))
+    else:
+        s = torch.randn(batch, D_INTER, device=DEVICE).to(dtype)
+        out, out_torch = K.sparse_down_proj(s, keep, wdt), K.sparse_down_proj_ref(s, keep, wdt)
+        ref64 = K.sparse_down_proj_ref(s.double(), keep, wdt.double())
+    _check(out, out_torch, ref64)
+    if kept == "none":
+        assert (out == 0).all()
+
+
+def test_threshold_tensor_and_leading_dims():
+    """A 0-dim tensor threshold is read on the device; x may carry leading dims [2, 2, d_model]."""
+    dtype, act = torch.float16, "gelu_tanh"
+    x, wg, wu, wdt = _mlp(0, dtype, lead=(2, 2))
+    thr = torch.tensor(_threshold((x @ wu.t()).float().abs(), 0.8), device=DEVICE)
+    keep = K.mono_keep(x, wu, thr)
+    out = K.mono_gated_mlp(x, wg, wu, wdt, thr, act)
+    assert out.shape == x.shape
+    _check(out, K.mono_gated_mlp_ref(x, wg, wu, wdt, thr, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("op", ["mono", "cats", "dual"])
+@pytest.mark.parametrize("dtype,batch", [(torch.float32, 3), (torch.bfloat16, 1), (torch.float16, 8)],
+                         ids=["float32-b3", "bfloat16-b1", "float16-b8"])
+def test_fused_dense_indicator(op, dtype, batch, monkeypatch):
+    """mono / cats / dual computing u / g / the scores inside the fused kernel (FUSE_DENSE) instead of
+    cuBLAS first. The threshold sits in a wide gap so that the kernel's own indicator (another
+    summation order) keeps the same rows."""
+    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: True, 16: True})
+    monkeypatch.setattr(_glu, "FUSE_DENSE_OFF_CUDA", True)
+    act = "gelu_tanh" if op == "cats" else "silu"
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    if op == "mono":
+        thr = _threshold((x @ wu.t()).float().abs(), 0.7, gap=0.05)
+        keep = K.mono_keep(x, wu, thr)
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
+    elif op == "cats":
+        thr = _threshold(_common.act_torch((x @ wg.t()).float(), act).abs(), 0.7, gap=0.05)
+        keep = K.cats_keep(x, wg, thr, act)
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
+    else:
+        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
+        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
+        cut = _threshold(K.dual_scores(x, pa, pb).float(), 0.7, gap=0.05)
+        keep = K.dual_keep(x, pa, pb, cut)
+        out, out_torch = (f(x, wg, wu, wdt, pa, pb, cut, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+    _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+VARIANTS = [  # kernel options the benchmark compares; each must be right too
+    dict(glu=dict(USE_DOT=True, CHUNK=16, BLOCK_K=32), down=dict(USE_DOT=True, reduce="splitk"), per_token=False),
+    dict(glu=dict(USE_DOT=False, CHUNK=16, BLOCK_M=4, BLOCK_K=32), down=dict(USE_DOT=False, reduce="atomic",
+                                                                          CHUNK=32), per_token=False),
+    dict(glu=dict(USE_DOT=False, BLOCK_K=0), down=dict(USE_DOT=False, reduce="splitk", CHUNK=64, BLOCK_N=32),
+         per_token=True),
+]
+
+
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_variants(variant, dtype, monkeypatch):
+    v = VARIANTS[variant]
+    monkeypatch.setattr(_glu, "GLU_CONFIGS", {b: {**c, **v["glu"]} for b, c in _glu.GLU_CONFIGS.items()})
+    monkeypatch.setattr(_down, "DOWN_CONFIGS", {b: {**c, **v["down"]} for b, c in _down.DOWN_CONFIGS.items()})
+    batch, act = 5, "silu"
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    keep = torch.rand(batch, D_INTER, device=DEVICE) >= 0.8
+    out = K.masked_gated_mlp(x, wg, wu, wdt, keep, act, per_token=v["per_token"])
+    _check(out, K.masked_gated_mlp_ref(x, wg, wu, wdt, keep, act),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+def test_available_and_fallback(monkeypatch):
+    x, wg, wu, wdt = _mlp(2, torch.float32)
+    assert K.available(x)
+    monkeypatch.setattr(_common, "has_triton", lambda: False)
+    assert not K.available(x)
+    thr = _threshold((x @ wu.t()).abs(), 0.5)  # falls back to the PyTorch reference
+    torch.testing.assert_close(K.mono_gated_mlp(x, wg, wu, wdt, thr), K.mono_gated_mlp_ref(x, wg, wu, wdt, thr))
+
+
+def test_torch_compile_fullgraph():
+    """The ops are custom ops with fake impls: dynamo traces them with no graph break."""
+    dtype = torch.bfloat16
+    x, wg, wu, wdt = _mlp(2, dtype)
+    pa, pb = torch.randn(D_MODEL, 8, device=DEVICE).to(dtype), torch.randn(8, D_INTER, device=DEVICE).to(dtype)
+    thr = torch.tensor(_threshold((x @ wu.t()).float().abs(), 0.7), device=DEVICE)
+
+    def mlp(x):
+        y = K.mono_gated_mlp(x, wg, wu, wdt, thr, "silu")
+        return y + K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, 0.5, "silu")
+
+    torch._dynamo.reset()
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(mlp, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), mlp(x))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture():
+    dtype = torch.bfloat16
+    x, wg, wu, wdt = _mlp(1, dtype)
+    thr = torch.tensor(_threshold((x @ wu.t()).float().abs(), 0.9), device=DEVICE)
+    eager = K.mono_gated_mlp(x, wg, wu, wdt, thr)  # warm-up: compiles, allocates the counters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = K.mono_gated_mlp(x, wg, wu, wdt, thr)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager)
