@@ -78,6 +78,59 @@ def timed_once(model, prompt, new_tokens: int) -> tuple[float, float]:
     return stats["tokens_per_s"], stats["ms_per_step"]
 
 
+def op_probe_us(reps: int = 2000) -> float:
+    """Microseconds per ``linear(1x576, 1536x576)`` (one SmolLM2 MLP projection): a load indicator. On a
+    quiet core it is tens of microseconds; ten times that means other jobs are sharing the CPU."""
+    x, w = torch.randn(1, 576), torch.randn(1536, 576)
+    for _ in range(50):
+        torch.nn.functional.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.nn.functional.linear(x, w)
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def with_dense_row(rows: list, dense_runs: list) -> list:
+    """The rows with a first row for dense: the median of every dense run (they alternate with patched ones)."""
+    if not rows or not dense_runs:
+        return rows
+    first = rows[0]
+    dense_tps = statistics.median(t for t, _ in dense_runs)
+    dense = {**first, "method": "dense", "mode": "-", "path": "-", "sparsity": "", "sparsity_real": "",
+             "tokens_per_s": round(dense_tps, 2), "ms_per_step": round(statistics.median(m for _, m in dense_runs), 2),
+             "dense_tokens_per_s": round(dense_tps, 2), "speedup_vs_dense": 1.0, "ideal_speedup": 1.0,
+             "runs_tokens_per_s": f"median of {len(dense_runs)} dense runs"}
+    return [dense] + rows
+
+
+def write_outputs(rows: list, args, info: dict) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_cpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [f"# Decode on the CPU: {args.model}", "",
+             f"- device: {info['device']}; date: {info['date']}; torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads; 1-minute load average when written: {load:.1f}; load probe: one "
+             f"linear(1x576 by 1536x576) took {info['probe_us']:.0f} us (tens of us on a quiet core)",
+             f"- command: `{info['command']}`",
+             f"- batch 1, fp32, prompt {info['prompt']} tokens, {args.new_tokens} new tokens, greedy, eager "
+             f"generate_fast. Dense and patched runs alternate ({args.repeats} pairs per row); tokens/s and "
+             f"the speed-up are medians (the speed-up of the pairs). {info['total'] / 1e6:.1f} M multiply-adds "
+             f"per token, {100 * info['mlp'] / info['total']:.0f}% in the Gated-MLPs. ideal = dense MACs / MACs "
+             "left when each MLP does only its dense indicator projection and the kept rows.", "",
+             "| method | mode | path | k | Sparsity-Real | tokens/s | ms/step | vs dense | ideal | "
+             "pairs dense/patched (tok/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['mode']} | {r['path']} | {r['sparsity'] or '-'} | "
+                     f"{r['sparsity_real'] or '-'} | {float(r['tokens_per_s']):.1f} | {float(r['ms_per_step']):.2f} | "
+                     f"{float(r['speedup_vs_dense']):.2f}x | {float(r['ideal_speedup']):.2f}x | {r['runs_tokens_per_s']} |")
+    with open(os.path.join(args.out, "decode_cpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -105,6 +158,9 @@ def main() -> int:
           f"{total / 1e6:.1f} M multiply-adds per token, {100 * mlp / total:.0f}% in the Gated-MLPs", flush=True)
 
     rows = []
+    info = {"device": device, "date": date, "total": total, "mlp": mlp, "prompt": prompt.shape[1],
+            "probe_us": op_probe_us(), "command": "PYTHONPATH=src python benchmarks/decode_cpu.py " + " ".join(sys.argv[1:])}
+    print(f"probe: one linear(1x576 by 1536x576) takes {info['probe_us']:.0f} us (a quiet core: tens of us)", flush=True)
 
     def add(method, mode, path, k, real, pairs, ideal):
         ratios = [sparse / dense for dense, sparse, _ in pairs]
@@ -136,6 +192,7 @@ def main() -> int:
             pairs.append((dense_tps, sparse_tps, sparse_ms))
             dense_runs.append((dense_tps, dense_ms))
         add(method, mode, path, k, real, pairs, ideal_speedup(method, k, total, mlp))
+        write_outputs(with_dense_row(rows, dense_runs), args, info)  # partial results survive a timeout
 
     dense_runs: list[tuple[float, float]] = []
     for k in ks:
@@ -147,40 +204,7 @@ def main() -> int:
     for k in ks:
         run_patched("mono", "prac", "gather", k, thresholds)
         run_patched("mono", "prac", "masked", k, thresholds)
-    dense_tps = statistics.median(t for t, _ in dense_runs)
-    rows.insert(0, {"device": device, "date": date, "model": args.model, "threads": torch.get_num_threads(),
-                    "method": "dense", "mode": "-", "path": "-", "sparsity": "", "sparsity_real": "", "batch": 1,
-                    "new_tokens": args.new_tokens, "tokens_per_s": round(dense_tps, 2),
-                    "ms_per_step": round(statistics.median(m for _, m in dense_runs), 2),
-                    "dense_tokens_per_s": round(dense_tps, 2),
-                    "speedup_vs_dense": 1.0, "ideal_speedup": 1.0,
-                    "runs_tokens_per_s": f"median of {len(dense_runs)} dense runs"})
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode_cpu.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    command = "PYTHONPATH=src python benchmarks/decode_cpu.py " + " ".join(sys.argv[1:])
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    lines = [f"# Decode on the CPU: {args.model}", "",
-             f"- device: {device}; date: {date}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-             f"1-minute load average at the end: {load:.1f} (other jobs shared the machine if it is above the core count)",
-             f"- command: `{command}`",
-             f"- batch 1, fp32, prompt {prompt.shape[1]} tokens, {args.new_tokens} new tokens, greedy, eager "
-             f"generate_fast. Dense and patched runs alternate ({args.repeats} pairs per row); tokens/s and "
-             f"the speed-up are medians (the speed-up of the pairs). {total / 1e6:.1f} M multiply-adds per token, "
-             f"{100 * mlp / total:.0f}% in the Gated-MLPs. ideal = dense MACs / MACs left when each MLP does only its "
-             "dense indicator projection and the kept rows.", "",
-             "| method | mode | path | k | Sparsity-Real | tokens/s | ms/step | vs dense | ideal | pairs dense/patched (tok/s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['mode']} | {r['path']} | {r['sparsity'] or '-'} | "
-                     f"{r['sparsity_real'] or '-'} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                     f"{r['speedup_vs_dense']:.2f}x | {r['ideal_speedup']:.2f}x | {r['runs_tokens_per_s']} |")
-    with open(os.path.join(args.out, "decode_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 2:]))
+    write_outputs(with_dense_row(rows, dense_runs), args, info)
     print(f"done in {time.perf_counter() - start:.0f}s")
     return 0
 

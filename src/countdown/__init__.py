@@ -55,6 +55,14 @@ def evaluate(model, tokenizer, tasks, **kwargs) -> dict:
     return _evaluate(model, tokenizer, tasks, **kwargs)
 
 
+def generate_fast(model, input_ids, max_new_tokens: int, **kwargs):
+    """Static-cache, CUDA-graph decoding of a dense or patched model (eager on CPU).
+    See :func:`countdown.decode.generate_fast`."""
+    from .decode import generate_fast as _generate_fast
+
+    return _generate_fast(model, input_ids, max_new_tokens, **kwargs)
+
+
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
     """Perplexity on held-out text (XSum articles by default). See :func:`countdown.ppl.perplexity`."""
     from .ppl import perplexity as _ppl
@@ -64,6 +72,6 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 __all__ = [
     "GatedMLP", "Method", "NoGatedMLPError", "AlreadySparsifiedError", "NotSparsifiedError",
-    "catalogue", "dense_prefix", "evaluate", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
+    "catalogue", "dense_prefix", "evaluate", "generate_fast", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
     "methods", "perplexity", "reset_sparsity_stats", "sparsify", "sparsity_real", "unsparsify",
 ]

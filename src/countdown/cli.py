@@ -88,6 +88,8 @@ def cmd_ppl(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    import torch
+
     import countdown
     from .demo import chat_prompt
 
@@ -98,9 +100,17 @@ def cmd_generate(args) -> int:
                        scope="decode", artifacts=args.artifacts,
                        path="gather" if args.device == "cpu" else "auto")
     ids = chat_prompt(tok, args.prompt).to(next(model.parameters()).device)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=args.max_new_tokens,
-                         do_sample=args.temperature > 0, temperature=args.temperature or None, pad_token_id=pad)
+    if ids.is_cuda:  # static KV cache + CUDA graphs, sparse kernels for the decode steps
+        out, stats = countdown.generate_fast(model, ids, args.max_new_tokens, temperature=args.temperature,
+                                             top_k=args.top_k, seed=args.seed, eos_token_id=tok.eos_token_id)
+        print(f"{stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    else:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=args.max_new_tokens,
+                             do_sample=args.temperature > 0, temperature=args.temperature or None,
+                             top_k=args.top_k, pad_token_id=pad)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     return 0
 
@@ -215,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")

@@ -146,6 +146,8 @@ def _cache_is_empty(cache: Any) -> bool:
 
 def _mark_prompt_pass(state: SparsityState):
     def hook(module, args, kwargs):
+        if state.dense_prefix is not None:  # positions are set explicitly: no need to read the cache
+            return
         state.prompt_pass = _cache_is_empty(kwargs.get("past_key_values"))
 
     return hook
@@ -167,16 +169,19 @@ class SparseGatedMLP(nn.Module):
         object.__setattr__(self, "mlp", mlp)
         object.__setattr__(self, "state", state)
         object.__setattr__(self, "original_forward", None)
-        self.reset_stats()
+        # Device-side counters updated in place: no host sync per layer, and nothing for
+        # torch.compile to guard on (a Python number here would recompile every token).
+        device = mlp.w_down.device
+        self.register_buffer("kept_total", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("rows_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
 
     def reset_stats(self) -> None:
-        self.kept_total = 0.0
-        self.rows_total = 0
+        self.kept_total.zero_()
+        self.rows_total.zero_()
 
     def _count(self, keep: torch.Tensor) -> None:
-        # Sums stay on the device (no host sync per layer); sparsity_real() reads them once.
-        self.kept_total = self.kept_total + keep.sum(dtype=torch.float64)
-        self.rows_total += keep.numel()
+        self.kept_total.add_(keep.sum(dtype=torch.float64))
+        self.rows_total.add_(keep.numel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.selector is None:
@@ -419,10 +424,8 @@ def sparsity_real(model: nn.Module) -> dict:
     state = state_of(model)
     per_layer = []
     for layer in state.layers:
-        if layer.rows_total == 0:
-            per_layer.append(float("nan"))
-        else:
-            per_layer.append(1.0 - float(layer.kept_total) / layer.rows_total)
+        rows = int(layer.rows_total)
+        per_layer.append(float("nan") if rows == 0 else 1.0 - float(layer.kept_total) / rows)
     seen = [v for v in per_layer if v == v]
     mean = sum(seen) / len(seen) if seen else float("nan")
     return {"mean": mean, "per_layer": per_layer, "target": state.sparsity}
