@@ -35,14 +35,15 @@ def test_kernel_path_matches_masked_path(arch, kind, monkeypatch):
     for name in ("mono_gated_mlp", "cats_gated_mlp", "masked_gated_mlp"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    model = tiny_model(arch)
-    ids = torch.randint(3, 128, (3, 1))  # three sequences, one decode-sized token each
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
+    model = tiny_model(arch).to(device)
+    ids = torch.randint(3, 128, (3, 1), device=device)  # three sequences, one decode-sized token each
 
     def make(mlp):
         if kind == "predictor":
             torch.manual_seed(1)
-            return FirstRowsSelector(mlp.d_model, mlp.d_inter)
-        return ThresholdSelector(countdown.get_method(kind), 0.05)
+            return FirstRowsSelector(mlp.d_model, mlp.d_inter).to(mlp.w_up.device)
+        return ThresholdSelector(countdown.get_method(kind), 0.05).to(mlp.w_up.device)
 
     outs = {}
     for path in ("masked", "kernel"):
