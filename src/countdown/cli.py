@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9")
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of XSum per perplexity")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of XSum per perplexity")
     p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png")
     p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows")
     p.add_argument("--no-prac", action="store_true", help="SP-Ideal rows only (no calibration or training)")

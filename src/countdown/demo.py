@@ -204,7 +204,7 @@ def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequenc
 
 
 def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEFAULT_SPARSITIES,
-             max_tokens: int = 4096, out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] | None = None,
+             max_tokens: int = 2048, out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] | None = None,
              prompt: str = "Explain in two sentences why the sky is blue.",
              prac_sparsities: Sequence[float] = (0.7, 0.8, 0.9), log=print) -> dict:
     """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac."""
