@@ -57,6 +57,17 @@ def _validated_method(args):
     return method
 
 
+def _load_sparsified(args, scope: str, path: str = "auto"):
+    """Validate, then load ``args.model`` and patch it as the arguments say: (model, tok, method)."""
+    import countdown
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+                       scope=scope, artifacts=args.artifacts, path=path)
+    return model, tok, method
+
+
 def cmd_models(args) -> int:
     import countdown
 
@@ -68,11 +79,7 @@ def cmd_models(args) -> int:
 def cmd_ppl(args) -> int:
     import countdown
 
-    _validated_method(args)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    method = countdown.get_method(args.method)
-    countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
-                       scope=args.scope, artifacts=args.artifacts)
+    model, tok, method = _load_sparsified(args, args.scope)
     ppl = countdown.perplexity(model, tok, texts=_texts(args.texts), max_tokens=args.max_tokens,
                                window=args.window)
     result = {"model": args.model, "method": method.name, "mode": args.mode, "scope": args.scope,
@@ -93,12 +100,7 @@ def cmd_generate(args) -> int:
     import countdown
     from .demo import chat_prompt
 
-    _validated_method(args)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    method = countdown.get_method(args.method)
-    countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
-                       scope="decode", artifacts=args.artifacts,
-                       path="gather" if args.device == "cpu" else "auto")
+    model, tok, _ = _load_sparsified(args, "decode", path="gather" if args.device == "cpu" else "auto")
     ids = chat_prompt(tok, args.prompt).to(next(model.parameters()).device)
     if ids.is_cuda:  # static KV cache + CUDA graphs, sparse kernels for the decode steps
         out, stats = countdown.generate_fast(model, ids, args.max_new_tokens, temperature=args.temperature,
