@@ -76,7 +76,7 @@ def test_thresholds_are_the_mean_of_per_token_quantiles(method):
     model = tiny_model("llama")
     texts = word_texts(0)
     ks = [0.5, 0.8]
-    art = calibrate(model, TOK, method, ks, texts=texts, num_tokens=1024, window=128, progress=False)
+    art = calibrate(model, TOK, method, ks, texts=texts, num_tokens=1024, window=128, refine=False, progress=False)
     mlps, xs = captured_inputs(model, TOK, texts, 1024)
     for i, mlp in enumerate(mlps):
         x = xs[i].double()
@@ -97,11 +97,15 @@ def test_several_sparsities_come_from_one_pass_and_match_separate_runs():
     calls = []
     handle = model.register_forward_pre_hook(lambda mod, args: calls.append(1))
     both = calibrate(model, TOK, "mono", [0.6, 0.9], texts=texts, num_tokens=512, window=128, batch_size=1,
-                     progress=False)
+                     refine=False, progress=False)
     assert len(calls) == 4  # 512 tokens / 128 per window: one pass
     handle.remove()
     for j, k in enumerate([0.6, 0.9]):
         alone = calibrate(model, TOK, "mono", k, texts=texts, num_tokens=512, window=128, progress=False)
+        joint = calibrate(model, TOK, "mono", [0.6, 0.9], texts=texts, num_tokens=512, window=128, progress=False)
+        assert torch.allclose(alone.tensors["thresholds"][0], joint.tensors["thresholds"][j])  # refined too
+        alone = calibrate(model, TOK, "mono", k, texts=texts, num_tokens=512, window=128, refine=False,
+                          progress=False)
         assert torch.allclose(alone.tensors["thresholds"][0], both.tensors["thresholds"][j])
 
 
@@ -168,7 +172,7 @@ def test_pooled_rule_skips_exactly_k_of_the_calibration_values():
     model = tiny_model("llama")
     texts = word_texts(4)
     art = calibrate(model, TOK, "mono", [0.5, 0.9], texts=texts, num_tokens=2048, window=128, rule="pooled",
-                    progress=False)
+                    refine=False, progress=False)
     assert art.meta["rule"] == "pooled"
     mlps, xs = captured_inputs(model, TOK, texts, 2048)
     for i, mlp in enumerate(mlps):
@@ -185,8 +189,8 @@ def test_refine_recalibrates_on_the_sparsified_model():
     model = tiny_model("llama")
     texts = word_texts(6)
     kw = dict(texts=texts, num_tokens=512, window=128, progress=False)
-    first = calibrate(model, TOK, "cats", [0.6, 0.85], **kw)
-    refined = calibrate(model, TOK, "cats", [0.6, 0.85], refine=True, **kw)
+    first = calibrate(model, TOK, "cats", [0.6, 0.85], refine=False, **kw)
+    refined = calibrate(model, TOK, "cats", [0.6, 0.85], refine=True, refine_tokens=512, **kw)
     assert refined.meta["refine"] is True and not countdown.is_sparsified(model)
     for j, k in enumerate([0.6, 0.85]):
         countdown.sparsify(model, "cats", k, mode="prac", artifacts=first, scope="all")

@@ -224,3 +224,28 @@ def test_train_predictors_rejects_bad_requests():
         train_predictors(model, TOK, "dual", 0.8, kind="mlp", **kw)
     with pytest.raises(ValueError, match="selection"):
         train_predictors(model, TOK, "dual", 0.8, kind="hybrid", selection="logit", **kw)
+
+
+def test_refined_cuts_are_recalibrated_on_the_sparsified_model():
+    """refine=True re-estimates each layer's cut from the inputs seen with the layers before it
+    sparse. Reference: an independent capture on the model sparsified with the first cuts, and the
+    hybrid score |u| * |silu(x A B + b)| in float64."""
+    model = tiny_model("llama")
+    kw = dict(texts=word_texts(0), num_tokens=512, window=128, kind="hybrid", d_rank=16, progress=False)
+    first = train_predictors(model, TOK, "dual", [0.6, 0.85], refine=False, **kw)
+    refined = train_predictors(model, TOK, "dual", [0.6, 0.85], refine=True, refine_tokens=512, **kw)
+    assert refined.meta["refine"] is True and refined.meta["refine_tokens"] == 512
+    for k in (0.6, 0.85):
+        countdown.sparsify(model, "dual", k, mode="prac", artifacts=first, scope="all")
+        mlps, xs = captured_inputs(model, TOK, word_texts(0), 512)
+        countdown.unsparsify(model)
+        for i, mlp in enumerate(mlps):
+            t = {name: v.double() for name, v in refined.layer_tensors(k, i).items()}
+            x = xs[i].double()
+            score = (x @ mlp.w_up.detach().double().T).abs() * F.silu((x @ t["A"]) @ t["B"] + t["bias"]).abs()
+            expected = score.sort(dim=-1, descending=True).values[:, countdown.kept_rows(mlp.d_inter, k)].mean()
+            assert float(t["cut"]) == pytest.approx(float(expected), rel=1e-4)
+        key = f"k={k:g}/layer0/cut"
+        assert float(refined.tensors[key]) == pytest.approx(float(first.tensors[key]), rel=1e-5)
+        # only the cuts change
+        assert all(torch.equal(first.tensors[n], refined.tensors[n]) for n in first.tensors if not n.endswith("/cut"))

@@ -10,7 +10,10 @@ method's indicator. The paper's kinds (Appendix, Algorithm "Training the predict
 
 Both are trained with binary cross-entropy against the oracle keep mask: per token, the
 ``kept_rows(d_inter, k)`` rows with the largest indicator (``|u * act(g)|`` for dual, ``act(g)`` for
-dejavu). ``pos_weight`` (> 1) weighs kept rows up, trading precision for recall.
+dejavu). ``pos_weight`` (> 1) weighs kept rows up, trading precision for recall. ``init="gate"``
+(default) starts them from the closed-form gate estimate below instead of noise (``"random"``, the
+paper): rows with a large gate pre-activation are the ones both methods keep most, and with the
+few epochs a CPU budget allows this start is worth more than the training (docs/prac.md).
 
 One more kind, for dual only, beyond the paper:
 
@@ -30,6 +33,8 @@ Training streams: the unpatched model runs over the calibration text; forward pr
 Gated-MLP's input into RAM (float32, for as many layers as ``max_activation_gb`` allows per pass;
 the forward stops after the last wanted layer), then layers are trained one after another and their
 inputs freed. Nothing goes to disk except, with ``checkpoint``, each finished layer's predictor.
+With ``refine`` (default) the cuts are then re-estimated on the model sparsified with them, as
+:func:`countdown.calibrate.calibrate` does for thresholds.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ from torch import nn
 
 from .artifacts import Artifacts, check_selection, model_fingerprint, new_meta, sparsity_key
 from .calibrate import (
+    DEFAULT_REFINE_TOKENS,
     DEFAULT_WINDOW,
     _sparsity_list,
+    first_windows,
     indicator_of,
     resolve_texts,
     stream_mlp_inputs,
@@ -155,7 +162,7 @@ class PredictorSelector(RowSelector):
             self.register_buffer(name, tensors[name].clone())
         self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())
 
-    def score(self, x: torch.Tensor) -> torch.Tensor:
+    def score(self, x: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
         x = x.float()
         if self.kind == "lowrank":
             return (x @ self.A) @ self.B + self.bias
@@ -186,9 +193,11 @@ class HybridDualSelector(RowSelector):
     def gate_estimate(self, x: torch.Tensor) -> torch.Tensor:
         return (x.float() @ self.A) @ self.B + self.bias
 
+    def score(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return u.float().abs() * self.act(self.gate_estimate(x)).abs()
+
     def forward(self, x, u, h):
-        score = u.float().abs() * self.act(self.gate_estimate(x)).abs()
-        return select(score, self.selection, self.cut, self.n_keep)
+        return select(self.score(x, u), self.selection, self.cut, self.n_keep)
 
     def extra_repr(self) -> str:
         return f"selection={self.selection}, n_keep={self.n_keep}"
@@ -416,6 +425,7 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
                      checkpoint: str | os.PathLike | None = None, batch_size: int = DEFAULT_BATCH,
                      lr: float = 1e-3, weight_decay: float = 0.0, pos_weight: float | None = None,
                      init: str = "gate", seed: int = 42, window: int = DEFAULT_WINDOW, max_activation_gb: float = 2.0,
+                     refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS,
                      progress: bool = True) -> Artifacts:
     """Train one predictor per Gated-MLP (and per sparsity) for a predictor method (dual, dejavu).
 
@@ -428,6 +438,9 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     checkpoint: a folder; every finished layer is saved there atomically and a rerun with the same
         settings continues after the last finished layer, with the same result.
     max_activation_gb: RAM for captured activations per pass; more layers than fit take more passes.
+    refine / refine_tokens: re-estimate each layer's ``cut`` on the model sparsified with the first
+        cuts (one pass per k over the first ``refine_tokens`` tokens), as
+        :func:`countdown.calibrate.calibrate` does for thresholds. Only the cut changes.
     """
     from tqdm.auto import tqdm
 
@@ -490,10 +503,48 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     bar.close()
 
     tensors = {name: t for i in range(len(mlps)) for name, t in done[i].items()}
+    refine_windows = first_windows(windows, refine_tokens) if refine else []
     meta = new_meta(m, kind, ks, mlps, selection=selection, data=data,
                     d_rank=None if kind == "ternary" else d_rank,
-                    training={key: value for key, value in opts.items() if key not in ("kind", "d_rank")})
-    return Artifacts(meta, tensors)
+                    training={key: value for key, value in opts.items() if key not in ("kind", "d_rank")},
+                    refine=bool(refine), refine_tokens=sum(w.numel() for w in refine_windows))
+    art = Artifacts(meta, tensors)
+    if refine:
+        art.tensors.update(refine_cuts(model, mlps, m, art, refine_windows, progress))
+    return art
+
+
+def refine_cuts(model: nn.Module, mlps: list[GatedMLP], method: Method, artifacts: Artifacts,
+                windows: list[torch.Tensor], progress: bool = False) -> dict[str, torch.Tensor]:
+    """New ``cut`` tensors: per k, the model runs sparsified with the current cuts (every position
+    sparse) and each layer's cut is re-estimated from the scores of the inputs it then sees."""
+    from .artifacts import prac_selectors
+    from .sparse import sparsify, unsparsify
+
+    by_cut = artifacts.with_selection("cut")
+    new = {}
+    for k in artifacts.sparsities:
+        selectors = prac_selectors(by_cut, mlps, method, k)
+        sums = torch.zeros(len(mlps), dtype=torch.float64)
+        counts = torch.zeros(len(mlps), dtype=torch.float64)
+
+        def on_input(i: int, x: torch.Tensor) -> None:
+            sel, mlp = selectors[i], mlps[i]
+            u = F.linear(x, mlp.w_up, mlp.b_up) if sel.needs_up else None
+            q = token_quantiles(sel.score(x, u), [kept_rows(mlp.d_inter, k)])[0]
+            sums[i] += float(q.double().sum())
+            counts[i] += q.numel()
+
+        sparsify(model, method, k, mode="prac", artifacts=by_cut, scope="all")
+        try:
+            with torch.no_grad():
+                stream_mlp_inputs(model, mlps, windows, on_input, progress=progress,
+                                  desc=f"refining cuts k={k:g}", allow_patched=True)
+        finally:
+            unsparsify(model)
+        for i in range(len(mlps)):
+            new[f"{sparsity_key(k)}/layer{i}/cut"] = (sums[i] / counts[i].clamp_min(1)).float()
+    return new
 
 
 # --------------------------------------------------------------------------------------------
