@@ -55,3 +55,31 @@ def test_kernel_path_matches_masked_path(arch, kind, monkeypatch):
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
     expected = {"mono": "mono_gated_mlp", "cats": "cats_gated_mlp", "predictor": "masked_gated_mlp"}[kind]
     assert calls == [expected] * 2  # one call per layer, on the kernel path only
+
+
+@pytest.mark.parametrize("method,selection", [("dual", "cut"), ("dejavu", "logit")])
+def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection, monkeypatch):
+    """A trained low-rank predictor (bias and cut folded into a per-row threshold on x A B) takes the
+    fused dual kernel on decode steps and keeps the rows the masked path keeps."""
+    from countdown import kernels
+    from countdown.predictors import train_predictors
+    from test_calibrate import TOK, word_texts
+
+    calls = []
+    for name in ("dual_gated_mlp", "masked_gated_mlp"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("llama")
+    art = train_predictors(model, TOK, method, 0.7, texts=word_texts(0), num_tokens=256, window=64,
+                           kind="lowrank", d_rank=8, epochs=1, selection=selection, progress=False)
+    model = model.to(device)
+    ids = torch.randint(3, 120, (2, 1), device=device, generator=None)
+    outs = {}
+    for path in ("masked", "kernel"):
+        countdown.sparsify(model, method, 0.7, mode="prac", artifacts=art, scope="all", path=path)
+        with torch.no_grad():
+            outs[path] = model(ids).logits
+        countdown.unsparsify(model)
+    torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
+    assert calls == ["dual_gated_mlp"] * len(countdown.find_gated_mlps(model))

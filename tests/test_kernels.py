@@ -172,6 +172,39 @@ def test_threshold_tensor_and_leading_dims():
            K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas-scores", "fused-scores"])
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 1), (torch.float16, 5)], ids=["bfloat16-b1", "float16-b5"])
+def test_dual_per_row_cut(dtype, batch, fused, monkeypatch):
+    """A cut per row ([d_inter]: a trained predictor's ``cut - bias``): row i is kept where
+    (x A B)[i] > cut[i]. Reference: the mask computed by hand in float32 from the same scores."""
+    if fused:
+        monkeypatch.setattr(_glu, "FUSE_DENSE", {1: True, 16: True})
+        monkeypatch.setattr(_glu, "FUSE_DENSE_OFF_CUDA", True)
+    x, wg, wu, wdt = _mlp(batch, dtype)
+    pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
+    pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()
+    scores = K.dual_scores(x, pa, pb).float()
+    # each row keeps a random number of the batch's tokens; the cut sits in a gap wide enough that
+    # another summation order (the fused kernel's) cannot move a score across it
+    gen = torch.Generator().manual_seed(1)
+    cut = torch.empty(D_INTER)
+    for i in range(D_INTER):
+        v = scores[:, i].sort().values.cpu()
+        m = int(torch.randint(0, batch + 1, (1,), generator=gen))
+        if 0 < m < batch and v[m] - v[m - 1] > 0.02 * max(float(v.abs().max()), 1e-3):
+            cut[i] = (v[m - 1] + v[m]) / 2
+        else:
+            cut[i] = v[0] - 1 if m < batch / 2 else v[-1] + 1
+    cut = cut.to(DEVICE)
+    keep = scores > cut
+    assert 0 < int(keep.sum()) < keep.numel()
+    out = K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut, "silu")
+    _check(out, K.dual_gated_mlp_ref(x, wg, wu, wdt, pa, pb, cut, "silu"),
+           K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, "silu"))
+    with pytest.raises(ValueError, match="one per row"):
+        K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut[None, :], "silu")
+
+
 @pytest.mark.parametrize("op", ["mono", "cats", "dual"])
 @pytest.mark.parametrize("dtype,batch", [(torch.float32, 3), (torch.bfloat16, 1), (torch.float16, 8)],
                          ids=["float32-b3", "bfloat16-b1", "float16-b8"])

@@ -224,6 +224,8 @@ def test_train_predictors_rejects_bad_requests():
         train_predictors(model, TOK, "dual", 0.8, kind="mlp", **kw)
     with pytest.raises(ValueError, match="selection"):
         train_predictors(model, TOK, "dual", 0.8, kind="hybrid", selection="logit", **kw)
+    with pytest.raises(ValueError, match="full rank"):
+        train_predictors(model, TOK, "dual", 0.8, kind="lowrank", d_rank=10_000, **kw)
 
 
 def test_refined_cuts_are_recalibrated_on_the_sparsified_model():
@@ -249,3 +251,59 @@ def test_refined_cuts_are_recalibrated_on_the_sparsified_model():
         assert float(refined.tensors[key]) == pytest.approx(float(first.tensors[key]), rel=1e-5)
         # only the cuts change
         assert all(torch.equal(first.tensors[n], refined.tensors[n]) for n in first.tensors if not n.endswith("/cut"))
+
+
+def test_predictors_train_and_run_on_a_bfloat16_model():
+    """The GPU case on the CPU: a bfloat16 model. Inputs are captured in float32 and the weights cast
+    to match, the artifact holds float32 tensors, and the patched model holds the low-rank factors in
+    bfloat16. Reference for the keep rule: float64 ``x A B + bias > cut`` with the bf16 factors,
+    which may differ from the selector only where a score ties the cut to bf16 precision."""
+    from countdown.sparse import SparseGatedMLP
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))
+    for kind in ("lowrank", "hybrid"):
+        art = train_predictors(model, TOK, "dual", 0.8, texts=word_texts(0), num_tokens=512, window=128,
+                               kind=kind, d_rank=16, epochs=1, progress=False)
+        assert {t.dtype for t in art.tensors.values()} == {torch.float32}
+        countdown.sparsify(model, "dual", 0.8, mode="prac", artifacts=art, scope="all")
+        sel = next(m.selector for m in model.modules() if isinstance(m, SparseGatedMLP))
+        assert sel.A.dtype == sel.Bt.dtype == torch.bfloat16 and sel.bias.dtype == torch.float32
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=ids).logits).all()
+        real = countdown.sparsity_real(model)["mean"]
+        countdown.unsparsify(model)
+        assert 0.6 < real < 0.95
+        if kind == "lowrank":
+            x = torch.randn(64, sel.A.shape[0], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            latent = (x.double() @ sel.A.double()).to(torch.bfloat16).double() @ sel.Bt.double().T
+            score = latent + sel.bias.double()
+            expected = score > float(sel.cut)
+            got = sel(x, None, None)
+            near = (score - float(sel.cut)).abs() < 0.02 * score.abs().max()
+            assert torch.equal(got[~near], expected[~near]) and near.float().mean() < 0.2
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_pooled_cut_rule_keeps_one_minus_k_of_the_calibration_scores(refine):
+    """cut_rule="pooled": over the calibration tokens, the fraction of scores above each layer's cut
+    is 1 - k (up to the sampling error of the quantile). Reference: an independent capture and
+    float64 scores x A B + b. With refine, the capture runs on the model sparsified with the first cuts."""
+    model = tiny_model("llama")
+    kw = dict(texts=word_texts(0), num_tokens=512, window=128, kind="lowrank", d_rank=8, epochs=1, progress=False)
+    art = train_predictors(model, TOK, "dual", [0.7, 0.9], cut_rule="pooled", refine=refine, refine_tokens=512, **kw)
+    assert art.meta["training"]["cut_rule"] == "pooled"
+    for k in (0.7, 0.9):
+        if refine:
+            first = train_predictors(model, TOK, "dual", [0.7, 0.9], cut_rule="pooled", refine=False, **kw)
+            countdown.sparsify(model, "dual", k, mode="prac", artifacts=first, scope="all")
+        mlps, xs = captured_inputs(model, TOK, word_texts(0), 512)
+        if refine:
+            countdown.unsparsify(model)
+        for i, mlp in enumerate(mlps):
+            t = {name: v.double() for name, v in art.layer_tensors(k, i).items()}
+            score = (xs[i].double() @ t["A"]) @ t["B"] + t["bias"]
+            kept = float((score > t["cut"]).double().mean())
+            assert kept == pytest.approx(1 - k, abs=0.01)
+    with pytest.raises(ValueError, match="cut_rule"):
+        train_predictors(model, TOK, "dual", 0.8, cut_rule="median", **kw)

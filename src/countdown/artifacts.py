@@ -337,7 +337,10 @@ def _as_list(sparsity) -> list[float]:
 
 
 def _options_key(method: Method, options: dict) -> str:
-    text = json.dumps({"method": method.name, **options}, sort_keys=True, default=str)
+    from . import __version__
+
+    # The version is part of the key: another release may change the defaults behind the options.
+    text = json.dumps({"method": method.name, "version": __version__, **options}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -348,8 +351,9 @@ def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir
     ``sparsity`` is one k or a list (one file then holds all of them; a later call for any subset
     reuses it). Threshold methods go through :func:`countdown.calibrate.calibrate`, predictor methods
     through :func:`countdown.predictors.train_predictors`; ``options`` are passed on (and are part of
-    the cache key, so other options build other files). Files are named
-    ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``.
+    the cache key with the library version, so other options build other files). Files are named
+    ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``; a corrupt cached file
+    is skipped and rebuilt.
     """
     from .mlp import require_gated_mlps
 
@@ -362,7 +366,7 @@ def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir
     # Options that change the result name the file; progress bars and checkpoint folders do not.
     keyed = {key: value for key, value in options.items() if key not in ("progress", "checkpoint")}
     stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
-    cache = Path(cache_dir)
+    cache = Path(cache_dir).expanduser()
     if cache.is_dir():
         for candidate in sorted(cache.glob(stem + "-k*.safetensors")):
             try:
@@ -374,6 +378,7 @@ def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir
     if m.prac == "threshold":
         from .calibrate import calibrate
 
+        options.pop("checkpoint", None)  # one pass, nothing to resume
         art = calibrate(model, tokenizer, m, ks, **options)
     else:
         from .predictors import train_predictors

@@ -178,9 +178,15 @@ def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torc
 
 def indicator_of(method: Method, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     """The method's indicator for inputs ``x [N, d_model]``, in float32, computing only what it needs."""
-    u = F.linear(x, mlp.w_up, mlp.b_up).float() if method.needs_up else None
-    h = mlp.act(F.linear(x, mlp.w_gate, mlp.b_gate)).float() if method.needs_gate else None
+    u = F.linear(x, *_like(x, mlp.w_up, mlp.b_up)).float() if method.needs_up else None
+    h = mlp.act(F.linear(x, *_like(x, mlp.w_gate, mlp.b_gate))).float() if method.needs_gate else None
     return method.indicator(u, h)
+
+
+def _like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``weight, bias`` in ``x``'s dtype and device (captured float32 inputs of a bf16 model)."""
+    cast = lambda t: None if t is None else t.detach().to(device=x.device, dtype=x.dtype)  # noqa: E731
+    return cast(weight), cast(bias)
 
 
 def token_quantiles(score: torch.Tensor, n_keeps: list[int]) -> torch.Tensor:

@@ -94,6 +94,85 @@ def cmd_ppl(args) -> int:
     return 0
 
 
+def _artifact_out(args, method_name: str, ks: list[float]) -> str:
+    if args.out:
+        return args.out
+    label = "_".join(f"{k:g}" for k in ks)
+    return f"{method_name}-{args.model.replace('/', '_')}-k{label}.safetensors"
+
+
+def _summarise_artifact(art, path) -> None:
+    meta = art.meta
+    print(f"wrote {path}: {meta['method']} {meta['kind']}, k = {', '.join(f'{k:g}' for k in art.sparsities)}, "
+          f"{meta['data']['num_tokens']} tokens of {meta['data']['name']}")
+
+
+def cmd_calibrate(args) -> int:
+    import countdown
+    from .calibrate import calibrate
+    from .registry import get_method
+
+    method = get_method(args.method)
+    if method.prac != "threshold":
+        raise ValueError(f"method {method.name!r} does not use thresholds: calibrate cats or mono "
+                         "(train predictors for dual / dejavu with `countdown train`)")
+    ks = _sparsities(args.sparsity)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    art = calibrate(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
+                    rule=args.rule, refine=not args.no_refine)
+    path = art.save(_artifact_out(args, method.name, ks))
+    _summarise_artifact(art, path)
+    for k in art.sparsities:
+        taus = art.thresholds(k)
+        print(f"  k={k:g}: thresholds per layer {float(taus.min()):.4g} .. {float(taus.max()):.4g}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    import countdown
+    from .predictors import train_predictors
+    from .registry import get_method
+
+    method = get_method(args.method)
+    if method.prac != "predictor":
+        raise ValueError(f"method {method.name!r} does not use a trained predictor: train dual or dejavu "
+                         "(calibrate thresholds for cats / mono with `countdown calibrate`)")
+    ks = _sparsities(args.sparsity)
+    options = {key: value for key, value in (("kind", args.kind), ("d_rank", args.d_rank),
+                                             ("epochs", args.epochs), ("pos_weight", args.pos_weight))
+               if value is not None}
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    art = train_predictors(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
+                           selection=args.selection, cut_rule=args.cut_rule, checkpoint=args.checkpoint,
+                           refine=not args.no_refine, init=args.init, seed=args.seed, **options)
+    path = art.save(_artifact_out(args, method.name, ks))
+    _summarise_artifact(art, path)
+    return 0
+
+
+def cmd_quality(args) -> int:
+    import countdown
+    from .artifacts import footprint, load_artifacts
+    from .predictors import predictor_quality
+
+    art = load_artifacts(args.artifacts)
+    if args.selection:
+        art = art.with_selection(args.selection)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    report = predictor_quality(model, tok, art, texts=_texts(args.texts), num_tokens=args.num_tokens)
+    report["footprint"] = footprint(art, model)
+    share = report["footprint"]["share"]
+    if args.json:
+        print(json.dumps(report, default=float))
+        return 0
+    print(f"{report['method']} {report['kind']} selection={report['selection']} on {report['num_tokens']} "
+          f"held-out tokens; footprint {100 * share:.2f} % of the model's parameters")
+    for k, r in report["by_sparsity"].items():
+        print(f"  k={float(k):g}: precision {r['precision']:.3f}  recall {r['recall']:.3f}  F1 {r['f1']:.3f}  "
+              f"skipped {r['sparsity']:.3f}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -220,6 +299,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("calibrate", help="SP-Prac thresholds for cats / mono (several k from one pass)")
+    _model_args(p)
+    p.add_argument("--method", default="mono", help="cats or mono")
+    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k")
+    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--rule", default="mean-quantile", choices=["mean-quantile", "pooled"])
+    p.add_argument("--no-refine", action="store_true", help="thresholds from the dense model only (the paper)")
+    p.add_argument("--out", default=None, help="artifact path (default <method>-<model>-k<k>.safetensors)")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("train", help="SP-Prac predictors for dual / dejavu, streamed layer by layer (resumable)")
+    _model_args(p)
+    p.add_argument("--method", default="dual", help="dual or dejavu")
+    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k")
+    p.add_argument("--kind", default=None, choices=["lowrank", "ternary", "hybrid"],
+                   help="default: hybrid for dual, lowrank for dejavu")
+    p.add_argument("--d-rank", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--pos-weight", type=float, default=None, help="> 1 weighs kept rows up (recall)")
+    p.add_argument("--init", default="gate", choices=["gate", "random"])
+    p.add_argument("--selection", default="cut", choices=["cut", "logit", "topk"])
+    p.add_argument("--cut-rule", default="mean-quantile", choices=["mean-quantile", "pooled"])
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
+    p.add_argument("--num-tokens", type=int, default=8192)
+    p.add_argument("--no-refine", action="store_true")
+    p.add_argument("--checkpoint", default=None, help="folder: finished layers are kept, a rerun resumes")
+    p.add_argument("--out", default=None, help="artifact path (default <method>-<model>-k<k>.safetensors)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("quality", help="precision / recall / F1 of SP-Prac masks against SP-Ideal, and footprint")
+    _model_args(p)
+    p.add_argument("--artifacts", required=True)
+    p.add_argument("--selection", default=None, choices=["cut", "logit", "topk"], help="override the stored rule")
+    p.add_argument("--texts", default=None, help="held-out text: xsum (default)")
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_quality)
 
     p = sub.add_parser("generate", help="generate from a prompt, prompt dense and new tokens sparse")
     _model_args(p)

@@ -53,6 +53,8 @@ from .artifacts import Artifacts, check_selection, model_fingerprint, new_meta, 
 from .calibrate import (
     DEFAULT_REFINE_TOKENS,
     DEFAULT_WINDOW,
+    POOLED_SAMPLES,
+    _like,
     _sparsity_list,
     first_windows,
     indicator_of,
@@ -147,32 +149,57 @@ class PredictorSelector(RowSelector):
 
     ``tensors``: ``A, B, bias`` (lowrank) or ``ternary, scale, bias`` (ternary); ``cut``: the
     calibrated score cut used by ``selection="cut"``; ``n_keep``: rows per token for ``"topk"``.
-    """
 
-    needs_up = False
-    needs_gate = False
+    Low-rank ``B`` is held as ``Bt = B^T`` (contiguous ``[d_inter, d_rank]``: the layout the fused
+    dual kernel reads), and ``row_cut = cut - bias`` (``-bias`` for ``"logit"``) is the per-row
+    threshold on ``x A B`` that the kernel compares against. :meth:`to_model_dtype` casts ``A`` and
+    ``Bt`` to a half-precision model's dtype (:func:`countdown.sparsify` calls it), so a decode step
+    reads the predictor at two bytes per weight; bias, cuts and the comparison stay in float32.
+    """
 
     def __init__(self, kind: str, tensors: dict[str, torch.Tensor], selection: str, n_keep: int):
         super().__init__()
         self.kind = kind
         self.selection = check_selection(kind, selection)
         self.n_keep = int(n_keep)
-        names = ("A", "B", "bias") if kind == "lowrank" else ("ternary", "scale", "bias")
-        for name in names:
-            self.register_buffer(name, tensors[name].clone())
+        if kind == "lowrank":
+            self.register_buffer("A", tensors["A"].clone())
+            self.register_buffer("Bt", tensors["B"].t().contiguous())
+        else:
+            self.register_buffer("ternary", tensors["ternary"].clone())
+            self.register_buffer("scale", tensors["scale"].clone())
+        self.register_buffer("bias", tensors["bias"].float().clone())
         self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())
+        self.register_buffer("row_cut", _row_cut(self.bias, self.cut, self.selection))
+
+    def to_model_dtype(self, dtype: torch.dtype) -> None:
+        """Hold the low-rank factors in ``dtype`` when it is a half-precision type (else no-op)."""
+        if self.kind == "lowrank" and dtype in (torch.bfloat16, torch.float16):
+            self.A = self.A.to(dtype)
+            self.Bt = self.Bt.to(dtype)
+
+    def latent_score(self, x: torch.Tensor) -> torch.Tensor:
+        """``x A B`` (low-rank, without the bias) in float32, computed at the factors' precision."""
+        return ((x.to(self.A.dtype) @ self.A) @ self.Bt.t()).float()
 
     def score(self, x: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.float()
         if self.kind == "lowrank":
-            return (x @ self.A) @ self.B + self.bias
-        return (x @ self.ternary.float()) * self.scale + self.bias
+            return self.latent_score(x) + self.bias
+        return (x.float() @ self.ternary.float()) * self.scale + self.bias
 
     def forward(self, x, u, h):
+        if self.kind == "lowrank" and self.selection != "topk":
+            # score > cut  <=>  x A B > cut - bias: the same rule the fused kernel applies
+            return self.latent_score(x) > self.row_cut
         return select(self.score(x), self.selection, self.cut, self.n_keep)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, selection={self.selection}, n_keep={self.n_keep}"
+
+
+def _row_cut(bias: torch.Tensor, cut: torch.Tensor, selection: str) -> torch.Tensor:
+    """Per-row threshold on the bias-free score: ``cut - bias`` (``"cut"``), ``-bias`` (``"logit"``)."""
+    return (-bias if selection == "logit" else cut - bias).float().contiguous()
 
 
 class HybridDualSelector(RowSelector):
@@ -186,12 +213,18 @@ class HybridDualSelector(RowSelector):
         self.act = act
         self.selection = check_selection("hybrid", selection)
         self.n_keep = int(n_keep)
-        for name in ("A", "B", "bias"):
-            self.register_buffer(name, tensors[name].clone())
+        self.register_buffer("A", tensors["A"].clone())
+        self.register_buffer("Bt", tensors["B"].t().contiguous())
+        self.register_buffer("bias", tensors["bias"].float().clone())
         self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())
 
+    def to_model_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in (torch.bfloat16, torch.float16):
+            self.A = self.A.to(dtype)
+            self.Bt = self.Bt.to(dtype)
+
     def gate_estimate(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.float() @ self.A) @ self.B + self.bias
+        return ((x.to(self.A.dtype) @ self.A) @ self.Bt.t()).float() + self.bias
 
     def score(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return u.float().abs() * self.act(self.gate_estimate(x)).abs()
@@ -201,6 +234,15 @@ class HybridDualSelector(RowSelector):
 
     def extra_repr(self) -> str:
         return f"selection={self.selection}, n_keep={self.n_keep}"
+
+
+def _on_devices(selectors: list, mlps: list[GatedMLP]) -> list:
+    """Each selector on its Gated-MLP's device, in its dtype (as :func:`countdown.sparsify` does)."""
+    for sel, mlp in zip(selectors, mlps):
+        sel.to(mlp.w_down.device)
+        if hasattr(sel, "to_model_dtype"):
+            sel.to_model_dtype(mlp.w_down.dtype)
+    return selectors
 
 
 def select(score: torch.Tensor, selection: str, cut: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -246,31 +288,64 @@ def fit_gate_lowrank(mlp: GatedMLP, X: torch.Tensor, d_rank: int) -> dict[str, t
     ``V_r`` of ``L^T W^T``: ``A = W^T V_r``, ``B = V_r^T``, and the bias restores the mean:
     ``b = mu W^T + b_gate - mu A B``.
     """
-    W = mlp.w_gate.detach().double().cpu()  # [d_inter, d_model]
+    W = mlp.w_gate.detach().to(device=X.device, dtype=torch.float64)  # [d_inter, d_model]
     Xd = X.double()
     mu = Xd.mean(dim=0)
     Xc = Xd - mu
     cov = Xc.T @ Xc / max(X.shape[0] - 1, 1)
     eps = 1e-6 * cov.diagonal().mean().clamp_min(1e-12)
-    L = torch.linalg.cholesky(cov + eps * torch.eye(cov.shape[0], dtype=cov.dtype))
+    L = torch.linalg.cholesky(cov + eps * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device))
     _, _, vh = torch.linalg.svd(L.T @ W.T, full_matrices=False)
     r = min(d_rank, vh.shape[0])
     V = vh[:r].T  # [d_inter, r]
     A = W.T @ V
     B = V.T
-    b_gate = mlp.b_gate.detach().double().cpu() if mlp.b_gate is not None else torch.zeros(W.shape[0], dtype=W.dtype)
+    b_gate = (mlp.b_gate.detach().to(W) if mlp.b_gate is not None
+              else torch.zeros(W.shape[0], dtype=W.dtype, device=W.device))
     bias = mu @ W.T + b_gate - (mu @ A) @ B
     return {"A": A.float(), "B": B.float(), "bias": bias.float()}
 
 
-def calibrated_cuts(score_rows, n_rows: int, n_keeps: list[int], chunk: int = 4096) -> list[torch.Tensor]:
-    """Per ``n_keep``: the mean over ``n_rows`` tokens of the per-token cut that exactly ``n_keep``
-    scores exceed; ``score_rows(start, stop)`` gives the scores of tokens ``start:stop`` (chunked
-    to bound RAM). The same rule as the thresholds of :mod:`countdown.calibrate`."""
+def calibrated_cuts(score_rows, n_rows: int, n_keeps: list[int], chunk: int = 4096,
+                    rule: str = "mean-quantile") -> list[torch.Tensor]:
+    """Per ``n_keep``: a score cut; ``score_rows(start, stop)`` gives the scores of tokens
+    ``start:stop`` (chunked to bound RAM). The rules of :mod:`countdown.calibrate`:
+    ``"mean-quantile"``: the mean over the ``n_rows`` tokens of the per-token cut that exactly ``n_keep``
+    scores exceed; ``"pooled"``: the cut that ``n_keep / d_inter`` of all scores together exceed (from a
+    uniform sample of them), so the kept fraction over the calibration tokens is the target even when
+    tokens' score scales differ."""
+    check_cut_rule(rule)
     total = torch.zeros(len(n_keeps), dtype=torch.float64)
+    samples = []
+    gen = torch.Generator().manual_seed(0)
+    d_inter = None
     for start in range(0, n_rows, chunk):
-        total += token_quantiles(score_rows(start, min(start + chunk, n_rows)), n_keeps).double().sum(dim=1)
-    return [(t / max(n_rows, 1)).float() for t in total]
+        score = score_rows(start, min(start + chunk, n_rows))
+        if rule == "mean-quantile":
+            total += token_quantiles(score, n_keeps).double().sum(dim=1).cpu()
+        else:
+            d_inter = score.shape[-1]
+            flat = score.reshape(-1)
+            n = max(1, round(POOLED_SAMPLES * score.shape[0] / max(n_rows, 1)))
+            samples.append(flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)].double().cpu())
+    if rule == "mean-quantile":
+        return [(t / max(n_rows, 1)).float() for t in total]
+    return [_pooled_cut(torch.cat(samples), n, d_inter) for n in n_keeps]
+
+
+def _pooled_cut(sample: torch.Tensor, n_keep: int, d_inter: int) -> torch.Tensor:
+    if n_keep >= d_inter:
+        return torch.tensor(-math.inf)
+    return torch.quantile(sample, 1.0 - n_keep / d_inter, interpolation="linear").float()
+
+
+CUT_RULES = ("mean-quantile", "pooled")
+
+
+def check_cut_rule(rule: str) -> str:
+    if rule not in CUT_RULES:
+        raise ValueError(f"unknown cut_rule {rule!r}: choose one of {', '.join(CUT_RULES)}")
+    return rule
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +366,7 @@ def _train_bce(predictor: nn.Module, X: torch.Tensor, Y: torch.Tensor, *, epochs
     from tqdm.auto import tqdm
 
     opt = torch.optim.AdamW(predictor.parameters(), lr=lr, weight_decay=weight_decay)
-    pw = None if pos_weight is None else torch.tensor(float(pos_weight))
+    pw = None if pos_weight is None else torch.tensor(float(pos_weight), device=X.device)
     losses = []
     n = X.shape[0]
     for _ in tqdm(range(epochs), desc=desc, disable=not progress, leave=False):
@@ -338,7 +413,7 @@ def fit_layer(method: Method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: li
     with torch.no_grad():
         if kind == "hybrid":
             fitted = fit_gate_lowrank(mlp, X, opts["d_rank"])
-            U = F.linear(X, mlp.w_up.detach(), None if mlp.b_up is None else mlp.b_up.detach()).abs()
+            U = F.linear(X, *_like(X, mlp.w_up, mlp.b_up)).abs()
         else:
             masks = oracle_masks(indicator_of(method, mlp, X), n_keeps)
             rank = opts["d_rank"] if kind == "lowrank" else mlp.d_model  # ternary: a full-rank start
@@ -346,14 +421,14 @@ def fit_layer(method: Method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: li
     if kind == "hybrid":
         # One gate estimate serves every k (it does not depend on k): stored once, plus a cut per k.
         for name, t in fitted.items():
-            out[f"shared/layer{layer}/{name}"] = t.contiguous()
+            out[f"shared/layer{layer}/{name}"] = t.cpu().contiguous()
 
         def hybrid_score(start: int, stop: int) -> torch.Tensor:
             g_hat = (X[start:stop] @ fitted["A"]) @ fitted["B"] + fitted["bias"]
             return U[start:stop] * mlp.act(g_hat).abs()
 
         with torch.no_grad():
-            cuts = calibrated_cuts(hybrid_score, X.shape[0], n_keeps)
+            cuts = calibrated_cuts(hybrid_score, X.shape[0], n_keeps, rule=opts["cut_rule"])
         for k, cut in zip(ks, cuts):
             out[f"{sparsity_key(k)}/layer{layer}/cut"] = cut
         return out
@@ -365,6 +440,7 @@ def fit_layer(method: Method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: li
             predictor = LowRankPredictor(mlp.d_model, mlp.d_inter, opts["d_rank"], gen, input_rms, prior)
         else:
             predictor = TernaryPredictor(mlp.d_model, mlp.d_inter, gen, input_rms, prior)
+        predictor.to(X.device)  # initialised from the CPU generator: the same start on any device
         if opts["init"] == "gate":
             _init_from_gate(predictor, gate_fit, X, n_keep)
         _train_bce(predictor, X, masks[j], epochs=opts["epochs"], batch_size=opts["batch_size"],
@@ -372,9 +448,10 @@ def fit_layer(method: Method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: li
                    generator=gen, progress=progress, desc=f"layer {layer} k={k:g}")
         tensors = predictor.export()
         with torch.no_grad():
-            tensors["cut"] = calibrated_cuts(lambda a, b: predictor(X[a:b]), X.shape[0], [n_keep])[0]
+            tensors["cut"] = calibrated_cuts(lambda a, b: predictor(X[a:b]), X.shape[0], [n_keep],
+                                             rule=opts["cut_rule"])[0]
         for name, t in tensors.items():
-            out[f"{sparsity_key(k)}/layer{layer}/{name}"] = t.detach().contiguous()
+            out[f"{sparsity_key(k)}/layer{layer}/{name}"] = t.detach().cpu().contiguous()
     return out
 
 
@@ -426,7 +503,7 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
                      lr: float = 1e-3, weight_decay: float = 0.0, pos_weight: float | None = None,
                      init: str = "gate", seed: int = 42, window: int = DEFAULT_WINDOW, max_activation_gb: float = 2.0,
                      refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS,
-                     progress: bool = True) -> Artifacts:
+                     cut_rule: str = "mean-quantile", progress: bool = True) -> Artifacts:
     """Train one predictor per Gated-MLP (and per sparsity) for a predictor method (dual, dejavu).
 
     sparsity: one k or a list (one data pass serves all; one predictor per k and layer).
@@ -441,6 +518,9 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     refine / refine_tokens: re-estimate each layer's ``cut`` on the model sparsified with the first
         cuts (one pass per k over the first ``refine_tokens`` tokens), as
         :func:`countdown.calibrate.calibrate` does for thresholds. Only the cut changes.
+    cut_rule: how a cut is estimated from the calibration tokens' scores (:func:`calibrated_cuts`):
+        ``"mean-quantile"`` (the paper's rule for thresholds) or ``"pooled"`` (the kept fraction over
+        the calibration tokens is exactly 1 - k; better when tokens' score scales differ).
     """
     from tqdm.auto import tqdm
 
@@ -455,6 +535,7 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
         raise ValueError("kind='hybrid' computes u densely and predicts act(g): it applies to dual only "
                          "(for dejavu a dense gate would be CATS); use kind='lowrank'")
     check_selection(kind, selection)
+    check_cut_rule(cut_rule)
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}: choose one of {', '.join(INITS)}")
     d_rank = DEFAULT_RANK.get(kind, 0) if d_rank is None else int(d_rank)
@@ -463,13 +544,17 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
                          f"epochs={epochs}, batch_size={batch_size}, lr={lr}")
     ks = _sparsity_list(sparsity)
     mlps = require_gated_mlps(model)
+    full_rank = min(min(mlp.d_model, mlp.d_inter) for mlp in mlps)
+    if kind != "ternary" and d_rank > full_rank:
+        raise ValueError(f"d_rank={d_rank} exceeds the full rank {full_rank} of this model's Gated-MLPs "
+                         f"(min(d_model, d_inter)); choose d_rank <= {full_rank}")
     texts, data_name = resolve_texts(texts)
     windows = token_windows(tokenizer, texts, num_tokens, window)
     n_tokens = sum(w.numel() for w in windows)
     opts = {"kind": kind, "d_rank": int(d_rank), "epochs": int(epochs) if kind != "hybrid" else 0,
             "batch_size": int(batch_size), "lr": float(lr), "weight_decay": float(weight_decay),
             "pos_weight": None if pos_weight is None else float(pos_weight),
-            "init": init if kind != "hybrid" else "closed-form", "seed": int(seed)}
+            "init": init if kind != "hybrid" else "closed-form", "seed": int(seed), "cut_rule": cut_rule}
     data = {"name": data_name, "num_tokens": n_tokens, "window": window}
 
     done: dict[int, dict[str, torch.Tensor]] = {}
@@ -488,7 +573,8 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
         captured: dict[int, list[torch.Tensor]] = {i: [] for i in group}
 
         def on_input(i: int, x: torch.Tensor) -> None:
-            captured[i].append(x.detach().float().cpu().clone())
+            # float32 on the model's device: a GPU model trains its predictors on the GPU
+            captured[i].append(x.detach().float().clone())
 
         stream_mlp_inputs(model, mlps, windows, on_input, layers=group, progress=progress,
                           desc=f"capturing layers {group[0]}-{group[-1]}")
@@ -510,30 +596,43 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
                     refine=bool(refine), refine_tokens=sum(w.numel() for w in refine_windows))
     art = Artifacts(meta, tensors)
     if refine:
-        art.tensors.update(refine_cuts(model, mlps, m, art, refine_windows, progress))
+        art.tensors.update(refine_cuts(model, mlps, m, art, refine_windows, progress, rule=cut_rule))
     return art
 
 
 def refine_cuts(model: nn.Module, mlps: list[GatedMLP], method: Method, artifacts: Artifacts,
-                windows: list[torch.Tensor], progress: bool = False) -> dict[str, torch.Tensor]:
+                windows: list[torch.Tensor], progress: bool = False,
+                rule: str = "mean-quantile") -> dict[str, torch.Tensor]:
     """New ``cut`` tensors: per k, the model runs sparsified with the current cuts (every position
-    sparse) and each layer's cut is re-estimated from the scores of the inputs it then sees."""
+    sparse) and each layer's cut is re-estimated, by ``rule`` (see :func:`calibrated_cuts`), from the
+    scores of the inputs it then sees."""
     from .artifacts import prac_selectors
     from .sparse import sparsify, unsparsify
 
+    check_cut_rule(rule)
     by_cut = artifacts.with_selection("cut")
+    n_tokens = sum(w.numel() for w in windows)
     new = {}
     for k in artifacts.sparsities:
-        selectors = prac_selectors(by_cut, mlps, method, k)
+        selectors = _on_devices(prac_selectors(by_cut, mlps, method, k), mlps)
         sums = torch.zeros(len(mlps), dtype=torch.float64)
         counts = torch.zeros(len(mlps), dtype=torch.float64)
+        samples: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(mlps))}
+        gen = torch.Generator().manual_seed(0)
 
         def on_input(i: int, x: torch.Tensor) -> None:
             sel, mlp = selectors[i], mlps[i]
-            u = F.linear(x, mlp.w_up, mlp.b_up) if sel.needs_up else None
-            q = token_quantiles(sel.score(x, u), [kept_rows(mlp.d_inter, k)])[0]
-            sums[i] += float(q.double().sum())
-            counts[i] += q.numel()
+            u = F.linear(x, *_like(x, mlp.w_up, mlp.b_up)) if sel.needs_up else None
+            score = sel.score(x, u)
+            if rule == "mean-quantile":
+                q = token_quantiles(score, [kept_rows(mlp.d_inter, k)])[0]
+                sums[i] += float(q.double().sum())
+            else:
+                flat = score.reshape(-1)
+                n = max(1, round(POOLED_SAMPLES * score.shape[0] / max(n_tokens, 1)))
+                samples[i].append(flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)]
+                                  .double().cpu())
+            counts[i] += score.shape[0]
 
         sparsify(model, method, k, mode="prac", artifacts=by_cut, scope="all")
         try:
@@ -542,8 +641,12 @@ def refine_cuts(model: nn.Module, mlps: list[GatedMLP], method: Method, artifact
                                   desc=f"refining cuts k={k:g}", allow_patched=True)
         finally:
             unsparsify(model)
-        for i in range(len(mlps)):
-            new[f"{sparsity_key(k)}/layer{i}/cut"] = (sums[i] / counts[i].clamp_min(1)).float()
+        for i, mlp in enumerate(mlps):
+            if rule == "mean-quantile":
+                cut = (sums[i] / counts[i].clamp_min(1)).float()
+            else:
+                cut = _pooled_cut(torch.cat(samples[i]), kept_rows(mlp.d_inter, k), mlp.d_inter)
+            new[f"{sparsity_key(k)}/layer{i}/cut"] = cut
     return new
 
 
@@ -574,7 +677,7 @@ def predictor_quality(model: nn.Module, tokenizer, artifacts, texts=None, num_to
     m = get_method(artifacts.method)
     mlps = require_gated_mlps(model)
     ks = artifacts.sparsities
-    selectors = {k: prac_selectors(artifacts, mlps, m, k) for k in ks}
+    selectors = {k: _on_devices(prac_selectors(artifacts, mlps, m, k), mlps) for k in ks}
     counts = torch.zeros(len(ks), len(mlps), 4, dtype=torch.float64)  # tp, fp, fn, kept
     rows = torch.zeros(len(mlps), dtype=torch.float64)
     windows = token_windows(tokenizer, list(texts), num_tokens, window)

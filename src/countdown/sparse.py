@@ -30,6 +30,10 @@ MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
 PATHS = ("auto", "masked", "gather", "kernel")
 KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
+# Low-rank predictors on the kernel path: True runs the predictor inside the fused dual kernel
+# (x A by cuBLAS, the B side and the cut in the kernel); False computes the keep mask in PyTorch and
+# runs the masked kernel. benchmarks/decode.py --predictor-route compares them.
+PREDICTOR_IN_KERNEL = True
 DEFAULT_SCOPE = "decode"
 
 
@@ -234,6 +238,9 @@ class SparseGatedMLP(nn.Module):
             return kernels.mono_gated_mlp(*args, sel.threshold, mlp.act_name)
         if isinstance(sel, ThresholdSelector) and sel.method.name == "cats":
             return kernels.cats_gated_mlp(*args, sel.threshold, mlp.act_name)
+        if PREDICTOR_IN_KERNEL and getattr(sel, "kind", None) == "lowrank" and sel.selection != "topk":
+            # the predictor runs inside the fused kernel: keep rows with x A B > cut - bias
+            return kernels.dual_gated_mlp(*args, sel.A, sel.Bt.t(), sel.row_cut, mlp.act_name)
         u = F.linear(x2, mlp.w_up) if sel.needs_up else None
         h = mlp.act(F.linear(x2, mlp.w_gate)) if sel.needs_gate else None
         keep = sel(x2, u, h)
@@ -350,6 +357,8 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         layer = SparseGatedMLP(mlp, selector, state, index)
         ref = mlp.w_down
         layer.to(device=ref.device)
+        if hasattr(selector, "to_model_dtype"):
+            selector.to_model_dtype(ref.dtype)  # half-precision predictors on half-precision models
         module = mlp.module
         object.__setattr__(layer, "original_forward", module.forward)
         object.__setattr__(layer, "had_instance_forward", "forward" in module.__dict__)
@@ -419,7 +428,8 @@ def sparsity_real(model: nn.Module) -> dict:
 
     Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
     token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
-    sparse token report NaN.
+    sparse token report NaN. Decode steps served by the fused Triton kernels (``path="auto"`` on CUDA)
+    are not counted: those kernels never write the mask; measure with ``path="masked"``.
     """
     state = state_of(model)
     per_layer = []

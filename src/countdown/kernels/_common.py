@@ -68,13 +68,18 @@ def available(t: torch.Tensor | None = None) -> bool:
 
 
 def split_threshold(threshold) -> tuple[torch.Tensor | None, float]:
-    """A threshold given as a Python number or a 0-dim tensor -> (tensor or None, float).
+    """A threshold given as a Python number, a one-value tensor or a per-row vector ``[d_inter]``
+    -> (tensor or None, float).
 
-    A tensor stays on the device and is read inside the kernel (no ``.item()``, no host sync)."""
+    A tensor stays on the device and is read inside the kernel (no ``.item()``, no host sync); a
+    vector gives row ``i`` the threshold ``threshold[i]``."""
     if isinstance(threshold, torch.Tensor):
-        if threshold.numel() != 1:
-            raise ValueError("threshold tensor must hold one value")
-        return threshold.reshape(()), 0.0
+        if threshold.numel() == 1:
+            return threshold.reshape(()), 0.0
+        if threshold.dim() != 1:
+            raise ValueError(f"a threshold tensor holds one value or one per row ([d_inter]), "
+                             f"got shape {tuple(threshold.shape)}")
+        return threshold.float().contiguous(), 0.0
     return None, float(threshold)
 
 

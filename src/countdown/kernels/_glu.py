@@ -139,7 +139,7 @@ def _sparse_glu_kernel(
     thr_f, n_tok, d_model, d_inter, k_dense, n_y,
     stride_x, stride_ind, stride_s, stride_dv,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
-    THR_PTR: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr,
     BIG: tl.constexpr, DENSE: tl.constexpr, BLOCK_KD: tl.constexpr, EVEN_KD: tl.constexpr,
     ZERO: tl.constexpr, ZBLK: tl.constexpr,
@@ -154,7 +154,9 @@ def _sparse_glu_kernel(
     bmask = b < n_tok
     r = pid * CHUNK + tl.arange(0, CHUNK)
     rmask = r < d_inter
-    if THR_PTR:
+    if THR_VEC:  # one threshold per row, [1, CHUNK]
+        thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    elif THR_PTR:
         thr = tl.load(THR).to(tl.float32)
     else:
         thr = thr_f
@@ -203,7 +205,11 @@ def _sparse_glu_kernel(
             u, _unused = _gemv_rows(X, stride_x, tok0, n_tok, WU, WU, roff, valid, d_model,
                                     False, BP, BLOCK_M, BLOCK_K, USE_DOT, DOT_PREC, EVEN_K)
             g = it.to(tl.float32)
-        kt = _keep(it, thr, MODE, ACT) & mt
+        if THR_VEC:
+            thr_m = tl.load(THR + rows, mask=valid, other=0.0).to(tl.float32)[None, :]
+        else:
+            thr_m = thr
+        kt = _keep(it, thr_m, MODE, ACT) & mt
         s = tl.where(kt, u * _act(g, ACT), 0.0)
         tl.store(S + b[:, None] * stride_s + rows[None, :], s.to(S.dtype.element_ty), mask=mt)
 
@@ -296,12 +302,15 @@ def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
     yacc = zero if zero is not None else s
     n_y = zero.numel() if zero is not None else 0
     thr_arg = thr_t if thr_t is not None else s  # any pointer; unused when THR_PTR is False
+    thr_vec = thr_t is not None and thr_t.dim() == 1
+    if thr_vec and thr_t.numel() != d_inter:
+        raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
     LAST_KERNEL = _sparse_glu_kernel[grid](
         x, w_gate, w_up, ind, wd, dv, thr_arg, s, yacc,
         float(thr_f), n_tok, d_model, d_inter, k_dense, n_y,
         x.stride(0), ind.stride(0), s.stride(0), dv.stride(0),
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
-        THR_PTR=thr_t is not None, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k,
+        THR_PTR=thr_t is not None, THR_VEC=thr_vec, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k,
         USE_DOT=use_dot, DOT_PREC="ieee" if s_dtype == torch.float32 else "default",
         EVEN_K=d_model % block_k == 0, BIG=d_inter * max(d_model, k_dense) >= 2**31,
         DENSE=dense is not None, BLOCK_KD=block_kd, EVEN_KD=k_dense % block_kd == 0,
