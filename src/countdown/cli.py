@@ -107,15 +107,26 @@ def _summarise_artifact(art, path) -> None:
           f"{meta['data']['num_tokens']} tokens of {meta['data']['name']}")
 
 
+def _prac_method(name: str, prac: str):
+    """The method named ``name``, which must build ``prac`` artifacts ("threshold" or "predictor")."""
+    from .registry import get_method
+
+    method = get_method(name)
+    if method.prac != prac:
+        right = {"threshold": ("thresholds", "cats or mono", "countdown calibrate"),
+                 "predictor": ("a trained predictor", "dual or dejavu", "countdown train")}
+        want, which, _ = right[prac]
+        _, other, command = right["predictor" if prac == "threshold" else "threshold"]
+        raise ValueError(f"method {method.name!r} does not use {want}: use {which} here "
+                         f"({other} go through `{command}`)")
+    return method
+
+
 def cmd_calibrate(args) -> int:
     import countdown
     from .calibrate import calibrate
-    from .registry import get_method
 
-    method = get_method(args.method)
-    if method.prac != "threshold":
-        raise ValueError(f"method {method.name!r} does not use thresholds: calibrate cats or mono "
-                         "(train predictors for dual / dejavu with `countdown train`)")
+    method = _prac_method(args.method, "threshold")
     ks = _sparsities(args.sparsity)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     art = calibrate(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
@@ -131,12 +142,8 @@ def cmd_calibrate(args) -> int:
 def cmd_train(args) -> int:
     import countdown
     from .predictors import train_predictors
-    from .registry import get_method
 
-    method = get_method(args.method)
-    if method.prac != "predictor":
-        raise ValueError(f"method {method.name!r} does not use a trained predictor: train dual or dejavu "
-                         "(calibrate thresholds for cats / mono with `countdown calibrate`)")
+    method = _prac_method(args.method, "predictor")
     ks = _sparsities(args.sparsity)
     options = {key: value for key, value in (("kind", args.kind), ("d_rank", args.d_rank),
                                              ("epochs", args.epochs), ("pos_weight", args.pos_weight))
