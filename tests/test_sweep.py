@@ -130,7 +130,14 @@ def test_interrupted_sweep_resumes_to_the_same_csv(setup, full_run, monkeypatch,
     assert {(r["method"], r["task"]) for r in partial} == {("dense", "tiny_mc"), ("dense", "ppl_all")}
     assert not countdown.is_sparsified(setup.model)
 
+    # --report-only: the report of the two measured cells, nothing computed, no model needed
     calls.update(n=0, fail_at=-1)
+    report = _run(setup, out, report_only=True, model=None, tokenizer=None)
+    assert calls["n"] == 0 and report["computed"] == 0
+    text = (out / "tiny.md").read_text()
+    assert "**Partial**: 2 of 19 cells" in text and "dense" in text
+    assert sweep.read_rows(out / "tiny.csv") == partial
+
     result = _run(setup, out)
     assert calls["n"] == N_CELLS - 2 and result["computed"] == N_CELLS - 2 and result["skipped"] == 2
     assert _comparable(sweep.read_rows(out / "tiny.csv")) == _comparable(full_rows)

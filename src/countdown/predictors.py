@@ -511,6 +511,8 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     kind: ``"lowrank"`` (paper), ``"ternary"`` (paper's TernaryLinear) or ``"hybrid"`` (dual only:
         dense u, closed-form low-rank gate estimate; ``epochs`` unused).
     d_rank / epochs / batch_size (tokens per step) / lr / weight_decay / pos_weight / seed: training.
+        The default d_rank is lowered to min(d_model, d_inter) on narrower models; an explicit
+        d_rank above that is an error.
     selection: default run-time rule stored in the artifact ("cut", "logit" or "topk").
     checkpoint: a folder; every finished layer is saved there atomically and a rerun with the same
         settings continues after the last finished layer, with the same result.
@@ -538,6 +540,7 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     check_cut_rule(cut_rule)
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}: choose one of {', '.join(INITS)}")
+    rank_given = d_rank is not None
     d_rank = DEFAULT_RANK.get(kind, 0) if d_rank is None else int(d_rank)
     if (kind != "ternary" and d_rank < 1) or epochs < 0 or batch_size < 1 or lr <= 0:
         raise ValueError(f"need d_rank >= 1, epochs >= 0, batch_size >= 1, lr > 0; got d_rank={d_rank}, "
@@ -545,6 +548,8 @@ def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity
     ks = _sparsity_list(sparsity)
     mlps = require_gated_mlps(model)
     full_rank = min(min(mlp.d_model, mlp.d_inter) for mlp in mlps)
+    if kind != "ternary" and d_rank > full_rank and not rank_given:
+        d_rank = full_rank  # the default rank on a model narrower than it: full rank
     if kind != "ternary" and d_rank > full_rank:
         raise ValueError(f"d_rank={d_rank} exceeds the full rank {full_rank} of this model's Gated-MLPs "
                          f"(min(d_model, d_inter)); choose d_rank <= {full_rank}")

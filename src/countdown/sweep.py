@@ -323,7 +323,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
               artifact_options: dict | None = None, batch_size: int = 8, num_fewshot: int | None = None,
               threads: int | None = None, model=None, tokenizer=None, task_manager=None,
               dtype: str = "fp32", device: str = "cpu", command: str | None = None, progress: bool = True,
-              log: Callable[[str], None] = print) -> dict:
+              report_only: bool = False, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the quality sweep and write ``<out_dir>/<model>.csv``, ``.md``, ``.png``.
 
     methods / modes / sparsities: the grid; dense (if listed) is one configuration without mode or k.
@@ -391,6 +391,10 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     rows = read_rows(csv_path)
     done = {row_key(r) for r in rows}
     todo = [c for c in cells if c.key(label) not in done]
+    n_measured = len(cells) - len(todo)
+    if report_only:  # rewrite the report from the CSV as it stands (e.g. a sweep still under way)
+        log(f"countdown sweep: report only; {len(cells) - len(todo)} of {len(cells)} cells in {csv_path}")
+        todo = []
     meta = _read_meta(meta_path)
     command = command or _command_line(model_name, methods, modes, sparsities, tasks, limit, out_dir,
                                        ppl_tokens, len(prompt_list))
@@ -446,14 +450,17 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
             shown = ", ".join(f"{m} {float(v):.4g}" for m, v in metrics if not m.endswith("stderr"))
             real_txt = "" if real is None or cell.method == "dense" else f"  Sparsity-Real {float(real):.3f}"
             log(f"  [{i}/{len(todo)}] {cell.label()}: {shown}{real_txt}  ({seconds:.0f} s)")
-        device_txt = device_description(model)
+        device_txt = (device_description(model) if model is not None or not meta["runs"]
+                      else meta["runs"][-1]["device"])
     finally:
         torch.set_num_threads(old_threads)
 
     elapsed = time.perf_counter() - started
-    meta["runs"].append({"date": _dt.date.today().isoformat(), "command": command, "device": device_txt,
-                         "computed": len(todo), "skipped": len(cells) - len(todo), "seconds": round(elapsed, 1)})
-    _write_json_atomic(meta_path, meta)
+    if not report_only:
+        meta["runs"].append({"date": _dt.date.today().isoformat(), "command": command, "device": device_txt,
+                             "computed": len(todo), "skipped": len(cells) - len(todo),
+                             "seconds": round(elapsed, 1)})
+        _write_json_atomic(meta_path, meta)
     settings = {"lmeval": lmeval_setting, "ppl": ppl_setting, "agreement": agreement_setting,
                 "artifacts": artifacts_tag}
     report_rows = select_rows(rows, label, settings)
@@ -461,7 +468,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         "limit": limit, "splits": meta["splits"], "artifacts": meta["artifacts"], "device": device_txt,
         "date": _dt.date.today().isoformat(), "command": command, "ppl_setting": ppl_setting,
         "agreement_setting": agreement_setting, "run_seconds": elapsed, "computed": len(todo),
-        "total_cells": len(cells)})
+        "total_cells": len(cells), "report_only": report_only, "measured_cells": n_measured})
     log(f"wrote {csv_path}, {md_path}, {png_path} ({len(todo)} cells computed, {elapsed:.0f} s)")
     return {"csv": csv_path, "markdown": md_path, "plot": png_path, "computed": len(todo),
             "skipped": len(cells) - len(todo), "seconds": elapsed}
@@ -858,7 +865,10 @@ def write_report(rows: Sequence[dict], md_path: str | os.PathLike, png_path: str
     measured = sum(float(s) for s in {row_key(r): r["seconds"] for r in rows if r["seconds"]}.values())
     md.append(f"- Time: {measured:.0f} s measuring the {len({row_key(r) for r in rows})} cells of this report "
               "(sum of the CSV's seconds, model loading excluded)")
-    if "run_seconds" in info:
+    if info.get("report_only"):
+        md.append(f"- **Partial**: {info.get('measured_cells')} of {info.get('total_cells')} cells measured so "
+                  "far (report written with --report-only; configurations missing a task have no average)")
+    elif "run_seconds" in info:
         md.append(f"- Last run: {info.get('computed')} of {info.get('total_cells')} cells computed, "
                   f"{info['run_seconds']:.0f} s in all (cells already in the CSV are skipped)")
     md += ["", "Sparsity-Real (fraction of rows actually skipped, mean over the tasks) in brackets.", ""]
@@ -925,6 +935,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1)")
     p.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <cache>/artifacts)")
     p.add_argument("--out", default="results/quality", help="folder for <model>.csv / .md / .png")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite <model>.md / .png from the CSV as it stands; compute nothing")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--device", default="cpu")
 
@@ -938,5 +950,6 @@ def sweep_from_args(args) -> int:
               sparsities=split(args.sparsity), tasks=split(args.tasks), limit=args.limit,
               out_dir=args.out, ppl_tokens=args.ppl_tokens, agreement_prompts=args.agreement_prompts,
               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, threads=args.threads,
-              artifacts_dir=args.artifacts_dir, dtype=args.dtype, device=args.device)
+              artifacts_dir=args.artifacts_dir, dtype=args.dtype, device=args.device,
+              report_only=args.report_only)
     return 0
