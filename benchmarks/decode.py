@@ -56,6 +56,8 @@ from countdown.decode import generate_fast, reset_decoders
 from countdown.mlp import require_gated_mlps
 from countdown.registry import get_method, kept_rows
 
+from _gpu import copy_bandwidth  # benchmarks/_gpu.py (scripts run with benchmarks/ on sys.path)
+
 COLUMNS = [
     "device", "date", "run", "config", "method", "harness", "sparsity", "sparsity_real", "kept_union", "batch",
     "new_tokens", "tokens_per_s", "decode_tokens_per_s", "ms_per_step", "dense_compiled_tokens_per_s",
@@ -198,25 +200,6 @@ def free_memory() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second (median of ``reps``), in GB/s."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    a.random_(0, 255)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    times = sorted(times[3:])
-    return 2 * nbytes / times[len(times) // 2] / 1e9
 
 
 def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
@@ -824,7 +807,7 @@ def main() -> int:
         checks_ok = run_checks(args.out)
         log(f"checks {'passed' if checks_ok else 'FAILED'}")
     meta["checks_ok"] = checks_ok
-    meta["copy_gbps"] = copy_bandwidth() if DEVICE == "cuda" else float("nan")
+    meta["copy_gbps"] = copy_bandwidth() / 1e9 if DEVICE == "cuda" else float("nan")
     rows: list = []
     try:
         sweep(args, rows, meta)

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 import countdown.kernels as K
 from countdown.kernels import _common, _down, _glu
 
+from _gpu import copy_bandwidth  # benchmarks/_gpu.py (scripts run with benchmarks/ on sys.path)
+
 SHAPES = {  # name: (d_model, d_inter, activation)
     "Llama-3.1-8B": (4096, 14336, "silu"),
     "Qwen2.5-14B": (5120, 13824, "silu"),
@@ -150,24 +152,6 @@ def log(*a):
 
 
 # ---------------------------------------------------------------------------------------- timing
-def copy_bandwidth(nbytes=2 << 30, reps=20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    if DEV == "cpu":
-        return 1e10
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(reps + 3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(ts[3:])
-
-
 def safe_time(label, calls) -> float:
     """time_graph, or NaN (logged) when the variant fails to compile or run."""
     try:
@@ -791,7 +775,7 @@ def main():
     t0 = time.time()
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke test)"
     log(f"device {dev}, torch {torch.__version__}, triton {triton.__version__}")
-    bw = copy_bandwidth()
+    bw = 1e10 if DEV == "cpu" else copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
     os.makedirs(args.out, exist_ok=True)
     sweep_out = {}

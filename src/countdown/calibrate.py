@@ -189,6 +189,14 @@ def _like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return cast(weight), cast(bias)
 
 
+def pooled_sample(score: torch.Tensor, n_tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """A uniform sample (on the CPU) of the values of ``score [N, d]``, of ``POOLED_SAMPLES * N / n_tokens``
+    values: summed over the batches of ``n_tokens`` tokens, about ``POOLED_SAMPLES`` per layer."""
+    flat = score.reshape(-1)
+    n = max(1, round(POOLED_SAMPLES * score.shape[0] / max(n_tokens, 1)))
+    return flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)].cpu()
+
+
 def token_quantiles(score: torch.Tensor, n_keeps: list[int]) -> torch.Tensor:
     """Per token, the value that exactly ``n_keep`` entries exceed (the ``(n_keep + 1)``-th largest),
     for each ``n_keep``: ``[len(n_keeps), N]``. With ``n_keep == d_inter`` there is no such entry
@@ -296,10 +304,8 @@ def _calibration_pass(model, mlps, windows, m: Method, ks: list[float], rule: st
         if rule == "mean-quantile":
             q = token_quantiles(score, n_keeps[i])
             sums[:, i] += q.double().sum(dim=1).cpu()
-        else:  # a uniform sample, in proportion to this batch's share of all tokens
-            flat = score.reshape(-1)
-            n = max(1, round(POOLED_SAMPLES * score.shape[0] / n_tokens))
-            samples[i].append(flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)].cpu())
+        else:
+            samples[i].append(pooled_sample(score, n_tokens, gen))
         counts[i] += score.shape[0]
 
     seen = stream_mlp_inputs(model, mlps, windows, on_input, batch_size=batch_size, progress=progress,

@@ -113,12 +113,11 @@ def _prac_method(name: str, prac: str):
 
     method = get_method(name)
     if method.prac != prac:
-        right = {"threshold": ("thresholds", "cats or mono", "countdown calibrate"),
-                 "predictor": ("a trained predictor", "dual or dejavu", "countdown train")}
-        want, which, _ = right[prac]
-        _, other, command = right["predictor" if prac == "threshold" else "threshold"]
-        raise ValueError(f"method {method.name!r} does not use {want}: use {which} here "
-                         f"({other} go through `{command}`)")
+        if prac == "threshold":
+            hint = "thresholds: use cats or mono here (dual or dejavu go through `countdown train`)"
+        else:
+            hint = "a trained predictor: use dual or dejavu here (cats or mono go through `countdown calibrate`)"
+        raise ValueError(f"method {method.name!r} does not use {hint}")
     return method
 
 

@@ -53,11 +53,11 @@ from .artifacts import Artifacts, check_selection, model_fingerprint, new_meta, 
 from .calibrate import (
     DEFAULT_REFINE_TOKENS,
     DEFAULT_WINDOW,
-    POOLED_SAMPLES,
     _like,
     _sparsity_list,
     first_windows,
     indicator_of,
+    pooled_sample,
     resolve_texts,
     stream_mlp_inputs,
     token_quantiles,
@@ -240,8 +240,7 @@ def _on_devices(selectors: list, mlps: list[GatedMLP]) -> list:
     """Each selector on its Gated-MLP's device, in its dtype (as :func:`countdown.sparsify` does)."""
     for sel, mlp in zip(selectors, mlps):
         sel.to(mlp.w_down.device)
-        if hasattr(sel, "to_model_dtype"):
-            sel.to_model_dtype(mlp.w_down.dtype)
+        sel.to_model_dtype(mlp.w_down.dtype)
     return selectors
 
 
@@ -325,9 +324,7 @@ def calibrated_cuts(score_rows, n_rows: int, n_keeps: list[int], chunk: int = 40
             total += token_quantiles(score, n_keeps).double().sum(dim=1).cpu()
         else:
             d_inter = score.shape[-1]
-            flat = score.reshape(-1)
-            n = max(1, round(POOLED_SAMPLES * score.shape[0] / max(n_rows, 1)))
-            samples.append(flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)].double().cpu())
+            samples.append(pooled_sample(score, n_rows, gen))
     if rule == "mean-quantile":
         return [(t / max(n_rows, 1)).float() for t in total]
     return [_pooled_cut(torch.cat(samples), n, d_inter) for n in n_keeps]
@@ -336,7 +333,7 @@ def calibrated_cuts(score_rows, n_rows: int, n_keeps: list[int], chunk: int = 40
 def _pooled_cut(sample: torch.Tensor, n_keep: int, d_inter: int) -> torch.Tensor:
     if n_keep >= d_inter:
         return torch.tensor(-math.inf)
-    return torch.quantile(sample, 1.0 - n_keep / d_inter, interpolation="linear").float()
+    return torch.quantile(sample.double(), 1.0 - n_keep / d_inter, interpolation="linear").float()
 
 
 CUT_RULES = ("mean-quantile", "pooled")
@@ -633,10 +630,7 @@ def refine_cuts(model: nn.Module, mlps: list[GatedMLP], method: Method, artifact
                 q = token_quantiles(score, [kept_rows(mlp.d_inter, k)])[0]
                 sums[i] += float(q.double().sum())
             else:
-                flat = score.reshape(-1)
-                n = max(1, round(POOLED_SAMPLES * score.shape[0] / max(n_tokens, 1)))
-                samples[i].append(flat[torch.randint(0, flat.numel(), (n,), generator=gen).to(flat.device)]
-                                  .double().cpu())
+                samples[i].append(pooled_sample(score, n_tokens, gen))
             counts[i] += score.shape[0]
 
         sparsify(model, method, k, mode="prac", artifacts=by_cut, scope="all")

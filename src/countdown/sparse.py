@@ -60,6 +60,9 @@ class RowSelector(nn.Module):
     def forward(self, x: torch.Tensor, u: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def to_model_dtype(self, dtype: torch.dtype) -> None:
+        """Hold what the selector reads per token in the model's ``dtype`` where that helps (predictors)."""
+
 
 class TopKSelector(RowSelector):
     """SP-Ideal: per token, exactly the ``n_keep`` rows with the largest indicator."""
@@ -357,7 +360,7 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         layer = SparseGatedMLP(mlp, selector, state, index)
         ref = mlp.w_down
         layer.to(device=ref.device)
-        if hasattr(selector, "to_model_dtype"):
+        if selector is not None:
             selector.to_model_dtype(ref.dtype)  # half-precision predictors on half-precision models
         module = mlp.module
         object.__setattr__(layer, "original_forward", module.forward)
