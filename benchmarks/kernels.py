@@ -576,69 +576,75 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
 
 
 # ---------------------------------------------------------------------------------------- compile check
+class Compile:
+    """Stands in for ``kernel[grid](...)``: compiles for sm_90 with the launch's own arguments (no GPU
+    needed: Triton's own ptxas) and logs registers, spills and shared memory; failures are appended
+    to ``failures``."""
+
+    TYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.uint8: "u8", torch.int64: "i64"}
+    TAG_KEYS = ("MODE", "GATE", "UP", "BP", "CHUNK", "BLOCK_M", "BLOCK_K", "BLOCK_N", "USE_DOT", "DENSE",
+                "REDUCE", "HAS_KEEP", "PREFETCH", "BLOCK_I")
+
+    def __init__(self, jit, failures: list):
+        self.jit, self.failures = jit, failures
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            import inspect
+            import subprocess
+            import tempfile
+
+            import triton
+            import triton.language as tl
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import ASTSource
+
+            cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            params = inspect.signature(self.jit.fn).parameters
+            bound = inspect.signature(self.jit.fn).bind(*args, **kw).arguments
+            sig, const, attrs = {}, {}, {}
+            for i, (name, prm) in enumerate(params.items()):
+                v = bound[name]
+                if prm.annotation is tl.constexpr or "constexpr" in str(prm.annotation):
+                    sig[name], const[(i,)] = "constexpr", v
+                elif isinstance(v, torch.Tensor):
+                    sig[name], attrs[(i,)] = "*" + self.TYS[v.dtype], [["tt.divisibility", 16]]
+                elif isinstance(v, int) and v == 1:  # Triton specialises ints equal to 1
+                    sig[name], const[(i,)] = "constexpr", 1
+                elif isinstance(v, int):
+                    sig[name] = "i32"
+                    if v % 16 == 0:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+                else:
+                    sig[name] = "fp32"
+            tag = f"{self.jit.fn.__name__} {grid} {opts} " + " ".join(
+                f"{k}={bound[k]}" for k in self.TAG_KEYS if k in bound)
+            try:
+                c = triton.compile(ASTSource(self.jit, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=opts)
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(c.asm["cubin"])
+                    f.flush()
+                    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+                use = " ".join(w for l in res.splitlines() if "REG:" in l for w in l.split()
+                               if w.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
+                log(f"ok   {use:40s} {tag}")
+            except Exception as e:  # noqa: BLE001
+                self.failures.append(tag)
+                log(f"FAIL {tag}: {str(e).splitlines()[-1][:300]}")
+        return run
+
+
 def compile_check(shapes, only_defaults=False) -> bool:
     """Compile every kernel variant for sm_90 on this machine (no GPU needed: Triton's own ptxas) and
     print registers, spills and shared memory; False if any fails to compile. Catches what the CPU
     interpreter cannot (type and layout errors of the real compiler) before spending device time."""
-    import inspect
-    import subprocess
-    import tempfile
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    tys = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.uint8: "u8", torch.int64: "i64"}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     failures = []
-
-    class Compile:  # stands in for kernel[grid](...): compiles with the launch's own arguments
-        def __init__(self, jit):
-            self.jit = jit
-
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-                params = inspect.signature(self.jit.fn).parameters
-                bound = inspect.signature(self.jit.fn).bind(*args, **kw).arguments
-                sig, const, attrs = {}, {}, {}
-                for i, (name, prm) in enumerate(params.items()):
-                    v = bound[name]
-                    if prm.annotation is tl.constexpr or "constexpr" in str(prm.annotation):
-                        sig[name], const[(i,)] = "constexpr", v
-                    elif isinstance(v, torch.Tensor):
-                        sig[name], attrs[(i,)] = "*" + tys[v.dtype], [["tt.divisibility", 16]]
-                    elif isinstance(v, int) and v == 1:  # Triton specialises ints equal to 1
-                        sig[name], const[(i,)] = "constexpr", 1
-                    elif isinstance(v, int):
-                        sig[name] = "i32"
-                        if v % 16 == 0:
-                            attrs[(i,)] = [["tt.divisibility", 16]]
-                    else:
-                        sig[name] = "fp32"
-                tag = f"{self.jit.fn.__name__} {grid} {opts} " + " ".join(
-                    f"{k}={bound[k]}" for k in ("MODE", "GATE", "UP", "BP", "CHUNK", "BLOCK_M", "BLOCK_K", "BLOCK_N",
-                                                "USE_DOT", "DENSE", "REDUCE", "HAS_KEEP") if k in bound)
-                try:
-                    c = triton.compile(ASTSource(self.jit, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                                       options=opts)
-                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                        f.write(c.asm["cubin"])
-                        f.flush()
-                        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-                    use = " ".join(w for l in res.splitlines() if "REG:" in l for w in l.split()
-                                   if w.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
-                    log(f"ok   {use:40s} {tag}")
-                except Exception as e:  # noqa: BLE001
-                    failures.append(tag)
-                    log(f"FAIL {tag}: {str(e).splitlines()[-1][:300]}")
-            return run
-
-    _glu._sparse_glu_kernel = Compile(_glu._sparse_glu_kernel)
-    _down._sparse_down_kernel = Compile(_down._sparse_down_kernel)
-    _down._sum_partials_kernel = Compile(_down._sum_partials_kernel)
+    _glu._sparse_glu_kernel = Compile(_glu._sparse_glu_kernel, failures)
+    _down._sparse_down_kernel = Compile(_down._sparse_down_kernel, failures)
+    _down._sum_partials_kernel = Compile(_down._sum_partials_kernel, failures)
     for name in shapes:
         d_model, d_inter, act = SHAPES[name]
         for batch in (1, 8):

@@ -83,3 +83,41 @@ def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection
         countdown.unsparsify(model)
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
     assert calls == ["dual_gated_mlp"] * len(countdown.find_gated_mlps(model))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["mono", "cats", "dual"])
+def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
+    """A patched model's single-token forward (a decode step at batch 1) runs each Gated-MLP as the
+    one-launch kernel (kernels/_onepass.py) and gives the masked path's logits; dual with a trained
+    low-rank predictor (per-row cuts)."""
+    from countdown.kernels import _onepass
+
+    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    launches = []
+    real = _onepass.onepass_partials
+    monkeypatch.setattr(_onepass, "onepass_partials", lambda *a, **k: launches.append(a[8]) or real(*a, **k))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model(arch)
+    art = None
+    if kind == "dual":
+        from countdown.predictors import train_predictors
+        from test_calibrate import TOK, word_texts
+
+        art = train_predictors(model, TOK, "dual", 0.7, texts=word_texts(0), num_tokens=256, window=64,
+                               kind="lowrank", d_rank=8, epochs=1, progress=False)
+    model = model.to(device)
+    ids = torch.randint(3, 120, (1, 1), device=device)
+    outs = {}
+    for path in ("masked", "kernel"):
+        if kind == "dual":
+            countdown.sparsify(model, "dual", 0.7, mode="prac", artifacts=art, scope="all", path=path)
+        else:
+            countdown.sparsify(model, kind, 0.5, scope="all", path=path)
+            _swap_selectors(model, lambda mlp: ThresholdSelector(countdown.get_method(kind), 0.05).to(mlp.w_up.device))
+        with torch.no_grad():
+            outs[path] = model(ids).logits
+        countdown.unsparsify(model)
+    torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
+    mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[kind]
+    assert launches == [mode] * len(countdown.find_gated_mlps(model))

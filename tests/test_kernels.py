@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _down, _glu  # noqa: E402
+from countdown.kernels import _common, _down, _glu, _onepass  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
@@ -35,6 +35,7 @@ def _poison(monkeypatch):
     # the indicator by cuBLAS, as the references compute it (test_fused_dense_indicator covers the
     # kernel computing it itself, where a different summation order may move a threshold tie)
     monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
+    monkeypatch.setattr(_onepass, "ONEPASS", False)  # test_onepass covers it (same reason)
     torch.manual_seed(0)
 
 
@@ -231,6 +232,78 @@ def test_fused_dense_indicator(op, dtype, batch, monkeypatch):
         keep = K.dual_keep(x, pa, pb, cut)
         out, out_torch = (f(x, wg, wu, wdt, pa, pb, cut, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
     _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
+    ("mono", torch.bfloat16, "silu", {}, False),  # per program
+    ("mono", torch.float32, "gelu_tanh", dict(PREFETCH=True, CHUNK=16, BLOCK_M=4), False),
+    ("cats", torch.float16, "gelu_tanh", {}, False),
+    ("cats", torch.bfloat16, "silu", dict(PREFETCH=True, BLOCK_M=1), False),
+    ("dual", torch.bfloat16, "silu", {}, False),
+    ("dual", torch.bfloat16, "silu", {}, True),
+    ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8), True),
+]
+
+
+@pytest.mark.parametrize("ind", ["torch", "kernel"], ids=["ind-torch", "ind-kernel"])
+@pytest.mark.parametrize("op,dtype,act,config,per_row", ONEPASS_CASES,
+                         ids=[f"{o}-{str(d)[6:]}-{a}-{'cfg' if c else 'default'}{'-per-row' if r else ''}"
+                              for o, d, a, c, r in ONEPASS_CASES])
+def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
+    """The one-launch kernel for a single token (decode steps): indicator, compaction, kept GEMVs
+    and down projection in one persistent grid, fp32 partials summed outside; the indicator given
+    (computed by torch) or computed in the kernel. Thresholds sit in wide gaps (the kernel's own
+    indicator has another summation order); per-row thresholds (dual: a trained predictor's
+    ``cut - bias``) give every row its own value."""
+    monkeypatch.setattr(_onepass, "ONEPASS", True)
+    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, **config, "IND": ind} for m, c in _onepass.CONFIGS.items()})
+    x, wg, wu, wdt = _mlp(1, dtype)
+    if op == "dual":
+        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
+        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
+        values = K.dual_scores(x, pa, pb).float()[0]
+    elif op == "mono":
+        values = (x @ wu.t()).float().abs()[0]
+    else:
+        values = _common.act_torch((x @ wg.t()).float(), act).abs()[0]
+    if per_row:  # 30 % of rows get a threshold well below their score, the rest well above
+        gen = torch.Generator().manual_seed(2)
+        above = torch.rand(D_INTER, generator=gen).to(DEVICE) < 0.3
+        thr = torch.where(above, values - 0.5 * values.abs() - 0.05, values + 0.5 * values.abs() + 0.05)
+    else:
+        thr = _threshold(values, 0.7, gap=0.05)
+    keep = (values > thr)[None, :]
+    if op == "mono":
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
+    elif op == "cats":
+        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
+    else:
+        out, out_torch = (f(x, wg, wu, wdt, pa, pb, thr, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+    assert 0 < int(keep.sum()) < keep.numel()
+    mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[op]
+    assert _onepass.n_programs(x.device, D_INTER, mode) > 1 or REAL
+    _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+def test_onepass_really_runs(monkeypatch):
+    """The single-token ops take the one-launch kernel when it applies, and only then."""
+    monkeypatch.setattr(_onepass, "ONEPASS", True)
+    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    calls = []
+    real = _onepass.onepass_partials
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_onepass, "onepass_partials", spy)
+    for batch in (1, 2):
+        x, wg, wu, wdt = _mlp(batch, torch.bfloat16)
+        K.mono_gated_mlp(x, wg, wu, wdt, 0.5, "silu")
+    assert calls == [1]
+    with pytest.raises(ValueError, match="one token"):
+        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
 
 
 VARIANTS = [  # kernel options the benchmark compares; each must be right too

@@ -58,6 +58,14 @@ def cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu
     if not available(x):
         return cats_gated_mlp_ref(x, w_gate, w_up, w_down_t, threshold, activation)
     thr_t, thr_f = split_threshold(threshold)
+    x2 = x.reshape(-1, d_model)
+    from . import _onepass
+
+    if _onepass.applies(x2):  # one token: the whole MLP in one launch
+        src = dict(ind=x2 @ w_gate.t()) if _onepass.indicator_outside("abs_act") else dict(v=x2, w_ind=w_gate)
+        y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation,
+                                 gate=False, up=True, **src)
+        return y.reshape(x.shape)
     y = torch.ops.countdown.cats_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)
     return y.reshape(x.shape)

@@ -1,0 +1,293 @@
+"""Triton kernel: a whole sparse Gated-MLP for one token in one launch (the decode step's case).
+
+For the token x [d_model] and its indicator ind [d_inter] (u for mono, g for cats, the predictor's
+scores x A B for dual), either given (``IND="torch"``: computed before the op by cuBLAS, or under
+torch.compile by Inductor's tuned GEMV, which measured faster than the kernel's own) or computed
+here from the indicator's input v (x for mono / cats, the latent x A for dual):
+
+    ind[i]  = v . W_ind[i]                  W_ind = W_up (mono), W_gate (cats), B^T (dual)
+    keep[i] = |ind| > t, |act(ind)| > t or ind > t[i]       (the MODEs of _glu.py)
+    s[i]    = u[i] * act(g[i])              for kept rows; the GEMV that is not the indicator is
+                                            computed for kept rows only
+    P[p]    = sum over the rows program p owns of s[i] * w_down_t[i]          (fp32 partials)
+
+and y = P.sum(0), in x's dtype, is left to the caller (``onepass_mlp``): under torch.compile that
+sum and cast fuse into the residual add that follows, so a decode step's sparse MLP is one launch
+of ours instead of three (GLU kernel, down kernel, cast; see _chain.py).
+
+The grid is persistent: PROGS programs (a few per SM) walk the row chunks c = p, p + PROGS, ...
+Per chunk a program reads the chunk's indicators (or loads the CHUNK indicator rows whole, one DRAM
+round trip, and computes them), compacts the kept
+rows in registers (prefix sum + one-hot select, as _glu.py), then loads BLOCK_M kept rows of every
+matrix it still needs, all loads issued before any arithmetic (one more round trip), and adds
+s W_down rows into its fp32 accumulator [d_model]. With PREFETCH the next chunk's indicator rows
+are requested before the current chunk's kept rows, so the two round trips overlap. Partials are
+written whole (no atomics, no zeroed workspace): the reduction is deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import act_code
+from ._glu import MODES, _act, _keep, _pow2, _round_to
+
+# One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
+# it, since the in-kernel indicator may differ from torch's in the last bit at a threshold tie.
+ONEPASS = True
+ONEPASS_OFF_CUDA = False
+
+# Launch configurations by indicator kind (mono: u, cats: g, dual: the predictor's scores). IND: where
+# the indicator is computed, "torch" (before the op) or "kernel" (from W_ind rows; PREFETCH applies to
+# it only). Defaults: the fastest of `benchmarks/onepass.py --sweep` on an H200, 2026-11-21, Llama-3.1-8B
+# shape, k = 0.9 (benchmarks/results/onepass/): with IND="torch" mono 49.4 us, dual 36.4 us under
+# torch.compile; KERNEL_IND_CONFIGS, the best with IND="kernel", 51.2 us and 36.4 us.
+# COUNTDOWN_ONEPASS_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
+CONFIGS = {
+    "abs": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
+    "abs_act": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
+    "gt": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
+}
+KERNEL_IND_CONFIGS = {
+    "abs": dict(IND="kernel", CHUNK=8, BLOCK_M=2, num_warps=8, PER_SM=2, PREFETCH=False),
+    "gt": dict(IND="kernel", CHUNK=32, BLOCK_M=2, num_warps=4, PER_SM=2, PREFETCH=False),
+}
+
+
+def _env_configs() -> None:
+    raw = os.environ.get("COUNTDOWN_ONEPASS_CONFIGS")
+    if not raw:
+        return
+    try:
+        extra = json.loads(raw)
+        for mode, cfg in extra.items():
+            CONFIGS[mode] = {**CONFIGS[mode], **cfg}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"COUNTDOWN_ONEPASS_CONFIGS must be JSON like "
+                         f"'{{\"abs\": {{\"CHUNK\": 16}}}}' with modes {sorted(CONFIGS)}: {error}") from None
+
+
+_env_configs()
+INTERPRETER_PROGS = 3  # programs under the interpreter: small, so each walks several chunks
+
+
+@triton.jit
+def _onepass_kernel(
+    X, V, WI, IND, WG, WU, WD, THR, P,
+    thr_f, d_model, d_inter, k_ind, n_chunks, n_progs,
+    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
+    THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
+    BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kd = tl.arange(0, BLOCK_D)
+    ki = tl.arange(0, BLOCK_I)
+    if EVEN_D:
+        xv = tl.load(X + kd).to(tl.float32)
+    else:
+        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    if DENSE:
+        if EVEN_I:
+            vv = tl.load(V + ki).to(tl.float32)
+        else:
+            vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
+    if THR_PTR:
+        thr_s = tl.load(THR).to(tl.float32)
+    else:
+        thr_s = thr_f
+    yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    cr = tl.arange(0, CHUNK)
+
+    if PREFETCH and DENSE:  # the first chunk's indicator rows
+        r_n = pid * CHUNK + cr
+        if BIG:
+            o_n = r_n.to(tl.int64)[:, None] * k_ind + ki[None, :]
+        else:
+            o_n = r_n[:, None] * k_ind + ki[None, :]
+        if EVEN_I:
+            wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None], other=0.0)
+        else:
+            wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None] & (ki < k_ind)[None, :], other=0.0)
+
+    for c in range(pid, n_chunks, n_progs):
+        r = c * CHUNK + cr
+        rmask = r < d_inter
+        if not DENSE:  # the indicator was computed before the launch
+            ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
+        elif PREFETCH:
+            wi = wi_n
+            r_n = (c + n_progs) * CHUNK + cr  # beyond the last chunk: all masked, nothing read
+            if BIG:
+                o_n = r_n.to(tl.int64)[:, None] * k_ind + ki[None, :]
+            else:
+                o_n = r_n[:, None] * k_ind + ki[None, :]
+            if EVEN_I:
+                wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None], other=0.0)
+            else:
+                wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None] & (ki < k_ind)[None, :], other=0.0)
+        else:
+            if BIG:
+                o = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
+            else:
+                o = r[:, None] * k_ind + ki[None, :]
+            if EVEN_I:
+                wi = tl.load(WI + o, mask=rmask[:, None], other=0.0)
+            else:
+                wi = tl.load(WI + o, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+        if DENSE:  # the indicator, rounded to v's dtype as a dense GEMV would return it
+            ind = _round_to(tl.sum(wi.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
+        if THR_VEC:
+            thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
+        else:
+            thr = thr_s
+        keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
+        cnt = tl.sum(keep, axis=0)
+        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+        if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
+            yacc += tl.sum(tl.where(keep > 0, ind, 0.0), axis=0)  # alone; keeps its loads alive
+            cnt = 0
+        for t in range(0, cnt, BLOCK_M):
+            m = t + tl.arange(0, BLOCK_M)
+            valid = m < cnt
+            sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: tile slot -> chunk row
+            rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
+            it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
+            if BIG:
+                roff = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
+            else:
+                roff = rows[:, None] * d_model + kd[None, :]
+            if EVEN_D:
+                wmask = valid[:, None]
+            else:
+                wmask = valid[:, None] & (kd < d_model)[None, :]
+            # every load of the tile before any arithmetic: one round trip
+            if GATE:
+                wg = tl.load(WG + roff, mask=wmask, other=0.0)
+            if UP:
+                wu = tl.load(WU + roff, mask=wmask, other=0.0)
+            wd = tl.load(WD + roff, mask=wmask, other=0.0)
+            if GATE:
+                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+            else:
+                g = it
+            if UP:
+                u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+            else:
+                u = it
+            s = tl.where(valid, u * _act(g, ACT), 0.0)
+            s = _round_to(s, X.dtype.element_ty)  # s in the model's dtype, as the two-kernel chain
+            yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+
+    if BIG:
+        off = pid.to(tl.int64) * d_model + kd
+    else:
+        off = pid * d_model + kd
+    if EVEN_D:
+        tl.store(P + off, yacc)
+    else:
+        tl.store(P + off, yacc, mask=kd < d_model)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def n_programs(device: torch.device, d_inter: int, mode: str, config: dict | None = None) -> int:
+    """How many partial sums the kernel writes for this device, shape and mode (the op's output rows)."""
+    cfg = {**CONFIGS[mode], **(config or {})}
+    n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        progs = _sm_count(index) * cfg["PER_SM"]
+    else:
+        progs = INTERPRETER_PROGS
+    return max(1, min(n_chunks, progs))
+
+
+def applies(x2: torch.Tensor) -> bool:
+    """Whether the one-launch kernel serves this [n_tok, d_model] input."""
+    return ONEPASS and x2.shape[0] == 1 and (x2.is_cuda or ONEPASS_OFF_CUDA)
+
+
+LAST_KERNEL = None
+
+
+def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
+                     gate: bool, up: bool, config: dict | None = None, ind=None) -> torch.Tensor:
+    """The fp32 partial sums P [n_programs, d_model] for x [1, d_model]; y = P.sum(0). The indicator
+    is ``ind`` [1, d_inter] if given, else computed in the kernel as v [1, k] . w_ind [d_inter, k] rows."""
+    global LAST_KERNEL
+    cfg = {**CONFIGS[mode], **(config or {})}
+    n_tok, d_model = x.shape
+    if n_tok != 1:
+        raise ValueError(f"the one-launch kernel takes one token, got {n_tok}")
+    d_inter = w_gate.shape[0]
+    if ind is not None:
+        if ind.shape != (1, d_inter):
+            raise ValueError(f"indicator must be [1, {d_inter}], got {tuple(ind.shape)}")
+        ind = ind.contiguous()
+        v, w_ind = x, w_gate  # placeholders, never read
+    elif w_ind.shape[0] != d_inter or v.shape != (1, w_ind.shape[1]):
+        raise ValueError(f"indicator input must be v [1, k] and w_ind [{d_inter}, k], got "
+                         f"{tuple(v.shape)} and {tuple(w_ind.shape)}")
+    k_ind = w_ind.shape[1]
+    x, v, w_ind = x.contiguous(), v.contiguous(), w_ind.contiguous()
+    w_gate, w_up, w_down_t = w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
+    thr_vec = thr_t is not None and thr_t.dim() == 1
+    if thr_vec and thr_t.numel() != d_inter:
+        raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
+    chunk = cfg["CHUNK"]
+    progs = n_programs(x.device, d_inter, mode, cfg)
+    block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
+    p = _common.new_output((progs, d_model), torch.float32, x.device)
+    LAST_KERNEL = _onepass_kernel[(progs,)](
+        x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
+        float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, chunk), progs,
+        MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
+        THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
+        BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
+        SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None,
+        num_warps=cfg["num_warps"], num_stages=1,
+    )
+    return p
+
+
+@torch.library.custom_op("countdown::gated_onepass", mutates_args=())
+def _onepass_op(x: torch.Tensor, v: Optional[torch.Tensor], w_ind: Optional[torch.Tensor],
+                ind: Optional[torch.Tensor], w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+                thr_t: Optional[torch.Tensor], thr_f: float, mode: str, activation: str, gate: bool,
+                up: bool) -> torch.Tensor:
+    return onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up,
+                            ind=ind)
+
+
+@_onepass_op.register_fake
+def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+    return x.new_empty((n_programs(x.device, w_gate.shape[0], mode), x.shape[1]), dtype=torch.float32)
+
+
+def indicator_outside(mode: str) -> bool:
+    """Whether the ops compute the indicator in PyTorch before the launch (CONFIGS[mode]["IND"])."""
+    return CONFIGS[mode].get("IND", "torch") == "torch"
+
+
+def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
+                *, ind=None, v=None, w_ind=None) -> torch.Tensor:
+    """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
+    ``w_ind``: the op's partials summed and cast outside the op, where torch.compile fuses them (and
+    the indicator's GEMV) with their neighbours."""
+    p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
+                                          mode, activation, gate, up)
+    return p.sum(0, keepdim=True).to(x2.dtype)
