@@ -80,6 +80,18 @@ INTERPRETER_PROGS = 3  # programs under the interpreter: small, so each walks se
 
 
 @triton.jit
+def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
+    """Rows ``r`` (columns ``k``) of a row-major [n_rows, n_k] matrix; rows past the end read as 0."""
+    if BIG:
+        off = r.to(tl.int64)[:, None] * n_k + k[None, :]
+    else:
+        off = r[:, None] * n_k + k[None, :]
+    if EVEN_K:
+        return tl.load(W + off, mask=(r < n_rows)[:, None], other=0.0)
+    return tl.load(W + off, mask=(r < n_rows)[:, None] & (k < n_k)[None, :], other=0.0)
+
+
+@triton.jit
 def _onepass_kernel(
     X, V, WI, IND, WG, WU, WD, THR, P,
     thr_f, d_model, d_inter, k_ind, n_chunks, n_progs,
@@ -108,41 +120,18 @@ def _onepass_kernel(
     cr = tl.arange(0, CHUNK)
 
     if PREFETCH and DENSE:  # the first chunk's indicator rows
-        r_n = pid * CHUNK + cr
-        if BIG:
-            o_n = r_n.to(tl.int64)[:, None] * k_ind + ki[None, :]
-        else:
-            o_n = r_n[:, None] * k_ind + ki[None, :]
-        if EVEN_I:
-            wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None], other=0.0)
-        else:
-            wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None] & (ki < k_ind)[None, :], other=0.0)
+        wi_n = _rows(WI, pid * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
 
     for c in range(pid, n_chunks, n_progs):
         r = c * CHUNK + cr
         rmask = r < d_inter
         if not DENSE:  # the indicator was computed before the launch
             ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
-        elif PREFETCH:
-            wi = wi_n
-            r_n = (c + n_progs) * CHUNK + cr  # beyond the last chunk: all masked, nothing read
-            if BIG:
-                o_n = r_n.to(tl.int64)[:, None] * k_ind + ki[None, :]
-            else:
-                o_n = r_n[:, None] * k_ind + ki[None, :]
-            if EVEN_I:
-                wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None], other=0.0)
-            else:
-                wi_n = tl.load(WI + o_n, mask=(r_n < d_inter)[:, None] & (ki < k_ind)[None, :], other=0.0)
+        elif PREFETCH:  # this chunk's rows arrived during the last one; request the next chunk's
+            wi = wi_n  # (beyond the last chunk every row is masked: nothing is read)
+            wi_n = _rows(WI, (c + n_progs) * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
         else:
-            if BIG:
-                o = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
-            else:
-                o = r[:, None] * k_ind + ki[None, :]
-            if EVEN_I:
-                wi = tl.load(WI + o, mask=rmask[:, None], other=0.0)
-            else:
-                wi = tl.load(WI + o, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+            wi = _rows(WI, r, ki, k_ind, d_inter, BIG, EVEN_I)
         if DENSE:  # the indicator, rounded to v's dtype as a dense GEMV would return it
             ind = _round_to(tl.sum(wi.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
         if THR_VEC:
@@ -281,6 +270,14 @@ def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, 
 def indicator_outside(mode: str) -> bool:
     """Whether the ops compute the indicator in PyTorch before the launch (CONFIGS[mode]["IND"])."""
     return CONFIGS[mode].get("IND", "torch") == "torch"
+
+
+def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str) -> torch.Tensor:
+    """mono (mode "abs": keep |u| > t) or cats ("abs_act": keep |act(g)| > t) for one token."""
+    w_ind = w_up if mode == "abs" else w_gate
+    src = dict(ind=x2 @ w_ind.t()) if indicator_outside(mode) else dict(v=x2, w_ind=w_ind)
+    return onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
+                       gate=mode == "abs", up=mode != "abs", **src)
 
 
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,

@@ -62,9 +62,7 @@ def cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu
     from . import _onepass
 
     if _onepass.applies(x2):  # one token: the whole MLP in one launch
-        src = dict(ind=x2 @ w_gate.t()) if _onepass.indicator_outside("abs_act") else dict(v=x2, w_ind=w_gate)
-        y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation,
-                                 gate=False, up=True, **src)
+        y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation)
         return y.reshape(x.shape)
     y = torch.ops.countdown.cats_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)

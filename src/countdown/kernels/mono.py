@@ -63,9 +63,7 @@ def mono_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu
     from . import _onepass
 
     if _onepass.applies(x2):  # one token: the whole MLP in one launch
-        src = dict(ind=x2 @ w_up.t()) if _onepass.indicator_outside("abs") else dict(v=x2, w_ind=w_up)
-        y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs", activation,
-                                 gate=True, up=False, **src)
+        y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs", activation)
         return y.reshape(x.shape)
     y = torch.ops.countdown.mono_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)
