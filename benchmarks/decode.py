@@ -171,54 +171,17 @@ def predictor_artifacts(model, ks: list[float], n_tokens: int, window: int, rank
     return Artifacts(meta, tensors), f"STAND-IN predictor (random rank-{rank} A, B; cut keeps 1-k)"
 
 
-def refit_cuts(model, art, method: str, ks: list[float], prompt_len: int, new_tokens: int = 64,
-               n_prompts: int = CALIB_PROMPTS, rounds: int = 2) -> dict:
-    """Re-fit a trained predictor's per-layer cuts on the *sparse* model's own decode steps.
-
-    The cuts from ``train_predictors`` are quantiles of the scores on the dense model's activations;
-    a random-weight model patched with them drifts to other activations on its own greedy
-    continuations, where the same cut keeps fewer rows (measured: Sparsity-Real 0.963 at k = 0.9).
-    Here, per k and round: patch (masked path), generate ``new_tokens`` greedily from ``n_prompts``
-    random prompts (seeds 100, 101, ...; never the timed prompt's), collect every layer's decode-step
-    inputs x, and set the layer's cut to the k-quantile of the pooled scores ``x A B + bias``. Only
-    the cuts change (A, B, bias are the trained ones). Returns {k: [Sparsity-Real on the calibration
-    prompts per round, before each re-fit]}."""
-    from countdown.artifacts import sparsity_key
-    from countdown.decode import generate_fast
+def refit_cuts(model, art, prompt_len: int, rounds: int, n_prompts: int = CALIB_PROMPTS) -> dict:
+    """``countdown.predictors.refine_cuts_on_decode`` on ``n_prompts`` random prompts (seeds 100, 101,
+    ...; never the timed prompt's), 64 new tokens each: dual's trained cuts re-fitted on the sparse
+    model's own decode steps, where a random-weight model's activations drift from the dense model's
+    (without it, Sparsity-Real 0.963 at k = 0.9, runs D-F)."""
+    from countdown.predictors import refine_cuts_on_decode
 
     vocab = model.config.vocab_size
     prompts = torch.cat([torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(100 + i))
-                         for i in range(n_prompts)]).to(DEVICE)
-    history = {}
-    for k in ks:
-        history[k] = []
-        for _ in range(rounds):
-            countdown.sparsify(model, method, k, mode="prac", artifacts=art, path="masked")
-            inputs = {i: [] for i in range(len(selectors_of(model)))}
-            kept = []
-
-            def hook(i):
-                def fn(module, args, keep):
-                    inputs[i].append(args[0].detach().float())
-                    kept.append(keep.float().mean().item())
-                return fn
-
-            handles = [sel.register_forward_hook(hook(i)) for i, sel in enumerate(selectors_of(model))]
-            try:
-                generate_fast(model, prompts, new_tokens, compile=False)
-            finally:
-                for h in handles:
-                    h.remove()
-                countdown.unsparsify(model)
-            history[k].append(round(1 - sum(kept) / len(kept), 4))
-            for i, xs in inputs.items():
-                prefix = f"{sparsity_key(k)}/layer{i}/"
-                t = {n: art.tensors[prefix + n].to(DEVICE, torch.float32) for n in ("A", "B", "bias")}
-                score = ((torch.cat(xs) @ t["A"]) @ t["B"] + t["bias"]).flatten()
-                cut = score.kthvalue(max(1, min(score.numel(), round(k * score.numel())))).values
-                art.tensors[prefix + "cut"] = cut.reshape(()).cpu()
-            del inputs
-    return history
+                         for i in range(n_prompts)])
+    return refine_cuts_on_decode(model, art, prompts, new_tokens=64, rounds=rounds)
 
 
 def selectors_of(model):
@@ -504,7 +467,7 @@ def sweep(args, rows: list, meta: dict) -> None:
             artifacts[method] = predictor_artifacts(model, ks, args.calib_tokens, 128, args.rank,
                                                     allow_stand_in=args.allow_stand_in, texts=calib_texts)
             if args.refit_cuts:
-                hist = refit_cuts(model, artifacts[method][0], method, ks, args.prompt, rounds=args.refit_cuts)
+                hist = refit_cuts(model, artifacts[method][0], args.prompt, rounds=args.refit_cuts)
                 meta.setdefault("refit_cuts", {})[method] = {str(k): v for k, v in hist.items()}
                 log(f"{method} cuts re-fitted on the sparse model's own decode steps; Sparsity-Real on the "
                     f"calibration prompts before each round: {hist}")

@@ -55,6 +55,19 @@ def test_train_then_quality(tiny, tmp_path, capsys):
     assert report["footprint"]["share"] > 0
 
 
+def test_train_with_refine_on_decode(tiny, tmp_path, capsys):
+    _, calib, _ = tiny
+    out = tmp_path / "dual.safetensors"
+    assert cli.main(["train", "--method", "dual", "-k", "0.8", "--kind", "lowrank", "--d-rank", "8",
+                     "--epochs", "1", "--texts", calib, "--num-tokens", "256", "--refine-on-decode", "2",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "k=0.8: Sparsity-Real of the model's own decode steps per round" in printed
+    refit = load_artifacts(out).meta["decode_refit"]
+    assert refit["rounds"] == 2 and refit["prompts"] == 8 and refit["prompt_len"] == 32
+    assert len(refit["sparsity_real_per_round"]["0.8"]) == 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--method", "dual"], "countdown train"),
     (["train", "--method", "mono"], "countdown calibrate"),

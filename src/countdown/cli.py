@@ -151,6 +151,20 @@ def cmd_train(args) -> int:
     art = train_predictors(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
                            selection=args.selection, cut_rule=args.cut_rule, checkpoint=args.checkpoint,
                            refine=not args.no_refine, init=args.init, seed=args.seed, **options)
+    if args.refine_on_decode:
+        import torch
+
+        from .calibrate import token_windows
+        from .data import calibration_texts
+        from .predictors import refine_cuts_on_decode
+
+        # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
+        texts = _texts(args.texts) or calibration_texts()
+        windows = [w for w in token_windows(tok, texts, 8 * 32, 32) if w.shape[1] == 32][:8]
+        history = refine_cuts_on_decode(model, art, torch.cat(windows), new_tokens=64, rounds=args.refine_on_decode)
+        for k, rounds in history.items():
+            print(f"k={k:g}: Sparsity-Real of the model's own decode steps per round "
+                  f"{', '.join(f'{v:.3f}' for v in rounds)} (cuts re-fitted after each)")
     path = art.save(_artifact_out(args, method.name, ks))
     _summarise_artifact(art, path)
     return 0
@@ -333,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
     p.add_argument("--num-tokens", type=int, default=8192)
     p.add_argument("--no-refine", action="store_true")
+    p.add_argument("--refine-on-decode", type=int, default=0, metavar="ROUNDS",
+                   help="then re-fit the cuts on the sparse model's own greedy continuations of 8 calibration "
+                        "prompts (lowrank / ternary; rounds, 0 = off): Sparsity-Real at decode time = k")
     p.add_argument("--checkpoint", default=None, help="folder: finished layers are kept, a rerun resumes")
     p.add_argument("--out", default=None, help="artifact path (default <method>-<model>-k<k>.safetensors)")
     p.set_defaults(func=cmd_train)
