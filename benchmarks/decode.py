@@ -710,16 +710,14 @@ def plot(rows: list, path: str, metas: list) -> None:
                                  if r["method"] == method and r["harness"] == harness and int(r["batch"]) == 1)
                     if pts:
                         ax.plot(*zip(*pts), marker=marker, color=color, label=f"{method} ({harness})")
-            labelled = set()
+            labelled = set()  # one legend entry per dense harness; later samples drawn fainter
             for r in sel:
                 if r["method"] == "dense" and int(r["batch"]) == 1:
-                    if r["harness"] in labelled:  # another sample of the same dense harness: one legend entry
-                        style = {"eager": ("gray", ":"), "cudagraph": ("tab:brown", "-.")}.get(r["harness"], ("k", "--"))
-                        ax.axhline(float(r["tokens_per_s"]), color=style[0], ls=style[1], alpha=0.5)
-                        continue
-                    labelled.add(r["harness"])
                     style = {"eager": ("gray", ":"), "cudagraph": ("tab:brown", "-.")}.get(r["harness"], ("k", "--"))
-                    ax.axhline(float(r["tokens_per_s"]), color=style[0], ls=style[1], label=f"dense ({r['harness']})")
+                    first = r["harness"] not in labelled
+                    labelled.add(r["harness"])
+                    ax.axhline(float(r["tokens_per_s"]), color=style[0], ls=style[1], alpha=1.0 if first else 0.5,
+                               label=f"dense ({r['harness']})" if first else None)
             ax.set_xlabel("target sparsity k")
             ax.set_ylabel("tokens/s (batch 1)")
             ax.set_title(f"{title}\n{n} new tokens", fontsize=9)

@@ -39,12 +39,15 @@ def test_calibrate_then_ppl_with_the_artifact(tiny, tmp_path, capsys):
     assert not countdown.is_sparsified(model) or countdown.unsparsify(model)
 
 
+def train_lowrank_dual(calib: str, out, k: str, *extra: str) -> int:
+    return cli.main(["train", "--method", "dual", "-k", k, "--kind", "lowrank", "--d-rank", "8", "--epochs", "1",
+                     "--texts", calib, "--num-tokens", "256", *extra, "--out", str(out)])
+
+
 def test_train_then_quality(tiny, tmp_path, capsys):
     _, calib, held_out = tiny
     out = tmp_path / "dual.safetensors"
-    assert cli.main(["train", "--method", "dual", "-k", "0.7", "--kind", "lowrank", "--d-rank", "8",
-                     "--epochs", "1", "--texts", calib, "--num-tokens", "256", "--cut-rule", "pooled",
-                     "--out", str(out)]) == 0
+    assert train_lowrank_dual(calib, out, "0.7", "--cut-rule", "pooled") == 0
     art = load_artifacts(out)
     assert art.kind == "lowrank" and art.meta["d_rank"] == 8 and art.meta["training"]["cut_rule"] == "pooled"
     capsys.readouterr()
@@ -58,9 +61,7 @@ def test_train_then_quality(tiny, tmp_path, capsys):
 def test_train_with_refine_on_decode(tiny, tmp_path, capsys):
     _, calib, _ = tiny
     out = tmp_path / "dual.safetensors"
-    assert cli.main(["train", "--method", "dual", "-k", "0.8", "--kind", "lowrank", "--d-rank", "8",
-                     "--epochs", "1", "--texts", calib, "--num-tokens", "256", "--refine-on-decode", "2",
-                     "--out", str(out)]) == 0
+    assert train_lowrank_dual(calib, out, "0.8", "--refine-on-decode", "2") == 0
     printed = capsys.readouterr().out
     assert "k=0.8: Sparsity-Real of the model's own decode steps per round" in printed
     refit = load_artifacts(out).meta["decode_refit"]

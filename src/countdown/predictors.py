@@ -665,7 +665,7 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
     Returns ``{k: [Sparsity-Real of each round's generation]}``: how far each round's cuts were from k
     on the sparse model's own decode steps (the first entry is the artifact as given)."""
     from .decode import generate_fast
-    from .sparse import SparseGatedMLP, sparsify, sparsity_real, unsparsify
+    from .sparse import sparsify, sparsity_real, state_of, unsparsify
 
     m = get_method(artifacts.method)
     if artifacts.kind not in ("lowrank", "ternary"):
@@ -680,7 +680,7 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
         history[k] = []
         for _ in range(rounds):
             sparsify(model, m.name, k, mode="prac", artifacts=artifacts.with_selection("cut"), path="masked")
-            selectors = [mod.selector for mod in model.modules() if isinstance(mod, SparseGatedMLP)]
+            selectors = [layer.selector for layer in state_of(model).layers]
             inputs: list[list[torch.Tensor]] = [[] for _ in selectors]
             hooks = [sel.register_forward_hook(lambda mod, args, out, i=i: inputs[i].append(args[0].detach()))
                      for i, sel in enumerate(selectors)]

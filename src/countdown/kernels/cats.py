@@ -64,6 +64,6 @@ def cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu
     if _onepass.applies(x2):  # one token: the whole MLP in one launch
         y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation)
         return y.reshape(x.shape)
-    y = torch.ops.countdown.cats_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
+    y = torch.ops.countdown.cats_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)
     return y.reshape(x.shape)

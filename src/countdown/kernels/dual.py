@@ -83,15 +83,16 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
     x2 = x.reshape(-1, d_model)
     from . import _onepass
 
-    if _onepass.applies(x2) and (_onepass.indicator_outside("gt") or _rows_of_bt(pred_b)):
+    outside = _onepass.indicator_outside("gt")
+    if _onepass.applies(x2) and (outside or _rows_of_bt(pred_b)):
         # one token: the predictor's GEMVs here, outside the op (torch.compile turns them into its
         # tuned GEMVs), or x A here and the scores from B^T rows in the kernel; then the whole MLP
         # in one launch
         latent = x2.to(pred_a.dtype) @ pred_a
-        src = dict(ind=latent @ pred_b) if _onepass.indicator_outside("gt") else dict(v=latent, w_ind=pred_b.t())
+        src = dict(ind=latent @ pred_b) if outside else dict(v=latent, w_ind=pred_b.t())
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation,
                                  gate=True, up=True, **src)
         return y.reshape(x.shape)
-    y = torch.ops.countdown.dual_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
+    y = torch.ops.countdown.dual_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            pred_a, pred_b, cut_t, cut_f, activation, per_token)
     return y.reshape(x.shape)
