@@ -42,12 +42,26 @@ D_MODEL, D_INTER, ACT = 4096, 14336, "silu"
 BITS, GROUP, RANK = 4, 64, 128
 KS = (0.7, 0.8, 0.9)
 E = 2
-SWEEP = [dict(ROWS=r, TILE_W=w, BLOCK_M=m, num_warps=nw, PER_SM=p, PREFETCH=pf)
-         for r, w, m, nw, p, pf in (
-             (16, 64, 2, 4, 2, True), (16, 64, 2, 4, 2, False), (16, 64, 2, 8, 2, True), (16, 128, 2, 8, 2, True),
-             (8, 128, 2, 4, 2, True), (8, 64, 2, 4, 4, True), (32, 64, 2, 8, 1, True), (32, 32, 2, 4, 2, True),
-             (16, 64, 4, 8, 2, True), (16, 64, 1, 4, 2, True), (16, 32, 2, 4, 4, True), (8, 256, 2, 8, 2, False),
-             (32, 64, 4, 8, 2, True), (16, 64, 2, 4, 3, True), (64, 32, 2, 8, 1, True), (8, 64, 2, 8, 2, True))]
+def _cands(keys, rows):
+    return [dict(zip(keys, r)) for r in rows]
+
+
+_K = ("ROWS", "TILE_W", "BLOCK_M", "num_warps", "PER_SM", "PREFETCH", "NEXT")
+SWEEP = {  # candidates per (kind, token bucket); "scores" times the GEMV alone
+    ("shadow", 1): _cands(_K, [
+        (4, 512, 2, 8, 2, False, True), (4, 512, 2, 4, 2, False, True), (2, 512, 2, 4, 3, False, True),
+        (2, 512, 1, 4, 4, False, True), (4, 512, 1, 8, 3, False, True), (8, 512, 2, 8, 1, False, True),
+        (8, 512, 2, 16, 1, False, True), (4, 512, 4, 8, 2, False, True), (2, 512, 2, 8, 2, False, True),
+        (4, 512, 2, 8, 1, False, True), (16, 64, 2, 4, 2, False, False), (32, 64, 2, 8, 1, False, False),
+        (32, 128, 2, 8, 2, False, False), (8, 256, 2, 8, 2, True, False)]),
+    ("scores", 8): _cands(_K, [
+        (16, 64, 1, 4, 0, False, False), (32, 64, 1, 4, 0, False, False), (32, 128, 1, 8, 0, False, False),
+        (64, 64, 1, 8, 0, False, False), (4, 512, 1, 8, 2, False, True), (8, 512, 1, 8, 2, False, True),
+        (16, 128, 1, 4, 0, True, False), (4, 512, 1, 4, 3, False, True), (64, 32, 1, 4, 0, False, False)]),
+    ("hybrid", 1): _cands(_K, [
+        (32, 64, 2, 4, 2, False, False), (16, 64, 2, 4, 4, False, False), (64, 64, 2, 8, 2, False, False),
+        (32, 64, 4, 8, 2, False, False), (16, 64, 1, 4, 4, False, False), (64, 64, 4, 8, 1, False, False)]),
+}
 
 
 def add_shadows(p: Problem):
@@ -81,6 +95,12 @@ def calls_for(p: Problem, method: str, cut: dict):
             return lambda: dense_chain(x, w["wg"], w["wu"], w["wd"], ACT)
         if method == "dual[shadow4]":
             return lambda: K.shadow_dual_gated_mlp(x, w["prep"], cut["shadow"], w["wg"], w["wu"], w["wdt"], ACT)
+        if method == "dual[shadow4-route]":
+            def f():
+                ut, gt = K.shadow_scores(x, w["prep"])
+                keep = K.quant.shadow_score(ut, gt, ACT) > cut["shadow"]
+                return K.masked_gated_mlp(x, w["wg"], w["wu"], w["wdt"], keep, ACT)
+            return f
         if method == "dual[hybrid]":
             def f():
                 u = x @ w["wu"].t()
@@ -107,7 +127,7 @@ def roofline_bytes(method: str, kept: float, batch: int) -> float:
     rows = kept * D_INTER
     if method == "dense":
         return 3 * D_INTER * D_MODEL * E
-    if method == "dual[shadow4]":
+    if method.startswith("dual[shadow4"):
         return shadow_bytes(D_INTER, D_MODEL, BITS, GROUP) + 3 * rows * D_MODEL * E
     # hybrid: W_up in full, A and B^T, then 2 (kernel) or 3 (route: W_up rows again) kept rows
     base = D_INTER * D_MODEL * E + (D_MODEL + D_INTER) * RANK * E
@@ -207,32 +227,41 @@ def gemv_rows(bw: float) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------- sweep
 def sweep(p: Problem, bw: float) -> dict:
+    """Per kernel configuration key, time each candidate (k = 0.9) and keep the fastest whose output
+    matches the default's."""
     c = cuts(p, 0.9)
-    ref = [K.shadow_dual_gated_mlp(x, p.w(i)["prep"], c["shadow"], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"], ACT)
-           for i, x in enumerate(p.xs)]
-    base = dict(_select.CONFIGS[("shadow", 1)])
-    results = []
-    for cfg in SWEEP:
-        _select.CONFIGS[("shadow", 1)] = dict(cfg)
-        try:
-            outs = [K.shadow_dual_gated_mlp(x, p.w(i)["prep"], c["shadow"], p.w(i)["wg"], p.w(i)["wu"],
-                                            p.w(i)["wdt"], ACT) for i, x in enumerate(p.xs)]
-            same = all(((o.float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
-                       for o, r in zip(outs, ref))
-            t = safe_time(str(cfg), calls_for(p, "dual[shadow4]", c)) if same else float("nan")
-            kern = _select.LAST_KERNEL
-            regs = getattr(kern, "n_regs", -1)
-            spills = getattr(kern, "n_spills", -1)
-        except Exception as e:  # noqa: BLE001
-            log(f"config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-            t, regs, spills, same = float("nan"), -1, -1, False
-        results.append(dict(cfg=cfg, us=t, regs=regs, spills=spills, same=same))
-        log(f"sweep {cfg} -> {t:.1f} us (regs {regs}, spills {spills}, same {same})")
-    good = [r for r in results if r["us"] == r["us"]]
-    best = min(good, key=lambda r: r["us"])["cfg"] if good else base
-    _select.CONFIGS[("shadow", 1)] = dict(best)
-    log(f"sweep best: {best}")
-    return dict(results=results, best=best)
+    out = {}
+    for key, cands in SWEEP.items():
+        if key[0] == "scores":
+            method = "scores"
+            run = lambda i: K.shadow_scores(p.xs[i], p.w(i)["prep"])[0]
+            calls = [(lambda i=i: run(i)) for i in range(len(p.xs))]
+        else:
+            method = "dual[shadow4]" if key[0] == "shadow" else "dual[hybrid]"
+            calls = calls_for(p, method, c)
+            run = lambda i: calls[i]()
+        ref = [run(i) for i in range(len(p.xs))]
+        base = dict(_select.CONFIGS[key])
+        results = []
+        for cfg in [base] + cands:
+            _select.CONFIGS[key] = dict(cfg)
+            try:
+                same = all(((run(i).float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
+                           for i, r in enumerate(ref))
+                t = safe_time(str(cfg), calls) if same else float("nan")
+                kern = _select.LAST_KERNEL
+                regs, spills = getattr(kern, "n_regs", -1), getattr(kern, "n_spills", -1)
+            except Exception as e:  # noqa: BLE001
+                log(f"config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                t, regs, spills, same = float("nan"), -1, -1, False
+            results.append(dict(cfg=cfg, us=t, regs=regs, spills=spills, same=same))
+            log(f"sweep {key} {method} {cfg} -> {t:.1f} us (regs {regs}, spills {spills}, same {same})")
+        good = [r for r in results if r["us"] == r["us"]]
+        best = min(good, key=lambda r: r["us"])["cfg"] if good else base
+        _select.CONFIGS[key] = dict(best)
+        log(f"sweep best {key}: {best}")
+        out[str(key)] = dict(results=results, best=best)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -249,7 +278,7 @@ def bench(batches, bw, checks) -> list[dict]:
                          roofline_us=roofline_bytes("dense", 1.0, batch) / bw * 1e6))
         for k in KS:
             c = cuts(p, k)
-            for method in ("dual[shadow4]", "dual[hybrid]", "dual[hybrid-route]"):
+            for method in ("dual[shadow4]", "dual[shadow4-route]", "dual[hybrid]", "dual[hybrid-route]"):
                 kept = kept_union(p, method, c)
                 nbytes = roofline_bytes(method, kept, batch)
                 t = safe_time(f"{method} b{batch} k{k}", calls_for(p, method, c)) \
@@ -261,6 +290,40 @@ def bench(batches, bw, checks) -> list[dict]:
                     f"  {t_dense / t:4.2f}x dense")
         del p
         torch.cuda.empty_cache()
+    return rows
+
+
+def compiled_rows(bw, k=0.9) -> list[dict]:
+    """x + mlp(x) under torch.compile(fullgraph=True), batch 1: what a decode step runs (the kernel's
+    partial sums fuse into the residual add)."""
+    p = Problem(D_MODEL, D_INTER, ACT, 1, RANK)
+    add_shadows(p)
+    c = cuts(p, k)
+    dense = torch.compile(lambda x, wg, wu, wd: x + dense_chain(x, wg, wu, wd, ACT), fullgraph=True)
+    shad = torch.compile(lambda x, q, sc, cut, wg, wu, wdt: x + K.shadow_dual_gated_mlp(
+        x, {"q": q, "scale": sc}, cut, wg, wu, wdt, ACT), fullgraph=True)
+    hyb = torch.compile(lambda x, wu, a, bt, bias, cut, wg, wdt: x + K.hybrid_gated_mlp(
+        x, x @ wu.t(), x @ a, bt, bias, cut, wg, wdt, ACT), fullgraph=True)
+    rows = []
+    for name, make in (
+            ("dense cmp", lambda x, w: lambda: dense(x, w["wg"], w["wu"], w["wd"])),
+            ("dual[shadow4] cmp", lambda x, w: lambda: shad(x, w["prep"]["q"], w["prep"]["scale"], c["shadow"],
+                                                            w["wg"], w["wu"], w["wdt"])),
+            ("dual[hybrid] cmp", lambda x, w: lambda: hyb(x, w["wu"], w["pa"], w["pbt"], w["bias"], c["hybrid"],
+                                                          w["wg"], w["wdt"]))):
+        calls = [make(x, p.w(i)) for i, x in enumerate(p.xs)]
+        method = name.split()[0]
+        kept = 1.0 if method == "dense" else kept_union(p, method, c)
+        nbytes = roofline_bytes(method, kept, 1)
+        t = safe_time(name, calls)
+        rows.append(dict(kind="mlp+res compiled", method=name, batch=1, k=0.0 if method == "dense" else k, us=t,
+                         kept=kept, mb=nbytes / 1e6, roofline_us=nbytes / bw * 1e6, vs_roofline=t / (nbytes / bw * 1e6)))
+        log(f"compiled {name:22s} {t:7.1f} us  roofline {nbytes / bw * 1e6:6.1f} us")
+    d = rows[0]["us"]
+    for r in rows:
+        r["vs_dense"] = d / r["us"]
+    del p
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -318,6 +381,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--no-gemv", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also x + mlp(x) under torch.compile, batch 1")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global D_MODEL, D_INTER, RANK
@@ -337,12 +401,14 @@ def main():
         p = Problem(D_MODEL, D_INTER, ACT, 1, RANK)
         add_shadows(p)
         sweep_res = sweep(p, bw)
-        meta["configs"][str(("shadow", 1))] = sweep_res["best"]
+        meta["configs"] = {str(k): v for k, v in _select.CONFIGS.items()}
         del p
         torch.cuda.empty_cache()
     rows = [] if args.no_gemv or args.tiny else gemv_rows(bw)
     checks = {}
     rows += bench([int(b) for b in args.batches.split(",")], bw, checks)
+    if args.compile and not args.tiny:
+        rows += compiled_rows(bw)
     meta["checks"] = checks
     write(rows, args.out, meta, sweep_res)
 

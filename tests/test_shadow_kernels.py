@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, quant  # noqa: E402
+from countdown.kernels import _common, _select, quant  # noqa: E402
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -86,6 +86,11 @@ def test_pack_4bit_hand_example():
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    if not torch.cuda.is_available():  # the interpreter: fewer, larger programs (each op costs the same)
+        small = dict(ROWS=32, TILE_W=64, BLOCK_M=16)
+        cfgs = {k: {**v, **small} for k, v in _select.CONFIGS.items()}
+        cfgs[("shadow", 8)].update(TILE_W=16, PREFETCH=True)  # several tiles per row, the next one prefetched
+        monkeypatch.setattr(_select, "CONFIGS", cfgs)
 
 
 CASES = [  # (dtype, batch, activation, d_model, d_inter, group, bits)
