@@ -13,7 +13,10 @@ a failing method is not timed.
 ``aten._weight_int4pack_mm`` (group 128, gpt-fast's kernel) and gemlite's A16W4 (group 64, if
 installed), and cuBLAS's bf16 GEMV of the same stacked matrix.
 (b) per batch and k = 0.7 / 0.8 / 0.9 (the cut: the pooled k-quantile of the inputs' scores, in a gap):
-dense cuBLAS, ``dual[shadow4]`` (shadow_dual_gated_mlp), ``dual[hybrid]`` (hybrid_gated_mlp: u and
+dense cuBLAS, ``dual[shadow4]`` (shadow_dual_gated_mlp, route "fused": the selecting kernel),
+``dual[shadow4-onepass]`` (batch 1, route "onepass", the library's default for one token: shadow GEMVs,
+score, _onepass.py's kernel), ``dual[shadow4-route]`` (shadow_scores, keep in PyTorch, masked_gated_mlp),
+``dual[hybrid]`` (hybrid_gated_mlp: u and
 the latent by cuBLAS before, one launch), ``dual[hybrid-route]`` (u and the keep mask in PyTorch, then
 masked_gated_mlp: the route of the current HybridDualSelector).
 --sweep first times candidate launch configurations of the shadow kernel at batch 1, k = 0.9, and
@@ -104,8 +107,11 @@ def calls_for(p: Problem, method: str, cut: dict):
         x, w = p.xs[i], p.w(i)
         if method == "dense":
             return lambda: dense_chain(x, w["wg"], w["wu"], w["wd"], ACT)
-        if method == "dual[shadow4]":
-            return lambda: K.shadow_dual_gated_mlp(x, w["prep"], cut["shadow"], w["wg"], w["wu"], w["wdt"], ACT)
+        if method == "dual[shadow4]":  # the fused selecting kernel (route "fused")
+            def f():
+                with route("fused"):
+                    return K.shadow_dual_gated_mlp(x, w["prep"], cut["shadow"], w["wg"], w["wu"], w["wdt"], ACT)
+            return f
         if method == "dual[shadow4-onepass]":
             def f():
                 with route("onepass"):
@@ -151,10 +157,8 @@ def roofline_bytes(method: str, kept: float, batch: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------- checks
-def _onepass_out(x, w, c):
-    if x.shape[0] != 1:  # the route is for one token; elsewhere the fused kernel runs
-        return K.shadow_dual_gated_mlp(x, w["prep"], c["shadow"], w["wg"], w["wu"], w["wdt"], ACT)
-    with route("onepass"):
+def _route_out(x, w, c, name):
+    with route(name):  # the route applies to one token; elsewhere the fused kernel runs
         return K.shadow_dual_gated_mlp(x, w["prep"], c["shadow"], w["wg"], w["wu"], w["wdt"], ACT)
 
 
@@ -173,9 +177,9 @@ def check(p: Problem, k: float) -> dict:
         keep_h = p.hyb_score[i] > c["hybrid"]
         f64 = [t.double() for t in (x, w["wg"], w["wu"], w["wdt"])]
         for name, out, ref_t, keep in (
-            ("dual[shadow4]", K.shadow_dual_gated_mlp(x, w["prep"], c["shadow"], w["wg"], w["wu"], w["wdt"], ACT),
+            ("dual[shadow4]", _route_out(x, w, c, "fused"),
              K.shadow_dual_gated_mlp_ref(x, *w["raw"], c["shadow"], w["wg"], w["wu"], w["wdt"], ACT), keep_s),
-            ("dual[shadow4-onepass]", _onepass_out(x, w, c), K.shadow_dual_gated_mlp_ref(
+            ("dual[shadow4-onepass]", _route_out(x, w, c, "onepass"), K.shadow_dual_gated_mlp_ref(
                 x, *w["raw"], c["shadow"], w["wg"], w["wu"], w["wdt"], ACT), keep_s),
             ("dual[hybrid]", K.hybrid_gated_mlp(x, p.u[i], x @ w["pa"], w["pbt"], w["bias"], c["hybrid"], w["wg"],
                                                 w["wdt"], ACT),
@@ -342,11 +346,16 @@ def compiled_rows(bw, k=0.9) -> list[dict]:
                 return shad_op(x, w["prep"]["q"], w["prep"]["scale"], c["shadow"], w["wg"], w["wu"], w["wdt"])
         return f
 
+    def fused_call(x, w):
+        def f():
+            with route("fused"):
+                return shad(x, w["prep"]["q"], w["prep"]["scale"], c["shadow"], w["wg"], w["wu"], w["wdt"])
+        return f
+
     for name, make in (
             ("dual[shadow4-onepass] cmp", onepass_call),
             ("dense cmp", lambda x, w: lambda: dense(x, w["wg"], w["wu"], w["wd"])),
-            ("dual[shadow4] cmp", lambda x, w: lambda: shad(x, w["prep"]["q"], w["prep"]["scale"], c["shadow"],
-                                                            w["wg"], w["wu"], w["wdt"])),
+            ("dual[shadow4] cmp", fused_call),
             ("dual[hybrid] cmp", lambda x, w: lambda: hyb(x, w["wu"], w["pa"], w["pbt"], w["bias"], c["hybrid"],
                                                           w["wg"], w["wdt"]))):
         calls = [make(x, p.w(i)) for i, x in enumerate(p.xs)]
@@ -398,7 +407,7 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     mlp = [r for r in rows if r["kind"] == "mlp" and r["batch"] == 1]
     dense = [r["us"] for r in mlp if r["method"] == "dense"]
-    for method in ("dual[shadow4]", "dual[hybrid]", "dual[hybrid-route]"):
+    for method in ("dual[shadow4]", "dual[shadow4-onepass]", "dual[hybrid]", "dual[hybrid-route]"):
         rs = [r for r in mlp if r["method"] == method]
         ax.plot([r["k"] for r in rs], [r["us"] for r in rs], "o-", label=method)
         if method == "dual[shadow4]":
@@ -411,6 +420,12 @@ def plot(rows, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def replot(json_path: str) -> None:
+    """Redraw shadow.png beside a shadow.json written by an earlier run."""
+    with open(json_path) as f:
+        plot(json.load(f)["rows"], os.path.join(os.path.dirname(json_path), "shadow.png"))
 
 
 def main():

@@ -29,10 +29,11 @@ from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
 MAX_FUSED_TOKENS = 8
 # One token on CUDA: "fused" runs the selecting kernel (_select.py: shadow GEMVs, cut and kept rows in
-# one launch); "onepass" runs the shadow GEMVs alone, the score |u~ act(g~)| in PyTorch (fused by
-# torch.compile) and the one-launch sparse kernel of _onepass.py with that score as its indicator.
-# benchmarks/shadow.py times both (rows dual[shadow4] and dual[shadow4-onepass]).
-ONE_TOKEN_ROUTE = "fused"
+# one launch); "onepass" runs the shadow GEMVs alone (the same kernel, SCORES), the score |u~ act(g~)|
+# in PyTorch (fused by torch.compile) and the one-launch sparse kernel of _onepass.py with that score as
+# its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
+# on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
+ONE_TOKEN_ROUTE = "onepass"
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
