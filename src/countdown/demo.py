@@ -65,6 +65,20 @@ def _source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def _cpu_name() -> str:
+    """The CPU model (MKL picks its kernels by CPU, beyond torch's own capability level)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def run_environment() -> dict:
     """The software and CPU code path the demo's numbers were computed with (recorded in demo.md)."""
     import platform
@@ -72,7 +86,7 @@ def run_environment() -> dict:
     import transformers
 
     return {"countdown_source": _source_digest(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
+            "transformers": transformers.__version__, "python": platform.python_version(), "cpu": _cpu_name(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
