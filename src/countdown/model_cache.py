@@ -165,6 +165,7 @@ def cached_model_folder(sha256: str, build: Callable[[Path], None], source: str)
 def _adopt(folder: Path) -> None:
     """Write the manifest of a sound folder that an older countdown built without one (best effort:
     a read-only cache stays usable, only unchecked)."""
+    log(f"recording the sizes and sha256s of {folder} (once, for a folder made by an older countdown)")
     try:
         write_manifest(folder)
     except OSError as error:
