@@ -1,7 +1,8 @@
 """The third real model, Qwen2.5-Coder-0.5B-Instruct: loads, its 24 Gated-MLPs are found, it writes code.
 
-It downloads ~530 MB and needs ~4 GB of RAM for a minute the first time, so it runs only where the
-model is already cached, or with COUNTDOWN_TEST_QWEN=1 (which fetches it):
+Opt-in: it downloads ~530 MB and needs ~4 GB of RAM for a minute the first time, and even cached it
+takes ~85 s on the shared 2-core machine (load, MLP probing, 20 generated tokens), too slow for
+``make test``. Run it with
     COUNTDOWN_TEST_QWEN=1 python -m pytest -q tests/test_real_qwen.py
 """
 
@@ -11,15 +12,12 @@ import pytest
 import torch
 
 import countdown
-from countdown import models
-from countdown.model_cache import folder_problem, model_cache_dir
 
 NAME = "qwen2.5-coder-0.5b"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not os.environ.get("COUNTDOWN_TEST_QWEN") and folder_problem(model_cache_dir(models.CATALOGUE[NAME].sha256))
-        is not None, reason=f"{NAME} is not cached; COUNTDOWN_TEST_QWEN=1 fetches it (~530 MB) and runs this"),
+    pytest.mark.skipif(not os.environ.get("COUNTDOWN_TEST_QWEN"),
+                       reason=f"{NAME}: opt-in, set COUNTDOWN_TEST_QWEN=1 (fetches ~530 MB once, ~85 s cached)"),
 ]
 
 
