@@ -164,8 +164,16 @@ def main(argv=None) -> int:
         if args.batch_methods else None,
         profile=args.profile, breakdown=not args.no_breakdown)
     rows: list = []
+
+    def checkpoint(done: list) -> None:  # a run cut off by its time limit keeps what it measured
+        meta["wall_s"] = time.perf_counter() - T0
+        rows[:] = done
+        snapshot = [dict(r) for r in done]
+        rep.fill_references(snapshot)
+        rep.write_report(snapshot, [meta], args.out, log)
+
     try:
-        rows = decode_sweep(model, settings, meta, log=lambda *a: log(*a))
+        rows = decode_sweep(model, settings, meta, log=lambda *a: log(*a), checkpoint=checkpoint)
     finally:
         meta["wall_s"] = time.perf_counter() - T0
         rep.fill_references(rows)

@@ -84,11 +84,11 @@ def markdown(rows: list, metas: list) -> str:
                   + (f"; wall {meta['wall_s']:.0f} s" if meta.get("wall_s") else ""), ""]
         for batch, by_n in (meta.get("dense_spread") or {}).items():
             for n, sp in by_n.items():
-                lines.append(f"- dense baseline, batch {batch}, {n} new tokens: {sp['n']} timings of one compiled graph, "
+                lines.append(f"- dense baseline, batch {batch}, {n} new tokens: {sp['n']} timings of one decoder (one compile), "
                              f"min {sp['min']:.1f} / median {sp['median']:.1f} / max {sp['max']:.1f} tokens/s "
                              f"(spread {100 * (sp['max'] - sp['min']) / sp['median']:.1f} %)")
         for label, reason in (meta.get("skipped") or {}).items():
-            lines.append(f"- skipped {label}: {reason}")
+            lines.append(f"- skipped: {reason if reason.startswith(label.split(' ')[0]) else label + ': ' + reason}")
         lines += ["", "| method | harness | k | Sparsity-Real | batch | new tokens | tokens/s (min-max) | vs dense compiled | "
                   "vs dense eager | ms/step | GB/s | share | peak mem GB | model GB | graphs / breaks | artifacts |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

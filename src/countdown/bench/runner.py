@@ -105,10 +105,11 @@ def generated_texts(model, prompt_len: int, n_tokens: int, n_prompts: int) -> li
     return [" ".join(str(int(t)) for t in row.tolist()) for row in out]
 
 
-def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print) -> list[dict]:
+def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpoint=None) -> list[dict]:
     """Time dense and every spec of ``settings`` on ``model`` (on CUDA with the compiled harness, on
     CPU eager); returns the rows (``countdown.bench.report.DECODE_COLUMNS``) and fills ``meta`` with
-    ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``."""
+    ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``. ``checkpoint(rows)``,
+    if given, is called after every configuration (e.g. to write the report so far)."""
     from ..decode import reset_decoders
     from ..sparse import sparsify, unsparsify
 
@@ -195,6 +196,8 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print) -> list
             meta.setdefault("profiles", []).append({"method": "dense", "batch": batch,
                                                     **_safe(lambda: profile(model), log)})
         reset_decoders()
+        if checkpoint is not None:
+            checkpoint(rows)
         if cuda and s.breakdown:
             from .breakdown import op_breakdown
 
@@ -246,6 +249,8 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print) -> list
             finally:
                 reset_decoders()
                 unsparsify(model)
+            if checkpoint is not None:
+                checkpoint(rows)
     return rows
 
 
