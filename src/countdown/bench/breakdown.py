@@ -18,11 +18,16 @@ import torch
 
 from .timing import time_graph
 
-KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins
-    ("countdown sparse (Triton)", ("_sparse_glu", "_sparse_down", "_one_launch", "countdown")),
-    ("cuBLAS matmul", ("gemv", "gemm", "cutlass", "sm90_", "xmma", "cublas", "splitk", "splitK")),
-    ("attention", ("fmha", "attention", "flash", "efficient", "sdpa")),
-    ("Inductor Triton", ("triton_",)),
+KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
+    # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
+    ("countdown sparse kernels", ("_sparse_glu_kernel", "_sparse_down_kernel", "_onepass_kernel", "_sum_partials")),
+    ("attention", ("fmha", "attention", "flash", "sdpa")),
+    ("GEMV + activation (MLP gate/up)", ("silu", "gelu")),
+    ("RMSNorm (+ fused GEMV)", ("rsqrt",)),
+    ("sampling (argmax)", ("argmax",)),
+    ("other GEMV (projections, W_down, lm_head)", ("_mm_", "_mm", "addmm", "gemv", "gemm", "cutlass", "sm90_",
+                                                   "xmma", "cublas", "splitk", "splitK")),
+    ("other Inductor Triton", ("triton_",)),
     ("copy / index", ("copy", "index", "scatter", "gather", "memcpy", "Memcpy", "memset", "Memset", "fill")),
 ]
 
