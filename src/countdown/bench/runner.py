@@ -231,17 +231,20 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
             try:
                 patched = measure.model_bytes(model)
                 measure.clear_dynamo_counts()  # one count over every k: retargeting must not recompile
+                last_k = None
                 for k in ks:
-                    if budget.left() < 10:
+                    if budget.left() < -30:  # once compiled, the other k cost seconds each: finish them
                         log(f"budget: skipping {spec.label} k={k} b={batch}")
+                        skipped.setdefault(f"{spec.label} k={k} b={batch}", "time budget")
                         break
                     retarget(model, art, k)
+                    last_k = k
                     with PeakMemory() as peak:
                         res = timed(prompt, s.new_tokens, harness, max(1, s.samples))
                     for n in s.new_tokens:
                         add(spec.label, spec, k, batch, n, res[n], kept[k], art_label, harness, peak.bytes, patched, art)
                 if cuda and s.profile and harness != "eager":
-                    meta.setdefault("profiles", []).append({"method": spec.label, "k": ks[-1], "batch": batch,
+                    meta.setdefault("profiles", []).append({"method": spec.label, "k": last_k, "batch": batch,
                                                             **_safe(lambda: profile(model), log)})
             except Exception as error:  # report and go on: the other configurations still run
                 log(f"{spec.label} b={batch} FAILED: {type(error).__name__}: {str(error)[:400]}")
