@@ -72,6 +72,13 @@ def _load(args):
     return model.eval(), tok, random_weights
 
 
+def _command(args) -> str:
+    argv = getattr(args, "argv", None)
+    if argv is not None:  # python -m countdown.bench.cli
+        return "countdown bench " + " ".join(shlex.quote(a) for a in argv)
+    return "countdown " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
 def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
     import countdown
@@ -110,7 +117,7 @@ def bench_from_args(args) -> int:
     rows = operating_points(model, None if speed_only else tok, settings, model_name=args.model, log=log,
                             progress=not args.no_progress)
     meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
-            "command": "countdown bench " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []) or [])}
+            "command": _command(args)}
     paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase)
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
     for r in rows:
