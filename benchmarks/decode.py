@@ -65,7 +65,7 @@ def parse_args(argv=None):
                     "compile-cdt, compile, cudagraph, eager")
     ap.add_argument("--predictor-route", choices=("fused", "masked"), default="fused",
                     help="dual on the kernel path: predictor inside the fused kernel, or mask in PyTorch + "
-                    "masked kernel (countdown.sparse.PREDICTOR_IN_KERNEL)")
+                    "masked kernel (countdown.prac.lowrank.IN_KERNEL)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
@@ -119,13 +119,13 @@ def main(argv=None) -> int:
     import triton
 
     import countdown
-    import countdown.sparse
+    import countdown.prac.lowrank
     from countdown.bench import copy_bandwidth
     from countdown.bench.checks import run_checks
     from countdown.bench.measure import model_bytes
     from countdown.bench.runner import DecodeSettings, decode_sweep
 
-    countdown.sparse.PREDICTOR_IN_KERNEL = args.predictor_route == "fused"
+    countdown.prac.lowrank.IN_KERNEL = args.predictor_route == "fused"
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "dynamo.log"))
     torch._logging.set_logs(graph_breaks=True, recompiles=True)

@@ -18,6 +18,7 @@ from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random
 from countdown.bench.timing import spread, time_graph
 from countdown.cost import mlp_weight_bytes
 from countdown.decode import generate_fast
+from countdown.prac.prepare import ensure_artifacts
 from test_calibrate import CharTokenizer, word_texts
 
 
@@ -51,10 +52,12 @@ def test_roofline_bytes_hand_worked_at_the_llama_8b_shape():
     full = d * i * e  # one matrix: 117,440,512 bytes
     assert mlp_weight_bytes("dense", d, i, 0.1) == 3 * full == 352_321_536
     assert mlp_weight_bytes("mono", d, i, 0.1) == pytest.approx(full * 1.2)  # W_up + 10 % of two matrices
-    assert mlp_weight_bytes("lowrank", d, i, 0.1) == pytest.approx((d * 512 + 512 * i) * e + 0.3 * full)
+    # A, B in bf16, bias and cut in fp32, 3 x 10 % rows
+    assert mlp_weight_bytes("lowrank", d, i, 0.1, d_rank=512) == pytest.approx((d + i) * 512 * e + 8 * i + 0.3 * full)
     assert mlp_weight_bytes("hybrid", d, i, 0.1, d_rank=128) == pytest.approx(full + (d + i) * 128 * e + 0.2 * full)
-    # 4-bit shadows of two matrices, one fp16 scale per 128 weights of each, plus 3 x 10 % rows
-    assert mlp_weight_bytes("shadow", d, i, 0.1, bits=4) == pytest.approx(d * i + 2 * i * 32 * 2 + 0.3 * full)
+    # 4-bit shadows of two matrices, one fp16 scale per group of 64 weights of each, plus 3 x 10 % rows
+    assert mlp_weight_bytes("shadow", d, i, 0.1, bits=4, group=64) == pytest.approx(
+        2 * (d * i // 2 + i * (d // 64) * 2) + 0.3 * full)
     assert mlp_weight_bytes("teal", d, i, 0.5, kept_in=0.25) == pytest.approx(0.5 * full + 0.5 * full)
     with pytest.raises(ValueError, match="unknown roofline kind"):
         mlp_weight_bytes("magic", d, i, 0.1)
@@ -158,7 +161,7 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
     # quality columns against an independent recomputation with the cached artifact
     texts = countdown.load_texts(held_out)
     dense = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5, progress=False)
-    art = countdown.artifacts.ensure_artifacts(model, TOK, "mono", [0.5, 0.8], tmp_path / "arts", progress=False,
+    art = ensure_artifacts(model, TOK, "mono", [0.5, 0.8], tmp_path / "arts", progress=False,
                                                texts=countdown.load_texts(calib), num_tokens=256)
     countdown.sparsify(model, "mono", 0.8, mode="prac", artifacts=art, path="masked")
     sparse = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5, progress=False)

@@ -27,8 +27,6 @@ Deja Vu is left out: the paper gives no cost formulas for it.
 
 from __future__ import annotations
 
-import math
-
 from .registry import kept_rows
 
 METHODS = ("dense", "cats", "mono", "dual")
@@ -142,51 +140,36 @@ def format_cost_table(table: dict[str, dict], title: str | None = None) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Roofline: the weight bytes one token's Gated-MLP must read, per method and predictor kind
+# Roofline: the weight bytes one token's Gated-MLP must read, per method and SP-Prac kind
 # --------------------------------------------------------------------------------------------
-
-# What each (method, kind) reads per decode step, as (full matrices of d_model x d_inter, kept-row
-# matrices); predictors, shadows and their scales come on top (see mlp_weight_bytes).
-ROOFLINE_KINDS = ("dense", "mono", "cats", "lowrank", "hybrid", "ternary", "shadow", "teal")
 
 
 def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_bytes: int = 2,
-                     d_rank: int = 512, bits: int = 4, group: int = 128, kept_in: float | None = None) -> float:
+                     d_rank: int | None = None, bits: int | None = None, group: int | None = None,
+                     kept_in: float | None = None) -> float:
     """Weight bytes one decode step reads from one Gated-MLP: the roofline numerator.
 
-    kind: ``"dense"`` (all three matrices), ``"mono"`` (full W_up + kept rows of W_gate, W_down),
-        ``"cats"`` (full W_gate + kept rows of W_up, W_down), ``"lowrank"`` (dual / dejavu with the
-        paper's predictor: A ``[d_model, d_rank]``, B ``[d_rank, d_inter]`` + kept rows of all three),
-        ``"ternary"`` (a d_model x d_inter ternary predictor at 2 bits per weight + kept rows of all
-        three), ``"hybrid"`` (dual: full W_up + the low-rank gate estimate + kept rows of W_gate,
-        W_down), ``"shadow"`` (dual: ``bits``-bit packed shadows of W_gate and W_up, one fp16 scale
-        per ``group`` weights of a row, + kept rows of all three), ``"teal"`` (input sparsity: the
-        columns of W_gate and W_up of the kept inputs (``kept_in``, default ``kept``) and the rows of
-        W_down^T of the kept intermediate entries).
+    kind: ``"dense"`` (all three matrices), ``"mono"`` / ``"cats"`` (the indicator's matrix in full +
+        kept rows of the other two), ``"teal"`` (input sparsity: the columns of W_gate and W_up of the
+        kept inputs, ``kept_in`` (default ``kept``) of d_model, and the rows of W_down^T of the kept
+        intermediate entries), or any SP-Prac kind of ``countdown.prac`` (``"lowrank"``, ``"hybrid"``,
+        ``"ternary"``, ``"shadow"``, ...), whose own ``weight_bytes`` counts its predictor / shadows
+        (``d_rank``, ``bits``, ``group``: its options; None: the kind's default) plus the kept rows.
     kept: the kept fraction of the ``d_inter`` rows (``1 - Sparsity-Real``; for a batch, the union
         over its tokens), in [0, 1]. ``elem_bytes``: bytes per model weight (2 for bf16 / fp16).
-    Vectors (x, u, masks) are left out: below 0.1 % of these at the paper's shapes.
     """
-    if kind not in ROOFLINE_KINDS:
-        raise ValueError(f"unknown roofline kind {kind!r}: choose one of {', '.join(ROOFLINE_KINDS)}")
     if not 0.0 <= kept <= 1.0:
         raise ValueError(f"kept must be a fraction in [0, 1], got {kept}")
     matrix = d_model * d_inter * elem_bytes  # one full matrix
-    rows = kept * matrix  # the kept rows of one matrix
-    low_rank = (d_model * d_rank + d_rank * d_inter) * elem_bytes
     if kind == "dense":
         return 3.0 * matrix
-    if kind in ("mono", "cats"):
-        return matrix + 2 * rows
-    if kind == "lowrank":
-        return low_rank + 3 * rows
-    if kind == "ternary":
-        return d_model * d_inter * 2 / 8 + 3 * rows
-    if kind == "hybrid":
-        return matrix + low_rank + 2 * rows
-    if kind == "shadow":
-        packed = 2 * d_model * d_inter * bits / 8
-        scales = 2 * d_inter * math.ceil(d_model / group) * 2
-        return packed + scales + 3 * rows
-    kept_in = kept if kept_in is None else kept_in
-    return 2 * kept_in * matrix + rows  # teal
+    from .prac.kinds import KINDS  # the kinds count their own bytes; prac never imports this module
+
+    if kind == "teal" and kind not in KINDS:
+        return 2 * (kept if kept_in is None else kept_in) * matrix + kept * matrix
+    name = "threshold" if kind in ("mono", "cats") else kind
+    if name not in KINDS:
+        raise ValueError(f"unknown roofline kind {kind!r}: choose dense, mono, cats, teal or a kind of "
+                         f"countdown.prac ({', '.join(KINDS)})")
+    meta = {key: value for key, value in (("d_rank", d_rank), ("bits", bits), ("group", group)) if value is not None}
+    return float(KINDS[name].weight_bytes(d_model, d_inter, kept, elem_bytes, meta))

@@ -6,7 +6,7 @@ harness (CUDA: compiled, CUDA graphs, the Triton kernel path; CPU: eager with th
 which reads only the kept rows), and quality on held-out text: decode-style perplexity (the first half
 of each window a dense prompt, the rest sparse and scored) relative to dense, and the teacher-forced
 KL(dense || sparse) of :func:`countdown.agreement.agreement`. SP-Prac artifacts come from
-:func:`countdown.artifacts.ensure_artifacts` (calibrated / trained once, cached). A model with random
+:func:`countdown.prac.prepare.ensure_artifacts` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
 """
 
@@ -54,7 +54,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         art = random_artifacts(model, spec, s.ks)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
-    from ..artifacts import ensure_artifacts
+    from ..prac.prepare import ensure_artifacts
 
     if s.artifacts_dir is None:
         from ..data import cache_root

@@ -106,17 +106,10 @@ def _canonical(name: str) -> str:
 
 
 def library_kinds() -> tuple[str, ...]:
-    """The SP-Prac kinds this version of the library can build and run."""
-    import importlib
+    """The SP-Prac kinds this version of the library can build and run (``countdown.prac``'s registry)."""
+    from ..prac.kinds import KINDS
 
-    for module, attr in (("countdown.prac", "KINDS"), ("countdown.prac", "kinds"), ("countdown.artifacts", "KINDS")):
-        try:
-            value = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            continue
-        value = value() if callable(value) else value
-        return tuple(value)
-    return ()
+    return tuple(KINDS)
 
 
 def availability(spec: Spec) -> str | None:
@@ -152,8 +145,8 @@ def resolve_kind(spec: Spec) -> Spec:
     if method.prac == "threshold":
         return Spec(spec.label, spec.method, "threshold", spec.options)
     if method.prac == "predictor":
-        from ..predictors import DEFAULT_KIND
+        from ..prac.prepare import default_kind
 
-        kind = DEFAULT_KIND.get(method.name, "lowrank")
+        kind = default_kind(method)
         return Spec(f"{spec.method}[{kind}{_suffix(spec.options)}]", spec.method, kind, spec.options)
     return spec

@@ -6,7 +6,7 @@ training predictors (66-95 s per method on the Llama-3.1-8B shape), the benchmar
 the real file format and size, with random predictor weights, and fits every layer's threshold or cut
 on the sparse model's own decode steps (:func:`fit_cuts_on_decode`), so the kept fraction is k where
 it is timed. Rows made with them are labelled ``speed-only``. Kinds this module cannot synthesise
-(e.g. a newer one) are built by the library's own calibrate / train_predictors on the dense model's
+(shadow, or a newer one) are built by the library's own ``countdown.prac.prepare`` on the dense model's
 greedy continuations, then cut the same way.
 """
 
@@ -26,19 +26,24 @@ class SpecUnavailable(RuntimeError):
     """A spec that cannot be built or run here; the message says why (benchmarks print it and skip)."""
 
 
-def default_rank(spec: Spec, d_model: int, d_inter: int) -> int:
-    from ..predictors import DEFAULT_RANK
+SPEED_RANK = {"lowrank": 512}  # the paper's d_rank at the Llama-3.1-8B shape (the library's default is 64)
 
-    rank = spec.options.get("d_rank") or (512 if spec.kind == "lowrank" else DEFAULT_RANK.get(spec.kind, 128))
-    return max(1, min(rank, d_model, d_inter))
+
+def default_rank(spec: Spec, d_model: int, d_inter: int) -> int:
+    """``d_rank`` of a random stand-in: the spec's, else :data:`SPEED_RANK`, else the kind's default."""
+    from ..prac.kinds import KINDS
+
+    rank = spec.options.get("d_rank") or SPEED_RANK.get(spec.kind) or KINDS[spec.kind].defaults.get("d_rank") or 128
+    return max(1, min(int(rank), d_model, d_inter))
 
 
 def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
-    """Tensors of a ``spec.kind`` artifact with random predictors and placeholder cuts (keep all)."""
+    """Tensors of a ``spec.kind`` artifact with random predictors and placeholder cuts (keep all):
+    per layer ``shared/layer<i>/...`` (served at every k) and ``k=<k>/layer<i>/cut``."""
     from ..artifacts import sparsity_key
 
     if spec.kind == "threshold":
-        return {"thresholds": torch.full((len(ks), len(mlps)), -1.0)}, {}
+        return {"thresholds": torch.full((len(ks), len(mlps)), -1.0)}, {"rule": "speed-only", "d_rank": None}
     tensors: dict[str, torch.Tensor] = {}
     rank = default_rank(spec, mlps[0].d_model, mlps[0].d_inter)
     for i, mlp in enumerate(mlps):
@@ -50,11 +55,10 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
             layer = {"A": torch.randn(d_m, rank, generator=generator) / math.sqrt(d_m),
                      "B": torch.randn(rank, d_i, generator=generator) / math.sqrt(rank)}
         layer["bias"] = torch.zeros(d_i)
+        tensors.update({f"shared/layer{i}/{name}": t for name, t in layer.items()})
         for k in ks:
-            prefix = f"{sparsity_key(k)}/layer{i}/"
-            tensors.update({prefix + name: t for name, t in layer.items()})
-            tensors[prefix + "cut"] = torch.tensor(-1e30)  # keep everything until fitted
-    return tensors, ({} if spec.kind == "ternary" else {"d_rank": rank})
+            tensors[f"{sparsity_key(k)}/layer{i}/cut"] = torch.tensor(-1e30)  # keep everything until fitted
+    return tensors, {"d_rank": None if spec.kind == "ternary" else rank}
 
 
 def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
@@ -76,43 +80,20 @@ def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
 
 def library_artifacts(model, spec: Spec, ks: list[float], texts: list[str], tokenizer, num_tokens: int,
                       window: int = 128):
-    """The library's own calibrate / train_predictors for ``spec`` (a kind this module cannot
-    synthesise); :class:`SpecUnavailable` with the library's message if it refuses."""
-    from ..registry import get_method
+    """The library's own builder (``countdown.prac.prepare``) for ``spec`` (a kind this module cannot
+    synthesise, e.g. shadow: closed-form, seconds); :class:`SpecUnavailable` with the library's
+    message if it refuses."""
+    from ..prac.prepare import prepare
 
-    method = get_method(spec.method)
+    options = dict(spec.options)
+    if spec.kind in ("lowrank", "ternary"):
+        options.setdefault("epochs", 1)
     try:
-        if method.prac == "threshold" or spec.kind in (None, "threshold") and method.prac != "predictor":
-            from ..calibrate import calibrate
-
-            return calibrate(model, tokenizer, method, ks, texts=texts, num_tokens=num_tokens, window=window,
-                             progress=False)
-        from ..predictors import train_predictors
-
-        return train_predictors(model, tokenizer, method, ks, texts=texts, num_tokens=num_tokens, window=window,
-                                kind=spec.kind, epochs=1, progress=False, **spec.options)
+        return prepare(model, tokenizer, spec.method, ks, kind=None if spec.kind == "threshold" else spec.kind,
+                       texts=texts, num_tokens=num_tokens, window=window, progress=False, **options)
     except (TypeError, ValueError, KeyError, NotImplementedError) as error:
         raise SpecUnavailable(f"{spec.label}: the library could not build it here ({type(error).__name__}: "
                               f"{str(error)[:200]})") from error
-
-
-def _selectors(model) -> list:
-    from ..sparse import state_of
-
-    return [layer.selector for layer in state_of(model).layers]
-
-
-def _score_fn(method, art):
-    """What a layer's selector thresholds, from the arguments it is called with ``(x, u, h)``."""
-    if art.kind == "threshold":
-        return lambda sel, x, u, h: method.indicator(u, h).float()
-
-    def score(sel, x, u, h):
-        try:
-            return sel.score(x, u).float()
-        except TypeError:
-            return sel.score(x).float()
-    return score
 
 
 def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, rounds: int = 2) -> dict:
@@ -123,30 +104,31 @@ def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, 
     ``new_tokens`` greedily after each row of ``prompts [n, prompt_len]`` (eager), score every decode
     step's rows as the layer's selector does, and put the cut at the k-quantile of those scores. The
     first round sees the activations of the cuts given (the dense model's when they keep every row);
-    later rounds those of the sparse model the previous round made. Returns ``{k: [Sparsity-Real of each
-    round's generation]}``. Kinds whose selectors expose no score keep their own cuts (NotImplemented
-    is never raised: the history then shows how far they are)."""
-    from ..artifacts import sparsity_key
+    later rounds those of the sparse model the previous round made. Every kind's selector gives its
+    score (``RowSelector.score(x, mlp)``) and its kind stores the cuts (``SelectorKind.set_cuts``).
+    Returns ``{k: [Sparsity-Real of each round's generation]}``."""
     from ..decode import generate_fast
+    from ..prac.base import get_kind
     from ..registry import get_method
-    from ..sparse import sparsify, sparsity_real, unsparsify
+    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
 
     method = get_method(art.method)
-    score_of = _score_fn(method, art)
+    kind = get_kind(art.kind)
     history: dict[float, list[float]] = {}
-    for j, k in enumerate(art.sparsities):
+    for k in art.sparsities:
         history[k] = []
         for _ in range(rounds):
             sparsify(model, method.name, k, mode="prac", artifacts=art, path="masked")
             scores: list[list[torch.Tensor]] = []
             try:
-                selectors = _selectors(model)
-                scores = [[] for _ in selectors]
+                layers = state_of(model).layers
+                scores = [[] for _ in layers]
 
                 def hook(module, args, out, i):
-                    scores[i].append(score_of(module, *args).flatten())
+                    scores[i].append(module.score(args[0], layers[i].mlp).float().flatten())
 
-                handles = [s.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for i, s in enumerate(selectors)]
+                handles = [layer.selector.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
+                           for i, layer in enumerate(layers)]
                 try:
                     with torch.no_grad():
                         generate_fast(model, prompts.to(next(model.parameters()).device), new_tokens, compile=False)
@@ -154,19 +136,17 @@ def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, 
                     for h in handles:
                         h.remove()
                 history[k].append(round(sparsity_real(model)["mean"], 4))
-            except (AttributeError, TypeError):
+            except NotImplementedError:  # a kind without a score keeps the cuts it was built with
                 history[k].append(float("nan"))
                 break
             finally:
                 unsparsify(model)
-            for i, layer_scores in enumerate(scores):
+            cuts = []
+            for layer_scores in scores:
                 s = torch.cat(layer_scores)
                 rank = min(max(1, round(k * s.numel())), s.numel())
-                cut = s.kthvalue(rank).values.cpu()
-                if art.kind == "threshold":
-                    art.tensors["thresholds"][j, i] = cut
-                else:
-                    art.tensors[f"{sparsity_key(k)}/layer{i}/cut"] = cut.reshape(())
+                cuts.append(s.kthvalue(rank).values.cpu())
+            kind.set_cuts(art, k, cuts)
     art.meta["decode_fit"] = {"rounds": rounds, "prompts": int(prompts.shape[0]), "new_tokens": new_tokens,
                               "sparsity_real_per_round": {f"{k:g}": v for k, v in history.items()}}
     return history
@@ -181,12 +161,16 @@ def decode_prompts(vocab: int, n: int, prompt_len: int, seed: int = 100) -> torc
 def retarget(model, art, k: float) -> None:
     """Point a model patched with ``art`` at sparsity ``k`` without re-patching: copy the selectors'
     buffers (thresholds, cuts, predictor tensors) of ``art`` at k into the patched selectors in place.
-    A compiled decode step reads them from the device, so it runs at k with no recompilation."""
-    from ..artifacts import prac_selectors
-    from ..mlp import require_gated_mlps
+    A compiled decode step reads them from the device, so it runs at k with no recompilation. Buffers
+    the patched selector no longer holds (a shadow's int8 copies, once packed for the kernel) are the
+    same at every k and skipped."""
+    from ..prac.base import selectors_for
+    from ..sparse import state_of
 
-    fresh = prac_selectors(art, require_gated_mlps(model), art.method, k)
-    for old, new in zip(_selectors(model), fresh):
-        old_buffers = dict(old.named_buffers())
+    layers = state_of(model).layers
+    fresh = selectors_for(art, [layer.mlp for layer in layers], art.method, k)
+    for layer, new in zip(layers, fresh):
+        old_buffers = dict(layer.selector.named_buffers())
         for name, value in new.named_buffers():
-            old_buffers[name].copy_(value)
+            if name in old_buffers:
+                old_buffers[name].copy_(value)
