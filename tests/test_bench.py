@@ -184,3 +184,18 @@ def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
     assert rows[1]["method"] == "cats" and rows[1]["ppl_increase"] == "" and rows[1]["kl"] == ""
     assert math.isfinite(float(rows[1]["decode_speedup"]))
     assert bench_main(["--model", "tiny", "--methods", "dual[", "--out", str(out)]) == 2
+
+
+def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch, tmp_path, capsys):
+    from countdown import cli
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, None))  # a *-shape: no tokenizer
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--model", "tiny-shape", "--methods", "mono,dual[shadow4]", "-k", "0.8",
+                     "--new-tokens", "4", "--prompt", "6", "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "speed only (random weights" in printed and "quality not measured" in printed
+    rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
+    assert [r["method"] for r in rows] == ["dense", "mono", "dual[shadow4]"]
+    assert all(r["ppl_increase"] == "" for r in rows[1:]) and abs(float(rows[2]["sparsity_real"]) - 0.8) < 0.15

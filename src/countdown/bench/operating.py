@@ -49,9 +49,14 @@ class BenchSettings:
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
     if speed_only:
-        from .speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+        from .runner import IdTokenizer, generated_texts
+        from .speedonly import RANDOM_KINDS, decode_prompts, fit_cuts_on_decode, library_artifacts, random_artifacts
 
-        art = random_artifacts(model, spec, s.ks)
+        if spec.kind in RANDOM_KINDS:
+            art = random_artifacts(model, spec, s.ks)
+        else:  # e.g. shadow: the library's closed-form fit on the dense model's own greedy text
+            texts = generated_texts(model, min(s.prompt, 32), 1024, 4)
+            art = library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=1024)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
     from ..prac.prepare import ensure_artifacts
