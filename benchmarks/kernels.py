@@ -505,8 +505,7 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
             }
             roof = lambda kind, m: mlp_weight_bytes(kind, d_model, d_inter, uni[m], elem_bytes=E, d_rank=rank)
             nbytes = {"cats": roof("cats", "cats"), "mono": roof("mono", "mono"), "dual": roof("lowrank", "dual"),
-                      # the mask given, no predictor: the kept rows of all three matrices
-                      "dual_excl": mlp_weight_bytes("lowrank", d_model, d_inter, uni["dual"], elem_bytes=E, d_rank=0)}
+                      "dual_excl": 3 * d_model * n_u["dual"] * E}  # the mask given: the kept rows of all three
             mask_of = dict(cats="cats", mono="mono", dual="dual", dual_excl="dual")
             for m, fn in sparse.items():
                 ok = CHECK_OK.get(f"{m}[{current_tag(batch, m)}]", True)
