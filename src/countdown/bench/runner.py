@@ -138,8 +138,8 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
         stats = sorted(stats_list, key=lambda st: st["tokens_per_s"])[len(stats_list) // 2]  # the median sample
         kept_token, kept_union = kept
         kept_read = kept_union if batch > 1 else kept_token
-        opts = {key: v for key, v in {**(spec.options if spec else {}),
-                                       "d_rank": (art.meta.get("d_rank") if art is not None else None)}.items()
+        built = {key: art.meta.get(key) for key in ("d_rank", "bits", "group")} if art is not None else {}
+        opts = {key: v for key, v in {**(spec.options if spec else {}), **built}.items()
                 if v is not None and key in ("d_rank", "bits", "group")}
         nbytes = measure.step_weight_bytes(model, spec.roofline_kind if spec else "dense",
                                            1.0 if spec is None else kept_read, batch, **opts)
