@@ -52,7 +52,7 @@ def _build_artifact(args, build) -> int:
     out = _artifact_out(args, method.name, ks)
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
-        check_writable_dir(checkpoint)
+        check_writable_dir(checkpoint, "--checkpoint")
     with contextlib.ExitStack() as locks:  # a second run on the same --out stops now, not after the work
         locks.enter_context(file_lock(out, what="artifact"))
         if checkpoint is not None:  # the training takes this lock again (re-entrant): same file

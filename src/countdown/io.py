@@ -138,18 +138,19 @@ def write_json(path: str | os.PathLike, data) -> Path:
     return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def check_writable(path: str | os.PathLike) -> Path:
+def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
     """Make sure ``path`` can be written, before any work: creates its folder and a probe file.
 
-    Raises :class:`UnwritableError` naming the path and the reason; returns ``Path(path)``.
-    A directory at ``path`` itself is refused too (a file was asked for).
+    Raises :class:`UnwritableError` naming the path, the reason and ``option`` (the command-line
+    option that gave the path, default ``--out``); returns ``Path(path)``. A directory at ``path``
+    itself is refused too (a file was asked for).
     """
     path = Path(path)
     if path.is_dir():
         raise UnwritableError(f"cannot write {path}: it is a folder; give a file name inside it")
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise UnwritableError(f"cannot write {path}: {blocker} is a file, not a folder; choose another path")
+        raise UnwritableError(f"cannot write {path}: {blocker} is a file, not a folder; choose another path ({option})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f"{path.name}{TMP_MARK}{os.getpid()}.", suffix=".probe",
@@ -158,16 +159,16 @@ def check_writable(path: str | os.PathLike) -> Path:
         os.remove(probe)
     except OSError as err:
         raise UnwritableError(f"cannot write {path} ({err.strerror or err}): choose a path in a folder you can "
-                              "write to (--out)") from None
+                              f"write to ({option})") from None
     return path
 
 
-def check_writable_dir(folder: str | os.PathLike) -> Path:
+def check_writable_dir(folder: str | os.PathLike, option: str = "--out") -> Path:
     """:func:`check_writable` for an output folder: create it and a probe file inside it."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise UnwritableError(f"cannot use {folder} as an output folder: it is a file")
-    check_writable(folder / ".countdown-write-probe")
+        raise UnwritableError(f"cannot use {folder} as an output folder: it is a file; choose another path ({option})")
+    check_writable(folder / ".countdown-write-probe", option)
     return folder
 
 
