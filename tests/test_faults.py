@@ -123,7 +123,7 @@ def test_swapped_sparsity_labels_are_refused(two_k, tmp_path, loads, capsys):
     (lambda m: m["model"].pop("fingerprint"), "'model.fingerprint'"),
     (lambda m: m["model"].__setitem__("n_layers", "2"), "mistyped metadata field 'model.n_layers'"),
     (lambda m: m.__setitem__("sparsities", "0.7,0.8"), "mistyped metadata field 'sparsities'"),
-])
+], ids=["no model", "no kind", "no model.fingerprint", "n_layers a string", "sparsities a string"])
 def test_a_missing_or_mistyped_field_is_named(two_k, tmp_path, edit, field):
     good = two_k.save(tmp_path / "mono.safetensors")
     with pytest.raises(ArtifactError, match=field):
@@ -356,10 +356,24 @@ def test_a_string_sparsity_is_a_type_error(model):
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "ideal", "--artifacts", "x.safetensors"], "mode='prac'"),
     (["--mode", "prac"], "needs artifacts"),
-])
+], ids=["ideal with artifacts", "prac without"])
 def test_a_mode_that_cannot_use_the_artifacts_is_an_error_naming_the_mode(argv, message, loads, capsys):
     assert cli.main(["ppl", "--method", "mono", "-k", "0.8", *argv]) == 2
     assert message in capsys.readouterr().err and loads == []
+
+
+def test_every_option_states_its_default():
+    import argparse
+    import importlib
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sweep_waiting = not hasattr(importlib.import_module("countdown.sweep"), "__path__")  # branch sweep
+    silent = [f"{name} {action.option_strings[0]}" for name, parser in sub.choices.items()
+              if not (name == "sweep" and sweep_waiting)
+              for action in parser._actions
+              if action.option_strings and not action.required and not isinstance(action, argparse._HelpAction)
+              and "default" not in (action.help or "").lower()]
+    assert silent == []
 
 
 # --------------------------------------------------------------------------------------------
