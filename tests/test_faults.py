@@ -372,6 +372,7 @@ def test_every_option_states_its_default():
               if not (name == "sweep" and sweep_waiting)
               for action in parser._actions
               if action.option_strings and not action.required and not isinstance(action, argparse._HelpAction)
+              and not isinstance(action, argparse._StoreTrueAction)  # a flag is off unless given
               and "default" not in (action.help or "").lower()]
     assert silent == []
 
