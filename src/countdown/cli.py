@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_arguments(p)
     p.set_defaults(func=sweep_from_args)
 
+    from .bench.cli import add_arguments as bench_arguments, bench_from_args
+    bench_arguments(sub.add_parser("bench", help="speed and quality of each configuration on your model and machine, "
+                                   "with a recommendation")).set_defaults(func=bench_from_args)
+
     p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
     p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
     p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9", help="k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
