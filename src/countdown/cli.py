@@ -267,7 +267,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
     p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
     p.set_defaults(func=cmd_analyze)
+    _state_defaults(sub)
     return parser
+
+
+def _state_defaults(sub) -> None:
+    """Append "(default X)" to every option's help that does not state its default (a command
+    registered from another module included); flags are off unless given."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            default = action.default
+            if (not action.option_strings or action.required or isinstance(action, argparse._HelpAction)
+                    or default in (None, False, argparse.SUPPRESS) or "default" in (action.help or "").lower()):
+                continue
+            shown = ",".join(str(v) for v in default) if isinstance(default, (list, tuple)) else str(default)
+            action.help = f"{action.help} (default {shown})" if action.help else f"default {shown}"
 
 
 def main(argv: list[str] | None = None) -> int:
