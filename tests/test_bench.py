@@ -38,7 +38,7 @@ def test_specs_parse_in_one_place():
     assert parse_spec("m-countdown").label == "mono" and parse_spec("mono").kind == "threshold"
     assert parse_spec("dual[lowrank256]").options == {"d_rank": 256}
     assert [s.label for s in parse_specs("mono, dual[hybrid],mono,teal")] == ["mono", "dual[hybrid]", "teal"]
-    assert resolve_kind(parse_spec("dual")).label == "dual[hybrid]"  # the library's default kind, named
+    assert resolve_kind(parse_spec("dual")).label == "dual[shadow4]"  # the library's default kind, named
     for bad in ("dual[", "mono[lowrank]", "dual[ternary4]", ""):
         with pytest.raises(ValueError):
             parse_specs(bad)

@@ -133,7 +133,7 @@ def availability(spec: Spec) -> str | None:
 
 
 def resolve_kind(spec: Spec) -> Spec:
-    """``spec`` with its kind filled in where it was left to the library (``dual`` -> ``dual[hybrid]``)."""
+    """``spec`` with its kind filled in where it was left to the library (``dual`` -> ``dual[shadow4]``)."""
     if spec.kind is not None or spec.is_dense:
         return spec
     from ..registry import get_method
@@ -148,5 +148,10 @@ def resolve_kind(spec: Spec) -> Spec:
         from ..prac.prepare import default_kind
 
         kind = default_kind(method)
-        return Spec(f"{spec.method}[{kind}{_suffix(spec.options)}]", spec.method, kind, spec.options)
+        options = dict(spec.options)
+        if kind == "shadow":
+            from ..prac.shadow import DEFAULT_BITS
+
+            options.setdefault("bits", DEFAULT_BITS)  # named in full: dual -> dual[shadow4]
+        return Spec(f"{spec.method}[{kind}{_suffix(options)}]", spec.method, kind, options)
     return spec
