@@ -307,3 +307,21 @@ def test_command_line_arguments(monkeypatch):
     assert seen["name"] == "smollm2-135m" and seen["limit"] == 20
     assert seen["methods"] == ["dense", "cats", "mono", "dual", "dejavu"] and seen["modes"] == ["ideal", "prac"]
     assert seen["sparsities"] == ["0.7", "0.8", "0.9"] and len(seen["tasks"]) == 6
+
+
+def test_kinded_method_spec_and_per_document_side_file(setup, tmp_path):
+    out = tmp_path / "kinds"
+    result = _run(setup, out, methods=("dense", "dual[lowrank]"), modes=("prac",), ppl_tokens=0, agreement_prompts=0)
+    rows = sweep.read_rows(result["csv"])
+    assert {(r["method"], r["mode"]) for r in rows} == {("dense", ""), ("dual[lowrank]", "prac")}
+    meta = __import__("json").loads((out / "tiny.meta.json").read_text())
+    assert meta["artifacts"]["dual[lowrank]"]["kind"] == "lowrank"
+    # the side file: one row per (cell, per-document metric), five 0/1 outcomes averaging to the cell's acc
+    docs = sweep.read_rows(result["docs"], sweep.store.DOC_FIELDS)
+    for method in ("dense", "dual[lowrank]"):
+        (doc,) = [d for d in docs if d["method"] == method and d["metric"] == "acc"]
+        ids, values = sweep.store.decode_outcomes(doc)
+        (acc,) = [float(r["value"]) for r in rows if r["method"] == method and r["metric"] == "acc"]
+        assert ids == list(range(5)) and set(values) <= {0.0, 1.0} and sum(values) / 5 == pytest.approx(acc)
+    with pytest.raises(ValueError, match="unknown SP-Prac kind 'fancy'"):
+        _run(setup, out, methods=("dual[fancy]",))
