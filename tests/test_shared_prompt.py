@@ -46,11 +46,9 @@ def prac_artifacts():
     model = tiny_model(len(tok))
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(6)]
-    from countdown.calibrate import calibrate
-    from countdown.predictors import train_predictors
-
-    mono = calibrate(model, tok, "mono", [0.6], texts=texts, num_tokens=64, window=16, progress=False)
-    dual = train_predictors(model, tok, "dual", [0.6], texts=texts, num_tokens=64, window=16, progress=False)
+    mono = countdown.calibrate(model, tok, "mono", [0.6], texts=texts, num_tokens=64, window=16, progress=False)
+    dual = countdown.train_predictors(model, tok, "dual", [0.6], texts=texts, num_tokens=64, window=16,
+                                      progress=False)
     return model, tok, {"mono": mono, "dual": dual}
 
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..prac import kinds as _registered_kinds  # noqa: F401  (importing it fills the kind registry)
+from ..prac.base import get_kind, kinds_for
+from ..prac.prepare import DEFAULT_KIND
 from ..registry import get_method
 
 DEFAULT_METHODS = ("dense", "cats", "mono", "dual", "dejavu")
@@ -27,11 +30,8 @@ AGREEMENT_TASK = "agreement"
 AGREEMENT_METRICS = ("exact_match", "prefix_match", "token_match", "kl", "top1")
 MODE_LABEL = {"ideal": "SP-Ideal", "prac": "SP-Prac"}
 
-# SP-Prac kinds a predictor method (dual, dejavu) can be given as ``method[kind]``; shadow takes its
-# bit width as a suffix (``dual[shadow4]``). Threshold methods (cats, mono) have one kind.
-PREDICTOR_KINDS = ("hybrid", "lowrank", "ternary", "shadow")
-DEFAULT_KIND = {"dual": "hybrid", "dejavu": "lowrank"}
-DEFAULT_SHADOW_BITS = 4
+# A method's SP-Prac kinds come from countdown.prac's registry (kinds_for); a kind with a ``bits``
+# option takes its bit width as a suffix (``dual[shadow4]``; no suffix: the kind's default).
 
 
 def format_k(k: float | None) -> str:
@@ -74,9 +74,10 @@ _SPEC = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*(?:\[\s*([A-Za-z]+)(\d*)\s*\])?\s*$"
 def parse_method_spec(text: str) -> MethodSpec:
     """``"dual"``, ``"dual[hybrid]"``, ``"dual[lowrank]"``, ``"dual[shadow4]"`` -> :class:`MethodSpec`.
 
-    A kind equal to the method's default (``dual[hybrid]``, ``dejavu[lowrank]``) is the plain method.
-    Unknown methods and kinds, kinds on dense or threshold methods, and bits on a kind that has none
-    are ValueErrors naming the spec and the choices.
+    The kinds a method takes are those of :mod:`countdown.prac`'s registry that serve it. A kind
+    equal to the method's default (``dual[hybrid]``, ``mono[threshold]``) is the plain method.
+    Unknown methods and kinds, a kind on dense, and bits on a kind without a ``bits`` option are
+    ValueErrors naming the spec and the choices.
     """
     match = _SPEC.match(str(text))
     if not match:
@@ -87,22 +88,22 @@ def parse_method_spec(text: str) -> MethodSpec:
     if kind is None:
         return MethodSpec(method, method)
     kind = kind.lower()
-    if get_method(method).prac != "predictor":
-        raise ValueError(f"{text!r}: {method} has no SP-Prac kinds to choose from (only dual and dejavu "
-                         f"train predictors); write {method}")
-    if kind not in PREDICTOR_KINDS:
-        raise ValueError(f"unknown SP-Prac kind {kind!r} in {text!r}: choose from "
-                         f"{', '.join(PREDICTOR_KINDS)} (shadow with its bits, e.g. {method}[shadow4])")
-    if kind != "shadow":
-        if bits:
-            raise ValueError(f"{text!r}: only the shadow kind takes a bit width; write {method}[{kind}]")
-        if kind == DEFAULT_KIND.get(method):
-            return MethodSpec(method, method)
-        return MethodSpec(method, f"{method}[{kind}]", {"kind": kind})
-    n_bits = int(bits) if bits else DEFAULT_SHADOW_BITS
-    if not 1 <= n_bits <= 8:
-        raise ValueError(f"{text!r}: shadow bits must be 1 to 8, got {n_bits}")
-    return MethodSpec(method, f"{method}[shadow{n_bits}]", {"kind": "shadow", "bits": n_bits})
+    if get_method(method).prac is None:
+        raise ValueError(f"{text!r}: {method} has no SP-Prac kinds (it skips nothing); write {method}")
+    choices = kinds_for(method)
+    if kind not in choices:
+        shown = ", ".join(f"{c}<bits>" if "bits" in get_kind(c).defaults else c for c in choices)
+        raise ValueError(f"unknown SP-Prac kind {kind!r} in {text!r}: {method} takes {shown} "
+                         f"(e.g. {method}[{choices[-1]}])")
+    defaults = get_kind(kind).defaults
+    if bits and "bits" not in defaults:
+        raise ValueError(f"{text!r}: only a kind with a bit width (shadow) takes a number; write {method}[{kind}]")
+    if kind == DEFAULT_KIND.get(method) and not bits:
+        return MethodSpec(method, method)
+    if "bits" in defaults:
+        n_bits = int(bits) if bits else int(defaults["bits"])
+        return MethodSpec(method, f"{method}[{kind}{n_bits}]", {"kind": kind, "bits": n_bits})
+    return MethodSpec(method, f"{method}[{kind}]", {"kind": kind})
 
 
 def parse_methods(methods: Sequence[str]) -> list[MethodSpec]:

@@ -99,7 +99,7 @@ def measure_agreement(model, tokenizer, cell: CellSpec, method: str, artifacts, 
 def ensure_prac(model, tokenizer, spec: MethodSpec, sparsities, artifacts_dir, options: dict | None, progress,
                 log: Callable[[str], None]):
     """The SP-Prac artifacts of one method spec for every k (built once, cached in ``artifacts_dir``)."""
-    from ..artifacts import ensure_artifacts
+    from ..prac.prepare import ensure_artifacts
 
     if artifacts_dir is None:
         from ..data import cache_root

@@ -145,7 +145,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     methods: method specs, ``"mono"`` or ``"dual[lowrank]"`` / ``"dual[shadow4]"`` (an SP-Prac kind;
         :func:`~countdown.sweep.cells.parse_method_spec`); dense (if listed) is one configuration.
         SP-Prac uses thresholds for cats/mono and predictors for dual/dejavu, built once per spec
-        for all ``sparsities`` with :func:`countdown.artifacts.ensure_artifacts` (``artifact_options``
+        for all ``sparsities`` with :func:`countdown.ensure_artifacts` (``artifact_options``
         and the spec's kind passed on) and cached in ``artifacts_dir`` (default ``<cache>/artifacts``).
     tasks / limit / num_fewshot / batch_size: lm-eval (offline task names; first ``limit`` docs each).
         All pending configurations of a task are measured in one pass that runs each prompt once

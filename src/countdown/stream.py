@@ -1,22 +1,13 @@
-"""SP-Prac thresholds for threshold methods (M-CountDown, CATS), and the shared streaming pass.
+"""Calibration text as token windows, and the streaming pass that hands every Gated-MLP's input to
+a callback: what every SP-Prac kind is built from.
 
-For a threshold method with indicator ``I`` (mono ``|u|``, cats ``|act(g)|``) the paper replaces the
-per-token cut ``Quantile(k, I(x_t))`` by one constant per layer, estimated on ``T`` calibration tokens:
-
-    tau_hat^k = (1 / T) * sum_t Quantile(k, I(x_t))
-
-At run time a row is kept when ``I > tau_hat`` (strict). We take ``Quantile(k, v)`` as the value
-that exactly ``kept_rows(d_inter, k)`` entries of ``v`` exceed: the ``(n_keep + 1)``-th largest
-entry. Then ``I > Quantile`` reproduces the SP-Ideal top-k of that token, and tau_hat is its average.
-
-Everything streams: forward pre-hooks on each Gated-MLP see its input ``x`` as the (unpatched) model
-runs over the calibration text in windows; each hook turns ``x`` into per-token quantiles at every
-requested ``k`` and adds them to running sums, so nothing per token is kept.
+Everything streams: forward pre-hooks on each Gated-MLP see its input ``x`` as the model runs over
+the calibration text in windows; the callback turns ``x`` into what it needs (per-token quantiles,
+a uniform sample of scores, captured activations) and nothing else per token is kept.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 from typing import Callable, Iterable
@@ -25,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .artifacts import Artifacts, new_meta
-from .mlp import GatedMLP, require_gated_mlps
-from .registry import Method, check_sparsity, get_method, kept_rows
+from .mlp import GatedMLP
+from .registry import Method
+from .state import is_sparsified
 
 DEFAULT_WINDOW = 512
 DEFAULT_CALIBRATION_TOKENS = 4096
-DEFAULT_REFINE_TOKENS = 2048  # per k, for the passes on the sparsified model (see calibrate's refine)
+DEFAULT_REFINE_TOKENS = 2048  # per k, for the passes on the sparsified model (see prac.cuts.refine_cuts)
+POOLED_SAMPLES = 1 << 18  # indicator values kept per layer for the pooled rule (quantile error ~1e-3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,9 +107,8 @@ class _StopForward(Exception):
     """Raised by a hook once every wanted layer has seen its input: the rest of the model is skipped."""
 
 
-def _check_unpatched(model: nn.Module) -> None:
-    from .sparse import is_sparsified
-
+def check_unpatched(model: nn.Module) -> None:
+    """Calibration reads the dense model: refuse a patched one (sparse upstream layers change x)."""
     if is_sparsified(model):
         raise RuntimeError("calibrate/train on the dense model: call countdown.unsparsify(model) first "
                            "(a patched model feeds sparse activations to later layers)")
@@ -137,7 +128,7 @@ def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torc
     from tqdm.auto import tqdm
 
     if not allow_patched:
-        _check_unpatched(model)
+        check_unpatched(model)
     wanted = sorted(range(len(mlps)) if layers is None else set(layers))
     if not wanted:
         return 0
@@ -178,12 +169,12 @@ def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torc
 
 def indicator_of(method: Method, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     """The method's indicator for inputs ``x [N, d_model]``, in float32, computing only what it needs."""
-    u = F.linear(x, *_like(x, mlp.w_up, mlp.b_up)).float() if method.needs_up else None
-    h = mlp.act(F.linear(x, *_like(x, mlp.w_gate, mlp.b_gate))).float() if method.needs_gate else None
+    u = F.linear(x, *like(x, mlp.w_up, mlp.b_up)).float() if method.needs_up else None
+    h = mlp.act(F.linear(x, *like(x, mlp.w_gate, mlp.b_gate))).float() if method.needs_gate else None
     return method.indicator(u, h)
 
 
-def _like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``weight, bias`` in ``x``'s dtype and device (captured float32 inputs of a bf16 model)."""
     cast = lambda t: None if t is None else t.detach().to(device=x.device, dtype=x.dtype)  # noqa: E731
     return cast(weight), cast(bias)
@@ -213,108 +204,3 @@ def token_quantiles(score: torch.Tensor, n_keeps: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _sparsity_list(sparsity) -> list[float]:
-    ks = [sparsity] if isinstance(sparsity, (int, float)) else list(sparsity)
-    if not ks:
-        raise ValueError("give at least one sparsity")
-    ks = [check_sparsity(k) for k in ks]
-    if len({round(k, 6) for k in ks}) != len(ks):
-        raise ValueError(f"sparsities must be distinct, got {ks}")
-    return ks
-
-
-# --------------------------------------------------------------------------------------------
-# Calibration
-# --------------------------------------------------------------------------------------------
-
-
-RULES = ("mean-quantile", "pooled")
-POOLED_SAMPLES = 1 << 18  # indicator values kept per layer for the pooled rule (quantile error ~1e-3)
-
-
-def calibrate(model: nn.Module, tokenizer, method: str | Method, sparsity, texts=None,
-              num_tokens: int = DEFAULT_CALIBRATION_TOKENS, window: int = DEFAULT_WINDOW,
-              batch_size: int = 4, rule: str = "mean-quantile", refine: bool = True,
-              refine_tokens: int = DEFAULT_REFINE_TOKENS, progress: bool = True) -> Artifacts:
-    """Calibrate per-layer SP-Prac thresholds ``tau_hat`` for a threshold method (cats, mono).
-
-    ``sparsity`` is one k or a list: all of them come from ONE pass over ``num_tokens`` tokens of
-    ``texts`` (default: :func:`countdown.data.calibration_texts`, never the evaluation text).
-    ``rule``: ``"mean-quantile"`` (the paper: mean over tokens of the per-token k-quantile) or
-    ``"pooled"`` (the k-quantile of all calibration tokens' indicator values together, estimated from
-    a uniform sample of ``POOLED_SAMPLES`` values per layer: it makes the fraction skipped on the
-    calibration text exactly k on average, where the paper's rule is biased by how the per-token
-    distributions spread).
-    ``refine`` (default on): after the dense pass, one more pass per k over the first
-    ``refine_tokens`` tokens with the model sparsified by the first thresholds (every position
-    sparse), re-estimating each layer's tau from the inputs it sees when the layers before it are
-    sparse, as at run time. Dense-only thresholds (``refine=False``, the paper's calibration) skip
-    less than k once upstream layers are sparse: on SmolLM2 CATS at k=0.8 skipped 0.768 instead of
-    0.787 refined (docs/prac.md).
-    Returns :class:`~countdown.artifacts.Artifacts` holding ``thresholds [n_sparsities, n_layers]``.
-    """
-    m = get_method(method)
-    if m.prac != "threshold":
-        hint = ("train predictors with countdown.train_predictors" if m.prac == "predictor"
-                else "it skips nothing")
-        raise ValueError(f"method {m.name!r} does not use calibrated thresholds: {hint}")
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}: choose one of {', '.join(RULES)}")
-    ks = _sparsity_list(sparsity)
-    mlps = require_gated_mlps(model)
-    _check_unpatched(model)
-    texts, data_name = resolve_texts(texts)
-    windows = token_windows(tokenizer, texts, num_tokens, window)
-
-    thresholds, seen = _calibration_pass(model, mlps, windows, m, ks, rule, batch_size, progress,
-                                         f"calibrating {m.name}", False)
-    refine_windows = first_windows(windows, refine_tokens) if refine else []
-    meta = new_meta(m, "threshold", ks, mlps, selection="threshold",
-                    data={"name": data_name, "num_tokens": seen, "window": window},
-                    d_rank=None, rule=rule, refine=bool(refine),
-                    refine_tokens=sum(w.numel() for w in refine_windows))
-    if refine:
-        from .sparse import sparsify, unsparsify
-
-        first = Artifacts(meta, {"thresholds": thresholds})
-        refined = thresholds.clone()
-        for j, k in enumerate(ks):
-            sparsify(model, m, k, mode="prac", artifacts=first, scope="all")
-            try:
-                refined[j] = _calibration_pass(model, mlps, refine_windows, m, [k], rule, batch_size, progress,
-                                               f"refining {m.name} k={k:g}", True)[0][0]
-            finally:
-                unsparsify(model)
-        thresholds = refined
-    return Artifacts(meta, {"thresholds": thresholds})
-
-
-def _calibration_pass(model, mlps, windows, m: Method, ks: list[float], rule: str, batch_size: int,
-                      progress: bool, desc: str, allow_patched: bool) -> tuple[torch.Tensor, int]:
-    """One pass over ``windows``: thresholds ``[len(ks), n_layers]`` by ``rule``, and the token count."""
-    n_tokens = sum(w.numel() for w in windows)
-    n_keeps = [[kept_rows(mlp.d_inter, k) for k in ks] for mlp in mlps]
-    sums = torch.zeros(len(ks), len(mlps), dtype=torch.float64)
-    counts = torch.zeros(len(mlps), dtype=torch.float64)
-    samples: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(mlps))}
-    gen = torch.Generator().manual_seed(0)
-
-    def on_input(i: int, x: torch.Tensor) -> None:
-        score = indicator_of(m, mlps[i], x)
-        if rule == "mean-quantile":
-            q = token_quantiles(score, n_keeps[i])
-            sums[:, i] += q.double().sum(dim=1).cpu()
-        else:
-            samples[i].append(pooled_sample(score, n_tokens, gen))
-        counts[i] += score.shape[0]
-
-    seen = stream_mlp_inputs(model, mlps, windows, on_input, batch_size=batch_size, progress=progress,
-                             desc=desc, allow_patched=allow_patched)
-    if rule == "mean-quantile":
-        return (sums / counts.clamp_min(1)).float(), seen
-    thresholds = torch.zeros(len(ks), len(mlps))
-    for i in range(len(mlps)):
-        pooled = torch.cat(samples[i]).double()
-        for j, k in enumerate(ks):
-            thresholds[j, i] = torch.quantile(pooled, k, interpolation="linear").float()
-    return thresholds, seen
