@@ -321,5 +321,9 @@ def test_kinded_method_spec_and_per_document_side_file(setup, tmp_path):
         ids, values = sweep.store.decode_outcomes(doc)
         (acc,) = [float(r["value"]) for r in rows if r["method"] == method and r["metric"] == "acc"]
         assert ids == list(range(5)) and set(values) <= {0.0, 1.0} and sum(values) / 5 == pytest.approx(acc)
+    # one configuration per pass: the same numbers, saved pass by pass
+    single = _run(setup, tmp_path / "single", methods=("dense", "dual[lowrank]"), modes=("prac",), ppl_tokens=0,
+                  agreement_prompts=0, pass_configs=1)
+    assert _comparable(sweep.read_rows(single["csv"])) == _comparable(rows)
     with pytest.raises(ValueError, match="unknown SP-Prac kind 'fancy'"):
         _run(setup, out, methods=("dual[fancy]",))

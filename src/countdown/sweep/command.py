@@ -6,7 +6,7 @@ import sys
 
 from ..io import LockedError, UnwritableError
 from .cells import DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, format_k
-from .measure import DEFAULT_CHUNK
+from .measure import DEFAULT_CHUNK, DEFAULT_PASS_CONFIGS
 from .runner import run_sweep
 from .store import DEFAULT_WAIT
 
@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                    help=f"prompts per shared-prompt batch of an lm-eval pass (default {DEFAULT_CHUNK})")
+    p.add_argument("--pass-configs", type=int, default=DEFAULT_PASS_CONFIGS,
+                   help="configurations per shared pass over a task's documents; each pass is saved when it ends "
+                        f"(default {DEFAULT_PASS_CONFIGS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1)")
     p.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <cache>/artifacts)")
     p.add_argument("--out", default="results/quality", help="folder for <model>.csv / .md / .png (default results/quality)")
@@ -69,7 +72,8 @@ def sweep_from_args(args) -> int:
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, threads=args.threads,
                   artifacts_dir=args.artifacts_dir, dtype=args.dtype, device=args.device,
                   report_only=args.report_only, wait=getattr(args, "wait", DEFAULT_WAIT),
-                  chunk=getattr(args, "chunk", DEFAULT_CHUNK))
+                  chunk=getattr(args, "chunk", DEFAULT_CHUNK),
+                  pass_configs=getattr(args, "pass_configs", DEFAULT_PASS_CONFIGS))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except (LockedError, UnwritableError) as err:

@@ -139,7 +139,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
               threads: int | None = None, model=None, tokenizer=None, task_manager=None,
               dtype: str = "fp32", device: str = "cpu", command: str | None = None, progress: bool = True,
               report_only: bool = False, wait: float = DEFAULT_WAIT, chunk: int = measure.DEFAULT_CHUNK,
-              log: Callable[[str], None] = print) -> dict:
+              pass_configs: int = measure.DEFAULT_PASS_CONFIGS, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the quality sweep and write ``<out_dir>/<model>.csv``, ``.docs.csv``, ``.md``, ``.png``.
 
     methods: method specs, ``"mono"`` or ``"dual[lowrank]"`` / ``"dual[shadow4]"`` (an SP-Prac kind;
@@ -149,7 +149,8 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         and the spec's kind passed on) and cached in ``artifacts_dir`` (default ``<cache>/artifacts``).
     tasks / limit / num_fewshot / batch_size: lm-eval (offline task names; first ``limit`` docs each).
         All pending configurations of a task are measured in one pass that runs each prompt once
-        (:mod:`countdown.shared_prompt`; ``chunk`` prompts at a time); generation tasks run per cell.
+        (:mod:`countdown.shared_prompt`; ``chunk`` prompts at a time, at most ``pass_configs``
+        configurations per pass, each pass saved when it ends); generation tasks run per cell.
     ppl_tokens / ppl_window / ppl_texts: perplexity of both styles on ``ppl_tokens`` tokens of
         ``ppl_texts`` (default XSum, :func:`countdown.data.eval_texts`); ``ppl_tokens=0`` skips it.
     agreement_prompts / max_new_tokens: agreement with the dense model on the first N shipped prompts
@@ -172,6 +173,9 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     sparsities = sorted({check_sparsity(k) for k in sparsities})
     tasks = list(dict.fromkeys(tasks))
     _check_arguments(modes, sparsities, specs, limit, ppl_tokens)
+    for name, value in (("chunk", chunk), ("pass_configs", pass_configs)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if task_manager is None and tasks:
         from ..tasks import available_tasks, is_offline_task, task_manager as offline_task_manager
 
@@ -232,10 +236,13 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                         num_fewshot, task_manager))
                 continue
             arts = {c.method: run.artifacts_for(c) for c in group if c.mode == "prac"}
-            log(f"  {task}: {len(group)} configurations in one pass over {limit or 'all'} documents")
-            results = measure.measure_task_shared(model, tokenizer, task, group, method_of, arts, limit, batch_size,
-                                                  num_fewshot, task_manager, chunk=chunk)
-            computed += run.save_many(group, results)
+            for start in range(0, len(group), pass_configs):  # each pass is saved when it ends
+                part = group[start:start + pass_configs]
+                log(f"  {task}: {len(part)} configurations in one pass over {limit or 'all'} documents"
+                    + (f" ({start + len(part)} of {len(group)})" if len(group) > pass_configs else ""))
+                results = measure.measure_task_shared(model, tokenizer, task, part, method_of, arts, limit,
+                                                      batch_size, num_fewshot, task_manager, chunk=chunk)
+                computed += run.save_many(part, results)
         texts = None
         for cell in [c for c in todo if c.kind != "lmeval"]:
             if cell.kind == "ppl":
