@@ -61,7 +61,7 @@ def test_every_configuration_equals_the_per_configuration_adapter(prac_artifacts
     lm = CountdownLM(pretrained=model, tokenizer=tok, method=None, max_length=max_length)
     encoded = [lm._encode_pair(c, k) for c, k in _requests()]
     # chunk 3: prompts of different lengths in one left-padded batch (chunk 1 in the test below)
-    shared, real = score_requests(model, encoded, configs, max_length, chunk=3)
+    shared, real = score_requests(model, encoded, configs, max_length, chunk=3, batch_tokens=6)  # several batches
     if True:
         for c, config in enumerate(configs):
             ref, ref_real = _reference(model, tok, config, encoded, max_length)

@@ -88,14 +88,16 @@ def split_request(context: Sequence[int], continuation: Sequence[int], max_lengt
 
 @torch.no_grad()
 def score_requests(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], configs: Sequence[EvalConfig],
-                   max_length: int, softmax_dtype=None, chunk: int = 8, pad_id: int = 0, counts=None):
+                   max_length: int, softmax_dtype=None, chunk: int = 16, pad_id: int = 0, counts=None,
+                   batch_tokens: int = 256):
     """Log-likelihoods of every request under every configuration, each prompt run once.
 
     requests: ``[(context_tokens, continuation_tokens)]``; configs: :class:`EvalConfig` list.
-    chunk: prompts per batch (default 8). Their KV caches are held at once, one copy per distinct
-        continuation (memory: about ``chunk`` x choices x prompt length x the model's KV bytes per
-        token); all their continuations run as one batch per configuration, and each configuration
-        is patched once per chunk.
+    chunk: prompts handled together (default 16). Their KV caches are held at once, one copy per
+        distinct continuation (memory: about ``chunk`` x choices x prompt length x the model's KV
+        bytes per token), and each configuration is patched once per chunk.
+    batch_tokens: the continuations of a chunk run sorted by length, in batches of about this many
+        tokens (rows x longest row; default 256), so that padding wastes little.
     counts: per-configuration row counters to add to (a later call goes on counting), or None.
     Returns ``(results, sparsity)``: ``results[c][i] = (log p(continuation_i), is_greedy_i)`` under
     configuration ``c``; ``sparsity[c]`` its Sparsity-Real over the sparse positions counted so far
@@ -120,13 +122,25 @@ def score_requests(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]
             out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
             first[prompt] = out.logits[0, -1:]
             layers[prompt] = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        batch = _ContinuationBatch(model, [(p, c) for p in part for c in conts.get(p, [])], layers, device, pad_id)
+        # continuations sorted by length into batches of about ``batch_tokens`` (rows x width): little padding
+        rows = sorted(((p, c) for p in part for c in conts.get(p, [])), key=lambda row: (len(row[1]), row))
+        batches, current = [], []
+        for row in rows:
+            if current and (len(current) + 1) * len(row[1]) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(row)
+        if current:
+            batches.append(current)
+        batches = [_ContinuationBatch(model, b, layers, device, pad_id) for b in batches]
         for c, config in enumerate(configs):
             if not config.is_dense:
                 sparsify(model, config.method, config.sparsity, mode=config.mode, scope="decode",
                          artifacts=config.artifacts, path="masked")
             try:
-                logits = batch.run(sparse=not config.is_dense)
+                logits = {}
+                for batch in batches:
+                    logits.update(batch.run(sparse=not config.is_dense))
                 for prompt in part:
                     for i in by_prompt[prompt]:
                         cont = split[i][1]
@@ -202,7 +216,7 @@ class SharedPromptLM(CountdownLM):
     """
 
     def __init__(self, model, tokenizer, configs: Sequence[EvalConfig], batch_size: int | str = 8,
-                 chunk: int = 8, **kwargs):
+                 chunk: int = 16, **kwargs):
         super().__init__(pretrained=model, tokenizer=tokenizer, method=None, batch_size=batch_size, **kwargs)
         self.configs = list(configs)
         self.current = 0
@@ -241,7 +255,7 @@ class SharedPromptLM(CountdownLM):
 
 def evaluate_configs(model, tokenizer, task: str, configs: Sequence[EvalConfig], limit: int | None = None,
                      batch_size: int | str = 8, num_fewshot: int | None = None, task_manager: Any = None,
-                     seed: int = DEFAULT_SEED, bootstrap_iters: int = 1000, chunk: int = 8) -> list[dict]:
+                     seed: int = DEFAULT_SEED, bootstrap_iters: int = 1000, chunk: int = 16) -> list[dict]:
     """:func:`countdown.lmeval.evaluate` of one task for every configuration, prompts computed once.
 
     Returns one dict per configuration, as ``evaluate`` returns, plus ``"samples"``: the per-document

@@ -12,7 +12,7 @@ from ..ppl import perplexity
 from ..sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 from .cells import AGREEMENT_METRICS, PPL_TASKS, CellSpec, MethodSpec, format_k
 
-DEFAULT_CHUNK = 8  # prompts per shared batch (countdown.shared_prompt.score_requests)
+DEFAULT_CHUNK = 16  # prompts per shared batch (countdown.shared_prompt.score_requests)
 # configurations per shared pass: more share each prompt's forward; fewer lose less to an interruption
 DEFAULT_PASS_CONFIGS = 12
 
