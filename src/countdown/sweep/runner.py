@@ -235,9 +235,9 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                         model, tokenizer, cell, method_of[cell.method], run.artifacts_for(cell), limit, batch_size,
                         num_fewshot, task_manager))
                 continue
-            arts = {c.method: run.artifacts_for(c) for c in group if c.mode == "prac"}
             for start in range(0, len(group), pass_configs):  # each pass is saved when it ends
                 part = group[start:start + pass_configs]
+                arts = {c.method: run.artifacts_for(c) for c in part if c.mode == "prac"}  # built when first needed
                 log(f"  {task}: {len(part)} configurations in one pass over {limit or 'all'} documents"
                     + (f" ({start + len(part)} of {len(group)})" if len(group) > pass_configs else ""))
                 results = measure.measure_task_shared(model, tokenizer, task, part, method_of, arts, limit,
