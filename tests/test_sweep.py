@@ -303,8 +303,10 @@ def test_command_line_arguments(monkeypatch):
     monkeypatch.setattr(sweep.command, "run_sweep", lambda name, **kw: seen.update(name=name, **kw))
     assert sweep.sweep_from_args(args) == 0
     assert seen["name"] == "smollm2-135m" and seen["limit"] == 20
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        sweep.sweep_from_args(parser.parse_args(["--sparsity", "0.7,fast"]))
     assert seen["methods"] == ["dense", "cats", "mono", "dual", "dejavu"] and seen["modes"] == ["ideal", "prac"]
-    assert seen["sparsities"] == ["0.7", "0.8", "0.9"] and len(seen["tasks"]) == 6
+    assert seen["sparsities"] == [0.7, 0.8, 0.9] and len(seen["tasks"]) == 6
 
 
 def test_kinded_method_spec_and_per_document_side_file(setup, tmp_path):

@@ -61,13 +61,24 @@ def split_list(text) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def sparsity_list(text) -> list[float]:
+    """``"0.7,0.8"`` -> ``[0.7, 0.8]``; a part that is not a number is a ValueError naming it."""
+    out = []
+    for part in split_list(text):
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise ValueError(f"--sparsity: {part!r} is not a number; give k values like 0.7,0.8,0.9") from None
+    return out
+
+
 def sweep_from_args(args) -> int:
     """Run :func:`run_sweep` from parsed ``countdown sweep`` arguments; returns the exit code
     (0; 130 after Ctrl-C, with the resume command already printed; 2 when the folder is locked
     or cannot be written)."""
     try:
         run_sweep(args.model, methods=split_list(args.methods), modes=split_list(args.modes),
-                  sparsities=split_list(args.sparsity), tasks=split_list(args.tasks), limit=args.limit,
+                  sparsities=sparsity_list(args.sparsity), tasks=split_list(args.tasks), limit=args.limit,
                   out_dir=args.out, ppl_tokens=args.ppl_tokens, agreement_prompts=args.agreement_prompts,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, threads=args.threads,
                   artifacts_dir=args.artifacts_dir, dtype=args.dtype, device=args.device,
