@@ -112,32 +112,37 @@ def test_interrupted_sweep_resumes_to_the_same_csv(setup, full_run, monkeypatch,
         def wrapper(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] == calls["fail_at"]:
-                raise KeyboardInterrupt("injected after the 2nd cell")
+                raise KeyboardInterrupt("injected after the 2nd measurement")
             return fn(*args, **kwargs)
         return wrapper
 
-    for name in ("_measure_lmeval", "_measure_ppl", "_measure_agreement"):
-        monkeypatch.setattr(sweep, name, counted(getattr(sweep, name)))
+    for name in ("measure_task_shared", "measure_lmeval", "measure_ppl", "measure_agreement"):
+        monkeypatch.setattr(sweep.measure, name, counted(getattr(sweep.measure, name)))
     builds = []
     monkeypatch.setattr(countdown.prac.prepare, "prepare", lambda *a, **k: builds.append("build"))
 
     out = tmp_path / "resumed"
+    lines = []
     with pytest.raises(KeyboardInterrupt):
-        _run(setup, out)
+        _run(setup, out, log=lines.append)
     partial = sweep.read_rows(out / "tiny.csv")
-    assert {(r["method"], r["task"]) for r in partial} == {("dense", "tiny_mc"), ("dense", "ppl_all")}
+    # measurement 1: the tiny_mc pass of all 5 configurations; 2: dense ppl_all; 3 interrupted
+    assert {(r["method"], r["mode"], r["task"]) for r in partial if r["task"] != "tiny_mc"} == {("dense", "", "ppl_all")}
+    assert len({(r["method"], r["mode"]) for r in partial if r["task"] == "tiny_mc"}) == 5
     assert not countdown.is_sparsified(setup.model)
+    said = "\n".join(lines)
+    assert "interrupted. 6 of 19 cells are saved" in said and "countdown sweep --model tiny" in said
 
-    # --report-only: the report of the two measured cells, nothing computed, no model needed
+    # --report-only: the report of the measured cells, nothing computed, no model needed
     calls.update(n=0, fail_at=-1)
     report = _run(setup, out, report_only=True, model=None, tokenizer=None)
     assert calls["n"] == 0 and report["computed"] == 0
     text = (out / "tiny.md").read_text()
-    assert "**Partial**: 2 of 19 cells" in text and "dense" in text
+    assert "**Partial**: 6 of 19 cells" in text and "dense" in text
     assert sweep.read_rows(out / "tiny.csv") == partial
 
     result = _run(setup, out)
-    assert calls["n"] == N_CELLS - 2 and result["computed"] == N_CELLS - 2 and result["skipped"] == 2
+    assert calls["n"] == N_CELLS - 6 and result["computed"] == N_CELLS - 6 and result["skipped"] == 6
     assert _comparable(sweep.read_rows(out / "tiny.csv")) == _comparable(full_rows)
     assert builds == []  # SP-Prac artifacts came from the cache of the first sweep
 
@@ -203,7 +208,7 @@ def test_markdown_average_table_on_hand_made_csv(tmp_path):
     assert lines[0] == "| mode | method | k=0.7 | k=0.8 |"
     assert lines[2] == "| Dense | full | 0.700 | 0.700 |"
     assert lines[3] == "| SP-Ideal | cats | 0.450 (0.710) | — |"  # rows in the paper's order: cats before mono
-    assert lines[4] == "| SP-Ideal | mono | **0.650** (0.710) | **0.350** (0.810) |"
+    assert lines[4] == "| SP-Ideal | mono | **0.650** (0.710) | 0.350 (0.810) |"  # alone at k=0.8: no bold
     assert lines[5] == "| SP-Prac | mono | 0.550 (0.690) | — |"  # single method in its mode: nothing to bold
     assert len(lines) == 6
 
@@ -295,8 +300,32 @@ def test_command_line_arguments(monkeypatch):
                               "--modes", "ideal,prac", "--sparsity", "0.7,0.8,0.9",
                               "--tasks", "arc_easy,arc_challenge,hellaswag,piqa,winogrande,openbookqa", "--limit", "20"])
     seen = {}
-    monkeypatch.setattr(sweep, "run_sweep", lambda name, **kw: seen.update(name=name, **kw))
+    monkeypatch.setattr(sweep.command, "run_sweep", lambda name, **kw: seen.update(name=name, **kw))
     assert sweep.sweep_from_args(args) == 0
     assert seen["name"] == "smollm2-135m" and seen["limit"] == 20
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        sweep.sweep_from_args(parser.parse_args(["--sparsity", "0.7,fast"]))
     assert seen["methods"] == ["dense", "cats", "mono", "dual", "dejavu"] and seen["modes"] == ["ideal", "prac"]
-    assert seen["sparsities"] == ["0.7", "0.8", "0.9"] and len(seen["tasks"]) == 6
+    assert seen["sparsities"] == [0.7, 0.8, 0.9] and len(seen["tasks"]) == 6
+
+
+def test_kinded_method_spec_and_per_document_side_file(setup, tmp_path):
+    out = tmp_path / "kinds"
+    result = _run(setup, out, methods=("dense", "dual[lowrank]"), modes=("prac",), ppl_tokens=0, agreement_prompts=0)
+    rows = sweep.read_rows(result["csv"])
+    assert {(r["method"], r["mode"]) for r in rows} == {("dense", ""), ("dual[lowrank]", "prac")}
+    meta = __import__("json").loads((out / "tiny.meta.json").read_text())
+    assert meta["artifacts"]["dual[lowrank]"]["kind"] == "lowrank"
+    # the side file: one row per (cell, per-document metric), five 0/1 outcomes averaging to the cell's acc
+    docs = sweep.read_rows(result["docs"], sweep.store.DOC_FIELDS)
+    for method in ("dense", "dual[lowrank]"):
+        (doc,) = [d for d in docs if d["method"] == method and d["metric"] == "acc"]
+        ids, values = sweep.store.decode_outcomes(doc)
+        (acc,) = [float(r["value"]) for r in rows if r["method"] == method and r["metric"] == "acc"]
+        assert ids == list(range(5)) and set(values) <= {0.0, 1.0} and sum(values) / 5 == pytest.approx(acc)
+    # one configuration per pass: the same numbers, saved pass by pass
+    single = _run(setup, tmp_path / "single", methods=("dense", "dual[lowrank]"), modes=("prac",), ppl_tokens=0,
+                  agreement_prompts=0, pass_configs=1)
+    assert _comparable(sweep.read_rows(single["csv"])) == _comparable(rows)
+    with pytest.raises(ValueError, match="unknown SP-Prac kind 'fancy'"):
+        _run(setup, out, methods=("dual[fancy]",))
