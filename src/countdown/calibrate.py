@@ -28,6 +28,7 @@ from torch import nn
 from .artifacts import Artifacts, new_meta
 from .mlp import GatedMLP, require_gated_mlps
 from .registry import Method, check_sparsity, get_method, kept_rows
+from .tp import refuse_sharded
 
 DEFAULT_WINDOW = 512
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -138,6 +139,7 @@ def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torc
 
     if not allow_patched:
         _check_unpatched(model)
+    refuse_sharded(mlps, "calibration and predictor training")
     wanted = sorted(range(len(mlps)) if layers is None else set(layers))
     if not wanted:
         return 0
