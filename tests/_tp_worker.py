@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -85,6 +86,7 @@ def main() -> None:
         with torch.no_grad():
             out["dense"] = model(ids).logits.cpu()
             for case in cases["cases"]:
+                t0 = time.perf_counter()
                 art = None if case["artifacts"] is None else load_artifacts(os.path.join(folder, case["artifacts"]))
                 countdown.sparsify(model, case["method"], case["k"], mode=case["mode"], scope="all", artifacts=art,
                                    path=case["path"], tp_topk=case.get("tp_topk", "exact"))
@@ -93,6 +95,7 @@ def main() -> None:
                 for h in handles:
                     h.remove()
                 countdown.unsparsify(model)
+                print(f"rank {rank} {case['name']}: {time.perf_counter() - t0:.1f} s", flush=True)
             out["restored"] = model(ids).logits.cpu()
         try:
             calibrate(model, IdTokenizer(), "mono", 0.5, texts=[" ".join(["5"] * 64)], num_tokens=32,

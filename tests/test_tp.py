@@ -96,10 +96,10 @@ def tp_run(tmp_path_factory):
     model.to(device)
     gen = torch.Generator().manual_seed(3)
     texts = [" ".join(str(int(t)) for t in torch.randint(3, 128, (600,), generator=gen))]
-    calibrate(model, IdTokenizer(), "mono", K, texts=texts, num_tokens=256, window=32, progress=False).save(
-        folder / "mono.safetensors")
+    calibrate(model, IdTokenizer(), "mono", K, texts=texts, num_tokens=256, window=32, refine=False,
+              progress=False).save(folder / "mono.safetensors")
     train_predictors(model, IdTokenizer(), "dual", K, texts=texts, num_tokens=256, window=32, kind="lowrank",
-                     d_rank=16, epochs=1, progress=False).save(folder / "dual.safetensors")
+                     d_rank=16, epochs=1, refine=False, progress=False).save(folder / "dual.safetensors")
     ids = torch.randint(3, 128, (2, 4), generator=gen)  # 8 tokens: the kernel path serves up to 8
     ref = {"fingerprint": model_fingerprint(require_gated_mlps(model))}
     with torch.no_grad():
@@ -133,6 +133,7 @@ def tp_run(tmp_path_factory):
             for q in procs:
                 q.kill()
             pytest.fail("the tensor-parallel ranks did not finish in 240 s")
+
     outs = []
     for rank in range(WORLD):
         path = folder / f"rank{rank}.pt"
