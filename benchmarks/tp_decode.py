@@ -254,6 +254,28 @@ def sharded(config, root, methods, ks, args, meta) -> list[dict]:
     return rows
 
 
+def compile_probe(config, root, args) -> dict:
+    """Dense decode of the sharded model through generate_fast(compile=True): torch.compile fullgraph
+    with CUDA graphs and Inductor's coordinate-descent tuning. Returns what happened."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder(root, config), tp_plan="auto",
+                                                 dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt),
+                           generator=torch.Generator().manual_seed(3)).to(next(model.parameters()).device)
+    try:
+        _, stats = generate_fast(model, prompt, args.new_tokens, compile=True)
+        result = {"config": config, "gpus": dist.get_world_size(), "method": "dense", "harness": "compile-cdt",
+                  "tokens_per_s": round(stats["tokens_per_s"], 2), "setup_s": round(stats["setup_s"], 1)}
+    except Exception as error:
+        result = {"config": config, "error": f"{type(error).__name__}: {str(error)[:500]}"}
+    log(f"compile probe: {result}")
+    del model
+    free()
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
@@ -287,6 +309,11 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
                      f"{x(s1)} | {'-' if two is None else f'{two:.1f}'} | {x(s2)} | "
                      f"{x(None if two is None else two / a['tokens_per_s'])} | {kept} | "
                      f"{a['harness']} / {b.get('harness', '-')} |")
+    probe = meta.get("compile_probe")
+    if probe:
+        lines += ["", f"torch.compile probe (dense, {probe['config']}, sharded, generate_fast(compile=True)): " + (
+            f"{probe['tokens_per_s']:.1f} tok/s on {probe['gpus']} GPUs, setup {probe['setup_s']:.0f}s"
+            if "error" not in probe else f"failed: {probe['error']}")]
     lines += ["", "gain kept = (2-GPU speed-up - 1) / (1-GPU speed-up - 1): the share of sparsity's one-GPU gain "
               "over dense that survives on 2 GPUs (the issue's target: >= 0.8 for the best method at k = 0.9).", ""]
     with open(os.path.join(out, "tp_decode.md"), "w") as f:
@@ -306,6 +333,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=512, help="dual's low-rank predictor rank")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--kept-steps", type=int, default=16, help="decode steps for Sparsity-Real")
+    ap.add_argument("--compile-probe-before-s", type=float, default=400,
+                    help="try torch.compile on the sharded dense model if phases 1-2 ended before this")
     ap.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes (CPU and gloo without GPUs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
@@ -341,11 +370,20 @@ def main() -> None:
         dist.barrier()
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
+    everything = [r for part in gathered for r in part]
+    order = {c: i for i, c in enumerate(configs)}
+    everything.sort(key=lambda r: (order[r["config"]], r["gpus"]))
+    everything = list({json.dumps(r, sort_keys=True): r for r in everything}.values())
     if rank == 0:
-        everything = [r for part in gathered for r in part]
-        order = {c: i for i, c in enumerate(configs)}
-        everything.sort(key=lambda r: (order[r["config"]], r["gpus"]))
-        write(list({json.dumps(r, sort_keys=True): r for r in everything}.values()), meta, args.out)
+        write(everything, meta, args.out)
+    # Phase 3, if time is left (rank 0 decides for all): does torch.compile (reduce-overhead, fullgraph)
+    # work on the sharded model? Dense only, the first config; reported beside the CUDA-graph rows.
+    go = [time.perf_counter() - T0 < args.compile_probe_before_s and cuda]
+    dist.broadcast_object_list(go, src=0)
+    if go[0]:
+        meta["compile_probe"] = compile_probe(configs[0], root, args)
+        if rank == 0:
+            write(everything, meta, args.out)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -71,6 +71,7 @@ def main() -> None:
     import countdown
     from countdown.artifacts import load_artifacts, model_fingerprint
     from countdown.calibrate import calibrate
+    from countdown.predictors import train_predictors
     from countdown.mlp import require_gated_mlps
     from countdown.tp import ShardingError
 
@@ -97,12 +98,15 @@ def main() -> None:
                 countdown.unsparsify(model)
                 print(f"rank {rank} {case['name']}: {time.perf_counter() - t0:.1f} s", flush=True)
             out["restored"] = model(ids).logits.cpu()
+        # threshold calibration runs sharded (per-row values gathered): the one-process thresholds
+        out["thresholds"] = calibrate(model, IdTokenizer(), "mono", cases["k"], texts=cases["texts"],
+                                      **cases["calibrate"], progress=False).tensors["thresholds"]
         try:
-            calibrate(model, IdTokenizer(), "mono", 0.5, texts=[" ".join(["5"] * 64)], num_tokens=32,
-                                window=16, progress=False)
-            out["calibrate_refused"] = ""
+            train_predictors(model, IdTokenizer(), "dual", cases["k"], texts=cases["texts"], kind="lowrank",
+                             **cases["calibrate"], progress=False)
+            out["training_refused"] = ""
         except ShardingError as error:
-            out["calibrate_refused"] = str(error)
+            out["training_refused"] = str(error)
     except Exception:
         out["error"] = traceback.format_exc()
     torch.save(out, os.path.join(folder, f"rank{rank}.pt"))

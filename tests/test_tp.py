@@ -96,12 +96,13 @@ def tp_run(tmp_path_factory):
     model.to(device)
     gen = torch.Generator().manual_seed(3)
     texts = [" ".join(str(int(t)) for t in torch.randint(3, 128, (600,), generator=gen))]
-    calibrate(model, IdTokenizer(), "mono", K, texts=texts, num_tokens=256, window=32, refine=False,
-              progress=False).save(folder / "mono.safetensors")
+    calib = {"num_tokens": 256, "window": 32, "refine_tokens": 64}
+    mono = calibrate(model, IdTokenizer(), "mono", K, texts=texts, **calib, progress=False)
+    mono.save(folder / "mono.safetensors")
     train_predictors(model, IdTokenizer(), "dual", K, texts=texts, num_tokens=256, window=32, kind="lowrank",
                      d_rank=16, epochs=1, refine=False, progress=False).save(folder / "dual.safetensors")
     ids = torch.randint(3, 128, (2, 4), generator=gen)  # 8 tokens: the kernel path serves up to 8
-    ref = {"fingerprint": model_fingerprint(require_gated_mlps(model))}
+    ref = {"fingerprint": model_fingerprint(require_gated_mlps(model)), "thresholds": mono.tensors["thresholds"]}
     with torch.no_grad():
         ref["dense"] = model(ids.to(device)).logits.cpu()
         for case in CASES:
@@ -115,7 +116,7 @@ def tp_run(tmp_path_factory):
             for h in handles:
                 h.remove()
             countdown.unsparsify(model)
-    torch.save({"ids": ids, "cases": CASES}, folder / "cases.pt")
+    torch.save({"ids": ids, "cases": CASES, "k": K, "texts": texts, "calibrate": calib}, folder / "cases.pt")
 
     port = str(_free_port())
     procs = []
@@ -197,10 +198,16 @@ def test_unsparsify_restores_the_sharded_model(tp_run):
         assert torch.equal(out["restored"], out["dense"])
 
 
-def test_calibration_on_a_sharded_model_is_refused(tp_run):
+def test_calibration_on_the_sharded_model_gives_the_one_process_thresholds(tp_run):
+    ref, outs = tp_run
+    for out in outs:  # refined on the sparse sharded model too
+        _close(out["thresholds"], ref["thresholds"], "thresholds calibrated on the ranks")
+
+
+def test_predictor_training_on_a_sharded_model_is_refused(tp_run):
     _, outs = tp_run
     for out in outs:
-        assert "unsharded model" in out["calibrate_refused"]
+        assert "unsharded model" in out["training_refused"]
 
 
 def test_exact_topk_ties_one_process():

@@ -127,19 +127,21 @@ def _check_unpatched(model: nn.Module) -> None:
 def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torch.Tensor],
                       on_input: Callable[[int, torch.Tensor], None], layers: list[int] | None = None,
                       batch_size: int = 4, progress: bool = True, desc: str = "calibration pass",
-                      allow_patched: bool = False) -> int:
+                      allow_patched: bool = False, sharded_ok: bool = False) -> int:
     """Run the model over ``windows`` and call ``on_input(layer_index, x [tokens, d_model])`` for each
     wanted layer's Gated-MLP input. Returns the number of tokens seen.
 
     The forward stops after the last wanted layer (a later layer's input is never needed).
     ``allow_patched``: run a sparsified model too (its Gated-MLPs then see the inputs that sparse
-    upstream layers produce); by default a patched model is refused.
+    upstream layers produce); by default a patched model is refused. ``sharded_ok``: the caller copes
+    with a tensor-parallel model (its per-row values gathered, as :func:`indicator_of` does).
     """
     from tqdm.auto import tqdm
 
     if not allow_patched:
         _check_unpatched(model)
-    refuse_sharded(mlps, "calibration and predictor training")
+    if not sharded_ok:
+        refuse_sharded(mlps, "predictor training")
     wanted = sorted(range(len(mlps)) if layers is None else set(layers))
     if not wanted:
         return 0
@@ -182,7 +184,7 @@ def indicator_of(method: Method, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor
     """The method's indicator for inputs ``x [N, d_model]``, in float32, computing only what it needs."""
     u = F.linear(x, *_like(x, mlp.w_up, mlp.b_up)).float() if method.needs_up else None
     h = mlp.act(F.linear(x, *_like(x, mlp.w_gate, mlp.b_gate))).float() if method.needs_gate else None
-    return method.indicator(u, h)
+    return mlp.whole_layer(method.indicator(u, h))  # tensor parallel: every rank sees the whole layer
 
 
 def _like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -311,7 +313,7 @@ def _calibration_pass(model, mlps, windows, m: Method, ks: list[float], rule: st
         counts[i] += score.shape[0]
 
     seen = stream_mlp_inputs(model, mlps, windows, on_input, batch_size=batch_size, progress=progress,
-                             desc=desc, allow_patched=allow_patched)
+                             desc=desc, allow_patched=allow_patched, sharded_ok=True)
     if rule == "mean-quantile":
         return (sums / counts.clamp_min(1)).float(), seen
     thresholds = torch.zeros(len(ks), len(mlps))

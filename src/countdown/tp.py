@@ -159,14 +159,26 @@ def global_rows(w: torch.Tensor, rows: list[int], spec: ShardSpec) -> torch.Tens
     return out
 
 
+def gather_columns(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """Per-row values of this rank's rows ``t [N, d_local]`` -> the whole layer's ``[N, d_inter]`` in
+    global row order, on every rank (one all-gather; short last shards are padded and cut)."""
+    width = spec.max_local
+    part = t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+    parts = [torch.empty_like(part) for _ in range(spec.world)]
+    dist.all_gather(parts, part.contiguous(), group=spec.group)
+    pieces = [p[:, :stop - start] for r, p in enumerate(parts)
+              for start, stop in [chunk_range(spec.d_inter, spec.world, r)]]
+    return torch.cat(pieces, dim=1)
+
+
 def refuse_sharded(mlps: list, what: str) -> None:
-    """Raise for operations that read whole rows of every Gated-MLP (calibration, training)."""
+    """Raise for operations that need whole layers' weights on one process (predictor training)."""
     if any(getattr(m, "tp", None) is not None for m in mlps):
         raise ShardingError(
-            f"{what} runs on the unsharded model (one process): per-token quantiles need every row of a "
-            "layer, which a tensor-parallel rank does not hold. Build the artifact once on one process "
-            "(any device that holds the model) and pass it to countdown.sparsify on every rank: it is "
-            "sliced to each rank's rows at load")
+            f"{what} runs on the unsharded model (one process): it fits every row of a layer's weights, "
+            "which a tensor-parallel rank does not hold. Build the artifact once on one process (any "
+            "device that holds the model) and pass it to countdown.sparsify on every rank: it is sliced "
+            "to each rank's rows at load. (Threshold calibration, countdown.calibrate, does run sharded.)")
 
 
 # --------------------------------------------------------------------------------------------
