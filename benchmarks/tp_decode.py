@@ -347,7 +347,7 @@ def main() -> None:
     configs = args.configs.split(",")
     overrides = {c: ({**CONFIGS[c], **SMOKE} if args.smoke else CONFIGS[c]) for c in configs}
     methods, ks = args.methods.split(","), [float(k) for k in args.ks.split(",")]
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 80e9 else "/tmp"
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 45e9 else "/tmp"
     root = os.path.join(shm if not args.smoke else "/tmp", "countdown_tp_decode")
     import transformers
 
@@ -359,14 +359,20 @@ def main() -> None:
                                                         "NVSHMEM_DISABLE_NVLS")}}
     log(json.dumps(meta))
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, f"tp_decode_rows_rank{rank}.json")  # survives a run cut short
     for config in configs[rank::world]:  # phase 1: one GPU per config, the configs in parallel
         rows += one_gpu(config, overrides[config], root, methods, ks, args, meta)
+        with open(partial, "w") as f:
+            json.dump(rows, f)
     # the rendezvous waits for every rank's phase 1
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=900))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
     for config in configs:  # phase 2: every rank on each config
         part = sharded(config, root, methods, ks, args, meta)
         if rank == 0:
             rows += part
+            with open(partial, "w") as f:
+                json.dump(rows, f)
         dist.barrier()
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
