@@ -66,6 +66,7 @@ from .calibrate import (
 from .mlp import KNOWN_ACTIVATIONS, GatedMLP, require_gated_mlps
 from .registry import Method, get_method, kept_rows
 from .sparse import RowSelector
+from .tp import refuse_sharded
 
 PREDICTOR_KINDS = ("lowrank", "ternary", "hybrid")
 INITS = ("gate", "random")
@@ -674,6 +675,7 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
     if prompts.dim() != 2 or prompts.shape[0] < 1:
         raise ValueError(f"prompts must be token ids [n, prompt_len], got shape {tuple(prompts.shape)}")
     mlps = require_gated_mlps(model)
+    refuse_sharded(mlps, "refine_cuts_on_decode")  # a cut is a quantile over every row of a layer
     prompts = prompts.to(mlps[0].w_up.device)
     history: dict[float, list[float]] = {}
     for k in artifacts.sparsities:
