@@ -26,7 +26,8 @@ from countdown.mlp import require_gated_mlps
 from countdown.predictors import train_predictors
 from countdown.registry import get_method, kept_rows
 from countdown.sparse import state_of
-from countdown.tp import ShardSpec, chunk_range, exact_topk_keep, shard_topk_keep, topk_gap
+from countdown.tp import (ShardingError, ShardSpec, chunk_range, exact_topk_keep, shard_spec, shard_topk_keep,
+                          topk_gap)
 
 from _tp_worker import IdTokenizer, capture_masks
 from conftest import tiny_model
@@ -210,21 +211,42 @@ def test_predictor_training_on_a_sharded_model_is_refused(tp_run):
         assert "unsharded model" in out["training_refused"]
 
 
-def test_exact_topk_ties_one_process():
-    """exact_topk_keep on a world of one (gloo, this process) against a hand-worked tie case."""
-    if _backend_ok() or not dist.is_gloo_available():
-        pytest.skip("gloo is not available")
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, 1, True)
+@pytest.fixture
+def one_rank():
+    """A gloo process group of this process alone."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("gloo is not available in this torch build")
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        spec = ShardSpec(0, 1, 0, 5, 5, dist.group.WORLD)
-        score = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
-        keep = exact_topk_keep(score, 3, spec)
-        # token 0: 3 kept: the 3.0 and the two lowest-index 2.0 ties; token 1: the three largest
-        assert keep.tolist() == [[False, True, True, True, False], [True, True, True, False, False]]
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def test_exact_topk_ties(one_rank):
+    """exact_topk_keep against a hand-worked tie case."""
+    spec = ShardSpec(0, 1, 0, 5, 5, dist.group.WORLD)
+    score = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    keep = exact_topk_keep(score, 3, spec)
+    # token 0: the 3.0 and the two lowest-index 2.0 ties; token 1: the three largest
+    assert keep.tolist() == [[False, True, True, True, False], [True, True, True, False, False]]
+
+
+def test_layouts(one_rank):
+    """colwise gate/up + rowwise down is understood; any other layout is refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    w, d = torch.randn(6, 4), torch.randn(4, 6)
+    spec = shard_spec(distribute_tensor(w, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Shard(0)]),
+                      distribute_tensor(d, mesh, [Shard(1)]))
+    assert (spec.rank, spec.world, spec.start, spec.stop, spec.d_inter) == (0, 1, 0, 6, 6)
+    assert shard_spec(w, w, d) is None  # plain tensors: not tensor parallel
+    with pytest.raises(ShardingError, match="colwise/rowwise"):
+        shard_spec(distribute_tensor(w, mesh, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)]),
+                   distribute_tensor(d, mesh, [Shard(1)]))
 
 
 def test_topk_gap_reports_distance():
