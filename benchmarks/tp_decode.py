@@ -11,8 +11,9 @@ the full 80 layers would not fit one GPU, which the 1-GPU rows need).
 1. One GPU per config, the configs in parallel (rank r takes configs r, r + world, ...): build the
    model, save it with ``save_pretrained`` (to /dev/shm when it has room, else /tmp), build the
    SP-Prac artifacts on that single process (``countdown.calibrate`` thresholds for mono and cats and
-   a ``train_predictors(kind="lowrank")`` predictor for dual, its cuts re-fitted on the sparse model's
-   own decode steps; all on random-token text), measure Sparsity-Real (masked path, eager) and time
+   a ``train_predictors(kind="lowrank", init="random")`` predictor for dual, its cuts re-fitted on the
+   sparse model's own decode steps; all on random-token text: on random weights only the kept
+   fraction matters for speed, so the closed-form gate start, an SVD per layer, is skipped), measure Sparsity-Real (masked path, eager) and time
    dense and every (method, k) with ``countdown.decode.generate_fast``: static cache, the decode step
    captured in one CUDA graph (``compile="cudagraph"``), batch 1. These are the ``gpus = 1`` rows.
 2. Every rank together, per config: ``from_pretrained(folder, tp_plan="auto")`` (gate/up colwise,
@@ -111,11 +112,12 @@ def build_artifacts(model, methods, ks, folder, args) -> dict:
         else:
             art = train_predictors(model, IdTokenizer(), "dual", ks, texts=random_texts(vocab, args.calib_tokens + 8, 1),
                                    num_tokens=args.calib_tokens, window=128, kind="lowrank", d_rank=args.rank,
-                                   epochs=1, cut_rule="pooled", refine_tokens=args.calib_tokens, progress=False)
+                                   epochs=1, init="random", cut_rule="pooled", refine_tokens=args.calib_tokens,
+                                   progress=False)
             prompts = torch.randint(0, vocab, (4, args.prompt), generator=torch.Generator().manual_seed(100))
             refine_cuts_on_decode(model, art, prompts, new_tokens=32, rounds=1)
-            label = (f"train_predictors(kind=lowrank, rank {args.rank}, 1 epoch) on {args.calib_tokens} random tokens,"
-                     " cuts re-fitted on 4 x 32 sparse decode steps")
+            label = (f"train_predictors(kind=lowrank, rank {args.rank}, init=random, 1 epoch) on {args.calib_tokens} "
+                     "random tokens, cuts re-fitted on 4 x 32 sparse decode steps")
         path = os.path.join(folder, f"{method}.safetensors")
         art.save(path)
         out[method] = (path, label)
@@ -328,12 +330,12 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--methods", default="mono,cats,dual")
     ap.add_argument("--ks", default="0.9,0.8,0.7")
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--rank", type=int, default=512, help="dual's low-rank predictor rank")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--kept-steps", type=int, default=16, help="decode steps for Sparsity-Real")
-    ap.add_argument("--compile-probe-before-s", type=float, default=400,
+    ap.add_argument("--compile-probe-before-s", type=float, default=300,
                     help="try torch.compile on the sharded dense model if phases 1-2 ended before this")
     ap.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes (CPU and gloo without GPUs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
