@@ -256,6 +256,31 @@ def sharded(config, root, methods, ks, args, meta) -> list[dict]:
     return rows
 
 
+def allreduce_us(d_model: int, n: int = 64, reps: int = 20) -> float:
+    """Microseconds per all-reduce of one decode token's activations ``[1, d_model]`` bf16 (what each
+    sharded MLP and attention block sends), ``n`` of them captured in one CUDA graph and replayed."""
+    x = torch.ones(1, d_model, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            dist.all_reduce(x)
+    graph.replay()
+    sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) * 1e3 / (reps * n)
+
+
 def compile_probe(config, root, args) -> dict:
     """Dense decode of the sharded model through generate_fast(compile=True): torch.compile fullgraph
     with CUDA graphs and Inductor's coordinate-descent tuning. Returns what happened."""
@@ -311,6 +336,10 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
                      f"{x(s1)} | {'-' if two is None else f'{two:.1f}'} | {x(s2)} | "
                      f"{x(None if two is None else two / a['tokens_per_s'])} | {kept} | "
                      f"{a['harness']} / {b.get('harness', '-')} |")
+    if "allreduce_us" in meta:
+        lines += ["", f"One all-reduce of a decode token's activations ([1, d_model] bf16, NCCL, captured in a "
+                  f"CUDA graph), microseconds by d_model: {meta['allreduce_us']}; a sharded decode step makes two "
+                  "per layer (attention, MLP), dense and sparse alike."]
     probe = meta.get("compile_probe")
     if probe:
         lines += ["", f"torch.compile probe (dense, {probe['config']}, sharded, generate_fast(compile=True)): " + (
@@ -369,6 +398,12 @@ def main() -> None:
             json.dump(rows, f)
     # the rendezvous waits for every rank's phase 1
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
+    if cuda:
+        try:
+            meta["allreduce_us"] = {d: round(allreduce_us(d), 2) for d in (4096, 8192)}
+        except Exception as error:  # a measurement for the write-up only
+            meta["allreduce_us"] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+        log(f"all-reduce of one token's activations, bf16, in a CUDA graph: {meta['allreduce_us']} us")
     for config in configs:  # phase 2: every rank on each config
         part = sharded(config, root, methods, ks, args, meta)
         if rank == 0:
