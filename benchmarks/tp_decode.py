@@ -21,6 +21,11 @@ the full 80 layers would not fit one GPU, which the 1-GPU rows need).
    (sliced to each rank's rows at load), the same timings. If capturing the step fails under NCCL
    the rows fall back to ``eager`` and say so in ``harness``. These are the ``gpus = world`` rows.
 
+3. If time is left (``--compile-before-s``), the first config's dense and ``--compile-methods`` rows
+   at the first k through ``generate_fast(compile=True)`` (torch.compile fullgraph, CUDA graphs,
+   Inductor coordinate-descent tuning: the repo's CUDA default), sharded, then on one GPU; harness
+   ``compile-cdt``. Results are written before this phase and again after each part.
+
 Changing k re-points the patched model's selector buffers in place (as benchmarks/decode.py does),
 so one captured graph serves every k of a method. ``speedup_vs_dense_same_gpus`` divides by dense
 on the same number of GPUs in the same harness. Output: ``tp_decode.csv`` and ``tp_decode.md``.
@@ -235,7 +240,23 @@ def one_gpu(config, overrides, root, methods, ks, args, meta) -> list[dict]:
     return rows
 
 
-def sharded(config, root, methods, ks, args, meta) -> list[dict]:
+def one_gpu_compiled(config, root, methods, k, args, meta) -> list[dict]:
+    """compile_rows on this process's GPU alone, the model reloaded from the saved folder."""
+    from transformers import AutoModelForCausalLM
+
+    folder = model_folder(root, config)
+    with open(os.path.join(folder, "countdown_tp.json")) as f:
+        saved = json.load(f)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(f"cuda:{torch.cuda.current_device()}")
+    model.eval().generation_config.eos_token_id = None
+    rows = compile_rows(model, 1, config, {m: tuple(v) for m, v in saved["artifacts"].items()}, methods, k, args, meta,
+                        {(m, kk): v for m, kk, v in saved["kept"]})
+    del model
+    free()
+    return rows
+
+
+def sharded(config, root, methods, ks, args, meta, compile_methods=None) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     folder = model_folder(root, config)
@@ -249,8 +270,11 @@ def sharded(config, root, methods, ks, args, meta) -> list[dict]:
     mlp = require_gated_mlps(model)[0]
     log(f"{config}: loaded with tp_plan='auto' in {time.perf_counter() - start:.1f}s; rank rows "
         f"{mlp.tp.start}:{mlp.tp.stop} of {mlp.tp.d_inter}")
-    rows = time_model(model, dist.get_world_size(), config, {m: tuple(v) for m, v in saved["artifacts"].items()},
-                      methods, ks, args, meta, kept)
+    artifacts = {m: tuple(v) for m, v in saved["artifacts"].items()}
+    if compile_methods:
+        rows = compile_rows(model, dist.get_world_size(), config, artifacts, compile_methods, ks[0], args, meta, kept)
+    else:
+        rows = time_model(model, dist.get_world_size(), config, artifacts, methods, ks, args, meta, kept)
     del model
     free()
     return rows
@@ -281,26 +305,37 @@ def allreduce_us(d_model: int, n: int = 64, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * n)
 
 
-def compile_probe(config, root, args) -> dict:
-    """Dense decode of the sharded model through generate_fast(compile=True): torch.compile fullgraph
-    with CUDA graphs and Inductor's coordinate-descent tuning. Returns what happened."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_folder(root, config), tp_plan="auto",
-                                                 dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
+def compile_rows(model, gpus, config, artifacts, methods, k, args, meta, kept) -> list[dict]:
+    """Dense and ``methods`` at sparsity ``k`` through generate_fast(compile=True): torch.compile
+    fullgraph with CUDA graphs and Inductor's coordinate-descent tuning (the repo's CUDA default), one
+    compile each. A failure is logged and leaves its row out."""
+    device = next(model.parameters()).device
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt),
-                           generator=torch.Generator().manual_seed(3)).to(next(model.parameters()).device)
-    try:
-        _, stats = generate_fast(model, prompt, args.new_tokens, compile=True)
-        result = {"config": config, "gpus": dist.get_world_size(), "method": "dense", "harness": "compile-cdt",
-                  "tokens_per_s": round(stats["tokens_per_s"], 2), "setup_s": round(stats["setup_s"], 1)}
-    except Exception as error:
-        result = {"config": config, "error": f"{type(error).__name__}: {str(error)[:500]}"}
-    log(f"compile probe: {result}")
-    del model
-    free()
-    return result
+                           generator=torch.Generator().manual_seed(3)).to(device)
+    rows = []
+    for method in ["dense"] + methods:
+        label = "" if method == "dense" else artifacts[method][1]
+        try:
+            if method != "dense":
+                countdown.sparsify(model, method, k, mode="prac", artifacts=load_artifacts(artifacts[method][0]))
+            _, stats = generate_fast(model, prompt, args.new_tokens, compile=True)
+            rows.append({"gpus": gpus, "config": config, "method": method, "sparsity": "" if method == "dense" else k,
+                         "batch": 1, "tokens_per_s": round(stats["tokens_per_s"], 2), "device": meta["device"],
+                         "date": meta["date"], "harness": "compile-cdt", "ms_per_step": round(stats["ms_per_step"], 4),
+                         "new_tokens": args.new_tokens, "setup_s": round(stats["setup_s"], 1), "artifacts": label,
+                         "sparsity_real": "" if method == "dense" or kept is None else round(kept[(method, k)], 4)})
+            log(f"{config} gpus={gpus} {method:5s} k={k} compile-cdt: {stats['tokens_per_s']:8.1f} tok/s "
+                f"{stats['ms_per_step']:.3f} ms/step setup {stats['setup_s']:.1f}s")
+        except Exception as error:
+            log(f"{config} gpus={gpus} {method} compile-cdt FAILED: {type(error).__name__}: {str(error)[:400]}")
+        finally:
+            if countdown.is_sparsified(model):
+                countdown.unsparsify(model)
+            free()
+    dense = [r["tokens_per_s"] for r in rows if r["method"] == "dense"]
+    for r in rows:
+        r["speedup_vs_dense_same_gpus"] = round(r["tokens_per_s"] / dense[0], 3) if dense else ""
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,11 +357,18 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
              "Sparsity-Real measured on one GPU (masked path, eager, the timed prompt)", "",
              "| config | method | k | Sparsity-Real | 1 GPU tok/s | 1 GPU speed-up | 2 GPU tok/s | 2 GPU speed-up | "
              "2 GPU / 1 GPU | gain kept | harness (1 / 2) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    one = {(r["config"], r["method"], r["sparsity"]): r for r in rows if r["gpus"] == 1}
-    many = {(r["config"], r["method"], r["sparsity"]): r for r in rows if r["gpus"] != 1}
+    def pair(r):  # a 1-GPU row and its sharded twin: same config, method, k and kind of harness
+        return r["config"], r["method"], r["sparsity"], r["harness"].startswith("compile")
+
     def x(value) -> str:
         return "-" if value in ("", None) else f"{value:.2f}x"
 
+    one = {pair(r): r for r in rows if r["gpus"] == 1}
+    many = {pair(r): r for r in rows if r["gpus"] != 1}
+    for key, r in many.items():  # sharded rows whose 1-GPU twin did not run: shown alone
+        if key not in one:
+            one[key] = {"sparsity_real": r["sparsity_real"], "tokens_per_s": float("nan"), "harness": "-",
+                        "speedup_vs_dense_same_gpus": "", "method": r["method"]}
     for key, a in one.items():
         b = many.get(key, {})
         s1, s2 = a["speedup_vs_dense_same_gpus"], b.get("speedup_vs_dense_same_gpus", "")
@@ -340,11 +382,6 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
         lines += ["", f"One all-reduce of a decode token's activations ([1, d_model] bf16, NCCL, captured in a "
                   f"CUDA graph), microseconds by d_model: {meta['allreduce_us']}; a sharded decode step makes two "
                   "per layer (attention, MLP), dense and sparse alike."]
-    probe = meta.get("compile_probe")
-    if probe:
-        lines += ["", f"torch.compile probe (dense, {probe['config']}, sharded, generate_fast(compile=True)): " + (
-            f"{probe['tokens_per_s']:.1f} tok/s on {probe['gpus']} GPUs, setup {probe['setup_s']:.0f}s"
-            if "error" not in probe else f"failed: {probe['error']}")]
     lines += ["", "gain kept = (2-GPU speed-up - 1) / (1-GPU speed-up - 1): the share of sparsity's one-GPU gain "
               "over dense that survives on 2 GPUs (the issue's target: >= 0.8 for the best method at k = 0.9).", ""]
     with open(os.path.join(out, "tp_decode.md"), "w") as f:
@@ -364,8 +401,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=512, help="dual's low-rank predictor rank")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--kept-steps", type=int, default=16, help="decode steps for Sparsity-Real")
-    ap.add_argument("--compile-probe-before-s", type=float, default=300,
-                    help="try torch.compile on the sharded dense model if phases 1-2 ended before this")
+    ap.add_argument("--compile-methods", default="dual",
+                    help="beside dense, timed through torch.compile (compile-cdt) at the first k on the first "
+                         "config, on 1 GPU and sharded, when time allows ('' for none)")
+    ap.add_argument("--compile-before-s", type=float, default=220,
+                    help="the sharded compile rows start only before this many seconds into the run (the "
+                         "1-GPU ones before this + 140 s)")
     ap.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes (CPU and gloo without GPUs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
@@ -397,7 +438,7 @@ def main() -> None:
         with open(partial, "w") as f:
             json.dump(rows, f)
     # the rendezvous waits for every rank's phase 1
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=240))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     if cuda:
         try:
             meta["allreduce_us"] = {d: round(allreduce_us(d), 2) for d in (4096, 8192)}
@@ -419,13 +460,20 @@ def main() -> None:
     everything = list({json.dumps(r, sort_keys=True): r for r in everything}.values())
     if rank == 0:
         write(everything, meta, args.out)
-    # Phase 3, if time is left (rank 0 decides for all): does torch.compile (reduce-overhead, fullgraph)
-    # work on the sharded model? Dense only, the first config; reported beside the CUDA-graph rows.
-    go = [time.perf_counter() - T0 < args.compile_probe_before_s and cuda]
+    # Phase 3, while time is left (rank 0 decides for all; the results above are written first): the
+    # first config, dense and --compile-methods at the first k through torch.compile, sharded, then on
+    # rank 0's GPU alone.
+    compiled = args.compile_methods.split(",") if args.compile_methods and cuda else []
+    go = [bool(compiled) and time.perf_counter() - T0 < args.compile_before_s]
     dist.broadcast_object_list(go, src=0)
     if go[0]:
-        meta["compile_probe"] = compile_probe(configs[0], root, args)
+        everything += sharded(configs[0], root, methods, ks, args, meta, compile_methods=compiled)
         if rank == 0:
+            write(everything, meta, args.out)
+        go = [time.perf_counter() - T0 < args.compile_before_s + 140]
+        dist.broadcast_object_list(go, src=0)
+        if go[0] and rank == 0:
+            everything += one_gpu_compiled(configs[0], root, compiled, ks[0], args, meta)
             write(everything, meta, args.out)
     dist.barrier()
     if rank == 0:
