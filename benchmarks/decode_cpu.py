@@ -198,7 +198,7 @@ def main() -> int:
     for k in ks:
         for method in ("cats", "mono", "dual"):
             run_patched(method, "ideal", "gather", k)
-    from countdown.calibrate import calibrate
+    from countdown import calibrate
 
     thresholds = calibrate(model, tok, "mono", ks, num_tokens=args.calib_tokens, progress=False)
     for k in ks:

@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 
 import countdown
-from countdown.calibrate import calibrate
-from countdown.artifacts import ensure_artifacts, footprint
+from countdown import calibrate, ensure_artifacts, predictor_quality, train_predictors
+from countdown.artifacts import footprint
 from countdown.data import eval_texts
-from countdown.predictors import predictor_quality, train_predictors
 
 KS = [0.7, 0.8, 0.9]
 

@@ -47,12 +47,12 @@ import torch
 import torch.distributed as dist
 
 import countdown
-from countdown.artifacts import load_artifacts, prac_selectors
-from countdown.calibrate import calibrate
+from countdown import calibrate, refine_cuts_on_decode, train_predictors
+from countdown.artifacts import load_artifacts
+from countdown.prac.base import selectors_for
 from countdown.decode import generate_fast, reset_decoders
 from countdown.mlp import require_gated_mlps
-from countdown.predictors import refine_cuts_on_decode, train_predictors
-from countdown.sparse import state_of
+from countdown.state import state_of
 from countdown.tp import shard_selectors
 
 COLUMNS = ["gpus", "config", "method", "sparsity", "batch", "tokens_per_s", "speedup_vs_dense_same_gpus", "device",
@@ -134,7 +134,7 @@ def retarget(model, art, method: str, k: float) -> None:
     """Copy the selectors of sparsity ``k`` into the patched model's buffers (sliced to this rank's
     rows on a tensor-parallel model): the captured graph reads them in place."""
     mlps = require_gated_mlps(model)
-    fresh = prac_selectors(art, mlps, method, k)
+    fresh = selectors_for(art, mlps, method, k)
     shard_selectors(mlps, fresh)
     for layer, new in zip(state_of(model).layers, fresh):
         old = dict(layer.selector.named_buffers())

@@ -26,11 +26,11 @@ import time
 import torch
 
 import countdown
-from countdown.calibrate import stream_mlp_inputs, token_windows
+from countdown.stream import stream_mlp_inputs, token_windows
 from countdown.data import eval_texts
 from countdown.mlp import require_gated_mlps
 from countdown.registry import get_method
-from countdown.sparse import state_of
+from countdown.state import state_of
 from countdown.tp import ShardSpec, chunk_range, shard_topk_keep, topk_gap
 
 

@@ -9,18 +9,16 @@ import torch
 
 import countdown
 import countdown.artifacts as artifacts_mod
+from countdown import calibrate, ensure_artifacts, train_predictors
 from countdown.artifacts import (
     ArtifactError,
     ArtifactMismatchError,
     Artifacts,
-    ensure_artifacts,
     footprint,
     load_artifacts,
     model_fingerprint,
-    prac_selectors,
 )
-from countdown.calibrate import calibrate
-from countdown.predictors import train_predictors
+from countdown.prac.base import selectors_for as prac_selectors
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -153,7 +151,7 @@ def test_ensure_artifacts_builds_once_then_loads(model, tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("should have loaded from the cache")
 
-    monkeypatch.setattr(sys.modules["countdown.calibrate"], "calibrate", no_build)
+    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "prepare", no_build)
     again = ensure_artifacts(model, TOK, "mono", 0.9, tmp_path, **KW)  # a subset of a cached file
     assert torch.equal(again.tensors["thresholds"], first.tensors["thresholds"])
     with pytest.raises(AssertionError, match="cache"):

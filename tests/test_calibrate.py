@@ -1,4 +1,4 @@
-"""SP-Prac threshold calibration (countdown.calibrate) on tiny random models."""
+"""SP-Prac threshold calibration (countdown.calibrate, kind "threshold") on tiny random models."""
 
 import random
 
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import countdown
-from countdown.calibrate import calibrate, token_quantiles, token_windows
+from countdown import calibrate
+from countdown.stream import token_quantiles, token_windows
 from countdown.registry import kept_rows
 from conftest import tiny_model
 
@@ -37,7 +38,7 @@ TOK = CharTokenizer()
 
 
 def captured_inputs(model, tokenizer, texts, num_tokens, window=128):
-    """Reference capture, independent of countdown.calibrate: plain forward hooks on each MLP."""
+    """Reference capture, independent of countdown.stream: plain forward hooks on each MLP."""
     mlps = countdown.find_gated_mlps(model)
     xs = {i: [] for i in range(len(mlps))}
     handles = [m.module.register_forward_pre_hook(lambda mod, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).clone()))

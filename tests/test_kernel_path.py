@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import countdown
-from countdown.sparse import RowSelector, ThresholdSelector, state_of
+from countdown.prac.base import RowSelector
+from countdown.prac.threshold import ThresholdSelector
+from countdown.state import state_of
 from conftest import tiny_model
 
 pytest.importorskip("triton")
@@ -62,7 +64,7 @@ def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection
     """A trained low-rank predictor (bias and cut folded into a per-row threshold on x A B) takes the
     fused dual kernel on decode steps and keeps the rows the masked path keeps."""
     from countdown import kernels
-    from countdown.predictors import train_predictors
+    from countdown import train_predictors
     from test_calibrate import TOK, word_texts
 
     calls = []
@@ -101,7 +103,7 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     model = tiny_model(arch)
     art = None
     if kind == "dual":
-        from countdown.predictors import train_predictors
+        from countdown import train_predictors
         from test_calibrate import TOK, word_texts
 
         art = train_predictors(model, TOK, "dual", 0.7, texts=word_texts(0), num_tokens=256, window=64,

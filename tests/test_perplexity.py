@@ -80,6 +80,9 @@ def test_all_positions_sparse_differs_from_dense():
 def test_too_little_text_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than one window"):
         token_windows(CharTokenizer(), ["short"], max_tokens=100, window=64)
+    # enough text but max_tokens below one window: the message names max_tokens, not the text
+    with pytest.raises(ValueError, match=r"max_tokens=10 is less than one window of 63 tokens"):
+        token_windows(CharTokenizer(), ["a long enough text " * 20], max_tokens=10, window=64)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,4 +1,4 @@
-"""SP-Prac predictors (countdown.predictors): training, selectors, resume, quality reports."""
+"""SP-Prac predictors (countdown.prac: lowrank, ternary, hybrid): training, selectors, resume, quality reports."""
 
 import json
 
@@ -9,17 +9,14 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import countdown
-import countdown.predictors as predictors
-from countdown.calibrate import calibrate, token_windows
-from countdown.predictors import (
-    LowRankPredictor,
-    TernaryPredictor,
-    fit_gate_lowrank,
-    oracle_masks,
-    predictor_quality,
-    select,
-    train_predictors,
-)
+import countdown.prac.train as predictors
+from countdown import calibrate, predictor_quality, train_predictors
+from countdown.prac.base import select, selectors_for
+from countdown.prac.hybrid import fit_gate_lowrank
+from countdown.prac.lowrank import LowRankPredictor
+from countdown.prac.ternary import TernaryPredictor
+from countdown.prac.train import oracle_masks
+from countdown.stream import token_windows
 from conftest import TINY_CONFIGS, tiny_model
 from test_calibrate import TOK, captured_inputs, word_texts
 
@@ -45,7 +42,7 @@ def test_lowrank_predictor_learns_a_planted_mask():
     x, y = planted_data(planted, 4096, 1, n_keep)
     x_test, y_test = planted_data(planted, 1024, 2, n_keep)
     p = LowRankPredictor(32, 97, 8, torch.Generator().manual_seed(42), prior=-1.4)
-    losses = predictors._train_bce(p, x, y, epochs=15, batch_size=128, lr=1e-2, weight_decay=0.0, pos_weight=None,
+    losses = predictors.train_bce(p, x, y, epochs=15, batch_size=128, lr=1e-2, weight_decay=0.0, pos_weight=None,
                                    generator=torch.Generator().manual_seed(3), progress=False, desc="")
     assert losses[-1] < losses[0]
     with torch.no_grad():
@@ -60,7 +57,7 @@ def test_ternary_predictor_learns_a_planted_mask_and_exports_ternary_weights():
     x, y = planted_data(planted, 4096, 1, n_keep)
     x_test, y_test = planted_data(planted, 1024, 2, n_keep)
     p = TernaryPredictor(32, 97, torch.Generator().manual_seed(42), prior=-1.4)
-    predictors._train_bce(p, x, y, epochs=15, batch_size=128, lr=3e-3, weight_decay=0.0, pos_weight=None,
+    predictors.train_bce(p, x, y, epochs=15, batch_size=128, lr=3e-3, weight_decay=0.0, pos_weight=None,
                           generator=torch.Generator().manual_seed(3), progress=False, desc="")
     exported = p.export()
     q = exported["ternary"]
@@ -142,7 +139,7 @@ def test_selection_rules(kind):
     mlps = countdown.find_gated_mlps(model)
     _, xs = captured_inputs(model, TOK, word_texts(0), 1024)
     for selection in ("cut", "logit", "topk"):
-        sel = countdown.artifacts.prac_selectors(art.with_selection(selection), mlps, "dual", 0.8)[0]
+        sel = selectors_for(art.with_selection(selection), mlps, "dual", 0.8)[0]
         z = sel.score(xs[0])
         keep = sel(xs[0], None, None)
         if selection == "logit":
@@ -170,7 +167,8 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, monk
                    init="random", progress=False)
     reference = train_predictors(model, TOK, "dual", [0.7, 0.9], **options)
 
-    real_fit = predictors.fit_layer
+    lowrank = countdown.prac.base.get_kind("lowrank")
+    real_fit = lowrank.fit_layer
     calls = []
 
     def failing_fit(method, mlp, layer, *args, **kwargs):
@@ -179,7 +177,7 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, monk
             raise KeyboardInterrupt("simulated interruption after layer 1")
         return real_fit(method, mlp, layer, *args, **kwargs)
 
-    monkeypatch.setattr(predictors, "fit_layer", failing_fit)
+    monkeypatch.setattr(lowrank, "fit_layer", failing_fit)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(KeyboardInterrupt):
         train_predictors(model, TOK, "dual", [0.7, 0.9], checkpoint=ckpt, **options)
@@ -198,8 +196,9 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, monk
 def test_dual_prac_end_to_end_and_gather_path_agrees(tmp_path):
     model = tiny_model("llama")
     for kind in ("lowrank", "hybrid"):
+        extra = {"epochs": 1} if kind == "lowrank" else {}  # hybrid is closed-form: it takes no epochs
         art = train_predictors(model, TOK, "dual", 0.8, texts=word_texts(0), num_tokens=512, window=128,
-                               kind=kind, d_rank=16, epochs=1, progress=False)
+                               kind=kind, d_rank=16, progress=False, **extra)
         path = art.save(tmp_path / f"dual-{kind}.safetensors")
         ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))
         outs = {}
@@ -263,8 +262,9 @@ def test_predictors_train_and_run_on_a_bfloat16_model():
     model = tiny_model("llama").to(torch.bfloat16)
     ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))
     for kind in ("lowrank", "hybrid"):
+        extra = {"epochs": 1} if kind == "lowrank" else {}  # hybrid is closed-form: it takes no epochs
         art = train_predictors(model, TOK, "dual", 0.8, texts=word_texts(0), num_tokens=512, window=128,
-                               kind=kind, d_rank=16, epochs=1, progress=False)
+                               kind=kind, d_rank=16, progress=False, **extra)
         assert {t.dtype for t in art.tensors.values()} == {torch.float32}
         countdown.sparsify(model, "dual", 0.8, mode="prac", artifacts=art, scope="all")
         sel = next(m.selector for m in model.modules() if isinstance(m, SparseGatedMLP))
@@ -314,7 +314,7 @@ def test_refine_cuts_on_decode_brings_sparsity_real_to_k():
     held-out prompts the kept fraction moves to k (hand-measured with the masked path's counters)."""
     import countdown
     from countdown.decode import generate_fast
-    from countdown.predictors import refine_cuts_on_decode
+    from countdown import refine_cuts_on_decode
 
     model = tiny_model("llama")
     art = train_predictors(model, TOK, "dual", [0.5, 0.8], texts=word_texts(0), num_tokens=256, window=64,
@@ -342,7 +342,7 @@ def test_refine_cuts_on_decode_brings_sparsity_real_to_k():
 
 
 def test_refine_cuts_on_decode_refuses_what_it_cannot_refit():
-    from countdown.predictors import refine_cuts_on_decode
+    from countdown import refine_cuts_on_decode
 
     model = tiny_model("llama")
     art = train_predictors(model, TOK, "dual", 0.5, texts=word_texts(0), num_tokens=128, window=64,

@@ -13,8 +13,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # noqa: E402
 
 import countdown  # noqa: E402
-import countdown.calibrate  # noqa: E402
-import countdown.predictors  # noqa: E402
+import countdown.prac.prepare  # noqa: E402
 from countdown import sweep  # noqa: E402
 from countdown.registry import kept_rows  # noqa: E402
 
@@ -120,8 +119,7 @@ def test_interrupted_sweep_resumes_to_the_same_csv(setup, full_run, monkeypatch,
     for name in ("_measure_lmeval", "_measure_ppl", "_measure_agreement"):
         monkeypatch.setattr(sweep, name, counted(getattr(sweep, name)))
     builds = []
-    monkeypatch.setattr(countdown.calibrate, "calibrate", lambda *a, **k: builds.append("calibrate"))
-    monkeypatch.setattr(countdown.predictors, "train_predictors", lambda *a, **k: builds.append("train"))
+    monkeypatch.setattr(countdown.prac.prepare, "prepare", lambda *a, **k: builds.append("build"))
 
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):

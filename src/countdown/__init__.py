@@ -9,18 +9,21 @@ Quick start::
     countdown.unsparsify(model)
 """
 
+from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
 from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
 from .registry import Method, get_method, kept_rows, methods
-from .sparse import (
+from .sparse import sparsify, unsparsify
+from .state import (
     AlreadySparsifiedError,
     NotSparsifiedError,
     dense_prefix,
     is_sparsified,
     reset_sparsity_stats,
-    sparsify,
     sparsity_real,
-    unsparsify,
 )
+from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
+from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors
+from .prac.quality import predictor_quality, refine_cuts_on_decode
 
 __version__ = "0.1.0"
 
@@ -71,7 +74,9 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 
 __all__ = [
-    "GatedMLP", "Method", "NoGatedMLPError", "AlreadySparsifiedError", "NotSparsifiedError",
-    "catalogue", "dense_prefix", "evaluate", "generate_fast", "find_gated_mlps", "load_texts", "get_method", "is_sparsified", "kept_rows", "load_model",
-    "methods", "perplexity", "reset_sparsity_stats", "sparsify", "sparsity_real", "unsparsify",
+    "AlreadySparsifiedError", "ArtifactError", "ArtifactMismatchError", "Artifacts", "GatedMLP", "KINDS", "Method",
+    "NoGatedMLPError", "NotSparsifiedError", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts", "evaluate",
+    "find_gated_mlps", "generate_fast", "get_method", "is_sparsified", "kept_rows", "load_artifacts", "load_model",
+    "load_texts", "methods", "perplexity", "predictor_quality", "prepare", "refine_cuts_on_decode",
+    "reset_sparsity_stats", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
 ]

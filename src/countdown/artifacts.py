@@ -1,21 +1,24 @@
-"""SP-Prac artifacts: calibrated thresholds and trained predictors, saved and checked.
+"""SP-Prac artifacts: calibrated thresholds, predictors and shadows, saved and checked.
 
-One artifact is one ``.safetensors`` file. Its tensors are the thresholds (``thresholds``:
-``[n_sparsities, n_layers]``) or the predictors (``k=<k>/layer<i>/<name>``, and
-``shared/layer<i>/<name>`` for tensors that serve every k); its header carries
-the JSON metadata under the key ``countdown``:
+One artifact is one ``.safetensors`` file. Its tensors are named by the kind that made it
+(:mod:`countdown.prac`): per layer and sparsity ``k=<k>/layer<i>/<name>``, per layer for every k
+``shared/layer<i>/<name>``, or kind-wide (threshold files: ``thresholds [n_sparsities, n_layers]``).
+Its header carries the JSON metadata under the key ``countdown``:
 
-    method, kind ("threshold" | "lowrank" | "ternary" | "hybrid"), sparsities, selection, d_rank,
-    data (calibration text name, token count, window), training options, library version and
-    the model it was made for (layer count, shapes, activation and a weight fingerprint).
+    format, format_version, method, kind, sparsities, selection, data (calibration text name, token
+    count, window), the kind's options, library version, and the model it was made for (layer count,
+    shapes, activation and a weight fingerprint),
 
-plus ``countdown_sha256``, a checksum of every tensor's bytes, so a corrupted file is caught on
-load and not silently used. Saving writes a temporary file beside the target and renames it
-(atomic on POSIX): an interrupted save never leaves a half-written artifact under the real name.
+plus ``countdown_sha256``: a checksum over the canonical JSON of that metadata *and* every tensor's
+name, dtype, shape and bytes. An edited label (say two sparsities swapped) or a changed tensor is
+caught on load, never silently used. Format 1 files (whose checksum covered the tensors only) are
+refused with the command that rebuilds them.
 
-:func:`prac_selectors` is what ``countdown.sparsify(..., mode="prac", artifacts=...)`` calls: it
-checks that the artifact was made for this model, method and sparsity and builds one row selector
-per Gated-MLP.
+Saving goes through :mod:`countdown.io` (temporary file beside the target, fsync, rename): an
+interrupted save never leaves a half-written artifact under the real name, and :meth:`Artifacts.save`
+refuses to replace a file that is not a countdown artifact unless ``force=True``.
+This module only reads, writes and checks files; the kinds that make and use them live in
+:mod:`countdown.prac`.
 """
 
 from __future__ import annotations
@@ -23,21 +26,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .io import atomic_path
 from .mlp import GatedMLP
 from .registry import Method, check_sparsity, get_method
 
 FORMAT = "countdown-artifacts"
-FORMAT_VERSION = 1
-KINDS = ("threshold", "lowrank", "ternary", "hybrid")
-SELECTIONS = ("threshold", "cut", "logit", "topk")
+FORMAT_VERSION = 2
 SPARSITY_TOL = 1e-6
+REBUILD = ("delete it and rebuild it (`countdown calibrate` / `countdown train`, countdown.calibrate / "
+           "countdown.train_predictors, or countdown.ensure_artifacts)")
+# Metadata every artifact must carry, with the JSON type it must have.
+REQUIRED_META = {"format": str, "format_version": int, "method": str, "kind": str, "sparsities": list,
+                 "selection": str, "data": dict, "version": str, "model": dict}
+REQUIRED_MODEL_META = {"fingerprint": str, "n_layers": int, "d_model": int, "d_inter": list, "act": str}
 
 
 class ArtifactError(ValueError):
@@ -102,10 +109,10 @@ def sparsity_key(k: float) -> str:
 
 @dataclass
 class Artifacts:
-    """Thresholds or predictors for one (model, method), at one or more sparsities.
+    """SP-Prac tensors for one (model, method, kind), at one or more sparsities.
 
     ``meta`` is plain JSON-able data (see the module docstring); ``tensors`` maps names to CPU
-    tensors. Use :meth:`save`, :func:`load_artifacts` and :func:`prac_selectors`.
+    tensors. Use :meth:`save`, :func:`load_artifacts` and ``countdown.sparsify(..., artifacts=...)``.
     """
 
     meta: dict
@@ -139,16 +146,18 @@ class Artifacts:
             f"sparsity={k}, or a list that includes it)"
         )
 
+    def key(self, sparsity: float) -> str:
+        """The tensor-name prefix of the stored k that matches ``sparsity``."""
+        return sparsity_key(self.sparsities[self.sparsity_index(sparsity)])
+
     def layer_tensors(self, sparsity: float, layer: int) -> dict[str, torch.Tensor]:
-        """The predictor tensors of one layer at one sparsity: ``{"A": ..., "B": ..., ...}``."""
-        prefixes = (f"shared/layer{layer}/", f"{sparsity_key(self.sparsities[self.sparsity_index(sparsity)])}/layer{layer}/")
+        """The tensors of one layer at one sparsity (its ``shared/`` ones too): ``{"A": ..., ...}``."""
+        prefixes = (f"shared/layer{layer}/", f"{self.key(sparsity)}/layer{layer}/")
         return {name[len(prefix):]: t for prefix in prefixes
                 for name, t in self.tensors.items() if name.startswith(prefix)}
 
     def with_selection(self, selection: str) -> "Artifacts":
-        """A copy that selects rows differently (same tensors): "cut", "logit" or "topk" for
-        predictors, "threshold" or "topk" for hybrid/threshold kinds where it applies."""
-        check_selection(self.kind, selection)
+        """A copy that selects rows by another rule (same tensors); checked when it is used."""
         meta = json.loads(json.dumps(self.meta))
         meta["selection"] = selection
         return Artifacts(meta, dict(self.tensors))
@@ -162,45 +171,41 @@ class Artifacts:
         return [(name, t) for name, t in self.tensors.items() if name.startswith((k + "/", "shared/"))]
 
     def num_params(self) -> int:
-        """Parameters of the predictors/thresholds at ONE sparsity (what a patched model holds)."""
-        if self.kind == "threshold":
+        """Parameters (stored elements) at ONE sparsity: what a patched model holds."""
+        if "thresholds" in self.tensors:
             return int(self.tensors["thresholds"].shape[1])
         return sum(t.numel() for _, t in self._one_sparsity())
 
     def num_bytes(self) -> int:
-        """Bytes at ONE sparsity as deployed: ternary weights at 2 bits, everything else as stored."""
-        if self.kind == "threshold":
+        """Bytes at ONE sparsity as deployed: ternary weights at 2 bits, everything else as stored
+        (packed low-bit shadows are stored packed)."""
+        if "thresholds" in self.tensors:
             return int(self.tensors["thresholds"][0].numel() * 4)
         return sum((t.numel() + 3) // 4 if name.endswith("/ternary") else t.numel() * t.element_size()
                    for name, t in self._one_sparsity())
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write to ``path`` atomically (temporary file + rename); returns the path."""
+    def save(self, path: str | os.PathLike, force: bool = False) -> Path:
+        """Write to ``path`` atomically; returns the path.
+
+        An existing file at ``path`` is replaced only if it is a countdown artifact (any version):
+        anything else (a notes file passed by mistake) raises :class:`ArtifactError` unless
+        ``force=True``.
+        """
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not force:
+            refuse_foreign(path)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.tensors.items()}
-        header = {"countdown": json.dumps(self.meta, sort_keys=True),
-                  "countdown_sha256": tensors_checksum(tensors)}
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=header)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        header = {"countdown": canonical_meta(self.meta), "countdown_sha256": artifact_checksum(self.meta, tensors)}
+        with atomic_path(path, suffix=".safetensors") as tmp:
+            save_file(tensors, str(tmp), metadata=header)
         return path
 
 
-def check_selection(kind: str, selection: str) -> str:
-    allowed = {"threshold": ("threshold",), "lowrank": ("cut", "logit", "topk"),
-               "ternary": ("cut", "logit", "topk"), "hybrid": ("cut", "topk")}[kind]
-    if selection not in allowed:
-        raise ValueError(f"selection {selection!r} does not apply to {kind} artifacts: choose one of "
-                         f"{', '.join(allowed)}")
-    return selection
+def canonical_meta(meta: dict) -> str:
+    """The metadata as the checksum sees it: key-sorted JSON without spaces."""
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
 
 def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -212,13 +217,53 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def artifact_checksum(meta: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the canonical metadata and every tensor (format 2)."""
+    return hashlib.sha256(f"{canonical_meta(meta)}\n{tensors_checksum(tensors)}".encode()).hexdigest()
+
+
+def is_artifact_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a safetensors file with countdown metadata (any format version)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return "countdown" in (f.metadata() or {})
+    except Exception:  # not safetensors at all
+        return False
+
+
+def refuse_foreign(path: str | os.PathLike) -> None:
+    """Raise :class:`ArtifactError` if ``path`` exists and is not a countdown artifact."""
+    path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a folder: give a file name for the artifact (e.g. {path}/mono.safetensors)")
+    if path.exists() and not is_artifact_file(path):
+        raise ArtifactError(f"{path} exists and is not a countdown artifact: refusing to replace it; choose another "
+                            "path, or pass --force (force=True) to overwrite it")
+
+
+def _check_meta(meta: Any, path: Path) -> None:
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"artifact {path} has metadata that is not a JSON object; {REBUILD}")
+    for table, where in ((REQUIRED_META, meta), (REQUIRED_MODEL_META, meta.get("model", {}))):
+        for name, typ in table.items():
+            label = name if table is REQUIRED_META else f"model.{name}"
+            if name not in where:
+                raise ArtifactError(f"artifact {path} lacks the metadata field {label!r}; {REBUILD}")
+            value = where[name]
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise ArtifactError(f"artifact {path} has a mistyped metadata field {label!r} (a {type(value).__name__}, "
+                                    f"expected {typ.__name__}); {REBUILD}")
+    if not meta["sparsities"] or not all(isinstance(k, (int, float)) for k in meta["sparsities"]):
+        raise ArtifactError(f"artifact {path} has a malformed metadata field 'sparsities'; {REBUILD}")
+
+
 def load_artifacts(path: str | os.PathLike) -> Artifacts:
-    """Read an artifact file written by :meth:`Artifacts.save`, verifying its checksum."""
+    """Read an artifact file written by :meth:`Artifacts.save`, verifying metadata and checksum."""
     from safetensors import safe_open
 
     path = Path(path)
-    rebuild = ("delete it and rebuild it (countdown.calibrate / countdown.train_predictors, "
-               "or countdown.artifacts.ensure_artifacts)")
     if not path.is_file():
         raise ArtifactError(f"no artifact file at {path}: build one with countdown.calibrate / "
                             "countdown.train_predictors and save it, or use ensure_artifacts")
@@ -227,28 +272,33 @@ def load_artifacts(path: str | os.PathLike) -> Artifacts:
             header = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as err:  # safetensors raises its own error types for truncated headers/data
-        raise ArtifactError(f"artifact {path} is corrupt or truncated ({err}); {rebuild}") from None
+        raise ArtifactError(f"artifact {path} is corrupt or truncated ({err}); {REBUILD}") from None
     if "countdown" not in header:
         raise ArtifactError(f"{path} is a safetensors file but not a countdown artifact (no 'countdown' "
                             "metadata); pass a file written by Artifacts.save")
     try:
         meta = json.loads(header["countdown"])
     except json.JSONDecodeError as err:
-        raise ArtifactError(f"artifact {path} has corrupt metadata ({err}); {rebuild}") from None
-    if meta.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not a countdown artifact (format {meta.get('format')!r})")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise ArtifactError(f"artifact {path} has corrupt metadata ({err}); {REBUILD}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is not a countdown artifact (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    version = meta.get("format_version", 0)
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise ArtifactError(f"{path} was written by a newer countdown (artifact format "
-                            f"{meta['format_version']} > {FORMAT_VERSION}); upgrade countdown or rebuild it")
-    if header.get("countdown_sha256") != tensors_checksum(tensors):
-        raise ArtifactError(f"artifact {path} is corrupt: its tensors do not match the checksum written "
-                            f"with them; {rebuild}")
+                            f"{version} > {FORMAT_VERSION}); upgrade countdown or rebuild it")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{path} uses artifact format {version!r}, whose checksum did not cover the metadata; "
+                            f"this countdown reads format {FORMAT_VERSION} only: {REBUILD}")
+    if header.get("countdown_sha256") != artifact_checksum(meta, tensors):
+        raise ArtifactError(f"artifact {path} is corrupt or was edited: its metadata or tensors do not match the "
+                            f"checksum written with them; {REBUILD}")
+    _check_meta(meta, path)
     return Artifacts(meta, tensors)
 
 
 def new_meta(method: Method, kind: str, sparsities: list[float], mlps: list[GatedMLP], *,
              selection: str, data: dict, **extra: Any) -> dict:
-    """Metadata common to every artifact (the builders add their own options as ``extra``)."""
+    """Metadata common to every artifact (the kinds add their own options as ``extra``)."""
     from . import __version__
 
     meta = {
@@ -257,7 +307,7 @@ def new_meta(method: Method, kind: str, sparsities: list[float], mlps: list[Gate
         "method": method.name,
         "kind": kind,
         "sparsities": [float(k) for k in sparsities],
-        "selection": check_selection(kind, selection),
+        "selection": selection,
         "data": data,
         "version": __version__,
         "model": model_meta(mlps),
@@ -301,92 +351,6 @@ def check_artifacts(artifacts: Artifacts, mlps: list[GatedMLP], method: str | Me
             "checkpoint or a fine-tune): build artifacts for this model"
         )
     return index
-
-
-def prac_selectors(artifacts: Artifacts | str | os.PathLike, mlps: list[GatedMLP],
-                   method: str | Method, sparsity: float) -> list:
-    """One SP-Prac row selector per Gated-MLP (in ``find_gated_mlps`` order).
-
-    ``artifacts`` is an :class:`Artifacts` or a path to one. Threshold artifacts give
-    :class:`countdown.sparse.ThresholdSelector`; predictor artifacts give the selectors of
-    :mod:`countdown.predictors`.
-    """
-    from .sparse import ThresholdSelector
-
-    if not isinstance(artifacts, Artifacts):
-        artifacts = load_artifacts(artifacts)
-    m = get_method(method)
-    check_artifacts(artifacts, mlps, m, sparsity)
-    if artifacts.kind == "threshold":
-        taus = artifacts.thresholds(sparsity)
-        return [ThresholdSelector(m, taus[i]) for i in range(len(mlps))]
-    from .predictors import selector_from_tensors
-
-    return [selector_from_tensors(artifacts, mlp, i, sparsity) for i, mlp in enumerate(mlps)]
-
-
-# --------------------------------------------------------------------------------------------
-# Cache
-# --------------------------------------------------------------------------------------------
-
-
-def _as_list(sparsity) -> list[float]:
-    ks = [sparsity] if isinstance(sparsity, (int, float)) else list(sparsity)
-    if not ks:
-        raise ValueError("give at least one sparsity")
-    return sorted({round(check_sparsity(k), 6) for k in ks})
-
-
-def _options_key(method: Method, options: dict) -> str:
-    from . import __version__
-
-    # The version is part of the key: another release may change the defaults behind the options.
-    text = json.dumps({"method": method.name, "version": __version__, **options}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir: str | os.PathLike,
-                     **options: Any) -> Artifacts:
-    """Load cached artifacts for (model, method, sparsity, options) or build and save them.
-
-    ``sparsity`` is one k or a list (one file then holds all of them; a later call for any subset
-    reuses it). Threshold methods go through :func:`countdown.calibrate.calibrate`, predictor methods
-    through :func:`countdown.predictors.train_predictors`; ``options`` are passed on (and are part of
-    the cache key with the library version, so other options build other files). Files are named
-    ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``; a corrupt cached file
-    is skipped and rebuilt.
-    """
-    from .mlp import require_gated_mlps
-
-    m = get_method(method)
-    ks = _as_list(sparsity)
-    if m.prac is None:
-        raise ValueError(f"method {m.name!r} has no SP-Prac artifacts (it skips nothing)")
-    mlps = require_gated_mlps(model)
-    fp = model_fingerprint(mlps)[:12]
-    # Options that change the result name the file; progress bars and checkpoint folders do not.
-    keyed = {key: value for key, value in options.items() if key not in ("progress", "checkpoint")}
-    stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
-    cache = Path(cache_dir).expanduser()
-    if cache.is_dir():
-        for candidate in sorted(cache.glob(stem + "-k*.safetensors")):
-            try:
-                art = load_artifacts(candidate)
-            except ArtifactError:
-                continue  # a corrupt cache entry is rebuilt below, under the requested name
-            if all(any(abs(k - have) <= SPARSITY_TOL for have in art.sparsities) for k in ks):
-                return art
-    if m.prac == "threshold":
-        from .calibrate import calibrate
-
-        options.pop("checkpoint", None)  # one pass, nothing to resume
-        art = calibrate(model, tokenizer, m, ks, **options)
-    else:
-        from .predictors import train_predictors
-
-        art = train_predictors(model, tokenizer, m, ks, **options)
-    art.save(cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors")
-    return art
 
 
 def footprint(artifacts: Artifacts, model) -> dict:

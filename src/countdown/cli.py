@@ -6,35 +6,8 @@ import argparse
 import json
 import sys
 
-
-def _sparsities(text: str) -> list[float]:
-    from .registry import check_sparsity
-
-    return [check_sparsity(part) for part in text.split(",") if part.strip()]
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="catalogue name, .gguf file, Hugging Face folder or hub id (default: smollm2-135m)")
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-
-
-def _sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
-    p.add_argument("--method", default="mono", help="dense, cats, mono, dual, dejavu (or m-countdown, d-countdown)")
-    p.add_argument("--sparsity", "-k", type=float, default=0.8, help="fraction of rows skipped per token, in (0, 1)")
-    p.add_argument("--mode", default="ideal", choices=["ideal", "prac"])
-    p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
-                   help="decode: prompt dense, generated tokens sparse; all: every position sparse")
-    p.add_argument("--artifacts", default=None, help="thresholds/predictors for --mode prac")
-
-
-def _texts(source: str | None):
-    if source is None:
-        return None
-    from .data import load_texts
-
-    return load_texts(source)
+from .cli_common import add_model_args, add_sparse_args, parse_sparsities, load_text_arg
+from .cli_prac import add_prac_commands
 
 
 def cmd_methods(args) -> int:
@@ -80,7 +53,7 @@ def cmd_ppl(args) -> int:
     import countdown
 
     model, tok, method = _load_sparsified(args, args.scope)
-    ppl = countdown.perplexity(model, tok, texts=_texts(args.texts), max_tokens=args.max_tokens,
+    ppl = countdown.perplexity(model, tok, texts=load_text_arg(args.texts), max_tokens=args.max_tokens,
                                window=args.window)
     result = {"model": args.model, "method": method.name, "mode": args.mode, "scope": args.scope,
               "sparsity": None if method.is_dense else args.sparsity, "perplexity": ppl,
@@ -91,105 +64,6 @@ def cmd_ppl(args) -> int:
     else:
         real = "" if method.is_dense else f"   Sparsity-Real {result['sparsity_real']:.3f}"
         print(f"{method.name} {args.mode} k={result['sparsity']} scope={args.scope}: perplexity {ppl:.3f}{real}")
-    return 0
-
-
-def _artifact_out(args, method_name: str, ks: list[float]) -> str:
-    if args.out:
-        return args.out
-    label = "_".join(f"{k:g}" for k in ks)
-    return f"{method_name}-{args.model.replace('/', '_')}-k{label}.safetensors"
-
-
-def _summarise_artifact(art, path) -> None:
-    meta = art.meta
-    print(f"wrote {path}: {meta['method']} {meta['kind']}, k = {', '.join(f'{k:g}' for k in art.sparsities)}, "
-          f"{meta['data']['num_tokens']} tokens of {meta['data']['name']}")
-
-
-def _prac_method(name: str, prac: str):
-    """The method named ``name``, which must build ``prac`` artifacts ("threshold" or "predictor")."""
-    from .registry import get_method
-
-    method = get_method(name)
-    if method.prac != prac:
-        if prac == "threshold":
-            hint = "thresholds: use cats or mono here (dual or dejavu go through `countdown train`)"
-        else:
-            hint = "a trained predictor: use dual or dejavu here (cats or mono go through `countdown calibrate`)"
-        raise ValueError(f"method {method.name!r} does not use {hint}")
-    return method
-
-
-def cmd_calibrate(args) -> int:
-    import countdown
-    from .calibrate import calibrate
-
-    method = _prac_method(args.method, "threshold")
-    ks = _sparsities(args.sparsity)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    art = calibrate(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
-                    rule=args.rule, refine=not args.no_refine)
-    path = art.save(_artifact_out(args, method.name, ks))
-    _summarise_artifact(art, path)
-    for k in art.sparsities:
-        taus = art.thresholds(k)
-        print(f"  k={k:g}: thresholds per layer {float(taus.min()):.4g} .. {float(taus.max()):.4g}")
-    return 0
-
-
-def cmd_train(args) -> int:
-    import countdown
-    from .predictors import train_predictors
-
-    method = _prac_method(args.method, "predictor")
-    ks = _sparsities(args.sparsity)
-    options = {key: value for key, value in (("kind", args.kind), ("d_rank", args.d_rank),
-                                             ("epochs", args.epochs), ("pos_weight", args.pos_weight))
-               if value is not None}
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    art = train_predictors(model, tok, method, ks, texts=_texts(args.texts), num_tokens=args.num_tokens,
-                           selection=args.selection, cut_rule=args.cut_rule, checkpoint=args.checkpoint,
-                           refine=not args.no_refine, init=args.init, seed=args.seed, **options)
-    if args.refine_on_decode:
-        import torch
-
-        from .calibrate import token_windows
-        from .data import calibration_texts
-        from .predictors import refine_cuts_on_decode
-
-        # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
-        texts = _texts(args.texts) or calibration_texts()
-        windows = [w for w in token_windows(tok, texts, 8 * 32, 32) if w.shape[1] == 32][:8]
-        history = refine_cuts_on_decode(model, art, torch.cat(windows), new_tokens=64, rounds=args.refine_on_decode)
-        for k, rounds in history.items():
-            print(f"k={k:g}: Sparsity-Real of the model's own decode steps per round "
-                  f"{', '.join(f'{v:.3f}' for v in rounds)} (cuts re-fitted after each)")
-    path = art.save(_artifact_out(args, method.name, ks))
-    _summarise_artifact(art, path)
-    return 0
-
-
-def cmd_quality(args) -> int:
-    import countdown
-    from .artifacts import footprint, load_artifacts
-    from .predictors import predictor_quality
-
-    art = load_artifacts(args.artifacts)
-    if args.selection:
-        art = art.with_selection(args.selection)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    report = predictor_quality(model, tok, art, texts=_texts(args.texts), num_tokens=args.num_tokens)
-    report["footprint"] = footprint(art, model)
-    share = report["footprint"]["share"]
-    if args.json:
-        print(json.dumps(report, default=float))
-        return 0
-    print(f"{report['method']} {report['kind']} selection={report['selection']} on {report['num_tokens']} "
-          f"held-out tokens; footprint {100 * share:.2f} % of the model's parameters")
-    for k, r in report["by_sparsity"].items():
-        print(f"  k={float(k):g}: precision {r['precision']:.3f}  recall {r['recall']:.3f}  F1 {r['f1']:.3f}  "
-              f"skipped {r['sparsity']:.3f}")
     return 0
 
 
@@ -252,8 +126,8 @@ def cmd_agreement(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(args.model, sparsities=_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out,
-             prac_sparsities=[] if args.no_prac else _sparsities(args.prac_sparsities))
+    run_demo(args.model, sparsities=parse_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out,
+             prac_sparsities=[] if args.no_prac else parse_sparsities(args.prac_sparsities))
     return 0
 
 
@@ -285,7 +159,7 @@ def cmd_analyze(args) -> int:
     from .analysis import collect_indicator_stats, format_indicator_stats, plot_tornado
 
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    texts = _texts(args.texts)
+    texts = load_text_arg(args.texts)
     if texts is None:
         from .data import eval_texts
 
@@ -312,60 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
-    _model_args(p)
-    _sparse_args(p, default_scope="all")
+    add_model_args(p)
+    add_sparse_args(p, default_scope="all")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_ppl)
 
-    p = sub.add_parser("calibrate", help="SP-Prac thresholds for cats / mono (several k from one pass)")
-    _model_args(p)
-    p.add_argument("--method", default="mono", help="cats or mono")
-    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k")
-    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--rule", default="mean-quantile", choices=["mean-quantile", "pooled"])
-    p.add_argument("--no-refine", action="store_true", help="thresholds from the dense model only (the paper)")
-    p.add_argument("--out", default=None, help="artifact path (default <method>-<model>-k<k>.safetensors)")
-    p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser("train", help="SP-Prac predictors for dual / dejavu, streamed layer by layer (resumable)")
-    _model_args(p)
-    p.add_argument("--method", default="dual", help="dual or dejavu")
-    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k")
-    p.add_argument("--kind", default=None, choices=["lowrank", "ternary", "hybrid"],
-                   help="default: hybrid for dual, lowrank for dejavu")
-    p.add_argument("--d-rank", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--pos-weight", type=float, default=None, help="> 1 weighs kept rows up (recall)")
-    p.add_argument("--init", default="gate", choices=["gate", "random"])
-    p.add_argument("--selection", default="cut", choices=["cut", "logit", "topk"])
-    p.add_argument("--cut-rule", default="mean-quantile", choices=["mean-quantile", "pooled"])
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
-    p.add_argument("--num-tokens", type=int, default=8192)
-    p.add_argument("--no-refine", action="store_true")
-    p.add_argument("--refine-on-decode", type=int, default=0, metavar="ROUNDS",
-                   help="then re-fit the cuts on the sparse model's own greedy continuations of 8 calibration "
-                        "prompts (lowrank / ternary; rounds, 0 = off): Sparsity-Real at decode time = k")
-    p.add_argument("--checkpoint", default=None, help="folder: finished layers are kept, a rerun resumes")
-    p.add_argument("--out", default=None, help="artifact path (default <method>-<model>-k<k>.safetensors)")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("quality", help="precision / recall / F1 of SP-Prac masks against SP-Ideal, and footprint")
-    _model_args(p)
-    p.add_argument("--artifacts", required=True)
-    p.add_argument("--selection", default=None, choices=["cut", "logit", "topk"], help="override the stored rule")
-    p.add_argument("--texts", default=None, help="held-out text: xsum (default)")
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_quality)
+    add_prac_commands(sub)
 
     p = sub.add_parser("generate", help="generate from a prompt, prompt dense and new tokens sparse")
-    _model_args(p)
-    _sparse_args(p)
+    add_model_args(p)
+    add_sparse_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -374,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")
-    _model_args(p)
-    _sparse_args(p)
+    add_model_args(p)
+    add_sparse_args(p)
     p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names")
     p.add_argument("--limit", type=int, default=None, help="first N items of each task")
     p.add_argument("--batch-size", type=int, default=8)
@@ -383,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("agreement", help="agreement with the dense model: match rate, KL, top-1 (optional judge)")
-    _model_args(p)
-    _sparse_args(p)
+    add_model_args(p)
+    add_sparse_args(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (off by default)")
     p.add_argument("--judge-model", default=None)
@@ -417,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cost)
 
     p = sub.add_parser("analyze", help="CIF / CAF of u and h against s (M-CountDown vs CATS analysis)")
-    _model_args(p)
+    add_model_args(p)
     p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--texts", default=None)
@@ -429,14 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .data import PackageUnavailableError
+    from .io import LockedError, UnwritableError
     from .models import CorruptDownloadError
-    from .sparse import AlreadySparsifiedError, NotSparsifiedError
+    from .state import AlreadySparsifiedError, NotSparsifiedError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
-            AlreadySparsifiedError, NotSparsifiedError) as err:
+    except KeyboardInterrupt as err:
+        # Ctrl-C: say what is safe and how to go on, not a traceback
+        detail = str(err) or "nothing of this run was saved except what it reported as written"
+        print(f"countdown {args.command}: interrupted: {detail}", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
+            AlreadySparsifiedError, NotSparsifiedError, LockedError, UnwritableError) as err:
         print(f"countdown {args.command}: error: {err}", file=sys.stderr)
         return 2
 

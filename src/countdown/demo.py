@@ -187,7 +187,7 @@ def side_by_side(model, tokenizer, prompt: str, configs: Sequence[tuple[str, flo
 
 def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequence[float], log=print) -> dict:
     """SP-Prac artifacts for each method (thresholds or predictors), built once and cached."""
-    from .artifacts import ensure_artifacts
+    from .prac.prepare import ensure_artifacts
     from .data import cache_root
     from .registry import get_method
 

@@ -8,7 +8,7 @@ cache, benchmark results) goes through this module:
   and the folder is fsync'ed so the rename itself survives a crash. A reader sees the old file or
   the new one, never a mix; a process killed half-way leaves the old file intact and no temporary
   file behind once the next writer of that path runs (:func:`atomic_path` removes stale ones).
-* :func:`file_lock`: an advisory ``fcntl`` lock on ``<path>.lock`` held for a whole run. A second
+* :func:`file_lock`: an advisory ``fcntl`` lock on ``.<name>.lock`` beside the output, held for a whole run. A second
   run on the same output stops at once (or waits, if asked) with a message naming the lock file and
   the process that holds it, so two runs never both print "wrote".
 * :func:`check_writable`: create the target's folder and a probe file in it *before* any work
@@ -163,7 +163,7 @@ def _holder(lock_path: Path) -> str:
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") -> Iterator[Path]:
-    """Hold an exclusive advisory lock on ``path`` (the lock file is ``<path>.lock``) for the block.
+    """Hold an exclusive advisory lock on ``path`` (the lock file is ``.<name>.lock`` beside it) for the block.
 
     ``wait``: seconds to wait for another holder (0: fail at once). Raises :class:`LockedError`
     naming the lock file and the holder. Locks are per open file description, so the same process
@@ -171,7 +171,7 @@ def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") 
     (removing it would race with a waiter); it holds only who locked it last.
     """
     path = Path(path)
-    lock_path = path.with_name(path.name + ".lock")
+    lock_path = path.with_name(f".{path.name}.lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + max(0.0, wait)

@@ -146,11 +146,6 @@ class GatedMLP:
             return y
         return _tp.reduce_partial(y, self.tp, self._linear(self.down).bias)
 
-    def whole_layer(self, t: torch.Tensor) -> torch.Tensor:
-        """Per-row values ``[N, rows here]`` -> ``[N, d_inter]``: ``t`` itself on one process, the
-        ranks' columns gathered in row order on a tensor-parallel rank (a collective)."""
-        return t if self.tp is None else _tp.gather_columns(t, self.tp)
-
     def weight_shape(self, which: str) -> tuple[int, ...]:
         """Global shape of W_gate / W_up / W_down (``which``: "gate", "up", "down")."""
         if self.tp is None:

@@ -40,7 +40,12 @@ def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int)
             break
     n_windows = min(len(ids), max_tokens) // body
     if n_windows == 0:
-        raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of {body}")
+        if len(ids) < body:
+            raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of {body}: give more "
+                             f"text or a smaller window")
+        raise ValueError(f"max_tokens={max_tokens} is less than one window of {body} tokens (window {window}"
+                         f"{' with BOS' if bos is not None else ''}): raise max_tokens to at least {body} "
+                         f"or lower the window (--window)")
     rows = torch.tensor(ids[: n_windows * body]).reshape(n_windows, body)
     if bos is not None:
         rows = torch.cat([torch.full((n_windows, 1), bos), rows], dim=1)

@@ -104,17 +104,39 @@ def get_method(name: str | Method) -> Method:
 
 
 def check_sparsity(sparsity: float) -> float:
-    """Validate ``k``, the fraction of rows skipped per token; it must lie strictly in (0, 1)."""
-    try:
-        k = float(sparsity)
-    except (TypeError, ValueError):
-        raise ValueError(f"sparsity must be a number in (0, 1), got {sparsity!r}") from None
-    if not (0.0 < k < 1.0) or math.isnan(k):
+    """Validate ``k``, the fraction of rows skipped per token: a real number strictly in (0, 1).
+
+    Strings (``"0.8"``), booleans and NaN are refused with a TypeError / ValueError: the API takes
+    numbers (the command line parses its strings itself), so a typo never runs silently.
+    """
+    import numbers
+
+    if isinstance(sparsity, (str, bytes)) or isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        hint = " (parse it first: float(text))" if isinstance(sparsity, (str, bytes)) else ""
+        raise TypeError(f"sparsity must be a real number in (0, 1), got {type(sparsity).__name__} {sparsity!r}{hint}")
+    k = float(sparsity)
+    if math.isnan(k) or not (0.0 < k < 1.0):
         raise ValueError(
             f"sparsity must lie strictly between 0 and 1 (the fraction of rows skipped), got {sparsity!r}; "
             "use method='dense' for no sparsity"
         )
     return k
+
+
+def sparsity_list(sparsity) -> list[float]:
+    """One k or a list/tuple of them, each checked by :func:`check_sparsity`, distinct, in the given order."""
+    if isinstance(sparsity, (list, tuple)):
+        ks = list(sparsity)
+    elif hasattr(sparsity, "tolist") and not isinstance(sparsity, (str, bytes)):
+        ks = list(sparsity.tolist()) if getattr(sparsity, "ndim", 0) else [sparsity.item()]
+    else:
+        ks = [sparsity]
+    if not ks:
+        raise ValueError("give at least one sparsity")
+    ks = [check_sparsity(k) for k in ks]
+    if len({round(k, 6) for k in ks}) != len(ks):
+        raise ValueError(f"sparsities must be distinct, got {ks}")
+    return ks
 
 
 def kept_rows(d_inter: int, sparsity: float) -> int:

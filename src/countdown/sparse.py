@@ -15,54 +15,30 @@ those rows. Two equivalent paths:
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .mlp import GatedMLP, require_gated_mlps
+from .prac.base import RowSelector, selectors_for
 from .registry import Method, check_sparsity, get_method, kept_rows
+from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
+                    is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
 from .tp import shard_selectors
 
 MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
 PATHS = ("auto", "masked", "gather", "kernel")
 KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
-# Low-rank predictors on the kernel path: True runs the predictor inside the fused dual kernel
-# (x A by cuBLAS, the B side and the cut in the kernel); False computes the keep mask in PyTorch and
-# runs the masked kernel. benchmarks/decode.py --predictor-route compares them.
-PREDICTOR_IN_KERNEL = True
 DEFAULT_SCOPE = "decode"
 
 
-class AlreadySparsifiedError(RuntimeError):
-    """sparsify() was called on a model that is already patched."""
-
-
-class NotSparsifiedError(RuntimeError):
-    """unsparsify() or a report was asked of a model that was never patched."""
-
-
 # --------------------------------------------------------------------------------------------
-# Selectors: x (and the dense u / h they ask for) -> keep mask [tokens, d_inter]
+# SP-Ideal: the exact per-token top-k (the SP-Prac kinds live in countdown.prac)
 # --------------------------------------------------------------------------------------------
-
-
-class RowSelector(nn.Module):
-    """Base class. ``needs_up``/``needs_gate`` name the dense projections the selector reads; the
-    sparse forward computes exactly those densely and everything else only for kept rows."""
-
-    needs_up: bool = False
-    needs_gate: bool = False
-
-    def forward(self, x: torch.Tensor, u: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def to_model_dtype(self, dtype: torch.dtype) -> None:
-        """Hold what the selector reads per token in the model's ``dtype`` where that helps (predictors)."""
 
 
 class TopKSelector(RowSelector):
@@ -82,83 +58,6 @@ class TopKSelector(RowSelector):
 
     def extra_repr(self) -> str:
         return f"method={self.method.name}, n_keep={self.n_keep}"
-
-
-class ThresholdSelector(RowSelector):
-    """SP-Prac for threshold methods: keep rows whose indicator exceeds a calibrated cut tau."""
-
-    def __init__(self, method: Method, threshold: float | torch.Tensor):
-        super().__init__()
-        self.method = method
-        self.needs_up = method.needs_up
-        self.needs_gate = method.needs_gate
-        self.register_buffer("threshold", torch.as_tensor(threshold, dtype=torch.float32).reshape(()))
-
-    def forward(self, x, u, h):
-        # Compared in float32, as the kernels do, so both paths keep the same rows.
-        return self.method.indicator(u, h).float() > self.threshold
-
-    def extra_repr(self) -> str:
-        return f"method={self.method.name}, threshold={float(self.threshold):.5g}"
-
-
-# --------------------------------------------------------------------------------------------
-# Per-model state: which positions are sparse in the current forward
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SparsityState:
-    method: Method
-    sparsity: float | None
-    mode: str
-    scope: str
-    path: str
-    layers: list["SparseGatedMLP"] = field(default_factory=list)
-    prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
-    dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
-    hook: Any = None
-
-    def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
-        """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
-        if self.dense_prefix is not None:
-            prefix, end = self.dense_prefix
-            seq = x.shape[-2] if x.dim() >= 2 else 1
-            if end is None and not isinstance(prefix, torch.Tensor):
-                n = int(prefix)
-                if n <= 0:
-                    return True
-                if n >= seq:
-                    return False
-            pos = torch.arange(seq, device=x.device)[None, :]
-            prefix = torch.as_tensor(prefix, device=x.device).reshape(-1, 1)
-            mask = pos >= prefix
-            if end is not None:  # right padding: computed dense, never counted as sparse
-                mask = mask & (pos < torch.as_tensor(end, device=x.device).reshape(-1, 1))
-            mask = mask.expand(x.shape[0] if x.dim() >= 3 else 1, seq)
-            return mask.reshape(-1) if x.dim() == 2 else mask
-        if self.scope == "all":
-            return True
-        return not self.prompt_pass
-
-
-def _cache_is_empty(cache: Any) -> bool:
-    if cache is None:
-        return True
-    if hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length()) == 0
-    if isinstance(cache, (tuple, list)):
-        return len(cache) == 0
-    return False
-
-
-def _mark_prompt_pass(state: SparsityState):
-    def hook(module, args, kwargs):
-        if state.dense_prefix is not None:  # positions are set explicitly: no need to read the cache
-            return
-        state.prompt_pass = _cache_is_empty(kwargs.get("past_key_values"))
-
-    return hook
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +119,7 @@ class SparseGatedMLP(nn.Module):
         return keep
 
     def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
-        """Kernels serve decode-sized batches of a threshold or predictor selector, no biases."""
+        """Kernels serve decode-sized batches of an SP-Prac selector on a bias-free SiLU/GELU MLP."""
         if isinstance(self.selector, TopKSelector) or x2.shape[0] > KERNEL_MAX_TOKENS:
             return False
         if path == "auto" and not x2.is_cuda:
@@ -229,27 +128,11 @@ class SparseGatedMLP(nn.Module):
         if mlp.act_name not in ("silu", "gelu_tanh") or any(
                 b is not None for b in (mlp.b_gate, mlp.b_up, mlp.b_down)):
             return False
-        from . import kernels
-
         return kernels.available(x2)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        from . import kernels
-
-        mlp, sel = self.mlp, self.selector
         # w_down.t() is contiguous: sparsify stored W_down transposed in place (see _store_down_transposed).
-        args = (x2, mlp.w_gate, mlp.w_up, mlp.w_down.t().contiguous(), )
-        if isinstance(sel, ThresholdSelector) and sel.method.name == "mono":
-            return kernels.mono_gated_mlp(*args, sel.threshold, mlp.act_name)
-        if isinstance(sel, ThresholdSelector) and sel.method.name == "cats":
-            return kernels.cats_gated_mlp(*args, sel.threshold, mlp.act_name)
-        if PREDICTOR_IN_KERNEL and getattr(sel, "kind", None) == "lowrank" and sel.selection != "topk":
-            # the predictor runs inside the fused kernel: keep rows with x A B > cut - bias
-            return kernels.dual_gated_mlp(*args, sel.A, sel.Bt.t(), sel.row_cut, mlp.act_name)
-        u = F.linear(x2, mlp.w_up) if sel.needs_up else None
-        h = mlp.act(F.linear(x2, mlp.w_gate)) if sel.needs_gate else None
-        keep = sel(x2, u, h)
-        return kernels.masked_gated_mlp(*args, keep, mlp.act_name)
+        return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous())
 
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         mlp = self.mlp
@@ -310,9 +193,7 @@ def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None
             f"`countdown calibrate` / `countdown train` (or countdown.calibrate / countdown.train_predictors) "
             "and pass artifacts=<path or object>"
         )
-    from .artifacts import prac_selectors  # SP-Prac lives with its artifacts
-
-    return prac_selectors(artifacts, mlps, method, sparsity)
+    return selectors_for(artifacts, mlps, method, sparsity)
 
 
 def _store_down_transposed(mlp: GatedMLP, transposed: bool) -> None:
@@ -348,7 +229,7 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
     """
-    if getattr(model, "_countdown_state", None) is not None:
+    if is_sparsified(model):
         raise AlreadySparsifiedError(
             "this model is already sparsified; call countdown.unsparsify(model) before patching it again"
         )
@@ -357,7 +238,15 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
     _check_choice(mode, MODES, "mode")
     _check_choice(scope, SCOPES, "scope")
     _check_choice(path, PATHS, "path")
+    if mode == "ideal" and artifacts is not None and not m.is_dense:
+        raise ValueError("artifacts are used by mode='prac' (calibrated thresholds / predictors); mode='ideal' "
+                         "takes the exact per-token top-k and would ignore them: pass mode='prac', or drop artifacts")
     mlps = require_gated_mlps(model)
+    if path == "kernel" and not m.is_dense and not kernels.available(mlps[0].w_down):
+        why = ("Triton is not installed" if not kernels._common.has_triton() else
+               "the model is on the CPU and TRITON_INTERPRET=1 is not set")
+        raise ValueError(f"path='kernel' cannot run here: {why}; use path='auto' (kernels where they can run, "
+                         "masked otherwise), 'masked' or 'gather'")
     selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
@@ -377,20 +266,9 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         state.layers.append(layer)
         if selector is not None and path in ("auto", "kernel") and ref.is_cuda:
             _store_down_transposed(mlp, True)
-    state.hook = model.register_forward_pre_hook(_mark_prompt_pass(state), with_kwargs=True)
-    object.__setattr__(model, "_countdown_state", state)
+    state.hook = model.register_forward_pre_hook(mark_prompt_pass(state), with_kwargs=True)
+    object.__setattr__(model, STATE_ATTR, state)
     return model
-
-
-def state_of(model: nn.Module) -> SparsityState:
-    state = getattr(model, "_countdown_state", None)
-    if state is None:
-        raise NotSparsifiedError("this model is not sparsified; call countdown.sparsify(model, ...) first")
-    return state
-
-
-def is_sparsified(model: nn.Module) -> bool:
-    return getattr(model, "_countdown_state", None) is not None
 
 
 def unsparsify(model: nn.Module) -> nn.Module:
@@ -404,47 +282,7 @@ def unsparsify(model: nn.Module) -> nn.Module:
         del module.countdown_sparse
         _store_down_transposed(layer.mlp, False)
     state.hook.remove()
-    object.__delattr__(model, "_countdown_state")
+    object.__delattr__(model, STATE_ATTR)
     return model
 
 
-@contextlib.contextmanager
-def dense_prefix(model: nn.Module, n: int | torch.Tensor, end: int | torch.Tensor | None = None):
-    """Inside the block, the first ``n`` positions of every row stay dense and the rest are sparse.
-
-    ``n`` is an int or a LongTensor ``[batch]`` of per-row prompt lengths; ``end`` (same forms)
-    marks where each row's real tokens stop: positions from ``end`` on are right padding, computed
-    dense and left out of Sparsity-Real. Used for decode-style perplexity and for scoring
-    continuations with a dense prompt (the paper's setting).
-    """
-    state = state_of(model)
-    previous = state.dense_prefix
-    state.dense_prefix = (n, end)
-    try:
-        yield model
-    finally:
-        state.dense_prefix = previous
-
-
-def reset_sparsity_stats(model: nn.Module) -> None:
-    """Start counting Sparsity-Real afresh."""
-    for layer in state_of(model).layers:
-        layer.reset_stats()
-
-
-def sparsity_real(model: nn.Module) -> dict:
-    """Fraction of rows actually skipped since the model was patched or the stats last reset.
-
-    Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
-    token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
-    sparse token report NaN. Decode steps served by the fused Triton kernels (``path="auto"`` on CUDA)
-    are not counted: those kernels never write the mask; measure with ``path="masked"``.
-    """
-    state = state_of(model)
-    per_layer = []
-    for layer in state.layers:
-        rows = int(layer.rows_total)
-        per_layer.append(float("nan") if rows == 0 else 1.0 - float(layer.kept_total) / rows)
-    seen = [v for v in per_layer if v == v]
-    mean = sum(seen) / len(seen) if seen else float("nan")
-    return {"mean": mean, "per_layer": per_layer, "target": state.sparsity}

@@ -328,7 +328,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
 
     methods / modes / sparsities: the grid; dense (if listed) is one configuration without mode or k.
         SP-Prac uses thresholds for cats/mono and predictors for dual/dejavu, built once per method
-        for all ``sparsities`` with :func:`countdown.artifacts.ensure_artifacts` (``artifact_options``
+        for all ``sparsities`` with :func:`countdown.ensure_artifacts` (``artifact_options``
         passed on) and cached in ``artifacts_dir`` (default ``<countdown cache>/artifacts``).
     tasks / limit / num_fewshot / batch_size: lm-eval (offline task names; first ``limit`` docs each).
     ppl_tokens / ppl_window / ppl_texts: perplexity of both styles on ``ppl_tokens`` tokens of
@@ -475,7 +475,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
 
 
 def _ensure(model, tokenizer, method, sparsities, artifacts_dir, options, progress, log):
-    from .artifacts import ensure_artifacts
+    from .prac.prepare import ensure_artifacts
 
     if artifacts_dir is None:
         from .data import cache_root

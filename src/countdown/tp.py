@@ -38,7 +38,8 @@ TOPK_MODES = ("exact", "shard")
 # Per-row tensors of the SP-Prac selectors, by buffer name -> the dimension that runs over d_inter.
 # shard_selector slices these to the rank's rows; a selector buffer with a d_inter-sized dimension
 # not named here is refused rather than silently left global.
-PER_ROW_BUFFERS = {"Bt": 0, "bias": 0, "row_cut": 0, "scale": 0, "ternary": 1}
+PER_ROW_BUFFERS = {"Bt": 0, "bias": 0, "row_cut": 0, "scale": 0, "ternary": 1,
+                   "q_gate": 0, "q_up": 0, "s_gate": 0, "s_up": 0}
 
 
 class ShardingError(ValueError):
@@ -159,26 +160,14 @@ def global_rows(w: torch.Tensor, rows: list[int], spec: ShardSpec) -> torch.Tens
     return out
 
 
-def gather_columns(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """Per-row values of this rank's rows ``t [N, d_local]`` -> the whole layer's ``[N, d_inter]`` in
-    global row order, on every rank (one all-gather; short last shards are padded and cut)."""
-    width = spec.max_local
-    part = t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
-    parts = [torch.empty_like(part) for _ in range(spec.world)]
-    dist.all_gather(parts, part.contiguous(), group=spec.group)
-    pieces = [p[:, :stop - start] for r, p in enumerate(parts)
-              for start, stop in [chunk_range(spec.d_inter, spec.world, r)]]
-    return torch.cat(pieces, dim=1)
-
-
 def refuse_sharded(mlps: list, what: str) -> None:
-    """Raise for operations that need whole layers' weights on one process (predictor training)."""
+    """Raise for operations that read whole layers (calibration, predictor training, cut refits)."""
     if any(getattr(m, "tp", None) is not None for m in mlps):
         raise ShardingError(
-            f"{what} runs on the unsharded model (one process): it fits every row of a layer's weights, "
-            "which a tensor-parallel rank does not hold. Build the artifact once on one process (any "
-            "device that holds the model) and pass it to countdown.sparsify on every rank: it is sliced "
-            "to each rank's rows at load. (Threshold calibration, countdown.calibrate, does run sharded.)")
+            f"{what} runs on the unsharded model (one process): per-token quantiles and predictor fits "
+            "need every row of a layer, which a tensor-parallel rank does not hold. Build the artifact "
+            "once on one process (any device that holds the model) and pass it to countdown.sparsify on "
+            "every rank: it is sliced to each rank's rows at load")
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,9 +229,9 @@ def _is_topk(selector) -> bool:
     return hasattr(selector, "n_keep") and getattr(selector, "selection", "topk") == "topk"
 
 
-def shard_selector(selector, spec: ShardSpec, topk: str = "exact") -> None:
+def shard_selector(selector, mlp, spec: ShardSpec, topk: str = "exact") -> None:
     """Make a selector built for the whole layer (from a one-process artifact, or SP-Ideal) select
-    among this rank's rows, in place: its per-row tensors (:data:`PER_ROW_BUFFERS`) are cut to rows
+    among this rank's rows of Gated-MLP ``mlp`` (a :class:`countdown.mlp.GatedMLP`), in place: its per-row tensors (:data:`PER_ROW_BUFFERS`) are cut to rows
     ``[start, stop)`` (scalar thresholds and cuts and the low-rank ``A`` are shared by all rows and
     stay); a top-k selector's forward is replaced by the cross-shard top-k of ``topk`` mode."""
     if selector is None:
@@ -252,15 +241,15 @@ def shard_selector(selector, spec: ShardSpec, topk: str = "exact") -> None:
         dim = PER_ROW_BUFFERS.get(name)
         if dim is not None and buf.dim() > dim and buf.shape[dim] == spec.d_inter:
             setattr(selector, name, buf.narrow(dim, spec.start, spec.d_local).contiguous())
-        elif dim is None and spec.d_inter in buf.shape and buf.dim() == 1:
+        elif dim is None and spec.d_inter in buf.shape:
             raise ShardingError(f"{type(selector).__name__} holds a per-row tensor {name!r} that countdown.tp does "
                                 "not know how to shard: add it to countdown.tp.PER_ROW_BUFFERS")
     if _is_topk(selector):
-        score_of = getattr(selector, "score", None)
         n_keep = int(selector.n_keep)
+        ideal = hasattr(selector, "method")  # SP-Ideal scores by the method's indicator, SP-Prac by its kind
 
         def forward(x, u, h):
-            score = selector.method.indicator(u, h) if score_of is None else score_of(x, u)
+            score = selector.method.indicator(u, h) if ideal else selector.score(x, mlp)
             return topk_keep(score, n_keep, spec, topk)
 
         selector.forward = forward  # an instance attribute: the class, and isinstance checks, stay
@@ -274,7 +263,7 @@ def shard_selectors(mlps: list, selectors: list, topk: str = "exact") -> None:
     check_topk_mode(topk)
     for mlp, selector in zip(mlps, selectors):
         if mlp.tp is not None:
-            shard_selector(selector, mlp.tp, topk)
+            shard_selector(selector, mlp, mlp.tp, topk)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,12 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
     masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation)      keep given [..., d_inter]
     dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
+    shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
+                                        keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
+    hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
+                                        keep |u| |act(latent bt^T + bias)| > cut, u given (hybrid.py)
+
+The shadows' format (RTN quantization, packing, float32 references) is ``quant.py``; it needs no Triton.
 
 activation is "silu" or "gelu_tanh"; thresholds are Python floats or 0-dim tensors (read on the
 device, no host sync). All are torch custom ops (``torch.ops.countdown.*``): torch.compile with
@@ -19,7 +25,11 @@ from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
 from .dual import dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
 from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
+from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
 from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
+from .quant import (dequantize, pack_bits, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp_ref,
+                    shadow_keep_ref, shadow_scores_ref, unpack_bits)
+from .shadow import prepare_shadow, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
 
 __all__ = [
     "available",
@@ -28,4 +38,8 @@ __all__ = [
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref",
     "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
     "sparse_down_proj", "sparse_down_proj_ref",
+    "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",
+    "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",
+    "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp",
+    "hybrid_gated_mlp", "hybrid_gated_mlp_ref", "hybrid_keep",
 ]

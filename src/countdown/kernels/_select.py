@@ -1,0 +1,397 @@
+"""Triton kernel: a Gated-MLP that scores its own rows, keeps those over a cut, and computes only them.
+
+Two scoring kinds (KIND), both for tokens x [T, d_model], T <= 8:
+
+    shadow (0)  u~ = x Q_up^T, g~ = x Q_gate^T from 4- or 8-bit shadows (quant.py), fp32;
+                keep[b, i] = |u~ * act(g~)| > cut
+    hybrid (1)  u = x W_up^T given (computed before), g^ = round(latent . Bt[i]) + bias[i];
+                keep[b, i] = |u| * |act(g^)| > cut
+
+then, for the union of the batch's kept rows (a token's unkept rows contribute 0 to it):
+
+    s[b, i] = u[b, i] * act(x W_gate[i]^T)    u exact (shadow: from W_up rows; hybrid: the given u)
+    y[b]    = sum_i s[b, i] * w_down_t[i]
+
+A program owns blocks of ROWS consecutive rows (blocks p, p + PROGS, ...). Per block, phase 1 streams
+the shadow words of its rows in tiles [ROWS, GPT groups, WPG words of a group], gate and up of a row
+side by side in memory, with the next tile requested before the current one is used (PREFETCH);
+phase 2 compacts the block's kept rows in registers (prefix sum + one-hot select, as _glu.py) and
+loads BLOCK_M kept rows of every full-precision matrix at once.
+
+Dequantization without conversions: a little-endian int32 word holds 32 / BITS values, value j at
+bits [j BITS, (j + 1) BITS), stored as n = q + 2**(BITS-1). For a value at bit position p <= 23 - BITS,
+(word & (mask << p)) | 0x4B000000 read as fp32 is 2**23 + n 2**p exactly, so subtracting the
+constant 2**23 + 2**(BITS-1) 2**p leaves q 2**p exactly: one integer op (and-or, a LOP3) and one
+float add per value, no int-to-float conversion (quarter rate on the GPU). Values above bit 23 - BITS
+come from the word shifted right once (12 bits for 4-bit, 16 for 8-bit). The 2**p is folded into x:
+the kernel multiplies by x[j] 2**-p (exact). Products q x are exact in fp32 for bf16/fp16 x; the sums
+run in fp32, per word then times the group's fp16 scale.
+
+FUSE_DOWN (one token): the down projection is added into a per-program fp32 accumulator and each
+program writes its partial sum P[p] (y = P.sum(0), left to the caller so torch.compile fuses it into
+the residual add). Otherwise (2-8 tokens) the kernel writes s [T, d_inter] (0 where not kept) and the
+masked down projection of _down.py runs after. SCORES writes (u~, g~) and stops (shadow only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._glu import _act, _pow2, _round_to
+
+
+@triton.jit
+def _dequant(w, J: tl.constexpr, BITS: tl.constexpr):
+    """q * 2**p (fp32, exact) of value J of each int32 word (see the module docstring)."""
+    P: tl.constexpr = J * BITS
+    if P + BITS <= 23:
+        src = w
+        POS: tl.constexpr = P
+    else:
+        SHIFT: tl.constexpr = 12 if BITS == 4 else 16
+        src = w >> SHIFT
+        POS: tl.constexpr = P - SHIFT
+    MASK: tl.constexpr = ((1 << BITS) - 1) << POS
+    MAGIC: tl.constexpr = 8388608.0 + float((1 << (BITS - 1)) << POS)
+    v = ((src & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+    return v - MAGIC
+
+
+@triton.jit
+def _pos_scale(J: tl.constexpr, BITS: tl.constexpr):
+    """2**-p for value J (what x is multiplied by to undo the 2**p of _dequant)."""
+    P: tl.constexpr = J * BITS
+    if P + BITS <= 23:
+        POS: tl.constexpr = P
+    else:
+        POS: tl.constexpr = P - (12 if BITS == 4 else 16)
+    return 1.0 / (1 << POS)
+
+
+@triton.jit
+def _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups,
+               GPT: tl.constexpr, WPG: tl.constexpr):
+    grp = g0 + tl.arange(0, GPT)
+    gm = grp < n_groups
+    col = grp[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    m3 = rmask[:, None, None] & gm[None, :, None]
+    off = qbase[:, None, None] + col[None, :, :]
+    wg = tl.load(Q + off, mask=m3, other=0)
+    wu = tl.load(Q + off + n_words, mask=m3, other=0)
+    m2 = rmask[:, None] & gm[None, :]
+    soff = sbase[:, None] + grp[None, :]
+    sg = tl.load(SC + soff, mask=m2, other=0.0)
+    su = tl.load(SC + soff + n_groups, mask=m2, other=0.0)
+    return wg, wu, sg, su
+
+
+@triton.jit
+def _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
+                 BITS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr,
+                 WPG: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
+    """(u~, g~) [BT, ROWS] fp32 for tokens tok0 .. tok0 + BT of the rows ``rows``."""
+    VPW: tl.constexpr = 32 // BITS
+    if BIG:
+        qbase = rows.to(tl.int64) * (2 * n_words)
+    else:
+        qbase = rows * (2 * n_words)
+    sbase = rows * (2 * n_groups)
+    bi = tl.arange(0, BT)
+    acc_g = tl.zeros([BT, ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([BT, ROWS], dtype=tl.float32)
+    a3g = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)  # one token: reduced once, after the loop
+    a3u = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+    if PREFETCH:
+        wg_n, wu_n, sg_n, su_n = _load_tile(Q, SC, qbase, sbase, 0, rmask, n_words, n_groups, GPT, WPG)
+    for g0 in range(0, n_groups, GPT):
+        if PREFETCH:  # this tile arrived during the last one; request the next (masked past the end)
+            wg, wu, sg, su = wg_n, wu_n, sg_n, su_n
+            wg_n, wu_n, sg_n, su_n = _load_tile(Q, SC, qbase, sbase, g0 + GPT, rmask, n_words, n_groups,
+                                                GPT, WPG)
+        else:
+            wg, wu, sg, su = _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups, GPT, WPG)
+        sgf = sg.to(tl.float32)
+        suf = su.to(tl.float32)
+        grp = g0 + tl.arange(0, GPT)
+        xcol = (grp[:, None] * WPG + tl.arange(0, WPG)[None, :]) * VPW  # first column of each word
+        xm = (grp < n_groups)[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+        for b in tl.static_range(BT):
+            xok = xm & (xcol * 0 + tok0 + b < n_tok)  # a tensor: the interpreter takes no scalar in a mask
+            pg = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+            pu = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+            for j in tl.static_range(VPW):
+                xj = tl.load(X + (tok0 + b) * stride_x + xcol + j, mask=xok, other=0.0).to(tl.float32)
+                xj = (xj * _pos_scale(j, BITS))[None, :, :]
+                pg += _dequant(wg, j, BITS) * xj
+                pu += _dequant(wu, j, BITS) * xj
+            if BT == 1:
+                a3g += pg * sgf[:, :, None]
+                a3u += pu * suf[:, :, None]
+            else:
+                part_g = tl.sum(tl.sum(pg, axis=2) * sgf, axis=1)
+                part_u = tl.sum(tl.sum(pu, axis=2) * suf, axis=1)
+                acc_g = tl.where(bi[:, None] == b, acc_g + part_g[None, :], acc_g)
+                acc_u = tl.where(bi[:, None] == b, acc_u + part_u[None, :], acc_u)
+    if BT == 1:
+        acc_g = tl.sum(tl.sum(a3g, axis=2), axis=1)[None, :]
+        acc_u = tl.sum(tl.sum(a3u, axis=2), axis=1)[None, :]
+    return acc_u, acc_g
+
+
+@triton.jit
+def _hybrid_score(U, LAT, BTM, BIAS, rows, rmask, m2, tok0, n_tok, r_lat, stride_u, stride_lat,
+                  ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BIG: tl.constexpr):
+    """|u| * |act(g^)| [BT, ROWS], g^ = latent . Bt[row] rounded to latent's dtype, plus the bias."""
+    bi = tl.arange(0, BT)
+    kr = tl.arange(0, BLOCK_R)
+    if BIG:
+        boff = rows.to(tl.int64)[:, None] * r_lat + kr[None, :]
+    else:
+        boff = rows[:, None] * r_lat + kr[None, :]
+    btile = tl.load(BTM + boff, mask=rmask[:, None] & (kr < r_lat)[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([ROWS], dtype=tl.float32)
+    ghat = tl.zeros([BT, ROWS], dtype=tl.float32)
+    for b in tl.static_range(BT):
+        lat = tl.load(LAT + (tok0 + b) * stride_lat + kr, mask=(kr < r_lat) & (kr * 0 + tok0 + b < n_tok),
+                      other=0.0).to(tl.float32)
+        gb = _round_to(tl.sum(btile * lat[None, :], axis=1), LAT.dtype.element_ty) + bias
+        ghat = tl.where(bi[:, None] == b, gb[None, :], ghat)
+    ublk = tl.load(U + (tok0 + bi)[:, None] * stride_u + rows[None, :], mask=m2, other=0.0)
+    return tl.abs(ublk.to(tl.float32)) * tl.abs(_act(ghat, ACT))
+
+
+@triton.jit
+def _kept_rows(X, U, WG, WU, WD, OUT, yacc, xv, keep, rows, kd, dmask, tok0, n_tok, d_model, d_inter,
+               stride_x, stride_u, KIND: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
+               FUSE_DOWN: tl.constexpr, OUT_F32: tl.constexpr):
+    """Phase 2 for one block: the exact GEMVs of the kept rows (the batch's union), BLOCK_M rows at a
+    time with every load issued before any arithmetic; returns yacc plus their down projection
+    (FUSE_DOWN) or stores s (0 for the block's rows no token keeps)."""
+    bi = tl.arange(0, BT)
+    bmask = tok0 + bi < n_tok
+    anyk = tl.max(keep.to(tl.int32), axis=0)                   # the batch's union, [ROWS]
+    cnt = tl.sum(anyk, axis=0)
+    pos = tl.where(anyk > 0, tl.cumsum(anyk, axis=0) - 1, -1)
+    if not FUSE_DOWN:
+        zero = tl.zeros([BT, ROWS], dtype=OUT.dtype.element_ty)
+        tl.store(OUT + (tok0 + bi)[:, None] * d_inter + rows[None, :], zero,
+                 mask=bmask[:, None] & (rows < d_inter)[None, :] & (anyk == 0)[None, :])
+    for t in range(0, cnt, BLOCK_M):
+        m = t + tl.arange(0, BLOCK_M)
+        valid = m < cnt
+        sel = pos[None, :] == m[:, None]                       # [BLOCK_M, ROWS] one-hot
+        kr_rows = tl.sum(tl.where(sel, rows[None, :], 0), axis=1)
+        if BIG:
+            roff = kr_rows.to(tl.int64)[:, None] * d_model + kd[None, :]
+        else:
+            roff = kr_rows[:, None] * d_model + kd[None, :]
+        if EVEN_D:
+            wmask = valid[:, None]
+        else:
+            wmask = valid[:, None] & dmask[None, :]
+        wg = tl.load(WG + roff, mask=wmask, other=0.0)
+        if KIND == 0:
+            wu = tl.load(WU + roff, mask=wmask, other=0.0)
+        if FUSE_DOWN:
+            wd = tl.load(WD + roff, mask=wmask, other=0.0)
+        ktile = tl.sum(tl.where(sel[None, :, :], keep[:, None, :].to(tl.int32), 0), axis=2)  # [BT, BLOCK_M]
+        for b in tl.static_range(BT):
+            if FUSE_DOWN:
+                xb = xv
+            else:
+                xb = tl.load(X + (tok0 + b) * stride_x + kd, mask=dmask & (kd * 0 + tok0 + b < n_tok),
+                             other=0.0).to(tl.float32)
+            g = tl.sum(wg.to(tl.float32) * xb[None, :], axis=1)
+            if KIND == 0:
+                u = tl.sum(wu.to(tl.float32) * xb[None, :], axis=1)
+            else:
+                u = tl.load(U + (tok0 + b) * stride_u + kr_rows, mask=valid & (m * 0 + tok0 + b < n_tok),
+                            other=0.0).to(tl.float32)
+            kb = tl.sum(tl.where(bi[:, None] == b, ktile, 0), axis=0) > 0
+            s = _round_to(tl.where(valid & kb, u * _act(g, ACT), 0.0), X.dtype.element_ty)
+            if FUSE_DOWN:
+                yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+            elif OUT_F32:
+                tl.store(OUT + (tok0 + b) * d_inter + kr_rows, s, mask=valid & (m * 0 + tok0 + b < n_tok))
+            else:
+                tl.store(OUT + (tok0 + b) * d_inter + kr_rows, s.to(OUT.dtype.element_ty),
+                         mask=valid & (m * 0 + tok0 + b < n_tok))
+    return yacc
+
+
+@triton.jit
+def _select_kernel(
+    X, Q, SC, U, LAT, BTM, BIAS, WG, WU, WD, CUT, OUT,
+    cut_f, n_tok, d_model, d_inter, n_words, n_groups, r_lat, n_blocks, n_progs,
+    stride_x, stride_u, stride_lat,
+    KIND: tl.constexpr, BITS: tl.constexpr, ACT: tl.constexpr, CUT_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
+    PREFETCH: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr, OUT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tok0 = tl.program_id(1) * BT
+    bi = tl.arange(0, BT)
+    bmask = tok0 + bi < n_tok
+    kd = tl.arange(0, BLOCK_D)
+    dmask = kd < d_model
+    if CUT_PTR:
+        cut = tl.load(CUT).to(tl.float32)
+    else:
+        cut = cut_f
+    if FUSE_DOWN:  # one token: x stays in registers, and so does its output accumulator
+        if EVEN_D:
+            xv = tl.load(X + kd).to(tl.float32)
+        else:
+            xv = tl.load(X + kd, mask=dmask, other=0.0).to(tl.float32)
+        yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    cr = tl.arange(0, ROWS)
+
+    for blk in range(pid, n_blocks, n_progs):
+        rows = blk * ROWS + cr
+        rmask = rows < d_inter
+        m2 = bmask[:, None] & rmask[None, :]
+        # ---- phase 1: the score of every row of the block
+        if SCORES:
+            u_s, g_s = _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
+                                    BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
+            off = (tok0 + bi)[:, None] * d_inter + rows[None, :]
+            tl.store(OUT + off, u_s, mask=m2)
+            tl.store(OUT + n_tok * d_inter + off, g_s, mask=m2)
+        else:
+            if KIND == 0:
+                u_s, g_s = _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
+                                        BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
+                score = tl.abs(u_s * _act(g_s, ACT))
+            else:
+                score = _hybrid_score(U, LAT, BTM, BIAS, rows, rmask, m2, tok0, n_tok, r_lat, stride_u,
+                                      stride_lat, ACT, HAS_BIAS, BT, ROWS, BLOCK_R, BIG)
+            keep = (score > cut) & m2                                  # [BT, ROWS]
+            if FUSE_DOWN:
+                yacc = _kept_rows(X, U, WG, WU, WD, OUT, yacc, xv, keep, rows, kd, dmask, tok0, n_tok,
+                                  d_model, d_inter, stride_x, stride_u, KIND, ACT, BT, ROWS, BLOCK_M,
+                                  EVEN_D, BIG, FUSE_DOWN, OUT_F32)
+            else:
+                _kept_rows(X, U, WG, WU, WD, OUT, kd, kd, keep, rows, kd, dmask, tok0, n_tok,
+                           d_model, d_inter, stride_x, stride_u, KIND, ACT, BT, ROWS, BLOCK_M,
+                           EVEN_D, BIG, FUSE_DOWN, OUT_F32)
+
+    if FUSE_DOWN:
+        if BIG:
+            off = pid.to(tl.int64) * d_model + kd
+        else:
+            off = pid * d_model + kd
+        if EVEN_D:
+            tl.store(OUT + off, yacc)
+        else:
+            tl.store(OUT + off, yacc, mask=dmask)
+
+
+# Launch configurations by (kind, one token or several), tuned on an H200 at Llama-3.1-8B's shape with
+# benchmarks/shadow.py --sweep (docs/kernels_shadow.md). ROWS: rows per block (power of two); TILE_W:
+# shadow words per row and tile; PER_SM: persistent programs per SM (0: one program per block).
+CONFIGS = {
+    ("shadow", 1): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=2, PREFETCH=True),
+    ("shadow", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=True),
+    ("hybrid", 1): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=2, PREFETCH=False),
+    ("hybrid", 8): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False),
+    ("scores", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=1, num_warps=4, PER_SM=0, PREFETCH=True),
+}
+INTERPRETER_PROGS = 3  # persistent programs under the interpreter: few, so each walks several blocks
+MAX_TOKENS = 8  # tokens per program (grid axis 1 splits more, for the scores only)
+
+
+def config(kind: str, n_tok: int, extra: dict | None = None) -> dict:
+    return {**CONFIGS[(kind, 1 if n_tok == 1 and kind != "scores" else 8)], **(extra or {})}
+
+
+def n_programs(device, d_inter: int, cfg: dict) -> int:
+    n_blocks = -(-d_inter // cfg["ROWS"])
+    device = torch.device(device)
+    if not cfg["PER_SM"]:
+        return n_blocks
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        progs = torch.cuda.get_device_properties(index).multi_processor_count * cfg["PER_SM"]
+    else:
+        progs = INTERPRETER_PROGS
+    return max(1, min(n_blocks, progs))
+
+
+def shadow_layout(d_model: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
+    """(bits, group, words per group) of a prepared shadow q int32 [N, 2, W], scale fp16 [N, 2, G]."""
+    n_words, n_groups = q.shape[2], scale.shape[2]
+    bits = 32 * n_words // d_model
+    group = d_model // n_groups
+    return bits, group, group * bits // 32
+
+
+LAST_KERNEL = None
+
+
+def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=None, scale=None, u=None,
+           latent=None, bt=None, bias=None, w_gate=None, w_up=None, w_down_t=None,
+           extra: dict | None = None) -> torch.Tensor:
+    """One launch. ``out``: "partials" (one token: P [programs, d_model] fp32, y = P.sum(0)),
+    "s" (s [T, d_inter], 0 where no token keeps) or "scores" ([2, T, d_inter] fp32: u~, g~)."""
+    global LAST_KERNEL
+    from ._common import act_code, interpreting, new_output
+
+    n_tok, d_model = x.shape
+    cfg = config("scores" if out == "scores" else kind, n_tok, extra)
+    x = x.contiguous()
+    dummy = x
+    if kind == "shadow":
+        d_inter = q.shape[0]
+        bits, group, wpg = shadow_layout(d_model, q, scale)
+        n_words, n_groups = q.shape[2], scale.shape[2]
+        gpt = _pow2(max(1, cfg["TILE_W"] // wpg))
+        gpt = min(gpt, _pow2(n_groups))
+        r_lat, block_r = 0, 16
+        q, scale = q.contiguous(), scale.contiguous()
+    else:
+        d_inter = bt.shape[0]
+        bits, wpg, gpt, n_words, n_groups = 4, 1, 1, 0, 0
+        r_lat = bt.shape[1]
+        block_r = max(16, _pow2(r_lat))
+        u, latent, bt = u.contiguous(), latent.contiguous(), bt.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+    bt_tok = _pow2(min(n_tok, MAX_TOKENS))
+    if out == "partials" and n_tok != 1:
+        raise ValueError(f"partial sums are for one token, got {n_tok}")
+    if out != "scores" and n_tok > MAX_TOKENS:
+        raise ValueError(f"the fused kernel takes at most {MAX_TOKENS} tokens, got {n_tok}")
+    progs = n_programs(x.device, d_inter, cfg)
+    block_d = max(16, _pow2(d_model))
+    cpu_bf16 = x.device.type == "cpu" and x.dtype == torch.bfloat16 and interpreting()
+    if out == "partials":
+        o = new_output((progs, d_model), torch.float32, x.device)
+    elif out == "s":
+        o = new_output((n_tok, d_inter), torch.float32 if cpu_bf16 else x.dtype, x.device)
+    else:
+        o = new_output((2, n_tok, d_inter), torch.float32, x.device)
+    big = d_inter * max(d_model, 2 * n_words, r_lat) >= 2**31
+    LAST_KERNEL = _select_kernel[(progs, -(-n_tok // bt_tok))](
+        x, q if q is not None else dummy, scale if scale is not None else dummy,
+        u if u is not None else dummy, latent if latent is not None else dummy,
+        bt if bt is not None else dummy, bias if bias is not None else dummy,
+        w_gate if w_gate is not None else dummy, w_up if w_up is not None else dummy,
+        w_down_t if w_down_t is not None else dummy, cut_t if cut_t is not None else o, o,
+        float(cut_f), n_tok, d_model, d_inter, n_words, n_groups, r_lat, -(-d_inter // cfg["ROWS"]), progs,
+        x.stride(0), u.stride(0) if u is not None else 0, latent.stride(0) if latent is not None else 0,
+        KIND=0 if kind == "shadow" else 1, BITS=bits, ACT=act_code(activation), CUT_PTR=cut_t is not None,
+        HAS_BIAS=bias is not None, BT=bt_tok, ROWS=cfg["ROWS"], GPT=gpt, WPG=wpg, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_D=block_d, BLOCK_R=block_r, EVEN_D=block_d == d_model, BIG=big,
+        PREFETCH=bool(cfg["PREFETCH"]), FUSE_DOWN=out == "partials", SCORES=out == "scores",
+        OUT_F32=cpu_bf16,
+        num_warps=cfg["num_warps"], num_stages=1,
+    )
+    return o

@@ -1,0 +1,198 @@
+"""What every SP-Prac selector kind provides, and the registry that finds a kind by name.
+
+A *kind* is one way of picking rows at run time without the method's exact indicator: a calibrated
+threshold on the indicator itself (``threshold``), a trained or fitted predictor from ``x``
+(``lowrank``, ``ternary``), a dense ``u`` plus a predicted gate (``hybrid``), a low-bit copy of the
+weights (``shadow``). Each kind lives in one file of this package and owns four things:
+
+* how it is built from the calibration text (:meth:`SelectorKind.fit`), which tensors that gives
+  and which of them a loaded artifact must hold (:meth:`SelectorKind.check`);
+* the run-time rule: a :class:`RowSelector` per layer (:meth:`SelectorKind.selectors`), whose
+  ``score`` is what the per-layer cut applies to and whose ``kernel_forward`` is the GPU path;
+* where its per-layer cuts live, so one refit routine serves every kind (:meth:`SelectorKind.set_cuts`);
+* the bytes a decode step reads through it (:meth:`SelectorKind.weight_bytes`), for rooflines.
+
+The model code never asks which kind it runs (as torchao's quantize handlers or gpt-fast's
+quant handlers): :func:`countdown.sparsify` calls ``kernel_forward`` or ``forward`` on whatever
+selector the kind built. Adding a kind is one new file that calls :func:`register_kind`, and one
+import line in ``countdown/prac/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..artifacts import ArtifactError, Artifacts, check_artifacts, load_artifacts
+from ..mlp import GatedMLP
+from ..registry import Method, get_method
+
+
+class RowSelector(nn.Module):
+    """One layer's run-time rule: ``forward(x, u, h)`` -> keep mask ``[tokens, d_inter]`` (bool).
+
+    ``needs_up`` / ``needs_gate`` name the dense projections the rule reads (``u = x W_up^T``,
+    ``h = act(x W_gate^T)``); the sparse forward computes exactly those densely and everything else
+    only for kept rows.
+    """
+
+    needs_up: bool = False
+    needs_gate: bool = False
+
+    def forward(self, x: torch.Tensor, u: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def score(self, x: torch.Tensor, mlp: GatedMLP) -> torch.Tensor:
+        """The float32 score ``[tokens, d_inter]`` that the layer's cut is compared against (for
+        calibration and refits; higher means keep). Kinds without a cut raise."""
+        raise NotImplementedError(f"{type(self).__name__} has no score with a cut")
+
+    def to_model_dtype(self, dtype: torch.dtype) -> None:
+        """Hold what the selector reads per token in the model's ``dtype`` where that helps."""
+
+    def kernel_forward(self, x2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor) -> torch.Tensor:
+        """The sparse MLP of ``x2 [tokens <= 8, d_model]`` through the Triton kernels.
+
+        Default: the dense projections the rule needs, the keep mask in PyTorch, then the masked
+        kernel (kept rows of W_gate / W_up / W_down only). Kinds with a fused kernel override it.
+        ``w_down_t`` is ``W_down^T`` contiguous ``[d_inter, d_model]``.
+        """
+        u = F.linear(x2, mlp.w_up) if self.needs_up else None
+        h = mlp.act(F.linear(x2, mlp.w_gate)) if self.needs_gate else None
+        keep = self(x2, u, h)
+        return kernels.masked_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, keep, mlp.act_name)
+
+
+def select(score: torch.Tensor, selection: str, cut: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Keep mask from a score ``[N, d_inter]`` by ``"logit"`` (> 0), ``"cut"`` (> cut) or ``"topk"``."""
+    if selection == "logit":
+        return score > 0
+    if selection == "cut":
+        return score > cut.to(score.dtype)
+    idx = score.topk(n_keep, dim=-1, sorted=False).indices
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+@dataclass
+class FitContext:
+    """Everything a kind's :meth:`SelectorKind.fit` may use.
+
+    ``windows``: calibration token windows ``[1, <= window]``; ``opts``: the kind's resolved
+    options (recorded in the artifact); ``checkpoint``: a folder for resumable per-layer fits or None.
+    """
+
+    model: nn.Module
+    kind: str
+    mlps: list[GatedMLP]
+    method: Method
+    ks: list[float]
+    windows: list[torch.Tensor]
+    opts: dict[str, Any]
+    progress: bool = True
+    checkpoint: Any = None
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+class SelectorKind:
+    """Base of the kinds. Subclasses set the class attributes and implement the methods."""
+
+    name: str = ""
+    methods: tuple[str, ...] = ()          # methods this kind serves
+    selections: tuple[str, ...] = ()       # run-time rules it supports
+    default_selection: str = ""
+    cut_selection: str = "cut"             # the selection under which the stored cuts apply
+    pooled_at_k: bool = False              # pooled cuts skip exactly k (else 1 - kept_rows / d_inter)
+    default_tokens: int = 8192             # calibration tokens when the caller gives none
+    defaults: dict[str, Any] = {}          # options and their defaults (what `prepare` accepts)
+
+    def resolve_options(self, method: Method, mlps: list[GatedMLP], given: dict[str, Any]) -> dict[str, Any]:
+        """The options this run uses: ``defaults`` updated by ``given``; unknown names are an error."""
+        unknown = sorted(set(given) - set(self.defaults))
+        if unknown:
+            raise TypeError(f"kind {self.name!r} takes no option(s) {', '.join(unknown)}; its options are "
+                            f"{', '.join(sorted(self.defaults)) or 'none'}")
+        return {**self.defaults, **given}
+
+    def fit(self, ctx: FitContext) -> dict[str, torch.Tensor]:
+        """Every tensor of the artifact (all layers, all k), from the calibration text."""
+        raise NotImplementedError
+
+    def refine_rule(self, opts: dict[str, Any]) -> str:
+        """The cut rule that refits use (see :mod:`countdown.prac.cuts`)."""
+        return opts["cut_rule"]
+
+    def meta(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """What the artifact's metadata records of this run's options (besides the common fields)."""
+        return {"options": dict(opts)}
+
+    def check(self, artifacts: Artifacts) -> None:
+        """Raise :class:`~countdown.artifacts.ArtifactError` naming what a loaded artifact lacks."""
+
+    def selectors(self, artifacts: Artifacts, mlps: list[GatedMLP], method: Method, k: float) -> list[RowSelector]:
+        raise NotImplementedError
+
+    def set_cuts(self, artifacts: Artifacts, k: float, cuts: list[torch.Tensor]) -> None:
+        """Replace the per-layer cuts at sparsity ``k`` in place (refits)."""
+        for i, cut in enumerate(cuts):
+            artifacts.tensors[f"{artifacts.key(k)}/layer{i}/cut"] = cut.reshape(()).float().cpu()
+
+    def weight_bytes(self, d_model: int, d_inter: int, kept: float, elem_bytes: int, meta: dict) -> float:
+        """Bytes one token's decode step reads through this kind, per Gated-MLP, at kept fraction ``kept``."""
+        raise NotImplementedError
+
+
+KINDS: dict[str, SelectorKind] = {}
+
+
+def register_kind(kind: SelectorKind) -> SelectorKind:
+    """Add a kind to the registry (its name must be new); returns it."""
+    if kind.name in KINDS:
+        raise ValueError(f"selector kind {kind.name!r} is already registered")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def get_kind(name: str) -> SelectorKind:
+    if name not in KINDS:
+        raise ArtifactError(f"unknown selector kind {name!r} (known: {', '.join(KINDS)}); an artifact of another "
+                            "countdown version? rebuild it with this one")
+    return KINDS[name]
+
+
+def kinds_for(method: str | Method) -> list[str]:
+    """Names of the kinds that serve ``method``, in registry order."""
+    m = get_method(method)
+    return [name for name, kind in KINDS.items() if m.name in kind.methods]
+
+
+def check_selection(kind: str, selection: str) -> str:
+    """``selection`` if ``kind`` supports it, else a ValueError listing the ones it does."""
+    allowed = get_kind(kind).selections
+    if selection not in allowed:
+        raise ValueError(f"selection {selection!r} does not apply to {kind} artifacts: choose one of "
+                         f"{', '.join(allowed)}")
+    return selection
+
+
+def selectors_for(artifacts: Artifacts | str | os.PathLike, mlps: list[GatedMLP], method: str | Method,
+                  k: float) -> list[RowSelector]:
+    """One SP-Prac row selector per Gated-MLP (``find_gated_mlps`` order), after checking that the
+    artifact (an :class:`~countdown.artifacts.Artifacts` or a path to one) fits this model, method
+    and k; each on its layer's device."""
+    if not isinstance(artifacts, Artifacts):
+        artifacts = load_artifacts(artifacts)
+    m = get_method(method)
+    check_artifacts(artifacts, mlps, m, k)
+    kind = get_kind(artifacts.kind)
+    check_selection(kind.name, artifacts.selection)
+    kind.check(artifacts)
+    selectors = kind.selectors(artifacts, mlps, m, k)
+    for sel, mlp in zip(selectors, mlps):
+        sel.to(mlp.w_down.device)
+    return selectors

@@ -1,0 +1,126 @@
+"""The ``lowrank`` kind (the paper's predictor): ``z = x A B + b`` trained per (layer, k).
+
+``A [d_model, d_rank]``, ``B [d_rank, d_inter]``, ``b [d_inter]``, trained by
+:class:`countdown.prac.train.TrainedKind`. Saved tensors: ``k=<k>/layer<i>/{A, B, bias, cut}``.
+
+Kernel: the predictor runs inside the fused dual kernel (``x A`` by cuBLAS, the ``B`` side and the
+cut in the kernel: rows with ``x A B > cut - bias`` are kept) when :data:`IN_KERNEL` is True and the
+selection is a cut or the logit; else the mask is computed in PyTorch and the masked kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..registry import kept_rows
+from .base import RowSelector, register_kind, select
+from .hybrid import full_rank, resolve_rank
+from .train import TrainedKind
+
+# True: the low-rank predictor runs inside the fused dual kernel; False: mask in PyTorch + masked
+# kernel. benchmarks/decode.py --predictor-route compares them.
+IN_KERNEL = True
+
+
+class LowRankPredictor(nn.Module):
+    """``z = x A B + b``: ``A [d_model, d_rank]``, ``B [d_rank, d_inter]``, ``b [d_inter]``."""
+
+    def __init__(self, d_model: int, d_inter: int, d_rank: int, generator: torch.Generator,
+                 input_rms: float = 1.0, prior: float = 0.0):
+        super().__init__()
+        # Scaled so that z starts as N(prior, ~1) whatever the size of x.
+        self.A = nn.Parameter(torch.randn(d_model, d_rank, generator=generator) / (math.sqrt(d_model) * input_rms))
+        self.B = nn.Parameter(torch.randn(d_rank, d_inter, generator=generator) / math.sqrt(d_rank))
+        self.bias = nn.Parameter(torch.full((d_inter,), float(prior)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.A) @ self.B + self.bias
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {"A": self.A.detach().clone(), "B": self.B.detach().clone(), "bias": self.bias.detach().clone()}
+
+
+def row_cut(bias: torch.Tensor, cut: torch.Tensor, selection: str) -> torch.Tensor:
+    """Per-row threshold on the bias-free score: ``cut - bias`` (``"cut"``), ``-bias`` (``"logit"``)."""
+    return (-bias if selection == "logit" else cut - bias).float().contiguous()
+
+
+class LowRankSelector(RowSelector):
+    """Rows from ``x`` alone by ``x A B + b``. ``B`` is held as ``Bt = B^T`` (contiguous
+    ``[d_inter, d_rank]``, the layout the fused dual kernel reads) and ``row_cut = cut - bias``
+    (``-bias`` for ``"logit"``) is the per-row threshold on ``x A B`` the kernel compares against.
+    :meth:`to_model_dtype` holds ``A`` and ``Bt`` in a half-precision model's dtype (two bytes a
+    weight at decode time); bias, cuts and the comparison stay in float32."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], selection: str, n_keep: int):
+        super().__init__()
+        self.selection = selection
+        self.n_keep = int(n_keep)
+        self.register_buffer("A", tensors["A"].clone())
+        self.register_buffer("Bt", tensors["B"].t().contiguous())
+        self.register_buffer("bias", tensors["bias"].float().clone())
+        self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())
+        self.register_buffer("row_cut", row_cut(self.bias, self.cut, selection))
+
+    def to_model_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in (torch.bfloat16, torch.float16):
+            self.A = self.A.to(dtype)
+            self.Bt = self.Bt.to(dtype)
+
+    def latent_score(self, x: torch.Tensor) -> torch.Tensor:
+        """``x A B`` (without the bias) in float32, computed at the factors' precision."""
+        return ((x.to(self.A.dtype) @ self.A) @ self.Bt.t()).float()
+
+    def score(self, x, mlp=None):
+        return self.latent_score(x) + self.bias
+
+    def forward(self, x, u, h):
+        if self.selection != "topk":
+            # score > cut  <=>  x A B > cut - bias: the same rule the fused kernel applies
+            return self.latent_score(x) > self.row_cut
+        return select(self.score(x), self.selection, self.cut, self.n_keep)
+
+    def kernel_forward(self, x2, mlp, w_down_t):
+        if not IN_KERNEL or self.selection == "topk":
+            return super().kernel_forward(x2, mlp, w_down_t)
+        return kernels.dual_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
+                                      mlp.act_name)
+
+    def extra_repr(self) -> str:
+        return f"kind=lowrank, selection={self.selection}, n_keep={self.n_keep}"
+
+
+class LowRankKind(TrainedKind):
+    name = "lowrank"
+    tensor_names = ("A", "B")
+    # d_rank keeps the paper's ratio d_rank / d_model = 512 / 4096 (72 for SmolLM2's 576, rounded to 64)
+    defaults = {**TrainedKind.defaults, "d_rank": 64}
+
+    def resolve_options(self, method, mlps, given):
+        return resolve_rank(super().resolve_options(method, mlps, given), given, mlps)
+
+    def init_rank(self, mlp, opts) -> int:
+        return opts["d_rank"]
+
+    def make_predictor(self, mlp, opts, gen, input_rms, prior):
+        return LowRankPredictor(mlp.d_model, mlp.d_inter, opts["d_rank"], gen, input_rms, prior)
+
+    def init_from_gate(self, predictor, fit, scale):
+        predictor.A.copy_(fit["A"] * scale)
+        predictor.B.copy_(fit["B"])
+
+    def selectors(self, artifacts, mlps, method, k):
+        return [LowRankSelector(artifacts.layer_tensors(k, i), artifacts.selection, kept_rows(mlp.d_inter, k))
+                for i, mlp in enumerate(mlps)]
+
+    def weight_bytes(self, d_model, d_inter, kept, elem_bytes, meta):
+        rank = int(meta.get("d_rank") or 64)
+        return elem_bytes * (rank * (d_model + d_inter) + 3 * d_model * d_inter * kept) + 8 * d_inter
+
+
+register_kind(LowRankKind())
+__all__ = ["IN_KERNEL", "LowRankKind", "LowRankPredictor", "LowRankSelector", "full_rank", "row_cut"]

@@ -1,0 +1,159 @@
+"""Building SP-Prac artifacts: one entry point for every kind, and a cache of built artifacts.
+
+``countdown.prepare(model, tok, method, k, kind=...)`` builds any kind; ``countdown.calibrate`` (the
+kinds that need no gradient training: thresholds for cats / mono, and with ``kind=`` the shadow and
+hybrid kinds for dual) and ``countdown.train_predictors`` (dual / dejavu) are the same function with
+the defaults and checks their names promise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..artifacts import SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta
+from ..mlp import require_gated_mlps
+from ..registry import Method, get_method, sparsity_list
+from ..stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts,
+                      token_windows)
+from .base import KINDS, FitContext, check_selection, get_kind, kinds_for
+from .cuts import refine_cuts
+
+# The kind each method gets when none is named. dual's is the most accurate practical kind measured
+# (docs/prac.md); dejavu has no dense u to use.
+DEFAULT_KIND = {"cats": "threshold", "mono": "threshold", "dual": "hybrid", "dejavu": "lowrank"}
+TRAINED = ("lowrank", "ternary")  # the kinds that need gradient training (train_predictors)
+
+
+def default_kind(method: str | Method) -> str:
+    m = get_method(method)
+    if m.prac is None:
+        raise ValueError(f"method {m.name!r} has no SP-Prac artifacts (it skips nothing)")
+    return DEFAULT_KIND[m.name]
+
+
+def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None, texts=None,
+            num_tokens: int | None = None, window: int = DEFAULT_WINDOW, selection: str | None = None,
+            refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS, checkpoint: str | os.PathLike | None = None,
+            progress: bool = True, **options: Any) -> Artifacts:
+    """Build the SP-Prac artifact of ``method`` at one or more sparsities for ``model``.
+
+    sparsity: one k in (0, 1) or a list (one data pass serves all of them).
+    kind: ``"threshold"`` (cats, mono), ``"hybrid"`` / ``"lowrank"`` / ``"ternary"`` (dual; dejavu:
+        lowrank, ternary) or any registered kind (``countdown.prac.KINDS``); default per method
+        (:data:`DEFAULT_KIND`).
+    texts / num_tokens / window: calibration text (default :func:`countdown.data.calibration_texts`,
+        never the evaluation text), how many tokens of it (default: the kind's, 4,096 for
+        thresholds, 8,192 otherwise), in windows of ``window`` tokens starting with BOS.
+    selection: the run-time rule stored in the artifact (default: the kind's).
+    refine / refine_tokens: re-estimate each layer's cut on the model sparsified with the first cuts
+        (one pass per k over the first ``refine_tokens`` tokens), so each layer sees the inputs that
+        sparse upstream layers produce. Only the cuts change.
+    checkpoint: a folder; kinds fitted layer by layer save each finished layer there atomically, and
+        a rerun with the same settings continues after the last finished layer, with the same result.
+    options: the kind's own (``countdown.prac.get_kind(kind).defaults`` lists them with defaults),
+        e.g. ``rule`` for thresholds, ``d_rank``/``epochs``/``cut_rule`` for predictors.
+    Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
+    """
+    m = get_method(method)
+    kind_name = default_kind(m) if kind is None else kind
+    if kind_name not in KINDS:
+        raise ValueError(f"unknown selector kind {kind_name!r}: choose one of {', '.join(KINDS)}")
+    spec = get_kind(kind_name)
+    if m.name not in spec.methods:
+        raise ValueError(f"kind {kind_name!r} applies to {' and '.join(spec.methods)} only; {m.name} takes "
+                         f"{', '.join(kinds_for(m)) or 'no kind'}")
+    selection = spec.default_selection if selection is None else selection
+    check_selection(kind_name, selection)
+    ks = sparsity_list(sparsity)
+    mlps = require_gated_mlps(model)
+    check_unpatched(model)
+    opts = spec.resolve_options(m, mlps, options)
+    texts, data_name = resolve_texts(texts)
+    n = spec.default_tokens if num_tokens is None else int(num_tokens)
+    windows = token_windows(tokenizer, texts, n, window)
+    data = {"name": data_name, "num_tokens": sum(w.numel() for w in windows), "window": window}
+    ctx = FitContext(model=model, kind=kind_name, mlps=mlps, method=m, ks=ks, windows=windows, opts=opts,
+                     progress=progress, checkpoint=checkpoint, extra_meta={"data": data})
+    tensors = spec.fit(ctx)
+    refine_windows = first_windows(windows, refine_tokens) if refine else []
+    meta = new_meta(m, kind_name, ks, mlps, selection=selection, data=data, **spec.meta(opts),
+                    refine=bool(refine), refine_tokens=sum(w.numel() for w in refine_windows))
+    art = Artifacts(meta, tensors)
+    if refine:
+        refine_cuts(model, mlps, m, art, refine_windows, progress, rule=spec.refine_rule(opts))
+    return art
+
+
+def calibrate(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None,
+              **kwargs: Any) -> Artifacts:
+    """SP-Prac artifacts that need no gradient training: per-layer thresholds ``tau_hat`` for the
+    threshold methods (cats, mono: the paper's mean of per-token k-quantiles, ``rule="pooled"`` the
+    quantile of all values), or, with ``kind=``, the shadow / hybrid kinds of dual.
+    Same arguments as :func:`prepare`."""
+    m = get_method(method)
+    if kind is None and m.prac != "threshold":
+        hint = ("train predictors with countdown.train_predictors, or pass kind= (e.g. kind='shadow')"
+                if m.prac == "predictor" else "it skips nothing")
+        raise ValueError(f"method {m.name!r} does not use calibrated thresholds: {hint}")
+    if kind in TRAINED:
+        raise ValueError(f"kind {kind!r} is gradient-trained: use countdown.train_predictors")
+    return prepare(model, tokenizer, m, sparsity, kind=kind, **kwargs)
+
+
+def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None,
+                     **kwargs: Any) -> Artifacts:
+    """SP-Prac predictors for the predictor methods (dual, dejavu), one per Gated-MLP and k:
+    ``kind="lowrank"`` (the paper's, trained by BCE), ``"ternary"`` (the paper's TernaryLinear),
+    ``"hybrid"`` (dual's default: dense u, closed-form low-rank gate) or ``"shadow"`` (dual: low-bit
+    copies of W_gate and W_up). Same arguments as :func:`prepare`."""
+    m = get_method(method)
+    if m.prac != "predictor":
+        hint = ("calibrate thresholds with countdown.calibrate" if m.prac == "threshold" else "it skips nothing")
+        raise ValueError(f"method {m.name!r} does not use a trained predictor: {hint}")
+    return prepare(model, tokenizer, m, sparsity, kind=kind, **kwargs)
+
+
+def _options_key(method: Method, options: dict) -> str:
+    from .. import __version__
+
+    # The version is part of the key: another release may change the defaults behind the options.
+    text = json.dumps({"method": method.name, "version": __version__, **options}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir: str | os.PathLike,
+                     **options: Any) -> Artifacts:
+    """Load cached artifacts for (model, method, sparsity, options) or build and save them.
+
+    ``sparsity`` is one k or a list (one file then holds all of them; a later call for any subset
+    reuses it). ``options`` go to :func:`prepare` (``kind=`` included) and are part of the cache key
+    with the library version, so other options build other files. Files are named
+    ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``; a corrupt or edited
+    cached file is skipped and rebuilt.
+    """
+    m = get_method(method)
+    ks = sorted({round(k, 6) for k in sparsity_list(sparsity)})
+    default_kind(m)
+    mlps = require_gated_mlps(model)
+    fp = model_fingerprint(mlps)[:12]
+    # Options that change the result name the file; progress bars and checkpoint folders do not.
+    keyed = {key: value for key, value in options.items() if key not in ("progress", "checkpoint")}
+    stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
+    cache = Path(cache_dir).expanduser()
+    if cache.is_dir():
+        for candidate in sorted(cache.glob(stem + "-k*.safetensors")):
+            try:
+                art = load_artifacts(candidate)
+            except ArtifactError:
+                continue  # a corrupt cache entry is rebuilt below, under the requested name
+            if all(any(abs(k - have) <= SPARSITY_TOL for have in art.sparsities) for k in ks):
+                return art
+    art = prepare(model, tokenizer, m, ks, **options)
+    art.save(cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors", force=True)
+    return art

@@ -1,0 +1,136 @@
+"""Which positions of a forward pass are sparse, and what a patched model reports.
+
+:class:`SparsityState` is the one object :func:`countdown.sparsify` hangs on a model (as
+``model._countdown_state``): the method, k, mode, scope and path, the patched layers, and whether
+the current forward is the (dense) prompt. Everything that only *reads* a patched model's state
+lives here (so the streaming calibration pass and the reports need not import the patching code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .registry import Method
+
+STATE_ATTR = "_countdown_state"
+
+
+class AlreadySparsifiedError(RuntimeError):
+    """sparsify() was called on a model that is already patched."""
+
+
+class NotSparsifiedError(RuntimeError):
+    """unsparsify() or a report was asked of a model that was never patched."""
+
+
+@dataclass
+class SparsityState:
+    method: Method
+    sparsity: float | None
+    mode: str
+    scope: str
+    path: str
+    layers: list["SparseGatedMLP"] = field(default_factory=list)
+    prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
+    dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
+    hook: Any = None
+
+    def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
+        """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
+        if self.dense_prefix is not None:
+            prefix, end = self.dense_prefix
+            seq = x.shape[-2] if x.dim() >= 2 else 1
+            if end is None and not isinstance(prefix, torch.Tensor):
+                n = int(prefix)
+                if n <= 0:
+                    return True
+                if n >= seq:
+                    return False
+            pos = torch.arange(seq, device=x.device)[None, :]
+            prefix = torch.as_tensor(prefix, device=x.device).reshape(-1, 1)
+            mask = pos >= prefix
+            if end is not None:  # right padding: computed dense, never counted as sparse
+                mask = mask & (pos < torch.as_tensor(end, device=x.device).reshape(-1, 1))
+            mask = mask.expand(x.shape[0] if x.dim() >= 3 else 1, seq)
+            return mask.reshape(-1) if x.dim() == 2 else mask
+        if self.scope == "all":
+            return True
+        return not self.prompt_pass
+
+
+def _cache_is_empty(cache: Any) -> bool:
+    if cache is None:
+        return True
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length()) == 0
+    if isinstance(cache, (tuple, list)):
+        return len(cache) == 0
+    return False
+
+
+def mark_prompt_pass(state: SparsityState):
+    def hook(module, args, kwargs):
+        if state.dense_prefix is not None:  # positions are set explicitly: no need to read the cache
+            return
+        state.prompt_pass = _cache_is_empty(kwargs.get("past_key_values"))
+
+    return hook
+
+
+def state_of(model: nn.Module) -> SparsityState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise NotSparsifiedError("this model is not sparsified; call countdown.sparsify(model, ...) first")
+    return state
+
+
+def is_sparsified(model: nn.Module) -> bool:
+    return getattr(model, STATE_ATTR, None) is not None
+
+
+
+@contextlib.contextmanager
+def dense_prefix(model: nn.Module, n: int | torch.Tensor, end: int | torch.Tensor | None = None):
+    """Inside the block, the first ``n`` positions of every row stay dense and the rest are sparse.
+
+    ``n`` is an int or a LongTensor ``[batch]`` of per-row prompt lengths; ``end`` (same forms)
+    marks where each row's real tokens stop: positions from ``end`` on are right padding, computed
+    dense and left out of Sparsity-Real. Used for decode-style perplexity and for scoring
+    continuations with a dense prompt (the paper's setting).
+    """
+    state = state_of(model)
+    previous = state.dense_prefix
+    state.dense_prefix = (n, end)
+    try:
+        yield model
+    finally:
+        state.dense_prefix = previous
+
+
+def reset_sparsity_stats(model: nn.Module) -> None:
+    """Start counting Sparsity-Real afresh."""
+    for layer in state_of(model).layers:
+        layer.reset_stats()
+
+
+def sparsity_real(model: nn.Module) -> dict:
+    """Fraction of rows actually skipped since the model was patched or the stats last reset.
+
+    Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
+    token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
+    sparse token report NaN. Decode steps served by the fused Triton kernels (``path="auto"`` on CUDA)
+    are not counted: those kernels never write the mask; measure with ``path="masked"``.
+    """
+    state = state_of(model)
+    per_layer = []
+    for layer in state.layers:
+        rows = int(layer.rows_total)
+        per_layer.append(float("nan") if rows == 0 else 1.0 - float(layer.kept_total) / rows)
+    seen = [v for v in per_layer if v == v]
+    mean = sum(seen) / len(seen) if seen else float("nan")
+    return {"mean": mean, "per_layer": per_layer, "target": state.sparsity}
