@@ -44,6 +44,10 @@ CASES = [
      "path": "masked"},
     {"name": "dual_lowrank_kernel", "method": "dual", "k": K, "mode": "prac", "artifacts": "dual.safetensors",
      "path": "kernel"},
+    {"name": "dual_hybrid", "method": "dual", "k": K, "mode": "prac", "artifacts": "hybrid.safetensors",
+     "path": "masked"},
+    {"name": "dual_shadow", "method": "dual", "k": K, "mode": "prac", "artifacts": "shadow.safetensors",
+     "path": "masked"},
     {"name": "mono_ideal", "method": "mono", "k": K, "mode": "ideal", "artifacts": None, "path": "masked"},
     {"name": "dual_ideal", "method": "dual", "k": K, "mode": "ideal", "artifacts": None, "path": "masked"},
     {"name": "mono_ideal_shard", "method": "mono", "k": K, "mode": "ideal", "artifacts": None, "path": "masked",
@@ -101,6 +105,9 @@ def tp_run(tmp_path_factory):
     mono.save(folder / "mono.safetensors")
     train_predictors(model, IdTokenizer(), "dual", K, texts=texts, num_tokens=256, window=32, kind="lowrank",
                      d_rank=16, epochs=1, refine=False, progress=False).save(folder / "dual.safetensors")
+    for kind in ("hybrid", "shadow"):  # per-row tensors of other shapes: B columns, quantized rows
+        calibrate(model, IdTokenizer(), "dual", K, kind=kind, texts=texts, **calib, progress=False).save(
+            folder / f"{kind}.safetensors")
     ids = torch.randint(3, 128, (2, 4), generator=gen)  # 8 tokens: the kernel path serves up to 8
     ref = {"fingerprint": model_fingerprint(require_gated_mlps(model))}
     with torch.no_grad():
