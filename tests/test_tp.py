@@ -115,7 +115,7 @@ def tp_run(tmp_path_factory):
         for case in CASES:
             art = None if case["artifacts"] is None else str(folder / case["artifacts"])
             countdown.sparsify(model, case["method"], case["k"], mode=case["mode"], scope="all", artifacts=art,
-                               path="masked" if case["path"] == "kernel" else case["path"])
+                               path=case["path"])  # the kernel case too: same kernels, one process
             if case.get("tp_topk") == "shard":
                 _simulate_shard_topk(model)
             masks, handles = capture_masks(model)
