@@ -40,7 +40,8 @@ import torch.nn.functional as F
 import countdown.kernels as K
 from countdown.kernels import _common, _down, _glu
 
-from _gpu import copy_bandwidth  # benchmarks/_gpu.py (scripts run with benchmarks/ on sys.path)
+from countdown.bench import copy_bandwidth, time_graph
+from countdown.cost import mlp_weight_bytes
 
 SHAPES = {  # name: (d_model, d_inter, activation)
     "Llama-3.1-8B": (4096, 14336, "silu"),
@@ -159,37 +160,6 @@ def safe_time(label, calls) -> float:
     except Exception as e:  # noqa: BLE001
         log(f"FAILED {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
         return float("nan")
-
-
-def time_graph(calls, reps=25) -> float:
-    """Median microseconds per call: one CUDA graph of len(calls) back-to-back calls, replayed."""
-    if DEV == "cpu":  # smoke test only
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) * 1e6 / len(calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:  # warm-up: compiles, allocates
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in evs:
-        s.record()
-        g.replay()
-        e.record()
-    torch.cuda.synchronize()
-    t = statistics.median(s.elapsed_time(e) for s, e in evs) * 1e3 / len(calls)
-    del g
-    return t
 
 
 # ---------------------------------------------------------------------------------------- problem
@@ -533,12 +503,9 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
                 "dual_excl": lambda i, pt=False: K.masked_gated_mlp(p.xs[i], p.w(i)["wg"], p.w(i)["wu"],
                                                                      p.w(i)["wdt"], keep[i], act, per_token=pt),
             }
-            nbytes = {
-                "cats": (d_model * d_inter + 2 * d_model * n_u["cats"]) * E,
-                "mono": (d_model * d_inter + 2 * d_model * n_u["mono"]) * E,
-                "dual": (d_model * rank + rank * d_inter + 3 * d_model * n_u["dual"]) * E,
-                "dual_excl": 3 * d_model * n_u["dual"] * E,
-            }
+            roof = lambda kind, m: mlp_weight_bytes(kind, d_model, d_inter, uni[m], elem_bytes=E, d_rank=rank)
+            nbytes = {"cats": roof("cats", "cats"), "mono": roof("mono", "mono"), "dual": roof("lowrank", "dual"),
+                      "dual_excl": 3 * d_model * n_u["dual"] * E}  # the mask given: the kept rows of all three
             mask_of = dict(cats="cats", mono="mono", dual="dual", dual_excl="dual")
             for m, fn in sparse.items():
                 ok = CHECK_OK.get(f"{m}[{current_tag(batch, m)}]", True)

@@ -36,7 +36,7 @@ from countdown.kernels import _common, _onepass
 
 from kernels import (DEV, DTYPE, SHAPES, Compile, Problem, gap_threshold, log, run_check,  # noqa: E402
                      safe_time)
-from _gpu import copy_bandwidth  # noqa: E402
+from countdown.bench import copy_bandwidth  # noqa: E402
 
 MAIN = "Llama-3.1-8B"
 E = 2

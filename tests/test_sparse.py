@@ -217,10 +217,11 @@ def test_paper_names_are_aliases():
     assert countdown.methods() == ["dense", "cats", "mono", "dual", "dejavu"]
 
 
-@pytest.mark.parametrize("k", [0, 1, -0.1, 1.5, float("nan"), "high", None])
-def test_sparsity_outside_unit_interval(k):
+@pytest.mark.parametrize("k, error", [(0, ValueError), (1, ValueError), (-0.1, ValueError), (1.5, ValueError),
+                                      (float("nan"), ValueError), ("high", TypeError), (None, TypeError)])
+def test_sparsity_outside_unit_interval(k, error):
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="sparsity"):
+    with pytest.raises(error, match="sparsity"):
         countdown.sparsify(model, "mono", k)
     _assert_untouched(model)
 

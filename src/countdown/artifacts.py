@@ -289,10 +289,10 @@ def load_artifacts(path: str | os.PathLike) -> Artifacts:
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{path} uses artifact format {version!r}, whose checksum did not cover the metadata; "
                             f"this countdown reads format {FORMAT_VERSION} only: {REBUILD}")
+    _check_meta(meta, path)  # first: a deleted or mistyped field is named, not only "edited"
     if header.get("countdown_sha256") != artifact_checksum(meta, tensors):
         raise ArtifactError(f"artifact {path} is corrupt or was edited: its metadata or tensors do not match the "
                             f"checksum written with them; {REBUILD}")
-    _check_meta(meta, path)
     return Artifacts(meta, tensors)
 
 

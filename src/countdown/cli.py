@@ -21,12 +21,15 @@ def cmd_methods(args) -> int:
 
 
 def _validated_method(args):
-    """Check method and sparsity before the (slow) model load."""
+    """Check method, sparsity, mode and artifacts before the (slow) model load."""
     from .registry import check_sparsity, get_method
+
+    from .sparse import check_mode
 
     method = get_method(args.method)
     if not method.is_dense:
         check_sparsity(args.sparsity)
+    check_mode(method, args.mode, args.artifacts)
     return method
 
 
@@ -188,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
     add_model_args(p)
     add_sparse_args(p, default_scope="all")
-    p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=8192, help="tokens of held-out text (default 8192)")
+    p.add_argument("--window", type=int, default=512, help="tokens per forward window (default 512)")
     p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a line of text)")
     p.set_defaults(func=cmd_ppl)
 
     add_prac_commands(sub)
@@ -199,28 +202,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate from a prompt, prompt dense and new tokens sparse")
     add_model_args(p)
     add_sparse_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", required=True, help="the user message (required)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")
     add_model_args(p)
     add_sparse_args(p)
-    p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names")
-    p.add_argument("--limit", type=int, default=None, help="first N items of each task")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names (default arc_easy)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("agreement", help="agreement with the dense model: match rate, KL, top-1 (optional judge)")
     add_model_args(p)
     add_sparse_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (off by default)")
-    p.add_argument("--judge-model", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (default: none, no judge)")
+    p.add_argument("--judge-model", default=None, help="model name at --judge-url (default: the endpoint's own)")
     p.set_defaults(func=cmd_agreement)
 
     from .sweep import add_arguments as sweep_arguments, sweep_from_args
@@ -229,35 +232,56 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_arguments(p)
     p.set_defaults(func=sweep_from_args)
 
+    from .bench.cli import add_arguments as bench_arguments, bench_from_args
+    bench_arguments(sub.add_parser("bench", help="speed and quality of each configuration on your model and machine, "
+                                   "with a recommendation")).set_defaults(func=bench_from_args)
+
     p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of XSum per perplexity")
-    p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png")
-    p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows")
-    p.add_argument("--no-prac", action="store_true", help="SP-Ideal rows only (no calibration or training)")
+    p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
+    p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9", help="k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of XSum per perplexity (default 2048)")
+    p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png (default demo_out)")
+    p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
+    p.add_argument("--no-prac", action="store_true",
+                   help="SP-Ideal rows only, no calibration or training (default: SP-Prac rows too)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--d-inter", type=int)
-    p.add_argument("--d-rank", type=int, default=512)
-    p.add_argument("--sparsity", type=float, nargs="+", default=[0.7, 0.8, 0.9])
-    p.add_argument("--c-act", type=float, default=5.0, help="FLOPs per activation (SiLU ~ 5)")
-    p.add_argument("--dtype-bytes", type=int, default=None, help="add real bytes for this element size")
-    p.add_argument("--model", default=None, help="read d_model / d_inter from this model instead")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--d-model", type=int, help="hidden size (default: from --model; one of the two is needed)")
+    p.add_argument("--d-inter", type=int, help="Gated-MLP width (default: from --model)")
+    p.add_argument("--d-rank", type=int, default=512, help="predictor rank for dual / dejavu (default 512)")
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.7, 0.8, 0.9], help="k values (default 0.7 0.8 0.9)")
+    p.add_argument("--c-act", type=float, default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
+    p.add_argument("--dtype-bytes", type=int, default=None,
+                   help="add real bytes for this element size (default: none, FLOPs and elements only)")
+    p.add_argument("--model", default=None, help="read d_model / d_inter from this model instead (default none)")
+    p.add_argument("--json", action="store_true", help="print JSON (default: tables)")
     p.set_defaults(func=cmd_cost)
 
     p = sub.add_parser("analyze", help="CIF / CAF of u and h against s (M-CountDown vs CATS analysis)")
     add_model_args(p)
-    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--texts", default=None)
-    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG")
-    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file")
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9],
+                   help="k values (default 0.5 0.6 0.7 0.8 0.9)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of text (default 2048)")
+    p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
+    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
+    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
     p.set_defaults(func=cmd_analyze)
+    _state_defaults(sub)
     return parser
+
+
+def _state_defaults(sub) -> None:
+    """Append "(default X)" to every option's help that does not state its default (a command
+    registered from another module included); flags are off unless given."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            default = action.default
+            if (not action.option_strings or action.required or isinstance(action, argparse._HelpAction)
+                    or default in (None, False, argparse.SUPPRESS) or "default" in (action.help or "").lower()):
+                continue
+            shown = ",".join(str(v) for v in default) if isinstance(default, (list, tuple)) else str(default)
+            action.help = f"{action.help} (default {shown})" if action.help else f"default {shown}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,12 +27,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
-    p.add_argument("--method", default="mono", help="dense, cats, mono, dual, dejavu (or m-countdown, d-countdown)")
-    p.add_argument("--sparsity", "-k", type=float, default=0.8, help="fraction of rows skipped per token, in (0, 1)")
-    p.add_argument("--mode", default="ideal", choices=["ideal", "prac"])
+    p.add_argument("--method", default="mono",
+                   help="dense, cats, mono, dual, dejavu (or m-countdown, d-countdown; default mono)")
+    p.add_argument("--sparsity", "-k", type=float, default=0.8,
+                   help="fraction of rows skipped per token, in (0, 1) (default 0.8)")
+    p.add_argument("--mode", default="ideal", choices=["ideal", "prac"],
+                   help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
+                        "--artifacts (default ideal)")
     p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
-                   help="decode: prompt dense, generated tokens sparse; all: every position sparse")
-    p.add_argument("--artifacts", default=None, help="thresholds/predictors for --mode prac")
+                   help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
+                        f"(default {default_scope})")
+    p.add_argument("--artifacts", default=None,
+                   help="thresholds/predictors file for --mode prac (default none; needed by --mode prac)")
 
 
 def load_text_arg(source: str | None):

@@ -33,9 +33,13 @@ def _summarise_artifact(art, path) -> None:
 
 
 def _build_artifact(args, build) -> int:
-    """Check the output, lock it for the run, build with ``build(model, tok, method, ks)``, save."""
+    """Check the output (and a checkpoint folder), lock them for the run, build with
+    ``build(model, tok, method, ks)``, save."""
+    import contextlib
+    from pathlib import Path
+
     import countdown
-    from .io import file_lock
+    from .io import check_writable_dir, file_lock
 
     method = countdown.get_method(args.method)
     # the method check before the (slow) model load
@@ -46,7 +50,13 @@ def _build_artifact(args, build) -> int:
         raise ValueError(f"method {method.name!r} does not use a trained predictor: use `countdown calibrate`")
     ks = parse_sparsities(args.sparsity)
     out = _artifact_out(args, method.name, ks)
-    with file_lock(out, what="artifact"):  # a second run on the same --out stops now, not after the work
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is not None:
+        check_writable_dir(checkpoint, "--checkpoint")
+    with contextlib.ExitStack() as locks:  # a second run on the same --out stops now, not after the work
+        locks.enter_context(file_lock(out, what="artifact"))
+        if checkpoint is not None:  # the training takes this lock again (re-entrant): same file
+            locks.enter_context(file_lock(Path(checkpoint) / "config.json", what="checkpoint folder"))
         model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
         art = build(model, tok, method, ks)
         art.save(out, force=args.force)
@@ -140,7 +150,7 @@ def add_prac_commands(sub) -> None:
     p.add_argument("--method", default="mono", help="cats or mono; dual with --kind shadow/hybrid (default mono)")
     p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["threshold", "shadow", "hybrid"],
-                   help="default: threshold for cats / mono (dual needs --kind)")
+                   help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two)")
     p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
     p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 4096 for thresholds, "
                                                                 "8192 otherwise)")
@@ -160,7 +170,7 @@ def add_prac_commands(sub) -> None:
     p.add_argument("--method", default="dual", help="dual or dejavu (default dual)")
     p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["lowrank", "ternary", "hybrid", "shadow"],
-                   help="default: hybrid for dual, lowrank for dejavu")
+                   help="predictor kind (default: hybrid for dual, lowrank for dejavu)")
     p.add_argument("--d-rank", type=int, default=None, help="rank (default 64 lowrank, 128 hybrid)")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default 2)")
     p.add_argument("--pos-weight", type=float, default=None, help="> 1 weighs kept rows up (recall; default none)")
@@ -168,7 +178,7 @@ def add_prac_commands(sub) -> None:
     p.add_argument("--bits", type=int, default=None, help="shadow: bits per weight, 2/3/4/8 (default 4)")
     p.add_argument("--group", type=int, default=None, help="shadow: quantization group along d_model (default 64)")
     p.add_argument("--selection", default="cut", choices=["cut", "logit", "topk"], help="run-time rule (default cut)")
-    p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"], help="default mean-quantile")
+    p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"], help="cut rule (default mean-quantile)")
     p.add_argument("--seed", type=int, default=None, help="training seed (default 42)")
     p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
     p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 8192)")
@@ -184,10 +194,10 @@ def add_prac_commands(sub) -> None:
 
     p = sub.add_parser("quality", help="precision / recall / F1 of SP-Prac masks against SP-Ideal, and footprint")
     add_model_args(p)
-    p.add_argument("--artifacts", required=True)
+    p.add_argument("--artifacts", required=True, help="the artifact file to measure (required)")
     p.add_argument("--selection", default=None, choices=["cut", "logit", "topk"],
                    help="override the stored rule (default: the artifact's)")
     p.add_argument("--texts", default=None, help="held-out text: xsum (default)")
     p.add_argument("--num-tokens", type=int, default=4096, help="default 4096")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_quality)

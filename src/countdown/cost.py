@@ -137,3 +137,39 @@ def format_cost_table(table: dict[str, dict], title: str | None = None) -> str:
 
     lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
     return "\n".join([title] + lines if title else lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline: the weight bytes one token's Gated-MLP must read, per method and SP-Prac kind
+# --------------------------------------------------------------------------------------------
+
+
+def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_bytes: int = 2,
+                     d_rank: int | None = None, bits: int | None = None, group: int | None = None,
+                     kept_in: float | None = None) -> float:
+    """Weight bytes one decode step reads from one Gated-MLP: the roofline numerator.
+
+    kind: ``"dense"`` (all three matrices), ``"mono"`` / ``"cats"`` (the indicator's matrix in full +
+        kept rows of the other two), ``"teal"`` (input sparsity: the columns of W_gate and W_up of the
+        kept inputs, ``kept_in`` (default ``kept``) of d_model, and the rows of W_down^T of the kept
+        intermediate entries), or any SP-Prac kind of ``countdown.prac`` (``"lowrank"``, ``"hybrid"``,
+        ``"ternary"``, ``"shadow"``, ...), whose own ``weight_bytes`` counts its predictor / shadows
+        (``d_rank``, ``bits``, ``group``: its options; None: the kind's default) plus the kept rows.
+    kept: the kept fraction of the ``d_inter`` rows (``1 - Sparsity-Real``; for a batch, the union
+        over its tokens), in [0, 1]. ``elem_bytes``: bytes per model weight (2 for bf16 / fp16).
+    """
+    if not 0.0 <= kept <= 1.0:
+        raise ValueError(f"kept must be a fraction in [0, 1], got {kept}")
+    matrix = d_model * d_inter * elem_bytes  # one full matrix
+    if kind == "dense":
+        return 3.0 * matrix
+    from .prac.kinds import KINDS  # the kinds count their own bytes; prac never imports this module
+
+    if kind == "teal" and kind not in KINDS:
+        return 2 * (kept if kept_in is None else kept_in) * matrix + kept * matrix
+    name = "threshold" if kind in ("mono", "cats") else kind
+    if name not in KINDS:
+        raise ValueError(f"unknown roofline kind {kind!r}: choose dense, mono, cats, teal or a kind of "
+                         f"countdown.prac ({', '.join(KINDS)})")
+    meta = {key: value for key, value in (("d_rank", d_rank), ("bits", bits), ("group", group)) if value is not None}
+    return float(KINDS[name].weight_bytes(d_model, d_inter, kept, elem_bytes, meta))

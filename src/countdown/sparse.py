@@ -210,6 +210,20 @@ def _store_down_transposed(mlp: GatedMLP, transposed: bool) -> None:
         weight.data = weight.data.contiguous()
 
 
+def check_mode(method: Method, mode: str, artifacts: Any) -> None:
+    """Refuse a mode that cannot use what was given: artifacts belong to mode='prac' (every entry
+    point calls this before its work, the command line before the model load)."""
+    _check_choice(mode, MODES, "mode")
+    if mode == "ideal" and artifacts is not None and not method.is_dense:
+        raise ValueError("artifacts are used by mode='prac' (calibrated thresholds / predictors); mode='ideal' "
+                         "takes the exact per-token top-k and would ignore them: pass mode='prac' (--mode prac), "
+                         "or drop artifacts (--artifacts)")
+    if mode == "prac" and artifacts is None and not method.is_dense:
+        raise ValueError(f"mode='prac' needs artifacts for {method.name}: make them with `countdown calibrate` / "
+                         "`countdown train` (countdown.calibrate / countdown.train_predictors) and pass "
+                         "artifacts=<path or object> (--artifacts PATH), or use mode='ideal'")
+
+
 def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode: str = "ideal",
              scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto",
              tp_topk: str = "exact") -> nn.Module:
@@ -235,12 +249,9 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         )
     m = get_method(method)
     k = None if m.is_dense else check_sparsity(sparsity)
-    _check_choice(mode, MODES, "mode")
+    check_mode(m, mode, artifacts)
     _check_choice(scope, SCOPES, "scope")
     _check_choice(path, PATHS, "path")
-    if mode == "ideal" and artifacts is not None and not m.is_dense:
-        raise ValueError("artifacts are used by mode='prac' (calibrated thresholds / predictors); mode='ideal' "
-                         "takes the exact per-token top-k and would ignore them: pass mode='prac', or drop artifacts")
     mlps = require_gated_mlps(model)
     if path == "kernel" and not m.is_dense and not kernels.available(mlps[0].w_down):
         why = ("Triton is not installed" if not kernels._common.has_triton() else

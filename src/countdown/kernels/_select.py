@@ -60,17 +60,6 @@ def _dequant(w, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _pos_scale(J: tl.constexpr, BITS: tl.constexpr):
-    """2**-p for value J (what x is multiplied by to undo the 2**p of _dequant)."""
-    P: tl.constexpr = J * BITS
-    if P + BITS <= 23:
-        POS: tl.constexpr = P
-    else:
-        POS: tl.constexpr = P - (12 if BITS == 4 else 16)
-    return 1.0 / (1 << POS)
-
-
-@triton.jit
 def _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups,
                GPT: tl.constexpr, WPG: tl.constexpr):
     grp = g0 + tl.arange(0, GPT)
@@ -88,21 +77,57 @@ def _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups,
 
 
 @triton.jit
-def _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
-                 BITS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr,
-                 WPG: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
-    """(u~, g~) [BT, ROWS] fp32 for tokens tok0 .. tok0 + BT of the rows ``rows``."""
-    VPW: tl.constexpr = 32 // BITS
+def _bases(rows, n_words, n_groups, BIG: tl.constexpr):
+    """Offsets of rows' gate words and gate scales (up follows each: + n_words, + n_groups)."""
     if BIG:
         qbase = rows.to(tl.int64) * (2 * n_words)
     else:
         qbase = rows * (2 * n_words)
-    sbase = rows * (2 * n_groups)
+    return qbase, rows * (2 * n_groups)
+
+
+@triton.jit
+def _tile_scores(wg, wu, sg, su, XS, g0, tok0, n_tok, n_words, n_groups,
+                 BITS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr,
+                 WPG: tl.constexpr):
+    """This tile's part of (u~, g~), [BT, ROWS] fp32. XS [T, VPW, n_words] fp32 holds x[c VPW + j]
+    2**-p_j at [t, j, c] (``launch`` writes it): contiguous loads, no conversion."""
+    VPW: tl.constexpr = 32 // BITS
     bi = tl.arange(0, BT)
+    sgf = sg.to(tl.float32)
+    suf = su.to(tl.float32)
+    grp = g0 + tl.arange(0, GPT)
+    wcol = grp[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    xm = (grp < n_groups)[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
     acc_g = tl.zeros([BT, ROWS], dtype=tl.float32)
     acc_u = tl.zeros([BT, ROWS], dtype=tl.float32)
-    a3g = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)  # one token: reduced once, after the loop
-    a3u = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+    for b in tl.static_range(BT):
+        xok = xm & (wcol * 0 + tok0 + b < n_tok)  # a tensor: the interpreter takes no scalar in a mask
+        pg = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+        pu = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
+        for j in tl.static_range(VPW):
+            xj = tl.load(XS + ((tok0 + b) * VPW + j) * n_words + wcol, mask=xok, other=0.0)[None, :, :]
+            pg += _dequant(wg, j, BITS) * xj
+            pu += _dequant(wu, j, BITS) * xj
+        part_g = tl.sum(tl.sum(pg, axis=2) * sgf, axis=1)
+        part_u = tl.sum(tl.sum(pu, axis=2) * suf, axis=1)
+        if BT == 1:
+            acc_g += part_g[None, :]
+            acc_u += part_u[None, :]
+        else:
+            acc_g = tl.where(bi[:, None] == b, acc_g + part_g[None, :], acc_g)
+            acc_u = tl.where(bi[:, None] == b, acc_u + part_u[None, :], acc_u)
+    return acc_u, acc_g
+
+
+@triton.jit
+def _shadow_gemv(XS, Q, SC, rows, rmask, tok0, n_tok, n_words, n_groups,
+                 BITS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr,
+                 WPG: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
+    """(u~, g~) [BT, ROWS] fp32 for tokens tok0 .. tok0 + BT of the rows ``rows``, tile after tile."""
+    qbase, sbase = _bases(rows, n_words, n_groups, BIG)
+    acc_g = tl.zeros([BT, ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([BT, ROWS], dtype=tl.float32)
     if PREFETCH:
         wg_n, wu_n, sg_n, su_n = _load_tile(Q, SC, qbase, sbase, 0, rmask, n_words, n_groups, GPT, WPG)
     for g0 in range(0, n_groups, GPT):
@@ -112,31 +137,9 @@ def _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups
                                                 GPT, WPG)
         else:
             wg, wu, sg, su = _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups, GPT, WPG)
-        sgf = sg.to(tl.float32)
-        suf = su.to(tl.float32)
-        grp = g0 + tl.arange(0, GPT)
-        xcol = (grp[:, None] * WPG + tl.arange(0, WPG)[None, :]) * VPW  # first column of each word
-        xm = (grp < n_groups)[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
-        for b in tl.static_range(BT):
-            xok = xm & (xcol * 0 + tok0 + b < n_tok)  # a tensor: the interpreter takes no scalar in a mask
-            pg = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
-            pu = tl.zeros([ROWS, GPT, WPG], dtype=tl.float32)
-            for j in tl.static_range(VPW):
-                xj = tl.load(X + (tok0 + b) * stride_x + xcol + j, mask=xok, other=0.0).to(tl.float32)
-                xj = (xj * _pos_scale(j, BITS))[None, :, :]
-                pg += _dequant(wg, j, BITS) * xj
-                pu += _dequant(wu, j, BITS) * xj
-            if BT == 1:
-                a3g += pg * sgf[:, :, None]
-                a3u += pu * suf[:, :, None]
-            else:
-                part_g = tl.sum(tl.sum(pg, axis=2) * sgf, axis=1)
-                part_u = tl.sum(tl.sum(pu, axis=2) * suf, axis=1)
-                acc_g = tl.where(bi[:, None] == b, acc_g + part_g[None, :], acc_g)
-                acc_u = tl.where(bi[:, None] == b, acc_u + part_u[None, :], acc_u)
-    if BT == 1:
-        acc_g = tl.sum(tl.sum(a3g, axis=2), axis=1)[None, :]
-        acc_u = tl.sum(tl.sum(a3u, axis=2), axis=1)[None, :]
+        pu, pg = _tile_scores(wg, wu, sg, su, XS, g0, tok0, n_tok, n_words, n_groups, BITS, BT, ROWS, GPT, WPG)
+        acc_u += pu
+        acc_g += pg
     return acc_u, acc_g
 
 
@@ -228,13 +231,14 @@ def _kept_rows(X, U, WG, WU, WD, OUT, yacc, xv, keep, rows, kd, dmask, tok0, n_t
 
 @triton.jit
 def _select_kernel(
-    X, Q, SC, U, LAT, BTM, BIAS, WG, WU, WD, CUT, OUT,
+    X, XS, Q, SC, U, LAT, BTM, BIAS, WG, WU, WD, CUT, OUT,
     cut_f, n_tok, d_model, d_inter, n_words, n_groups, r_lat, n_blocks, n_progs,
     stride_x, stride_u, stride_lat,
     KIND: tl.constexpr, BITS: tl.constexpr, ACT: tl.constexpr, CUT_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
-    PREFETCH: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr, OUT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr, NEXT: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr,
+    OUT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tok0 = tl.program_id(1) * BT
@@ -253,22 +257,32 @@ def _select_kernel(
             xv = tl.load(X + kd, mask=dmask, other=0.0).to(tl.float32)
         yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
     cr = tl.arange(0, ROWS)
+    if NEXT:  # one tile holds whole shadow rows: the first block's, requested before anything else
+        qb, sb = _bases(pid * ROWS + cr, n_words, n_groups, BIG)
+        twg, twu, tsg, tsu = _load_tile(Q, SC, qb, sb, 0, pid * ROWS + cr < d_inter, n_words, n_groups, GPT, WPG)
 
     for blk in range(pid, n_blocks, n_progs):
         rows = blk * ROWS + cr
         rmask = rows < d_inter
         m2 = bmask[:, None] & rmask[None, :]
         # ---- phase 1: the score of every row of the block
+        if KIND == 0:
+            if NEXT:  # the whole rows of this block arrived during the last one; request the next block's
+                wg_c, wu_c, sg_c, su_c = twg, twu, tsg, tsu
+                rows_n = (blk + n_progs) * ROWS + cr
+                qb, sb = _bases(rows_n, n_words, n_groups, BIG)
+                twg, twu, tsg, tsu = _load_tile(Q, SC, qb, sb, 0, rows_n < d_inter, n_words, n_groups, GPT, WPG)
+                u_s, g_s = _tile_scores(wg_c, wu_c, sg_c, su_c, XS, 0, tok0, n_tok, n_words, n_groups,
+                                        BITS, BT, ROWS, GPT, WPG)
+            else:
+                u_s, g_s = _shadow_gemv(XS, Q, SC, rows, rmask, tok0, n_tok, n_words, n_groups,
+                                        BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
         if SCORES:
-            u_s, g_s = _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
-                                    BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
             off = (tok0 + bi)[:, None] * d_inter + rows[None, :]
             tl.store(OUT + off, u_s, mask=m2)
             tl.store(OUT + n_tok * d_inter + off, g_s, mask=m2)
         else:
             if KIND == 0:
-                u_s, g_s = _shadow_gemv(X, Q, SC, rows, rmask, tok0, n_tok, stride_x, n_words, n_groups,
-                                        BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
                 score = tl.abs(u_s * _act(g_s, ACT))
             else:
                 score = _hybrid_score(U, LAT, BTM, BIAS, rows, rmask, m2, tok0, n_tok, r_lat, stride_u,
@@ -297,12 +311,14 @@ def _select_kernel(
 # Launch configurations by (kind, one token or several), tuned on an H200 at Llama-3.1-8B's shape with
 # benchmarks/shadow.py --sweep (docs/kernels_shadow.md). ROWS: rows per block (power of two); TILE_W:
 # shadow words per row and tile; PER_SM: persistent programs per SM (0: one program per block).
+# NEXT: with TILE_W covering whole shadow rows, request the next block's rows before this block's work.
+# Batch-1 entries: the fastest of `benchmarks/shadow.py --sweep` on an H200, 2026-11-23 (k = 0.9).
 CONFIGS = {
-    ("shadow", 1): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=2, PREFETCH=True),
-    ("shadow", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=True),
-    ("hybrid", 1): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=2, PREFETCH=False),
-    ("hybrid", 8): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False),
-    ("scores", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=1, num_warps=4, PER_SM=0, PREFETCH=True),
+    ("shadow", 1): dict(ROWS=2, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=4, PREFETCH=False, NEXT=True),
+    ("shadow", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False, NEXT=False),
+    ("hybrid", 1): dict(ROWS=64, TILE_W=64, BLOCK_M=2, num_warps=8, PER_SM=2, PREFETCH=False, NEXT=False),
+    ("hybrid", 8): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False, NEXT=False),
+    ("scores", 8): dict(ROWS=4, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=3, PREFETCH=False, NEXT=True),
 }
 INTERPRETER_PROGS = 3  # persistent programs under the interpreter: few, so each walks several blocks
 MAX_TOKENS = 8  # tokens per program (grid axis 1 splits more, for the scores only)
@@ -334,6 +350,21 @@ def shadow_layout(d_model: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[i
 
 
 LAST_KERNEL = None
+_XSCALE: dict = {}
+
+
+def x_scaled(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """XS [T, VPW, d_model / VPW] fp32: XS[t, j, c] = x[t, c VPW + j] 2**-p_j, p_j the bit position
+    value j of a word is dequantized at (_dequant). One small elementwise kernel."""
+    vpw = 32 // bits
+    key = (x.device, bits)
+    if key not in _XSCALE:
+        pos = [j * bits if j * bits + bits <= 23 else j * bits - (12 if bits == 4 else 16) for j in range(vpw)]
+        _XSCALE[key] = torch.tensor([2.0**-p for p in pos], dtype=torch.float32, device=x.device)
+    n_tok, d_model = x.shape
+    xs = torch.empty((n_tok, vpw, d_model // vpw), dtype=torch.float32, device=x.device)
+    torch.mul(x.reshape(n_tok, d_model // vpw, vpw).transpose(1, 2), _XSCALE[key][:, None], out=xs)
+    return xs
 
 
 def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=None, scale=None, u=None,
@@ -356,12 +387,14 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
         gpt = min(gpt, _pow2(n_groups))
         r_lat, block_r = 0, 16
         q, scale = q.contiguous(), scale.contiguous()
+        xs = x_scaled(x, bits)
     else:
         d_inter = bt.shape[0]
         bits, wpg, gpt, n_words, n_groups = 4, 1, 1, 0, 0
         r_lat = bt.shape[1]
         block_r = max(16, _pow2(r_lat))
         u, latent, bt = u.contiguous(), latent.contiguous(), bt.contiguous()
+        xs = x
         if bias is not None:
             bias = bias.contiguous()
     bt_tok = _pow2(min(n_tok, MAX_TOKENS))
@@ -380,7 +413,7 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
         o = new_output((2, n_tok, d_inter), torch.float32, x.device)
     big = d_inter * max(d_model, 2 * n_words, r_lat) >= 2**31
     LAST_KERNEL = _select_kernel[(progs, -(-n_tok // bt_tok))](
-        x, q if q is not None else dummy, scale if scale is not None else dummy,
+        x, xs, q if q is not None else dummy, scale if scale is not None else dummy,
         u if u is not None else dummy, latent if latent is not None else dummy,
         bt if bt is not None else dummy, bias if bias is not None else dummy,
         w_gate if w_gate is not None else dummy, w_up if w_up is not None else dummy,
@@ -390,7 +423,8 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
         KIND=0 if kind == "shadow" else 1, BITS=bits, ACT=act_code(activation), CUT_PTR=cut_t is not None,
         HAS_BIAS=bias is not None, BT=bt_tok, ROWS=cfg["ROWS"], GPT=gpt, WPG=wpg, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_R=block_r, EVEN_D=block_d == d_model, BIG=big,
-        PREFETCH=bool(cfg["PREFETCH"]), FUSE_DOWN=out == "partials", SCORES=out == "scores",
+        PREFETCH=bool(cfg["PREFETCH"]), NEXT=bool(cfg.get("NEXT")) and kind == "shadow" and gpt >= n_groups,
+        FUSE_DOWN=out == "partials", SCORES=out == "scores",
         OUT_F32=cpu_bf16,
         num_warps=cfg["num_warps"], num_stages=1,
     )

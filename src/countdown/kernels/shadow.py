@@ -28,6 +28,12 @@ from .masked import gated_mlp_masked_ref, masked_gated_mlp
 from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
 MAX_FUSED_TOKENS = 8
+# One token on CUDA: "fused" runs the selecting kernel (_select.py: shadow GEMVs, cut and kept rows in
+# one launch); "onepass" runs the shadow GEMVs alone (the same kernel, SCORES), the score |u~ act(g~)|
+# in PyTorch (fused by torch.compile) and the one-launch sparse kernel of _onepass.py with that score as
+# its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
+# on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
+ONE_TOKEN_ROUTE = "onepass"
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -121,6 +127,13 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
     x2 = x.reshape(-1, d_model)
     n_tok = x2.shape[0]
+    if n_tok == 1 and ONE_TOKEN_ROUTE == "onepass" and x.is_cuda:
+        from . import _onepass
+
+        u_t, g_t = shadow_scores(x2, prepared)
+        y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
+                                 ind=shadow_score(u_t, g_t, activation))
+        return y.reshape(x.shape)
     if n_tok == 1:
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                 w_gate, w_up, w_down_t, activation)

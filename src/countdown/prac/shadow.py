@@ -107,9 +107,9 @@ def fit_shadow_layer(method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: lis
     with torch.no_grad():
         deq = {}
         for name, w in (("gate", mlp.w_gate), ("up", mlp.w_up)):
-            q, scale = quantize_rtn(w.detach().float().cpu(), bits, group)
-            out[f"shared/layer{layer}/{name}_q"] = pack_bits(q, bits)
-            out[f"shared/layer{layer}/{name}_scale"] = scale
+            q, scale = quantize_rtn(w.detach().float(), bits, group)  # on the weight's device
+            out[f"shared/layer{layer}/{name}_q"] = pack_bits(q, bits).cpu()
+            out[f"shared/layer{layer}/{name}_scale"] = scale.cpu()
             deq[name] = dequantize(q, scale).to(X.device)
         cuts = calibrated_cuts(lambda a, b: shadow_score(mlp, X[a:b], deq["gate"], deq["up"]), X.shape[0],
                                [kept_rows(mlp.d_inter, k) for k in ks], rule=opts["cut_rule"])

@@ -36,7 +36,7 @@ class ThresholdSelector(RowSelector):
         self.method = method
         self.needs_up = method.needs_up
         self.needs_gate = method.needs_gate
-        self.register_buffer("threshold", torch.as_tensor(threshold, dtype=torch.float32).reshape(()))
+        self.register_buffer("threshold", torch.as_tensor(threshold, dtype=torch.float32).reshape(()).clone())
 
     def forward(self, x, u, h):
         # Compared in float32, as the kernels do, so both paths keep the same rows.

@@ -1,0 +1,27 @@
+"""Benchmarks a user can run from the library: how fast is a configuration, and where the time goes.
+
+* :mod:`~countdown.bench.timing`: device-to-device copy bandwidth, CUDA-graph timing over rotating
+  weights (``time_graph``), peak memory, a wall-clock budget;
+* :mod:`~countdown.bench.specs`: method specs (``mono``, ``dual[lowrank]``, ``dual[shadow4]``, ``teal``)
+  parsed in one place, and why a spec cannot run in this library;
+* :mod:`~countdown.bench.measure`: decode tokens/s through ``countdown.generate_fast``, kept
+  fractions, the weight bytes a decode step reads (roofline: :func:`countdown.cost.mlp_weight_bytes`);
+* :mod:`~countdown.bench.speedonly`: speed-only artifacts (random predictors, cuts fitted on the
+  model's own decode steps) for random-weight shapes;
+* :mod:`~countdown.bench.runner`: the decode benchmark (dense + every spec x k x batch, one budget);
+* :mod:`~countdown.bench.breakdown`: the dense step per operation, and the compiled step profiled;
+* :mod:`~countdown.bench.report`: decode.csv / .md / .png;
+* :mod:`~countdown.bench.operating`, :mod:`~countdown.bench.cli`: ``countdown bench``, speed and quality
+  on the user's own model, with a recommendation.
+"""
+
+from ..cost import mlp_weight_bytes
+from .measure import kept_fractions, model_bytes, step_weight_bytes, time_decode
+from .specs import Spec, availability, parse_spec, parse_specs
+from .timing import Budget, PeakMemory, copy_bandwidth, free_memory, spread, time_graph
+
+__all__ = [
+    "Budget", "PeakMemory", "Spec", "availability", "copy_bandwidth", "free_memory", "kept_fractions",
+    "mlp_weight_bytes", "model_bytes", "parse_spec", "parse_specs", "spread", "step_weight_bytes", "time_decode",
+    "time_graph",
+]

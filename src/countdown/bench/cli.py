@@ -1,0 +1,144 @@
+"""``countdown bench``: speed and quality of each configuration on the user's own model and machine.
+
+    countdown bench --model smollm2-135m --methods mono,cats,dual[hybrid] --sparsity 0.7,0.8,0.9 --out bench_out
+    countdown bench --model llama-3.1-8b-shape            # random weights: speed only, and it says so
+
+Writes ``<out>/<model>.csv`` / ``.md`` / ``.png`` (columns model, method, sparsity, sparsity_real,
+ppl_increase, kl, decode_speedup, device, date, ...) and prints the table and a one-line
+recommendation. :func:`add_arguments` and :func:`bench_from_args` are what ``countdown.cli`` registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
+
+
+def _ks(text: str) -> list[float]:
+    try:
+        ks = [float(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sparsity takes numbers in (0, 1) separated by commas, got {text!r}")
+    if not ks or not all(0 < k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"--sparsity takes numbers in (0, 1) separated by commas, got {text!r}")
+    return ks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``countdown bench`` (see the module docstring)."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="a catalogue name (`countdown models`), a .gguf file, a HF folder or a hub id; a "
+                             "'*-shape' name gets random weights and a speed-only report")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help="method specs, e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal (those "
+                             "this library cannot run are skipped with the reason)")
+    parser.add_argument("--sparsity", "-k", type=_ks, default=[0.7, 0.8, 0.9], help="target sparsities k")
+    parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl")
+    parser.add_argument("--calib-texts", default=None, help="calibration / training text (default: the library's)")
+    parser.add_argument("--calib-tokens", type=int, default=None, help="calibration / training tokens (default: the library's)")
+    parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens for perplexity")
+    parser.add_argument("--window", type=int, default=512, help="perplexity window (its first half a dense prompt)")
+    parser.add_argument("--kl-prompts", type=int, default=10, help="prompts for KL (0 skips it)")
+    parser.add_argument("--kl-tokens", type=int, default=32, help="greedy tokens per KL prompt")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded at once in the speed test")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt length of the speed test (random tokens)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per speed test")
+    parser.add_argument("--samples", type=int, default=3, help="speed tests per configuration (median)")
+    parser.add_argument("--max-ppl-increase", type=float, default=0.05,
+                        help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
+    parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
+    parser.add_argument("--speed-only", action="store_true", help="skip quality; speed-only artifacts")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _load(args):
+    import torch
+
+    import countdown
+    from ..models import shape_names
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    random_weights = args.model in shape_names()
+    model, tok = countdown.load_model(args.model, dtype=dtype, device=device,
+                                      **({"random_weights": True} if random_weights else {}))
+    return model.eval(), tok, random_weights
+
+
+def _command(args) -> str:
+    argv = getattr(args, "argv", None)
+    if argv is not None:  # python -m countdown.bench.cli
+        return "countdown bench " + " ".join(shlex.quote(a) for a in argv)
+    return "countdown " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def bench_from_args(args) -> int:
+    """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
+    import countdown
+    from .operating import BenchSettings, operating_points, write_operating_points
+    from .specs import parse_specs
+
+    try:
+        specs = parse_specs(args.methods)
+    except ValueError as error:
+        print(f"countdown bench: {error}", file=sys.stderr)
+        return 2
+    for name, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new-tokens", args.new_tokens),
+                        ("--samples", args.samples), ("--ppl-tokens", args.ppl_tokens)):
+        if value < 1:
+            print(f"countdown bench: {name} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    model, tok, random_weights = _load(args)
+    speed_only = args.speed_only or tok is None
+    if speed_only:
+        why = "random weights (a paper-scale shape)" if random_weights or tok is None else "--speed-only"
+        print(f"countdown bench: {args.model}: speed only ({why}): quality columns are not measured; "
+              "SP-Prac artifacts are speed-only (random predictors, cuts fitted on the model's own decode steps)")
+    settings = BenchSettings(
+        specs=specs, ks=list(args.sparsity), texts=countdown.load_texts(args.texts) if args.texts else None,
+        calib_texts=countdown.load_texts(args.calib_texts) if args.calib_texts else None,
+        calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, kl_prompts=args.kl_prompts,
+        kl_tokens=args.kl_tokens, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
+        samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only)
+    skipped: list[str] = []
+
+    def log(message: str) -> None:
+        if message.startswith("skipping "):
+            skipped.append(message[len("skipping "):])
+        print(f"countdown bench: {message}", file=sys.stderr)
+
+    rows = operating_points(model, None if speed_only else tok, settings, model_name=args.model, log=log,
+                            progress=not args.no_progress)
+    meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
+            "command": _command(args)}
+    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase)
+    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
+    for r in rows:
+        inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"
+        kl = "-" if r["kl"] in ("", None) else f"{r['kl']:.3f}"
+        print(f"{r['method']:16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
+              f"{r['decode_speedup']:7.2f}x {r['tokens_per_s']:8.1f}")
+    print(paths["recommendation"])
+    print(f"wrote {paths['csv']}, {paths['markdown']}, {paths['plot']}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m countdown.bench.cli ...`` (the same as ``countdown bench ...``)."""
+    parser = add_arguments(argparse.ArgumentParser(prog="countdown bench", description=__doc__,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return bench_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""countdown.bench: specs, roofline bytes, speed-only artifacts, the per-op breakdown and `countdown bench`
+on tiny random models (CPU). Speeds are printed by the benchmarks, never asserted here."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+import countdown
+from conftest import tiny_model
+from countdown.bench import measure, operating
+from countdown.bench.breakdown import op_breakdown
+from countdown.bench.cli import main as bench_main
+from countdown.bench.runner import private_copy
+from countdown.bench.specs import availability, parse_spec, parse_specs, resolve_kind
+from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
+from countdown.bench.timing import spread, time_graph
+from countdown.cost import mlp_weight_bytes
+from countdown.decode import generate_fast
+from countdown.prac.prepare import ensure_artifacts
+from test_calibrate import CharTokenizer, word_texts
+
+
+class Tok(CharTokenizer):
+    """The tests' character tokenizer, with the decode that agreement() prints answers with."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+TOK = Tok()
+
+
+def test_specs_parse_in_one_place():
+    s = parse_spec("dual[shadow3g64]")
+    assert (s.label, s.method, s.kind, s.options) == ("dual[shadow3g64]", "dual", "shadow", {"bits": 3, "group": 64})
+    assert parse_spec("m-countdown").label == "mono" and parse_spec("mono").kind == "threshold"
+    assert parse_spec("dual[lowrank256]").options == {"d_rank": 256}
+    assert [s.label for s in parse_specs("mono, dual[hybrid],mono,teal")] == ["mono", "dual[hybrid]", "teal"]
+    assert resolve_kind(parse_spec("dual")).label == "dual[hybrid]"  # the library's default kind, named
+    for bad in ("dual[", "mono[lowrank]", "dual[ternary4]", ""):
+        with pytest.raises(ValueError):
+            parse_specs(bad)
+    assert availability(parse_spec("dual[lowrank]")) is None and availability(parse_spec("dense")) is None
+    assert "not in this library" in availability(parse_spec("nosuchmethod"))
+    assert "kind 'nosuch'" in availability(parse_spec("dual[nosuch]"))
+
+
+def test_roofline_bytes_hand_worked_at_the_llama_8b_shape():
+    d, i, e = 4096, 14336, 2
+    full = d * i * e  # one matrix: 117,440,512 bytes
+    assert mlp_weight_bytes("dense", d, i, 0.1) == 3 * full == 352_321_536
+    assert mlp_weight_bytes("mono", d, i, 0.1) == pytest.approx(full * 1.2)  # W_up + 10 % of two matrices
+    # A, B in bf16, bias and cut in fp32, 3 x 10 % rows
+    assert mlp_weight_bytes("lowrank", d, i, 0.1, d_rank=512) == pytest.approx((d + i) * 512 * e + 8 * i + 0.3 * full)
+    assert mlp_weight_bytes("hybrid", d, i, 0.1, d_rank=128) == pytest.approx(full + (d + i) * 128 * e + 0.2 * full)
+    # 4-bit shadows of two matrices, one fp16 scale per group of 64 weights of each, plus 3 x 10 % rows
+    assert mlp_weight_bytes("shadow", d, i, 0.1, bits=4, group=64) == pytest.approx(
+        2 * (d * i // 2 + i * (d // 64) * 2) + 0.3 * full)
+    assert mlp_weight_bytes("teal", d, i, 0.5, kept_in=0.25) == pytest.approx(0.5 * full + 0.5 * full)
+    with pytest.raises(ValueError, match="unknown roofline kind"):
+        mlp_weight_bytes("magic", d, i, 0.1)
+
+
+def test_step_bytes_are_the_parameters_read():
+    model = tiny_model("llama")
+    mlps = countdown.find_gated_mlps(model)
+    mlp_ids = {id(p) for m in mlps for p in m.module.parameters()}
+    emb = model.get_input_embeddings().weight
+    other = sum(p.numel() * 4 for p in model.parameters() if id(p) not in mlp_ids and p is not emb)
+    assert measure.step_weight_bytes(model, "dense", 1.0, batch=2) == other + 2 * 64 * 4 + sum(3 * 64 * 97 * 4 for _ in mlps)
+    kept = 0.25
+    want = other + 64 * 4 + len(mlps) * (64 * 97 * 4 + 2 * kept * 64 * 97 * 4)
+    assert measure.step_weight_bytes(model, "mono", kept) == int(want)
+
+
+@pytest.mark.parametrize("label", ["mono", "dual[hybrid]"])
+def test_speed_only_cuts_hit_k_on_the_models_own_decode_steps(label):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    spec = parse_spec(label)
+    art = random_artifacts(model, spec, [0.8, 0.5])
+    prompts = decode_prompts(128, 4, 8)
+    fit_cuts_on_decode(model, art, prompts, new_tokens=16, rounds=2)
+    # an independent re-run on the same prompts, the masked path counting every row
+    countdown.sparsify(model, spec.method, 0.8, mode="prac", artifacts=art, path="masked")
+    generate_fast(model, prompts, 16, compile=False)
+    assert countdown.sparsity_real(model)["mean"] == pytest.approx(0.8, abs=0.06)
+    countdown.unsparsify(model)
+
+
+def test_retarget_computes_what_a_fresh_patch_at_that_k_computes():
+    model = tiny_model("llama")
+    art = random_artifacts(model, parse_spec("dual[lowrank]"), [0.8, 0.5])
+    fit_cuts_on_decode(model, art, decode_prompts(128, 4, 8), new_tokens=8, rounds=1)
+    ids = torch.randint(0, 128, (2, 12))
+    for path in ("masked", "gather"):
+        countdown.sparsify(model, "dual", 0.5, mode="prac", artifacts=art, path=path, scope="all")
+        want = model(ids).logits
+        countdown.unsparsify(model)
+        countdown.sparsify(model, "dual", 0.8, mode="prac", artifacts=private_copy(art), path=path, scope="all")
+        retarget(model, art, 0.5)
+        got = model(ids).logits
+        countdown.unsparsify(model)
+        assert torch.equal(got, want)
+
+
+def test_op_breakdown_counts_each_ops_bytes():
+    model = tiny_model("llama")
+    rows = {r["op"]: r for r in op_breakdown(model, batch=1, cache_len=16, filled=5)}
+    layers = model.model.layers
+    qkv = sum(p.numel() * 4 for l in layers for m in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)
+              for p in m.parameters())
+    assert rows["QKV projections"]["bytes"] == qkv and rows["QKV projections"]["calls"] == len(layers)
+    assert rows["lm_head"]["bytes"] == model.lm_head.weight.numel() * 4
+    assert rows["attention (SDPA)"]["bytes"] == len(layers) * 2 * 2 * 16 * 16 * 4  # K and V: 2 heads x 16 x 16
+    assert all(r["us"] > 0 for r in rows.values())
+    assert time_graph([lambda: None]) >= 0
+    assert spread([3.0, 1.0, float("nan"), 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+
+
+def test_recommendation_and_pareto():
+    row = lambda m, k, inc, sp: {"method": m, "sparsity": k, "sparsity_real": k, "ppl_increase": inc,  # noqa: E731
+                                 "decode_speedup": sp}
+    rows = [row("dense", 0.0, 0.0, 1.0), row("mono", 0.5, 0.04, 1.3), row("dual[hybrid]", 0.5, 0.02, 1.2),
+            row("mono", 0.8, 0.30, 1.9), row("cats", 0.5, 0.06, 1.25)]
+    assert operating.recommendation(rows, 0.05).startswith("for at most 5 % perplexity increase, use mono at k=0.5 (+4.0 %")
+    assert "1.30x faster" in operating.recommendation(rows, 0.05)
+    assert "no configuration stays within 1 %" in operating.recommendation(rows, 0.01)
+    assert [r["method"] for r in operating.pareto(rows)] == ["dense", "mono", "dual[hybrid]", "mono"]
+
+
+@pytest.fixture
+def tiny_llama(monkeypatch, tmp_path):
+    model = tiny_model("llama")
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, TOK))
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n".join(word_texts(1)))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(word_texts(0)))
+    return model, str(held_out), str(calib)
+
+
+def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
+    model, held_out, calib = tiny_llama
+    out = tmp_path / "out"
+    argv = ["--model", "tiny", "--methods", "mono,dual[lowrank],teal", "-k", "0.5,0.8", "--texts", held_out,
+            "--calib-texts", calib, "--calib-tokens", "256", "--ppl-tokens", "256", "--window", "64",
+            "--kl-prompts", "2", "--kl-tokens", "4", "--new-tokens", "6", "--prompt", "8", "--samples", "1",
+            "--artifacts-dir", str(tmp_path / "arts"), "--out", str(out), "--no-progress"]
+    assert bench_main(argv) == 0
+    printed = capsys.readouterr()
+    assert "skipping teal" in printed.err and "perplexity increase" in printed.out
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert list(rows[0])[:9] == ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl",
+                                 "decode_speedup", "device", "date"]
+    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("mono", "0.8"), ("mono", "0.5"),
+                                                              ("dual[lowrank]", "0.8"), ("dual[lowrank]", "0.5")]
+    assert (out / "tiny.md").exists() and (out / "tiny.png").stat().st_size > 0
+    # quality columns against an independent recomputation with the cached artifact
+    texts = countdown.load_texts(held_out)
+    dense = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5, progress=False)
+    art = ensure_artifacts(model, TOK, "mono", [0.5, 0.8], tmp_path / "arts", progress=False,
+                                               texts=countdown.load_texts(calib), num_tokens=256)
+    countdown.sparsify(model, "mono", 0.8, mode="prac", artifacts=art, path="masked")
+    sparse = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5, progress=False)
+    countdown.unsparsify(model)
+    mono8 = rows[1]
+    assert float(rows[0]["ppl"]) == pytest.approx(dense)
+    assert float(mono8["ppl_increase"]) == pytest.approx(sparse / dense - 1)
+    assert 0 < float(mono8["sparsity_real"]) < 1 and float(mono8["kl"]) >= 0
+    assert float(mono8["decode_speedup"]) == pytest.approx(float(mono8["tokens_per_s"]) / float(mono8["dense_tokens_per_s"]))
+    assert not countdown.is_sparsified(model)
+
+
+def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert bench_main(["--model", "tiny", "--methods", "cats", "-k", "0.7", "--speed-only", "--new-tokens", "4",
+                       "--prompt", "6", "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "speed only" in printed
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert rows[1]["method"] == "cats" and rows[1]["ppl_increase"] == "" and rows[1]["kl"] == ""
+    assert math.isfinite(float(rows[1]["decode_speedup"]))
+    assert bench_main(["--model", "tiny", "--methods", "dual[", "--out", str(out)]) == 2
+
+
+def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch, tmp_path, capsys):
+    from countdown import cli
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, None))  # a *-shape: no tokenizer
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--model", "tiny-shape", "--methods", "mono,dual[shadow4]", "-k", "0.8",
+                     "--new-tokens", "4", "--prompt", "6", "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "speed only (random weights" in printed and "quality not measured" in printed
+    rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
+    assert [r["method"] for r in rows] == ["dense", "mono", "dual[shadow4]"]
+    assert all(r["ppl_increase"] == "" for r in rows[1:]) and abs(float(rows[2]["sparsity_real"]) - 0.8) < 0.15
