@@ -60,12 +60,13 @@ class ArtifactMismatchError(ArtifactError):
 # --------------------------------------------------------------------------------------------
 
 
-def _slice_bytes(w: torch.Tensor) -> bytes:
-    """Rows 0, middle and last of ``w``, rounded to bfloat16 so that an fp32 model and its bf16
-    copy share one fingerprint (the artifact is valid for both)."""
-    n = w.shape[0]
+def _slice_bytes(mlp: GatedMLP, which: str) -> bytes:
+    """Rows 0, middle and last of the (global) weight ``which``, rounded to bfloat16 so that an fp32
+    model and its bf16 copy share one fingerprint (the artifact is valid for both). On a
+    tensor-parallel model the rows are gathered across ranks: the fingerprint is the one-process one."""
+    n = mlp.weight_shape(which)[0]
     rows = sorted({0, n // 2, n - 1})
-    part = w.detach()[rows].to(device="cpu", dtype=torch.bfloat16).contiguous()
+    part = mlp.weight_rows(which, rows).to(device="cpu", dtype=torch.bfloat16).contiguous()
     return part.view(torch.int16).numpy().tobytes()
 
 
@@ -78,9 +79,9 @@ def model_fingerprint(mlps: list[GatedMLP]) -> str:
     h = hashlib.sha256()
     h.update(f"layers={len(mlps)}".encode())
     for m in mlps:
-        for name, w in (("gate", m.w_gate), ("up", m.w_up), ("down", m.w_down)):
-            h.update(f"{name}{tuple(w.shape)}".encode())
-            h.update(_slice_bytes(w))
+        for name in ("gate", "up", "down"):
+            h.update(f"{name}{m.weight_shape(name)}".encode())
+            h.update(_slice_bytes(m, name))
     return h.hexdigest()
 
 

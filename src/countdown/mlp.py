@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import tp as _tp
+
 
 class NoGatedMLPError(ValueError):
     """The model has no module of the Gated-MLP form y = down(act(gate(x)) * up(x))."""
@@ -63,6 +65,12 @@ class GatedMLP:
 
     ``gate``/``up``/``down``/``fused`` are the attribute names of the module's Linear children;
     for a fused projection, ``gate_first`` says whether its first ``d_inter`` outputs are the gate.
+
+    ``tp``: on a tensor-parallel model (Hugging Face ``tp_plan="auto"``: gate/up colwise, down
+    rowwise), this rank's :class:`countdown.tp.ShardSpec`, else None. Then ``w_*`` / ``b_gate`` /
+    ``b_up`` are this rank's LOCAL shards (rows ``tp.start:tp.stop``), ``b_down`` is None (added once,
+    after the reduction, by :meth:`finish`), ``parts`` gives the local columns of ``u, g``, and
+    ``d_inter`` stays the global row count.
     """
 
     name: str
@@ -74,6 +82,7 @@ class GatedMLP:
     up: str | None = None
     fused: str | None = None
     gate_first: bool = True
+    tp: _tp.ShardSpec | None = None
 
     def _linear(self, attr: str) -> nn.Linear:
         return getattr(self.module, attr)
@@ -84,6 +93,8 @@ class GatedMLP:
 
     @property
     def d_inter(self) -> int:
+        if self.tp is not None:
+            return self.tp.d_inter
         return self._linear(self.down).in_features
 
     def _fused_half(self, tensor: torch.Tensor | None, want_gate: bool) -> torch.Tensor | None:
@@ -97,33 +108,56 @@ class GatedMLP:
     def w_gate(self) -> torch.Tensor:
         if self.fused:
             return self._fused_half(self._linear(self.fused).weight, True)
-        return self._linear(self.gate).weight
+        return _tp.local_tensor(self._linear(self.gate).weight)
 
     @property
     def w_up(self) -> torch.Tensor:
         if self.fused:
             return self._fused_half(self._linear(self.fused).weight, False)
-        return self._linear(self.up).weight
+        return _tp.local_tensor(self._linear(self.up).weight)
 
     @property
     def w_down(self) -> torch.Tensor:
-        return self._linear(self.down).weight
+        return _tp.local_tensor(self._linear(self.down).weight)
 
     @property
     def b_gate(self) -> torch.Tensor | None:
         if self.fused:
             return self._fused_half(self._linear(self.fused).bias, True)
-        return self._linear(self.gate).bias
+        return _tp.local_tensor(self._linear(self.gate).bias)
 
     @property
     def b_up(self) -> torch.Tensor | None:
         if self.fused:
             return self._fused_half(self._linear(self.fused).bias, False)
-        return self._linear(self.up).bias
+        return _tp.local_tensor(self._linear(self.up).bias)
 
     @property
     def b_down(self) -> torch.Tensor | None:
+        if self.tp is not None:
+            return None  # added once, after the ranks' partial outputs are summed (finish)
         return self._linear(self.down).bias
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The module's output from ``y``, the down projection of this process's rows: ``y`` itself
+        on one process; on a tensor-parallel rank the sum over ranks (one all-reduce) plus the down
+        bias."""
+        if self.tp is None:
+            return y
+        return _tp.reduce_partial(y, self.tp, self._linear(self.down).bias)
+
+    def weight_shape(self, which: str) -> tuple[int, ...]:
+        """Global shape of W_gate / W_up / W_down (``which``: "gate", "up", "down")."""
+        if self.tp is None:
+            return tuple(getattr(self, "w_" + which).shape)
+        return tuple(self._linear(getattr(self, which)).weight.shape)
+
+    def weight_rows(self, which: str, rows: list[int]) -> torch.Tensor:
+        """Rows ``rows`` of the global W_gate / W_up / W_down (a collective on a tensor-parallel
+        rank: every rank must call it)."""
+        if self.tp is None:
+            return getattr(self, "w_" + which).detach()[rows]
+        return _tp.global_rows(self._linear(getattr(self, which)).weight, rows, self.tp)
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-activation ``(u, g)`` for inputs ``x [..., d_model]``."""
@@ -132,11 +166,15 @@ class GatedMLP:
             first, second = both.split(self.d_inter, dim=-1)
             g, u = (first, second) if self.gate_first else (second, first)
             return u, g
+        if self.tp is not None:  # local rows, on plain tensors (no DTensor dispatch)
+            return F.linear(x, self.w_up, self.b_up), F.linear(x, self.w_gate, self.b_gate)
         return self._linear(self.up)(x), self._linear(self.gate)(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dense output ``down(act(g) * u)`` computed from the parts (used by the probe)."""
         u, g = self.parts(x)
+        if self.tp is not None:
+            return self.finish(F.linear(self.act(g) * u, self.w_down))
         return self._linear(self.down)(self.act(g) * u)
 
 
@@ -154,7 +192,9 @@ def _probe_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
 
 
-def _candidate_views(name: str, module: nn.Module) -> Iterator[GatedMLP]:
+def _candidate_views(name: str, module: nn.Module, errors: list) -> Iterator[GatedMLP]:
+    """Every way of reading ``module`` as a Gated-MLP; layouts that fit by shape but are sharded in a
+    way countdown cannot run go to ``errors`` instead."""
     linears = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
     if not 2 <= len(linears) <= 3:
         return
@@ -166,11 +206,21 @@ def _candidate_views(name: str, module: nn.Module) -> Iterator[GatedMLP]:
             if not all(c.in_features == d_model and c.out_features == d_inter for _, c in others):
                 continue
             for (gate_name, _), (up_name, _) in itertools.permutations(others):
+                try:
+                    spec = _tp.shard_spec(module.get_submodule(gate_name).weight,
+                                          module.get_submodule(up_name).weight, down.weight)
+                except _tp.ShardingError as error:
+                    errors.append(error)
+                    continue
                 for act in acts:
-                    yield GatedMLP(name, module, down_name, act, "", gate=gate_name, up=up_name)
+                    yield GatedMLP(name, module, down_name, act, "", gate=gate_name, up=up_name, tp=spec)
         elif len(others) == 1:
             fused_name, fused = others[0]
             if fused.in_features != d_model or fused.out_features != 2 * d_inter:
+                continue
+            if _tp.is_dtensor(fused.weight) or _tp.is_dtensor(down.weight):
+                errors.append(_tp.ShardingError(f"{name}: a fused gate_up projection under tensor parallelism "
+                                                "is not supported (each rank would hold a mix of gate and up rows)"))
                 continue
             for gate_first in (True, False):
                 for act in acts:
@@ -182,8 +232,11 @@ def _verify(name: str, module: nn.Module) -> GatedMLP | None:
     patched = getattr(module, "countdown_sparse", None)
     if patched is not None:  # already sparsified: its view was verified at patch time
         return patched.mlp
-    candidates = list(_candidate_views(name, module))
+    errors: list = []
+    candidates = list(_candidate_views(name, module, errors))
     if not candidates:
+        if errors:
+            raise errors[0]
         return None
     first = candidates[0]
     weight = first.w_down

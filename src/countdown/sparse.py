@@ -27,6 +27,7 @@ from .prac.base import RowSelector, selectors_for
 from .registry import Method, check_sparsity, get_method, kept_rows
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
                     is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
+from .tp import shard_selectors
 
 MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
@@ -100,11 +101,12 @@ class SparseGatedMLP(nn.Module):
         token_sparse = None if sparse is True else sparse.reshape(-1)
         path = self.state.path
         if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
-            return self._kernel(x2).reshape(shape)
+            return self.mlp.finish(self._kernel(x2)).reshape(shape)
         if path == "gather":
             y = self._gather(x2, token_sparse)
         else:
             y = self._masked(x2, token_sparse)
+        y = self.mlp.finish(y)  # tensor parallel: the ranks' partial outputs summed (once)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def _select(self, x2, u, h, token_sparse):
@@ -223,7 +225,8 @@ def check_mode(method: Method, mode: str, artifacts: Any) -> None:
 
 
 def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode: str = "ideal",
-             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto") -> nn.Module:
+             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto",
+             tp_topk: str = "exact") -> nn.Module:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
     method: a name from :func:`countdown.methods` (or an alias such as ``"m-countdown"``).
@@ -237,6 +240,8 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
         (only kept rows are read: fewer FLOPs, for CPU decoding) or ``"kernel"`` (the kernels
         wherever Triton can run, e.g. under TRITON_INTERPRET=1). All compute the same function.
+    tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
+        ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
     """
     if is_sparsified(model):
         raise AlreadySparsifiedError(
@@ -254,6 +259,7 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         raise ValueError(f"path='kernel' cannot run here: {why}; use path='auto' (kernels where they can run, "
                          "masked otherwise), 'masked' or 'gather'")
     selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
+    shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
     state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):

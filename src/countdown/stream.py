@@ -19,6 +19,7 @@ from torch import nn
 from .mlp import GatedMLP
 from .registry import Method
 from .state import is_sparsified
+from .tp import refuse_sharded
 
 DEFAULT_WINDOW = 512
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -129,6 +130,7 @@ def stream_mlp_inputs(model: nn.Module, mlps: list[GatedMLP], windows: list[torc
 
     if not allow_patched:
         check_unpatched(model)
+    refuse_sharded(mlps, "calibration and predictor training")
     wanted = sorted(range(len(mlps)) if layers is None else set(layers))
     if not wanted:
         return 0

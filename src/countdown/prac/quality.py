@@ -17,6 +17,7 @@ from ..registry import get_method, kept_rows
 from ..sparse import sparsify, unsparsify
 from ..state import sparsity_real, state_of
 from ..stream import DEFAULT_WINDOW, stream_mlp_inputs, token_windows
+from ..tp import refuse_sharded
 from .base import selectors_for
 from .train import oracle_masks
 
@@ -53,6 +54,7 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
     if prompts.dim() != 2 or prompts.shape[0] < 1:
         raise ValueError(f"prompts must be token ids [n, prompt_len], got shape {tuple(prompts.shape)}")
     mlps = require_gated_mlps(model)
+    refuse_sharded(mlps, "refine_cuts_on_decode")  # a cut is a quantile over every row of a layer
     prompts = prompts.to(mlps[0].w_up.device)
     history: dict[float, list[float]] = {}
     for k in artifacts.sparsities:
