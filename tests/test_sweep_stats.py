@@ -15,10 +15,11 @@ from countdown.sweep.store import decode_outcomes, encode_outcomes
 def test_method_specs():
     spec = parse_method_spec("dual[lowrank]")
     assert (spec.method, spec.label, spec.options) == ("dual", "dual[lowrank]", {"kind": "lowrank"})
-    assert parse_method_spec("dual[shadow4]").options == {"kind": "shadow", "bits": 4}
-    assert parse_method_spec("dual[shadow]").label == "dual[shadow4]"  # the default bit width, named
+    assert parse_method_spec("dual[shadow3]").options == {"kind": "shadow", "bits": 3}
+    # dual's default kind (4-bit shadows) is plain dual, however it is written
+    assert parse_method_spec("dual[shadow]").label == parse_method_spec("dual[shadow4]").label == "dual"
     assert parse_method_spec(" dejavu[ternary] ").label == "dejavu[ternary]"
-    assert parse_method_spec("dual[hybrid]").label == "dual"  # dual's default kind is plain dual
+    assert parse_method_spec("dual[hybrid]").label == "dual[hybrid]"
     assert parse_method_spec("mono").label == "mono"
     with pytest.raises(ValueError, match=r"unknown SP-Prac kind 'fancy' in 'dual\[fancy\]'.*hybrid, lowrank"):
         parse_method_spec("dual[fancy]")
@@ -33,7 +34,7 @@ def test_method_specs():
     assert split_list("dense, dual[shadow4],mono") == ["dense", "dual[shadow4]", "mono"]
 
     # SP-Ideal has no kinds: a kinded spec adds SP-Prac configurations only
-    cells = plan_cells(["dense", "dual", "dual[lowrank]", "dual[hybrid]"], ["ideal", "prac"], [0.8], ["t"],
+    cells = plan_cells(["dense", "dual", "dual[lowrank]", "dual[shadow4]"], ["ideal", "prac"], [0.8], ["t"],
                        "limit=5", None, None)
     assert [(c.method, c.mode) for c in cells] == [("dense", ""), ("dual", "ideal"), ("dual", "prac"),
                                                    ("dual[lowrank]", "prac")]

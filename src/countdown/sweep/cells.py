@@ -75,7 +75,7 @@ def parse_method_spec(text: str) -> MethodSpec:
     """``"dual"``, ``"dual[hybrid]"``, ``"dual[lowrank]"``, ``"dual[shadow4]"`` -> :class:`MethodSpec`.
 
     The kinds a method takes are those of :mod:`countdown.prac`'s registry that serve it. A kind
-    equal to the method's default (``dual[hybrid]``, ``mono[threshold]``) is the plain method.
+    equal to the method's default (``dual[shadow]`` / ``dual[shadow4]``, ``mono[threshold]``) is the plain method.
     Unknown methods and kinds, a kind on dense, and bits on a kind without a ``bits`` option are
     ValueErrors naming the spec and the choices.
     """
@@ -98,7 +98,7 @@ def parse_method_spec(text: str) -> MethodSpec:
     defaults = get_kind(kind).defaults
     if bits and "bits" not in defaults:
         raise ValueError(f"{text!r}: only a kind with a bit width (shadow) takes a number; write {method}[{kind}]")
-    if kind == DEFAULT_KIND.get(method) and not bits:
+    if kind == DEFAULT_KIND.get(method) and (not bits or int(bits) == defaults.get("bits")):
         return MethodSpec(method, method)
     if "bits" in defaults:
         n_bits = int(bits) if bits else int(defaults["bits"])
