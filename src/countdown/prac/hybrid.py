@@ -54,15 +54,14 @@ def fit_gate_lowrank(mlp: GatedMLP, X: torch.Tensor, d_rank: int) -> dict[str, t
     return {"A": A.float(), "B": B.float(), "bias": bias.float()}
 
 
-class HybridDualSelector(RowSelector):
-    """Dual SP-Prac with a dense ``u``: score ``|u| * |act(x A B + b)|`` (the gate side predicted)."""
+class LowRankFactors(RowSelector):
+    """A selector holding low-rank factors ``A [d_model, r]``, ``Bt = B^T [d_inter, r]`` (contiguous:
+    the layout the kernels read), a float32 ``bias [d_inter]`` and a 0-dim float32 ``cut``;
+    :meth:`to_model_dtype` holds ``A`` and ``Bt`` in a half-precision model's dtype (two bytes a
+    weight at decode time), the bias, cut and comparisons stay in float32."""
 
-    needs_up = True
-    needs_gate = False
-
-    def __init__(self, tensors: dict[str, torch.Tensor], act, selection: str, n_keep: int):
+    def __init__(self, tensors: dict[str, torch.Tensor], selection: str, n_keep: int):
         super().__init__()
-        self.act = act
         self.selection = selection
         self.n_keep = int(n_keep)
         self.register_buffer("A", tensors["A"].clone())
@@ -74,6 +73,17 @@ class HybridDualSelector(RowSelector):
         if dtype in (torch.bfloat16, torch.float16):
             self.A = self.A.to(dtype)
             self.Bt = self.Bt.to(dtype)
+
+
+class HybridDualSelector(LowRankFactors):
+    """Dual SP-Prac with a dense ``u``: score ``|u| * |act(x A B + b)|`` (the gate side predicted)."""
+
+    needs_up = True
+    needs_gate = False
+
+    def __init__(self, tensors: dict[str, torch.Tensor], act, selection: str, n_keep: int):
+        super().__init__(tensors, selection, n_keep)
+        self.act = act
 
     def gate_estimate(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.to(self.A.dtype) @ self.A) @ self.Bt.t()).float() + self.bias

@@ -17,8 +17,8 @@ from torch import nn
 
 from .. import kernels
 from ..registry import kept_rows
-from .base import RowSelector, register_kind, select
-from .hybrid import full_rank, resolve_rank
+from .base import register_kind, select
+from .hybrid import LowRankFactors, full_rank, resolve_rank
 from .train import TrainedKind
 
 # True: the low-rank predictor runs inside the fused dual kernel; False: mask in PyTorch + masked
@@ -49,27 +49,13 @@ def row_cut(bias: torch.Tensor, cut: torch.Tensor, selection: str) -> torch.Tens
     return (-bias if selection == "logit" else cut - bias).float().contiguous()
 
 
-class LowRankSelector(RowSelector):
-    """Rows from ``x`` alone by ``x A B + b``. ``B`` is held as ``Bt = B^T`` (contiguous
-    ``[d_inter, d_rank]``, the layout the fused dual kernel reads) and ``row_cut = cut - bias``
-    (``-bias`` for ``"logit"``) is the per-row threshold on ``x A B`` the kernel compares against.
-    :meth:`to_model_dtype` holds ``A`` and ``Bt`` in a half-precision model's dtype (two bytes a
-    weight at decode time); bias, cuts and the comparison stay in float32."""
+class LowRankSelector(LowRankFactors):
+    """Rows from ``x`` alone by ``x A B + b``; ``row_cut = cut - bias`` (``-bias`` for ``"logit"``) is
+    the per-row threshold on ``x A B`` that the fused dual kernel compares against."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], selection: str, n_keep: int):
-        super().__init__()
-        self.selection = selection
-        self.n_keep = int(n_keep)
-        self.register_buffer("A", tensors["A"].clone())
-        self.register_buffer("Bt", tensors["B"].t().contiguous())
-        self.register_buffer("bias", tensors["bias"].float().clone())
-        self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())
+        super().__init__(tensors, selection, n_keep)
         self.register_buffer("row_cut", row_cut(self.bias, self.cut, selection))
-
-    def to_model_dtype(self, dtype: torch.dtype) -> None:
-        if dtype in (torch.bfloat16, torch.float16):
-            self.A = self.A.to(dtype)
-            self.Bt = self.Bt.to(dtype)
 
     def latent_score(self, x: torch.Tensor) -> torch.Tensor:
         """``x A B`` (without the bias) in float32, computed at the factors' precision."""
