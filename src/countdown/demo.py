@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,14 +99,16 @@ def environment_key(env: dict | None = None) -> str:
 
 
 def _write_csv_atomic(path: Path, cells: Sequence[Cell]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".demo-", suffix=".csv")
-    with os.fdopen(fd, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for cell in cells:
-            writer.writerow(asdict(cell))
-    os.replace(tmp, path)
+    import io
+
+    from .io import atomic_write
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    writer.writeheader()
+    for cell in cells:
+        writer.writerow(asdict(cell))
+    atomic_write(path, buf.getvalue())
 
 
 def read_cells(path: Path) -> list[Cell]:
@@ -175,11 +176,11 @@ def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    from .io import atomic_path
+
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run_grid(model, tokenizer, model_name: str, configs: Sequence[tuple[str, str, float | None]],

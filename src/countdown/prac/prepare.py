@@ -145,6 +145,8 @@ def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir
     fp = model_fingerprint(mlps)[:12]
     # Options that change the result name the file; progress bars and checkpoint folders do not.
     keyed = {key: value for key, value in options.items() if key not in ("progress", "checkpoint")}
+    # the kind is part of the key even when left to the default, so a change of default builds anew
+    keyed["kind"] = keyed.get("kind") or default_kind(m)
     stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
     cache = Path(cache_dir).expanduser()
     if cache.is_dir():
