@@ -37,10 +37,10 @@ DEFAULT_BITS = 4
 DEFAULT_GROUP = 64
 
 
-def shadow_score(mlp: GatedMLP, x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor) -> torch.Tensor:
+def shadow_score(act, x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor) -> torch.Tensor:
     """``|u~ * act(g~)|`` in float32 from dequantized shadows ``w~ [d_inter, d_model]`` (float32)."""
     xf = x.float()
-    return ((xf @ w_up_t.t()) * mlp.act(xf @ w_gate_t.t())).abs()
+    return ((xf @ w_up_t.t()) * act(xf @ w_gate_t.t())).abs()
 
 
 class ShadowSelector(RowSelector):
@@ -78,10 +78,7 @@ class ShadowSelector(RowSelector):
         if self.q_up is None:  # CUDA: the shadow GEMVs of the kernel library
             u_t, g_t = kernels.shadow_scores(x, self._prepare())
             return (u_t * self.act(g_t)).abs()
-        w_gate = dequantize(self.q_gate, self.s_gate)
-        w_up = dequantize(self.q_up, self.s_up)
-        xf = x.float()
-        return ((xf @ w_up.t()) * self.act(xf @ w_gate.t())).abs()
+        return shadow_score(self.act, x, dequantize(self.q_gate, self.s_gate), dequantize(self.q_up, self.s_up))
 
     def score(self, x, mlp=None):
         return self.scores(x)
@@ -111,7 +108,7 @@ def fit_shadow_layer(method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: lis
             out[f"shared/layer{layer}/{name}_q"] = pack_bits(q, bits).cpu()
             out[f"shared/layer{layer}/{name}_scale"] = scale.cpu()
             deq[name] = dequantize(q, scale).to(X.device)
-        cuts = calibrated_cuts(lambda a, b: shadow_score(mlp, X[a:b], deq["gate"], deq["up"]), X.shape[0],
+        cuts = calibrated_cuts(lambda a, b: shadow_score(mlp.act, X[a:b], deq["gate"], deq["up"]), X.shape[0],
                                [kept_rows(mlp.d_inter, k) for k in ks], rule=opts["cut_rule"])
     for k, cut in zip(ks, cuts):
         out[f"{sparsity_key(k)}/layer{layer}/cut"] = cut.reshape(()).cpu()
@@ -139,9 +136,6 @@ class ShadowKind(SelectorKind):
 
     def meta(self, opts):
         return {"bits": opts["bits"], "group": opts["group"], "cut_rule": opts["cut_rule"], "d_rank": None}
-
-    def refine_rule(self, opts):
-        return opts["cut_rule"]
 
     def fit(self, ctx):
         return fit_by_capture(ctx, fit_shadow_layer, desc=f"building dual {ctx.opts['bits']}-bit shadows")
