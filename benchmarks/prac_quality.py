@@ -36,6 +36,8 @@ SPECS = {
     "dual[shadow4]": ("dual", "prac", "shadow", {"bits": 4}),
     "dual[shadow3]": ("dual", "prac", "shadow", {"bits": 3}),
     "dual[shadow8]": ("dual", "prac", "shadow", {"bits": 8}),
+    "dual[shadow4-pooled]": ("dual", "prac", "shadow", {"bits": 4, "cut_rule": "pooled"}),
+    "dual[shadow4-g32]": ("dual", "prac", "shadow", {"bits": 4, "group": 32}),
     "dual[hybrid]": ("dual", "prac", "hybrid", {}),
     "dual[lowrank]": ("dual", "prac", "lowrank", {}),
     "mono": ("mono", "ideal", None, {}),
