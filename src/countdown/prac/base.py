@@ -127,6 +127,13 @@ class SelectorKind:
         """The cut rule that refits use (see :mod:`countdown.prac.cuts`)."""
         return opts["cut_rule"]
 
+    def refine(self, model: nn.Module, mlps: list[GatedMLP], method: Method, artifacts: Artifacts,
+               windows: list[torch.Tensor], progress: bool, opts: dict[str, Any]) -> bool:
+        """Re-estimate the artifact's cuts on the sparsified model the kind's own way, in place, and return
+        True; False (the default) leaves it to :func:`countdown.prac.cuts.refine_cuts`, which refits the
+        one per-row cut per layer that row kinds keep."""
+        return False
+
     def meta(self, opts: dict[str, Any]) -> dict[str, Any]:
         """What the artifact's metadata records of this run's options (besides the common fields)."""
         return {"options": dict(opts)}
