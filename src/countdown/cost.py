@@ -24,7 +24,7 @@ Memory traffic, in elements read or written (paper, "Theoretical Memory Traffic 
     cats   d_m d_i + 2 d_m s + 3 d_m + 10 d_i + s
     mono   d_m d_i + 2 d_m s + 3 d_m + 8 d_i + s
     dual   d_m d_r + d_r d_i + 3 d_m s + 3 d_m + 2 d_r + 6 d_i
-    teal   2 d_i s_x + d_m s + 4 d_m + 7 d_i
+    teal   2 d_i s_x + d_m s + 4 d_m + 8 d_i
 
 Units of the paper's efficiency table: ``FLOPs(M)`` is FLOPs / 10^6 and ``Mem.(MB)`` is the element
 count / 2^20 (MiB at one byte per element); with Llama-3.1-8B (4096, 14336) and ``d_r = 512`` this
