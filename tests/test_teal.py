@@ -15,6 +15,7 @@ from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
 ACTS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels in Triton's interpreter (conftest)
 
 
 def reference_teal(x, mlp, n_x=None, n_s=None, cut_x=None, cut_s=None):
@@ -96,8 +97,8 @@ def test_unsparsify_restores_layout_and_logits_bit_for_bit(arch):
     """path="kernel" (the interpreter here) stores W_gate, W_up (phi3: the fused gate_up) and W_down
     transposed in place; unpatching gives back the original tensors, layout included."""
     pytest.importorskip("triton")
-    model = tiny_model(arch)
-    ids = torch.randint(3, 128, (2, 7))
+    model = tiny_model(arch).to(DEVICE)
+    ids = torch.randint(3, 128, (2, 7), device=DEVICE)
     weights = {n: (p.detach().clone(), p.stride()) for n, p in model.named_parameters()}
     with torch.no_grad():
         before = model(ids).logits
@@ -211,7 +212,8 @@ def test_kernel_path_matches_masked_path(monkeypatch):
     monkeypatch.setattr(kernels, "teal_gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model("phi3")
     art = teal_artifact(model, ks=(0.6,))
-    ids = torch.randint(3, 128, (3, 1))  # three sequences, one decode-sized token each
+    model = model.to(DEVICE)
+    ids = torch.randint(3, 128, (3, 1), device=DEVICE)  # three sequences, one decode-sized token each
     outs = {}
     for path in ("masked", "kernel"):
         countdown.sparsify(model, "teal", 0.6, mode="prac", artifacts=art, scope="all", path=path)
