@@ -114,6 +114,18 @@ def test_unsparsify_restores_layout_and_logits_bit_for_bit(arch):
         assert torch.equal(p, weights[n][0]) and p.stride() == weights[n][1], n
 
 
+def test_unsparsify_gives_back_only_the_layouts_it_changed():
+    """A weight that was column-major before patching (nothing to change for the kernels) stays so."""
+    pytest.importorskip("triton")
+    model = tiny_model("llama").to(DEVICE)
+    gate = countdown.find_gated_mlps(model)[0].module.gate_proj.weight
+    gate.data = gate.data.t().contiguous().t()
+    countdown.sparsify(model, "teal", 0.5, path="kernel")
+    countdown.unsparsify(model)
+    assert gate.t().is_contiguous() and not gate.is_contiguous()
+    assert countdown.find_gated_mlps(model)[0].w_up.is_contiguous()
+
+
 @pytest.mark.parametrize("allocation", ["greedy", "uniform"])
 def test_calibration_gives_sparsity_real_k_on_held_out_text(allocation):
     model = tiny_model("llama")

@@ -24,7 +24,7 @@ class PatchedMLP(nn.Module):
     """Replaces the forward of one Gated-MLP module while it is patched.
 
     Subclasses implement ``_masked``, ``_gather``, ``_kernel``, ``_selector_has_kernel`` and
-    ``store_for_kernels``. Sparsity-Real is ``1 - kept_total / rows_total``: a subclass adds, per
+    ``_kernel_layout``. Sparsity-Real is ``1 - kept_total / rows_total``: a subclass adds, per
     sparse token, its kept share in ``kept_total`` and the token's whole in ``rows_total``.
     """
 
@@ -89,10 +89,26 @@ class PatchedMLP(nn.Module):
     def _gather(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def store_for_kernels(self, path: str, on: bool) -> None:
-        """Lay the weights out as the kernels read them (``on``, at patch time, where ``path`` may take
-        the kernels) or back to the original layout (``on=False``, at unpatch time; bit for bit)."""
+    def _kernel_layout(self, path: str) -> list[torch.Tensor]:
+        """The weights the kernels read transposed, where ``path`` may take them here (else none)."""
         raise NotImplementedError
+
+    def store_for_kernels(self, path: str, on: bool) -> None:
+        """Lay the weights out as the kernels read them (``on``, at patch time) or, at unpatch time
+        (``on=False``), give the ones this layer changed their original layout back, bit for bit."""
+        if on:
+            changed = [w for w in self._kernel_layout(path) if not _column_major(w)]
+            for weight in changed:
+                store_transposed(weight, True)
+            object.__setattr__(self, "relaid", changed)
+        else:
+            for weight in getattr(self, "relaid", ()):
+                store_transposed(weight, False)
+            object.__setattr__(self, "relaid", [])
+
+
+def _column_major(weight: torch.Tensor) -> bool:
+    return weight.t().is_contiguous() and not weight.is_contiguous()
 
 
 def store_transposed(weight: torch.Tensor, transposed: bool) -> None:
@@ -101,8 +117,7 @@ def store_transposed(weight: torch.Tensor, transposed: bool) -> None:
     The logical tensor, and so every dense computation, is unchanged, and no copy sits beside the
     original: the storage is replaced, which is what keeps an 8B model from growing by 3.8 GB.
     """
-    want_t = weight.t().is_contiguous() and not weight.is_contiguous()
-    if transposed and not want_t:
+    if transposed and not _column_major(weight):
         weight.data = weight.data.t().contiguous().t()
     elif not transposed and not weight.is_contiguous():
         weight.data = weight.data.contiguous()

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import kernels
 from .mlp import GatedMLP, require_gated_mlps
-from .patched import PatchedMLP, store_transposed
+from .patched import PatchedMLP
 from .prac.base import RowSelector, selectors_for
 from .registry import Method, check_sparsity, get_method, kept_rows
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
@@ -86,10 +86,9 @@ class SparseGatedMLP(PatchedMLP):
     def _selector_has_kernel(self) -> bool:
         return not isinstance(self.selector, TopKSelector)
 
-    def store_for_kernels(self, path: str, on: bool) -> None:
+    def _kernel_layout(self, path: str) -> list[torch.Tensor]:
         # the kernels read W_down^T rows; W_gate / W_up rows are contiguous already. CPU runs keep the layout.
-        if not on or (path in ("auto", "kernel") and self.mlp.w_down.is_cuda):
-            store_transposed(self.mlp.w_down, on)
+        return [self.mlp.w_down] if path in ("auto", "kernel") and self.mlp.w_down.is_cuda else []
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         # w_down.t() is contiguous on CUDA: sparsify stored W_down transposed in place (store_for_kernels).

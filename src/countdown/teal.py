@@ -35,7 +35,7 @@ from torch import nn
 from . import kernels
 from . import tp as _tp
 from .mlp import GatedMLP
-from .patched import PatchedMLP, store_transposed
+from .patched import PatchedMLP
 
 
 def kept_weight_fraction(keep_x: torch.Tensor, keep_s: torch.Tensor) -> torch.Tensor:
@@ -163,13 +163,11 @@ class InputSparseGatedMLP(PatchedMLP):
         # views: after store_for_kernels each has unit inner stride (W_down^T contiguous)
         return self.selector.kernel_forward(x2, mlp, mlp.w_gate.t(), mlp.w_up.t(), mlp.w_down.t())
 
-    def store_for_kernels(self, path: str, on: bool) -> None:
-        """W_gate, W_up (or a fused gate_up) and W_down stored transposed in place where the kernels may
+    def _kernel_layout(self, path: str) -> list[torch.Tensor]:
+        """W_gate, W_up (or a fused gate_up) and W_down, stored transposed in place where the kernels may
         run (CUDA, or Triton's interpreter on the CPU), so that their ``.t()`` views are row-major."""
         mlp = self.mlp
-        if on and not (path in ("auto", "kernel") and kernels.available(mlp.w_down)):
-            return
+        if path not in ("auto", "kernel") or not kernels.available(mlp.w_down):
+            return []
         names = (mlp.fused,) if mlp.fused else (mlp.gate, mlp.up)
-        for name in names:
-            store_transposed(getattr(mlp.module, name).weight, on)
-        store_transposed(mlp.w_down, on)
+        return [getattr(mlp.module, name).weight for name in names] + [mlp.w_down]

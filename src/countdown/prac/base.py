@@ -9,7 +9,8 @@ weights (``shadow``). Each kind lives in one file of this package and owns four 
   and which of them a loaded artifact must hold (:meth:`SelectorKind.check`);
 * the run-time rule: a :class:`RowSelector` per layer (:meth:`SelectorKind.selectors`), whose
   ``score`` is what the per-layer cut applies to and whose ``kernel_forward`` is the GPU path;
-* where its per-layer cuts live, so one refit routine serves every kind (:meth:`SelectorKind.set_cuts`);
+* where its per-layer cuts live, so one refit routine serves every kind (:meth:`SelectorKind.set_cuts`;
+  a kind with other cuts, teal's two per layer, refits them itself in :meth:`SelectorKind.refine`);
 * the bytes a decode step reads through it (:meth:`SelectorKind.weight_bytes`), for rooflines.
 
 The model code never asks which kind it runs (as torchao's quantize handlers or gpt-fast's

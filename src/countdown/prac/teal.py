@@ -149,7 +149,6 @@ class TealKind(SelectorKind):
     methods = ("teal",)
     selections = ("threshold",)
     default_selection = "threshold"
-    cut_selection = "threshold"
     default_tokens = 4096
     # allocation: greedy (TEAL's block-wise greedy) or uniform; step: the greedy walk's step of a layer's
     # Sparsity-Real; greedy_tokens: captured inputs the walk measures output errors on.
@@ -165,12 +164,6 @@ class TealKind(SelectorKind):
         if int(opts["greedy_tokens"]) < 1:
             raise ValueError(f"greedy_tokens must be a positive integer, got {opts['greedy_tokens']!r}")
         return opts
-
-    def refine_rule(self, opts: dict) -> str:
-        return "pooled"
-
-    def meta(self, opts: dict) -> dict:
-        return {"options": dict(opts), "d_rank": None}
 
     def fit(self, ctx):
         return fit_by_capture(ctx, self.fit_layer, desc=f"calibrating teal ({ctx.opts['allocation']})")
