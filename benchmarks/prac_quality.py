@@ -43,6 +43,9 @@ SPECS = {
     "mono": ("mono", "ideal", None, {}),
     "mono[threshold]": ("mono", "prac", "threshold", {}),
     "cats[threshold]": ("cats", "prac", "threshold", {}),
+    "teal": ("teal", "ideal", None, {}),
+    "teal[greedy]": ("teal", "prac", "teal", {}),  # TEAL's per-layer greedy allocation (the kind's default)
+    "teal[uniform]": ("teal", "prac", "teal", {"allocation": "uniform"}),
 }
 
 

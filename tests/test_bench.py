@@ -151,12 +151,14 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
             "--artifacts-dir", str(tmp_path / "arts"), "--out", str(out), "--no-progress"]
     assert bench_main(argv) == 0
     printed = capsys.readouterr()
-    assert "skipping teal" in printed.err and "perplexity increase" in printed.out
+    assert "skipping" not in printed.err and "perplexity increase" in printed.out
     rows = list(csv.DictReader(open(out / "tiny.csv")))
     assert list(rows[0])[:9] == ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl",
                                  "decode_speedup", "device", "date"]
     assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("mono", "0.8"), ("mono", "0.5"),
-                                                              ("dual[lowrank]", "0.8"), ("dual[lowrank]", "0.5")]
+                                                              ("dual[lowrank]", "0.8"), ("dual[lowrank]", "0.5"),
+                                                              ("teal", "0.8"), ("teal", "0.5")]
+    assert [abs(float(r["sparsity_real"]) - float(r["sparsity"])) < 0.05 for r in rows[-2:]] == [True, True]
     assert (out / "tiny.md").exists() and (out / "tiny.png").stat().st_size > 0
     # quality columns against an independent recomputation with the cached artifact
     texts = countdown.load_texts(held_out)

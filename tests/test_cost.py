@@ -63,21 +63,27 @@ def test_tiny_hand_worked_example():
     # cats : 2*2*4 + 5*4 + 2*4 + 2*2*2 + 2 + 2*2*2 = 16+20+8+8+2+8 = 62
     # mono : 2*2*4 + 2*4 + 2*2*2 + 5*2 + 2 + 2*2*2 = 16+8+8+10+2+8 = 52
     # dual : 2*2*1 + 2*1*4 + 4 + 4*2*2 + 5*2 + 2 + 2*2*2 = 4+8+4+16+10+2+8 = 52
-    assert {m: e["flops"] for m, e in t.items()} == {"dense": 72, "cats": 62, "mono": 52, "dual": 52}
+    # teal (s_x = 1 kept input): 2*2 + 4*4*1 + 5*4 + 4 + 2*4 + 2*2*2 = 4+16+20+4+8+8 = 60
+    assert {m: e["flops"] for m, e in t.items()} == {"dense": 72, "cats": 62, "mono": 52, "dual": 52, "teal": 60}
     # dense: 2*8 + 2*2 + 2*4 + 4 + 4 + 2*4 + 4 + 8 + 4 + 2 = 62
     # cats : 8 + 2 + 7*4 + 2*2 + 2 + 2 + 4 + 4 + 2*2 + 4 + 2 = 64 (more than dense at this size)
     # mono : 8 + 2 + 5*4 + 2*2 + 2 + 2 + 4 + 4 + 2*2 + 4 + 2 = 56
     # dual : 2 + 2 + 1 + 4 + 1 + 3*4 + 2*2*2 + 2 + 4 + 4 + 2*2 + 4 + 2 = 50
-    assert {m: e["mem_elements"] for m, e in t.items()} == {"dense": 62, "cats": 64, "mono": 56, "dual": 50}
+    # teal : 3*2 (x, sparse x) + 2*4*1 (kept columns of W_gate, W_up) + 8*4 (gate, up, inter, sparse
+    #        inter) + 2*2 (kept columns of W_down) + 2 (y) = 6+8+32+4+2 = 52
+    assert {m: e["mem_elements"] for m, e in t.items()} == {"dense": 62, "cats": 64, "mono": 56, "dual": 50,
+                                                            "teal": 52}
     assert t["dense"]["kept_rows"] == 4 and t["dual"]["kept_rows"] == 2
+    assert t["teal"]["kept_rows"] == 2 and t["teal"]["kept_inputs"] == 1
     assert t["cats"]["flops_m"] == pytest.approx(62e-6)
     assert t["mono"]["mem_mb"] == pytest.approx(56 / 2**20)
 
 
 def test_c_act_only_scales_activation_terms():
     a, b = cost_table(2, 4, 1, 0.5, c_act=0), cost_table(2, 4, 1, 0.5, c_act=5)
-    # the activation runs on all d_i rows for dense and cats, on the s kept rows for mono and dual
-    assert {m: b[m]["flops"] - a[m]["flops"] for m in a} == {"dense": 20, "cats": 20, "mono": 10, "dual": 10}
+    # the activation runs on all d_i rows for dense, cats and teal, on the s kept rows for mono and dual
+    assert {m: b[m]["flops"] - a[m]["flops"] for m in a} == {"dense": 20, "cats": 20, "mono": 10, "dual": 10,
+                                                             "teal": 20}
     assert all(a[m]["mem_elements"] == b[m]["mem_elements"] for m in a)
 
 
@@ -93,7 +99,7 @@ def test_format_and_json():
     text = format_cost_table(t, title="k=0.7")
     lines = text.splitlines()
     assert lines[0] == "k=0.7" and "FLOPs(M)" in lines[1]
-    assert len(lines) == 3 + 4
+    assert len(lines) == 3 + 5  # dense, cats, mono, dual, teal
     dual = next(line for line in lines if line.startswith("dual"))
     assert "124.59" in dual and "59.485" in dual and "0.354" in dual
     assert json.loads(json.dumps(t))["mono"]["mem_elements"] == t["mono"]["mem_elements"]

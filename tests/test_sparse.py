@@ -214,7 +214,7 @@ def test_unknown_method_lists_the_valid_ones():
 def test_paper_names_are_aliases():
     assert countdown.get_method("M-CountDown").name == "mono"
     assert countdown.get_method("d-countdown").name == "dual"
-    assert countdown.methods() == ["dense", "cats", "mono", "dual", "dejavu"]
+    assert countdown.methods() == ["dense", "cats", "mono", "dual", "dejavu", "teal"]
 
 
 @pytest.mark.parametrize("k, error", [(0, ValueError), (1, ValueError), (-0.1, ValueError), (1.5, ValueError),

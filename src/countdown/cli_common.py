@@ -28,9 +28,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
     p.add_argument("--method", default="mono",
-                   help="dense, cats, mono, dual, dejavu (or m-countdown, d-countdown; default mono)")
+                   help="dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown; default mono)")
     p.add_argument("--sparsity", "-k", type=float, default=0.8,
-                   help="fraction of rows skipped per token, in (0, 1) (default 0.8)")
+                   help="fraction of rows skipped per token, in (0, 1) (teal: of the entries of x and of s; "
+                        "default 0.8)")
     p.add_argument("--mode", default="ideal", choices=["ideal", "prac"],
                    help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
                         "--artifacts (default ideal)")

@@ -72,7 +72,8 @@ def cmd_calibrate(args) -> int:
     import countdown
 
     def build(model, tok, method, ks):
-        names = ("rule",) if args.kind in (None, "threshold") else TRAIN_OPTIONS[args.kind]
+        kind = args.kind or countdown.prac.prepare.default_kind(method)
+        names = {"threshold": ("rule",), "teal": ("allocation",)}.get(kind) or TRAIN_OPTIONS[kind]
         return countdown.calibrate(model, tok, method, ks, kind=args.kind, texts=load_text_arg(args.texts),
                                    num_tokens=args.num_tokens, refine=not args.no_refine,
                                    **_kind_options(args, names))
@@ -144,18 +145,21 @@ def add_prac_commands(sub) -> None:
     """Add ``calibrate``, ``train`` and ``quality`` to the subparsers ``sub``."""
     out_help = "artifact path (default <method>-<model>-k<k>.safetensors in the current folder)"
     force_help = "replace --out even if it is not a countdown artifact (default: refuse)"
-    p = sub.add_parser("calibrate", help="SP-Prac artifacts without training: thresholds for cats / mono (several k "
-                                         "from one pass); with --kind shadow or hybrid, dual's")
+    p = sub.add_parser("calibrate", help="SP-Prac artifacts without training: thresholds for cats / mono / teal "
+                                         "(several k from one pass); with --kind shadow or hybrid, dual's")
     add_model_args(p)
-    p.add_argument("--method", default="mono", help="cats or mono; dual with --kind shadow/hybrid (default mono)")
+    p.add_argument("--method", default="mono", help="cats, mono or teal; dual with --kind shadow/hybrid (default mono)")
     p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
-    p.add_argument("--kind", default=None, choices=["threshold", "shadow", "hybrid"],
-                   help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two)")
+    p.add_argument("--kind", default=None, choices=["threshold", "shadow", "hybrid", "teal"],
+                   help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two), "
+                        "teal (teal's own, its default)")
     p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
     p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 4096 for thresholds, "
                                                                 "8192 otherwise)")
     p.add_argument("--rule", default=None, choices=["mean-quantile", "pooled"],
                    help="threshold rule (default mean-quantile, the paper's)")
+    p.add_argument("--allocation", default=None, choices=["greedy", "uniform"],
+                   help="teal: per-layer split of k between x and s, TEAL's greedy or uniform (default greedy)")
     p.add_argument("--bits", type=int, default=None, help="shadow: bits per weight, 2/3/4/8 (default 4)")
     p.add_argument("--group", type=int, default=None, help="shadow: quantization group along d_model (default 64)")
     p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"],

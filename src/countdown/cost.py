@@ -11,6 +11,12 @@ FLOPs (paper, "Theoretical FLOPs Analysis"; a GEMV of an ``a x b`` matrix costs 
     cats   2 d_m d_i + c_act d_i + 2 d_i + 4 d_m s + s
     mono   2 d_m d_i + 2 d_i + 4 d_m s + c_act s + s
     dual   2 d_m d_r + 2 d_r d_i + d_i + 6 d_m s + c_act s + s
+    teal   2 d_m + 4 d_i s_x + c_act d_i + d_i + 2 d_i + 2 d_m s
+
+with, for teal (not in the paper; TEAL skips inputs, :mod:`countdown.teal`), ``s_x = int(d_m (1 - k))``
+kept entries of x (columns of W_gate and W_up) and ``s`` kept entries of the intermediate (columns of
+W_down): uniform k on both, so its weight traffic ``2 d_i s_x + d_m s`` is the share ``1 - k`` of
+the three matrices, as for the row methods.
 
 Memory traffic, in elements read or written (paper, "Theoretical Memory Traffic Analysis")::
 
@@ -18,6 +24,7 @@ Memory traffic, in elements read or written (paper, "Theoretical Memory Traffic 
     cats   d_m d_i + 2 d_m s + 3 d_m + 10 d_i + s
     mono   d_m d_i + 2 d_m s + 3 d_m + 8 d_i + s
     dual   d_m d_r + d_r d_i + 3 d_m s + 3 d_m + 2 d_r + 6 d_i
+    teal   2 d_i s_x + d_m s + 4 d_m + 8 d_i
 
 Units of the paper's efficiency table: ``FLOPs(M)`` is FLOPs / 10^6 and ``Mem.(MB)`` is the element
 count / 2^20 (MiB at one byte per element); with Llama-3.1-8B (4096, 14336) and ``d_r = 512`` this
@@ -29,12 +36,12 @@ from __future__ import annotations
 
 from .registry import kept_rows
 
-METHODS = ("dense", "cats", "mono", "dual")
+METHODS = ("dense", "cats", "mono", "dual", "teal")
 _MEGA = 1e6
 _MEBI = 2**20
 
 
-def _flops_terms(d_m: int, d_i: int, d_r: int, s: int, c_act: float) -> dict[str, list[tuple[float, str]]]:
+def _flops_terms(d_m: int, d_i: int, d_r: int, s: int, c_act: float, s_x: int) -> dict[str, list[tuple[float, str]]]:
     """FLOPs per method as the paper's rows: (count, what it is)."""
     return {
         "dense": [(6 * d_m * d_i, "full GEMV x3"), (c_act * d_i, "full act"), (d_i, "full u*h")],
@@ -47,10 +54,13 @@ def _flops_terms(d_m: int, d_i: int, d_r: int, s: int, c_act: float) -> dict[str
         "dual": [(2 * d_m * d_r, "low-rank GEMV theta_A"), (2 * d_r * d_i, "low-rank GEMV theta_B"),
                  (d_i, "threshold"), (4 * d_m * s, "sparse GEMV W_gate, W_up"),
                  (c_act * s, "sparse act"), (s, "sparse u*h"), (2 * d_m * s, "sparse GEMV W_down")],
+        "teal": [(2 * d_m, "abs and threshold x"), (4 * d_i * s_x, "input-sparse GEMV W_gate, W_up"),
+                 (c_act * d_i, "full act"), (d_i, "full u*h"), (2 * d_i, "abs and threshold s"),
+                 (2 * d_m * s, "sparse GEMV W_down")],
     }
 
 
-def _memory_terms(d_m: int, d_i: int, d_r: int, s: int) -> dict[str, list[tuple[int, str]]]:
+def _memory_terms(d_m: int, d_i: int, d_r: int, s: int, s_x: int) -> dict[str, list[tuple[int, str]]]:
     """Elements read or written per method as the paper's rows: (count, what it is)."""
     return {
         "dense": [(2 * d_m * d_i, "read W_up, W_gate"), (2 * d_m, "read x twice"),
@@ -73,6 +83,10 @@ def _memory_terms(d_m: int, d_i: int, d_r: int, s: int) -> dict[str, list[tuple[
                  (d_i, "read s_hat"), (d_i, "write mask"), (2 * d_m * s, "read sparse W_up, W_gate"),
                  (d_m, "read x"), (d_i, "read mask"), (d_i, "write inter"),
                  (d_m * s, "read sparse W_down"), (d_i, "read inter"), (d_m, "write y")],
+        "teal": [(d_m, "read x"), (d_m, "write sparse x"), (d_m, "read sparse x"),
+                 (2 * d_i * s_x, "read kept columns of W_gate, W_up"), (2 * d_i, "write gate, up"),
+                 (2 * d_i, "read gate, up"), (d_i, "write inter"), (d_i, "read inter"), (d_i, "write sparse inter"),
+                 (d_m * s, "read kept columns of W_down"), (d_i, "read sparse inter"), (d_m, "write y")],
     }
 
 
@@ -87,7 +101,7 @@ def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: 
     """Theoretical cost of one token through one Gated-MLP, per method.
 
     Returns ``{method: {"flops", "flops_m", "mem_elements", "mem_mb", "kept_rows"}}`` for
-    dense, cats, mono and dual, where ``flops_m = flops / 1e6`` and ``mem_mb = mem_elements / 2**20``
+    dense, cats, mono, dual and teal (whose ``kept_inputs`` is also given: kept entries of x), where ``flops_m = flops / 1e6`` and ``mem_mb = mem_elements / 2**20``
     are the paper's ``FLOPs(M)`` and ``Mem.(MB)``. ``dense`` keeps every row whatever ``sparsity``.
     With ``dtype_bytes`` (e.g. 2 for bf16) each entry also gets ``mem_bytes`` and
     ``mem_mib = mem_bytes / 2**20``, the real traffic at that element size.
@@ -100,14 +114,17 @@ def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: 
     if dtype_bytes is not None:
         dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
     s = kept_rows(d_i, sparsity)
-    flops = _flops_terms(d_m, d_i, d_r, s, c_act)
-    memory = _memory_terms(d_m, d_i, d_r, s)
+    s_x = kept_rows(d_m, sparsity)
+    flops = _flops_terms(d_m, d_i, d_r, s, c_act, s_x)
+    memory = _memory_terms(d_m, d_i, d_r, s, s_x)
     table = {}
     for method in METHODS:
         f = sum(n for n, _ in flops[method])
         m = sum(n for n, _ in memory[method])
         entry = {"flops": f, "flops_m": f / _MEGA, "mem_elements": m, "mem_mb": m / _MEBI,
                  "kept_rows": d_i if method == "dense" else s}
+        if method == "teal":
+            entry["kept_inputs"] = s_x
         if dtype_bytes is not None:
             entry["mem_bytes"] = m * dtype_bytes
             entry["mem_mib"] = m * dtype_bytes / _MEBI
@@ -151,8 +168,9 @@ def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_by
 
     kind: ``"dense"`` (all three matrices), ``"mono"`` / ``"cats"`` (the indicator's matrix in full +
         kept rows of the other two), ``"teal"`` (input sparsity: the columns of W_gate and W_up of the
-        kept inputs, ``kept_in`` (default ``kept``) of d_model, and the rows of W_down^T of the kept
-        intermediate entries), or any SP-Prac kind of ``countdown.prac`` (``"lowrank"``, ``"hybrid"``,
+        kept inputs, ``kept_in`` of d_model, and the columns of W_down of the kept intermediate entries,
+        ``kept`` of d_inter; with ``kept_in`` None, ``kept`` is teal's kept weight share
+        ``1 - Sparsity-Real = (2 kept_x + kept_s) / 3`` and the bytes are ``3 kept`` matrices), or any SP-Prac kind of ``countdown.prac`` (``"lowrank"``, ``"hybrid"``,
         ``"ternary"``, ``"shadow"``, ...), whose own ``weight_bytes`` counts its predictor / shadows
         (``d_rank``, ``bits``, ``group``: its options; None: the kind's default) plus the kept rows.
     kept: the kept fraction of the ``d_inter`` rows (``1 - Sparsity-Real``; for a batch, the union
@@ -165,7 +183,7 @@ def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_by
         return 3.0 * matrix
     from .prac.kinds import KINDS  # the kinds count their own bytes; prac never imports this module
 
-    if kind == "teal" and kind not in KINDS:
+    if kind == "teal":  # its kind in KINDS counts the same bytes from the kept weight share alone
         return 2 * (kept if kept_in is None else kept_in) * matrix + kept * matrix
     name = "threshold" if kind in ("mono", "cats") else kind
     if name not in KINDS:

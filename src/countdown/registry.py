@@ -29,6 +29,10 @@ class Method:
     ``indicator(u, h)`` receives ``u`` and ``h = act(g)`` (None where not needed).
     ``prac`` names how SP-Prac picks rows without the full indicator: ``"threshold"`` (a calibrated
     per-layer cut on the indicator itself) or ``"predictor"`` (a trained predictor from ``x``).
+    ``structure`` says what one keep decision skips: ``"rows"`` (one index of d_inter: a row of W_gate
+    and W_up and a column of W_down) or ``"inputs"`` (TEAL, :mod:`countdown.teal`: an entry of the
+    input x skips that column of W_gate and W_up, an entry of s = u * act(g) that column of W_down;
+    its indicator is not a per-row score and is never called).
     """
 
     name: str
@@ -38,6 +42,7 @@ class Method:
     indicator: Indicator | None
     prac: str | None
     aliases: tuple[str, ...] = ()
+    structure: str = "rows"
 
     @property
     def is_dense(self) -> bool:
@@ -58,6 +63,11 @@ def _abs_s(u, h):
 
 def _signed_h(u, h):
     return h
+
+
+def _inputs_not_rows(u, h):
+    raise TypeError("teal keeps entries of the inputs x and s = u * act(g), not rows of d_inter: it has no "
+                    "per-row indicator (countdown.teal computes its masks)")
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -83,6 +93,8 @@ register(Method("dual", "D-CountDown: keep the largest |u * act(g)|", True, True
                 aliases=("d-countdown", "dcountdown")))
 register(Method("dejavu", "Deja Vu: keep the largest act(g) (signed, 'active' neurons)", False, True,
                 _signed_h, "predictor", aliases=("deja-vu",)))
+register(Method("teal", "TEAL: keep the largest |x| (inputs of gate/up) and |u * act(g)| (input of down)",
+                False, False, _inputs_not_rows, "threshold", structure="inputs"))
 
 
 def methods() -> list[str]:

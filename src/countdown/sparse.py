@@ -1,6 +1,7 @@
 """Patching a model so that its Gated-MLPs skip rows, and restoring it.
 
-``sparsify`` attaches a :class:`SparseGatedMLP` to every Gated-MLP module and points the module's
+``sparsify`` attaches a :class:`SparseGatedMLP` (or, for a method that skips inputs rather than rows,
+TEAL, a :class:`countdown.teal.InputSparseGatedMLP`) to every Gated-MLP module and points the module's
 ``forward`` at it; parameters, their names and the module tree stay as they were, so
 ``unsparsify`` only has to undo two attributes and the original computation comes back bit for bit.
 
@@ -23,16 +24,17 @@ from torch import nn
 
 from . import kernels
 from .mlp import GatedMLP, require_gated_mlps
+from .patched import PatchedMLP
 from .prac.base import RowSelector, selectors_for
 from .registry import Method, check_sparsity, get_method, kept_rows
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
                     is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
+from .teal import InputSparseGatedMLP, TealTopK, refuse_teal_sharded
 from .tp import shard_selectors
 
 MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
 PATHS = ("auto", "masked", "gather", "kernel")
-KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
 DEFAULT_SCOPE = "decode"
 
 
@@ -65,49 +67,8 @@ class TopKSelector(RowSelector):
 # --------------------------------------------------------------------------------------------
 
 
-class SparseGatedMLP(nn.Module):
-    """Replaces the forward of one Gated-MLP module while it is patched."""
-
-    def __init__(self, mlp: GatedMLP, selector: RowSelector | None, state: SparsityState, index: int):
-        super().__init__()
-        self.selector = selector
-        self.index = index
-        # Plain attributes (not submodules): the GatedMLP view refers back to the module we hang on.
-        object.__setattr__(self, "mlp", mlp)
-        object.__setattr__(self, "state", state)
-        object.__setattr__(self, "original_forward", None)
-        # Device-side counters updated in place: no host sync per layer, and nothing for
-        # torch.compile to guard on (a Python number here would recompile every token).
-        device = mlp.w_down.device
-        self.register_buffer("kept_total", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("rows_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-
-    def reset_stats(self) -> None:
-        self.kept_total.zero_()
-        self.rows_total.zero_()
-
-    def _count(self, keep: torch.Tensor) -> None:
-        self.kept_total.add_(keep.sum(dtype=torch.float64))
-        self.rows_total.add_(keep.numel())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.selector is None:
-            return self.original_forward(x)
-        sparse = self.state.sparse_positions(x)
-        if sparse is False:
-            return self.original_forward(x)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        token_sparse = None if sparse is True else sparse.reshape(-1)
-        path = self.state.path
-        if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
-            return self.mlp.finish(self._kernel(x2)).reshape(shape)
-        if path == "gather":
-            y = self._gather(x2, token_sparse)
-        else:
-            y = self._masked(x2, token_sparse)
-        y = self.mlp.finish(y)  # tensor parallel: the ranks' partial outputs summed (once)
-        return y.reshape(*shape[:-1], y.shape[-1])
+class SparseGatedMLP(PatchedMLP):
+    """Skips rows of d_inter: a row of W_gate and W_up and a column of W_down per keep decision."""
 
     def _select(self, x2, u, h, token_sparse):
         keep = self.selector(x2, u, h)
@@ -118,20 +79,19 @@ class SparseGatedMLP(nn.Module):
             self._count(keep)
         return keep
 
-    def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
-        """Kernels serve decode-sized batches of an SP-Prac selector on a bias-free SiLU/GELU MLP."""
-        if isinstance(self.selector, TopKSelector) or x2.shape[0] > KERNEL_MAX_TOKENS:
-            return False
-        if path == "auto" and not x2.is_cuda:
-            return False
-        mlp = self.mlp
-        if mlp.act_name not in ("silu", "gelu_tanh") or any(
-                b is not None for b in (mlp.b_gate, mlp.b_up, mlp.b_down)):
-            return False
-        return kernels.available(x2)
+    def _count(self, keep: torch.Tensor) -> None:
+        self.kept_total.add_(keep.sum(dtype=torch.float64))
+        self.rows_total.add_(keep.numel())
+
+    def _selector_has_kernel(self) -> bool:
+        return not isinstance(self.selector, TopKSelector)
+
+    def _kernel_layout(self, path: str) -> list[torch.Tensor]:
+        # the kernels read W_down^T rows; W_gate / W_up rows are contiguous already. CPU runs keep the layout.
+        return [self.mlp.w_down] if path in ("auto", "kernel") and self.mlp.w_down.is_cuda else []
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        # w_down.t() is contiguous: sparsify stored W_down transposed in place (see _store_down_transposed).
+        # w_down.t() is contiguous on CUDA: sparsify stored W_down transposed in place (store_for_kernels).
         return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous())
 
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
@@ -185,6 +145,8 @@ def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None
     """One selector per Gated-MLP for (method, sparsity, mode); None everywhere for dense."""
     if method.is_dense:
         return [None] * len(mlps)
+    if mode == "ideal" and method.structure == "inputs":
+        return [TealTopK(kept_rows(m.d_model, sparsity), kept_rows(m.d_inter, sparsity)) for m in mlps]
     if mode == "ideal":
         return [TopKSelector(method, kept_rows(m.d_inter, sparsity)) for m in mlps]
     if artifacts is None:
@@ -194,20 +156,6 @@ def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None
             "and pass artifacts=<path or object>"
         )
     return selectors_for(artifacts, mlps, method, sparsity)
-
-
-def _store_down_transposed(mlp: GatedMLP, transposed: bool) -> None:
-    """Lay W_down out column-major (its .t() contiguous, as the kernels read it) or back.
-
-    The logical tensor, and so every dense computation, is unchanged, and no copy sits beside the
-    original: the storage is replaced, which is what keeps an 8B model from growing by 3.8 GB.
-    """
-    weight = mlp.w_down
-    want_t = weight.t().is_contiguous() and not weight.is_contiguous()
-    if transposed and not want_t:
-        weight.data = weight.data.t().contiguous().t()
-    elif not transposed and not weight.is_contiguous():
-        weight.data = weight.data.contiguous()
 
 
 def check_mode(method: Method, mode: str, artifacts: Any) -> None:
@@ -230,7 +178,8 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
     method: a name from :func:`countdown.methods` (or an alias such as ``"m-countdown"``).
-    sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense).
+    sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense; teal:
+        the fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.teal`).
     mode: ``"ideal"`` (exact per-token top-(1-k) of the indicator) or ``"prac"`` (calibrated
         thresholds / trained predictors from ``artifacts``).
     scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
@@ -258,12 +207,15 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
                "the model is on the CPU and TRITON_INTERPRET=1 is not set")
         raise ValueError(f"path='kernel' cannot run here: {why}; use path='auto' (kernels where they can run, "
                          "masked otherwise), 'masked' or 'gather'")
+    if m.structure == "inputs":
+        refuse_teal_sharded(mlps)
     selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
     state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
-        layer = SparseGatedMLP(mlp, selector, state, index)
+        layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
+        layer = layer_class(mlp, selector, state, index)
         ref = mlp.w_down
         layer.to(device=ref.device)
         if selector is not None:
@@ -275,8 +227,8 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         module.countdown_sparse = layer
         module.forward = layer.forward
         state.layers.append(layer)
-        if selector is not None and path in ("auto", "kernel") and ref.is_cuda:
-            _store_down_transposed(mlp, True)
+        if selector is not None:
+            layer.store_for_kernels(path, True)
     state.hook = model.register_forward_pre_hook(mark_prompt_pass(state), with_kwargs=True)
     object.__setattr__(model, STATE_ATTR, state)
     return model
@@ -291,7 +243,7 @@ def unsparsify(model: nn.Module) -> nn.Module:
         if layer.had_instance_forward:
             module.forward = layer.previous_instance_forward
         del module.countdown_sparse
-        _store_down_transposed(layer.mlp, False)
+        layer.store_for_kernels(state.path, False)
     state.hook.remove()
     object.__delattr__(model, STATE_ATTR)
     return model

@@ -35,7 +35,7 @@ class SparsityState:
     mode: str
     scope: str
     path: str
-    layers: list["SparseGatedMLP"] = field(default_factory=list)
+    layers: list["PatchedMLP"] = field(default_factory=list)
     prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
     dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
     hook: Any = None
@@ -119,7 +119,9 @@ def reset_sparsity_stats(model: nn.Module) -> None:
 
 
 def sparsity_real(model: nn.Module) -> dict:
-    """Fraction of rows actually skipped since the model was patched or the stats last reset.
+    """Fraction of rows actually skipped since the model was patched or the stats last reset (teal: the
+    fraction of the Gated-MLP's weights its skipped inputs leave unread, ``(2 k_x + k_s) / 3``, see
+    :mod:`countdown.teal`; both are the share of the three matrices a token does not need).
 
     Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
     token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no

@@ -52,6 +52,13 @@ def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, floa
     per_token, union = [], []
 
     def hook(module, args, keep):
+        if isinstance(keep, tuple):  # teal: (keep_x, keep_s), weighted by the weights each entry skips
+            from ..teal import kept_fractions as input_kept
+
+            token, both = input_kept(*keep)
+            per_token.append(token)
+            union.append(both)
+            return
         per_token.append(keep.float().mean().item())
         union.append(keep.any(dim=0).float().mean().item())
 

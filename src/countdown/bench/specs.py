@@ -7,7 +7,7 @@
     dual[ternary]         the paper's ternary predictor
     dual[shadow4]         4-bit shadows of W_gate and W_up                  (dual[shadow3g64]: 3 bits, groups of 64)
     dejavu[lowrank]       Deja Vu with a low-rank predictor
-    teal                  input sparsity by magnitude (TEAL), if the library has it
+    teal                  input sparsity by magnitude (TEAL): thresholds on x and s, greedy per-layer allocation
     dual                  the library's default kind for dual
 
 A spec whose method or kind this version of the library does not have is not an error here:
@@ -143,7 +143,9 @@ def resolve_kind(spec: Spec) -> Spec:
     except ValueError:
         return spec
     if method.prac == "threshold":
-        return Spec(spec.label, spec.method, "threshold", spec.options)
+        from ..prac.prepare import default_kind
+
+        return Spec(spec.label, spec.method, default_kind(method), spec.options)  # teal: its own kind
     if method.prac == "predictor":
         from ..prac.prepare import default_kind
 

@@ -11,6 +11,9 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
                                         keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
     hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
                                         keep |u| |act(latent bt^T + bias)| > cut, u given (hybrid.py)
+    teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
+                                        TEAL: keep x entries |x| > tau_x, s entries |s| > tau_s; the gate
+                                        and up weights transposed [d_model, d_inter] (teal.py)
 
 The shadows' format (RTN quantization, packing, float32 references) is ``quant.py``; it needs no Triton.
 
@@ -30,6 +33,7 @@ from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
 from .quant import (dequantize, pack_bits, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp_ref,
                     shadow_keep_ref, shadow_scores_ref, unpack_bits)
 from .shadow import prepare_shadow, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
+from .teal import teal_gated_mlp, teal_gated_mlp_ref, teal_keep_x, teal_masked_ref
 
 __all__ = [
     "available",
@@ -42,4 +46,5 @@ __all__ = [
     "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",
     "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp",
     "hybrid_gated_mlp", "hybrid_gated_mlp_ref", "hybrid_keep",
+    "teal_gated_mlp", "teal_gated_mlp_ref", "teal_keep_x", "teal_masked_ref",
 ]

@@ -9,7 +9,8 @@ weights (``shadow``). Each kind lives in one file of this package and owns four 
   and which of them a loaded artifact must hold (:meth:`SelectorKind.check`);
 * the run-time rule: a :class:`RowSelector` per layer (:meth:`SelectorKind.selectors`), whose
   ``score`` is what the per-layer cut applies to and whose ``kernel_forward`` is the GPU path;
-* where its per-layer cuts live, so one refit routine serves every kind (:meth:`SelectorKind.set_cuts`);
+* where its per-layer cuts live, so one refit routine serves every kind (:meth:`SelectorKind.set_cuts`;
+  a kind with other cuts, teal's two per layer, refits them itself in :meth:`SelectorKind.refine`);
 * the bytes a decode step reads through it (:meth:`SelectorKind.weight_bytes`), for rooflines.
 
 The model code never asks which kind it runs (as torchao's quantize handlers or gpt-fast's
@@ -126,6 +127,13 @@ class SelectorKind:
     def refine_rule(self, opts: dict[str, Any]) -> str:
         """The cut rule that refits use (see :mod:`countdown.prac.cuts`)."""
         return opts["cut_rule"]
+
+    def refine(self, model: nn.Module, mlps: list[GatedMLP], method: Method, artifacts: Artifacts,
+               windows: list[torch.Tensor], progress: bool, opts: dict[str, Any]) -> bool:
+        """Re-estimate the artifact's cuts on the sparsified model the kind's own way, in place, and return
+        True; False (the default) leaves it to :func:`countdown.prac.cuts.refine_cuts`, which refits the
+        one per-row cut per layer that row kinds keep."""
+        return False
 
     def meta(self, opts: dict[str, Any]) -> dict[str, Any]:
         """What the artifact's metadata records of this run's options (besides the common fields)."""

@@ -27,7 +27,7 @@ from .cuts import refine_cuts
 # The kind each method gets when none is named. dual's is the most accurate practical kind measured
 # (results/prac_quality: 4-bit shadows within 3 % of dual SP-Ideal on SmolLM2-135M at k = 0.7 / 0.8, where
 # the hybrid kind was 19 % / 18 % above it) that also reads fewer bytes than mono; dejavu has no u to use.
-DEFAULT_KIND = {"cats": "threshold", "mono": "threshold", "dual": "shadow", "dejavu": "lowrank"}
+DEFAULT_KIND = {"cats": "threshold", "mono": "threshold", "dual": "shadow", "dejavu": "lowrank", "teal": "teal"}
 TRAINED = ("lowrank", "ternary")  # the kinds that need gradient training (train_predictors)
 
 
@@ -46,7 +46,7 @@ def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: s
 
     sparsity: one k in (0, 1) or a list (one data pass serves all of them).
     kind: ``"threshold"`` (cats, mono), ``"hybrid"`` / ``"lowrank"`` / ``"ternary"`` (dual; dejavu:
-        lowrank, ternary) or any registered kind (``countdown.prac.KINDS``); default per method
+        lowrank, ternary), ``"teal"`` (teal: thresholds on x and s, :mod:`countdown.prac.teal`) or any registered kind (``countdown.prac.KINDS``); default per method
         (:data:`DEFAULT_KIND`).
     texts / num_tokens / window: calibration text (default :func:`countdown.data.calibration_texts`,
         never the evaluation text), how many tokens of it (default: the kind's, 4,096 for
@@ -86,7 +86,7 @@ def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: s
     meta = new_meta(m, kind_name, ks, mlps, selection=selection, data=data, **spec.meta(opts),
                     refine=bool(refine), refine_tokens=sum(w.numel() for w in refine_windows))
     art = Artifacts(meta, tensors)
-    if refine:
+    if refine and not spec.refine(model, mlps, m, art, refine_windows, progress, opts):
         refine_cuts(model, mlps, m, art, refine_windows, progress, rule=spec.refine_rule(opts))
     return art
 
@@ -95,7 +95,8 @@ def calibrate(model: nn.Module, tokenizer, method: str | Method, sparsity, kind:
               **kwargs: Any) -> Artifacts:
     """SP-Prac artifacts that need no gradient training: per-layer thresholds ``tau_hat`` for the
     threshold methods (cats, mono: the paper's mean of per-token k-quantiles, ``rule="pooled"`` the
-    quantile of all values), or, with ``kind=``, the shadow / hybrid kinds of dual.
+    quantile of all values; teal: thresholds on x and s with TEAL's greedy per-layer allocation), or,
+    with ``kind=``, the shadow / hybrid kinds of dual.
     Same arguments as :func:`prepare`."""
     m = get_method(method)
     if kind is None and m.prac != "threshold":

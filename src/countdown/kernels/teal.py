@@ -1,0 +1,97 @@
+"""TEAL Gated-MLP: input entries kept where |x| > tau_x, intermediate entries where |s| > tau_s.
+
+    x_t[b, j] = x[b, j]  if |x[b, j]| > tau_x  else 0          (compared in float32)
+    g = x_t W_gate^T,  u = x_t W_up^T                         only kept rows of W_gate^T, W_up^T read
+    s[b, i] = u * act(g)  if |u * act(g)| > tau_s  else 0
+    y[b] = sum_i s[b, i] * w_down_t[i, :]                      only kept rows of W_down^T read
+
+Weights come transposed: ``w_gate_t``, ``w_up_t`` ``[d_model, d_inter]`` (unit inner stride, any row
+stride: the ``.t()`` of a weight stored column-major, or of half of a fused gate_up) and
+``w_down_t`` ``[d_inter, d_model]``. Three launches after a memset: the input-sparse gate/up GEMVs
+(``_teal.py``), the activation/product/threshold, the sparse down projection (``_down.py``). A batch
+of up to 8 tokens reads the union of its kept rows once and applies each token's own masks.
+
+Bytes read per token: (2 d_inter n_x + d_model n_s) weights for n_x kept x entries and n_s kept s
+entries, plus vectors (:func:`countdown.cost.mlp_weight_bytes` kind ``"teal"``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._common import act_torch, available, split_threshold, threshold_value
+
+
+def teal_keep_x(x, threshold) -> torch.Tensor:
+    """|x| > tau_x, compared in float32."""
+    thr_t, thr_f = split_threshold(threshold)
+    return x.float().abs() > threshold_value(thr_t, thr_f, x)
+
+
+def teal_masked_ref(x, w_gate_t, w_up_t, w_down_t, keep_x, keep_s, activation: str) -> torch.Tensor:
+    """Plain PyTorch at the inputs' precision with the masks given (use float64 inputs for a reference)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    xt = torch.where(keep_x, x, zero)
+    s = (xt @ w_up_t) * act_torch(xt @ w_gate_t, activation)
+    return torch.where(keep_s, s, zero.to(s.dtype)) @ w_down_t
+
+
+def teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str = "silu",
+                       return_masks: bool = False):
+    """Plain PyTorch at the inputs' precision: y, and with ``return_masks`` also (keep_x, keep_s)."""
+    keep_x = teal_keep_x(x, thr_x)
+    xt = torch.where(keep_x, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    s = (xt @ w_up_t) * act_torch(xt @ w_gate_t, activation)
+    thr_t, thr_f = split_threshold(thr_s)
+    keep_s = s.float().abs() > threshold_value(thr_t, thr_f, s)
+    y = torch.where(keep_s, s, torch.zeros((), dtype=s.dtype, device=s.device)) @ w_down_t
+    return (y, keep_x, keep_s) if return_masks else y
+
+
+@torch.library.custom_op("countdown::teal_gated_mlp", mutates_args=())
+def _teal_op(x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor, w_down_t: torch.Tensor,
+             thr_x_t: Optional[torch.Tensor], thr_x_f: float, thr_s_t: Optional[torch.Tensor], thr_s_f: float,
+             activation: str) -> torch.Tensor:
+    from ._teal import teal_mlp
+
+    return teal_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation)
+
+
+@_teal_op.register_fake
+def _(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation):
+    return torch.empty_like(x)
+
+
+def _check(x, w_gate_t, w_up_t, w_down_t):
+    d_model = x.shape[-1]
+    if w_gate_t.dim() != 2 or w_gate_t.shape[0] != d_model:
+        raise ValueError(f"w_gate_t must be W_gate transposed, [d_model={d_model}, d_inter], got {tuple(w_gate_t.shape)}")
+    d_inter = w_gate_t.shape[1]
+    for name, w, want in (("w_up_t", w_up_t, (d_model, d_inter)), ("w_down_t", w_down_t, (d_inter, d_model))):
+        if tuple(w.shape) != want:
+            raise ValueError(f"{name} must be {list(want)} (the weight transposed), got {tuple(w.shape)}")
+    for name, w in (("w_gate_t", w_gate_t), ("w_up_t", w_up_t), ("w_down_t", w_down_t)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} differs from x dtype {x.dtype}")
+    return d_model
+
+
+def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str = "silu") -> torch.Tensor:
+    """x [..., d_model] -> y [..., d_model] in x's dtype; thresholds floats or 0-dim tensors (read on the
+    device). Triton where ``available(x)``, else :func:`teal_gated_mlp_ref`."""
+    d_model = _check(x, w_gate_t, w_up_t, w_down_t)
+    for name, t in (("thr_x", thr_x), ("thr_s", thr_s)):
+        if isinstance(t, torch.Tensor) and t.numel() != 1:
+            raise ValueError(f"{name} must be one value (a float or a one-element tensor), got shape {tuple(t.shape)}")
+    if not available(x):
+        return teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
+    # the kernels read unit-stride rows; a weight stored otherwise is copied (correct, slower)
+    w_gate_t, w_up_t = (w if w.stride(1) == 1 else w.contiguous() for w in (w_gate_t, w_up_t))
+    w_down_t = w_down_t.contiguous()
+    tx_t, tx_f = split_threshold(thr_x)
+    ts_t, ts_f = split_threshold(thr_s)
+    y = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
+                                           tx_t, tx_f, ts_t, ts_f, activation)
+    return y.reshape(x.shape)

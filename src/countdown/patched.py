@@ -1,0 +1,123 @@
+"""What every patched Gated-MLP shares, whatever one keep decision skips.
+
+:func:`countdown.sparsify` hangs one :class:`PatchedMLP` on each Gated-MLP module and points the
+module's ``forward`` at it. This base holds the layer's view, the shared state, its selector and the
+Sparsity-Real counters, and routes each forward: dense where the state says so (the prompt with
+``scope="decode"``), the Triton kernels where they apply, else the ``gather`` or ``masked`` path.
+The subclasses say what is skipped: :class:`countdown.sparse.SparseGatedMLP` rows of d_inter,
+:class:`countdown.teal.InputSparseGatedMLP` entries of the projections' inputs (TEAL).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kernels
+from .mlp import GatedMLP
+from .state import SparsityState
+
+KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
+
+
+class PatchedMLP(nn.Module):
+    """Replaces the forward of one Gated-MLP module while it is patched.
+
+    Subclasses implement ``_masked``, ``_gather``, ``_kernel``, ``_selector_has_kernel`` and
+    ``_kernel_layout``. Sparsity-Real is ``1 - kept_total / rows_total``: a subclass adds, per
+    sparse token, its kept share in ``kept_total`` and the token's whole in ``rows_total``.
+    """
+
+    def __init__(self, mlp: GatedMLP, selector: nn.Module | None, state: SparsityState, index: int):
+        super().__init__()
+        self.selector = selector
+        self.index = index
+        # Plain attributes (not submodules): the GatedMLP view refers back to the module we hang on.
+        object.__setattr__(self, "mlp", mlp)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "original_forward", None)
+        # Device-side counters updated in place: no host sync per layer, and nothing for
+        # torch.compile to guard on (a Python number here would recompile every token).
+        device = mlp.w_down.device
+        self.register_buffer("kept_total", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("rows_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+
+    def reset_stats(self) -> None:
+        self.kept_total.zero_()
+        self.rows_total.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.selector is None:
+            return self.original_forward(x)
+        sparse = self.state.sparse_positions(x)
+        if sparse is False:
+            return self.original_forward(x)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        token_sparse = None if sparse is True else sparse.reshape(-1)
+        path = self.state.path
+        if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
+            return self.mlp.finish(self._kernel(x2)).reshape(shape)
+        if path == "gather":
+            y = self._gather(x2, token_sparse)
+        else:
+            y = self._masked(x2, token_sparse)
+        y = self.mlp.finish(y)  # tensor parallel: the ranks' partial outputs summed (once)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
+        """Kernels serve decode-sized batches of an SP-Prac selector on a bias-free SiLU/GELU MLP."""
+        if not self._selector_has_kernel() or x2.shape[0] > KERNEL_MAX_TOKENS:
+            return False
+        if path == "auto" and not x2.is_cuda:
+            return False
+        mlp = self.mlp
+        if mlp.act_name not in ("silu", "gelu_tanh") or any(
+                b is not None for b in (mlp.b_gate, mlp.b_up, mlp.b_down)):
+            return False
+        return kernels.available(x2)
+
+    def _selector_has_kernel(self) -> bool:
+        raise NotImplementedError
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gather(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _kernel_layout(self, path: str) -> list[torch.Tensor]:
+        """The weights the kernels read transposed, where ``path`` may take them here (else none)."""
+        raise NotImplementedError
+
+    def store_for_kernels(self, path: str, on: bool) -> None:
+        """Lay the weights out as the kernels read them (``on``, at patch time) or, at unpatch time
+        (``on=False``), give the ones this layer changed their original layout back, bit for bit."""
+        if on:
+            changed = [w for w in self._kernel_layout(path) if not _column_major(w)]
+            for weight in changed:
+                store_transposed(weight, True)
+            object.__setattr__(self, "relaid", changed)
+        else:
+            for weight in getattr(self, "relaid", ()):
+                store_transposed(weight, False)
+            object.__setattr__(self, "relaid", [])
+
+
+def _column_major(weight: torch.Tensor) -> bool:
+    return weight.t().is_contiguous() and not weight.is_contiguous()
+
+
+def store_transposed(weight: torch.Tensor, transposed: bool) -> None:
+    """Lay a 2-D weight out column-major (its ``.t()`` contiguous, as the kernels read it) or back.
+
+    The logical tensor, and so every dense computation, is unchanged, and no copy sits beside the
+    original: the storage is replaced, which is what keeps an 8B model from growing by 3.8 GB.
+    """
+    if transposed and not _column_major(weight):
+        weight.data = weight.data.t().contiguous().t()
+    elif not transposed and not weight.is_contiguous():
+        weight.data = weight.data.contiguous()
