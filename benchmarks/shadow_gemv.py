@@ -41,11 +41,15 @@ import shadow as sb  # noqa: E402  (benchmarks/shadow.py: shadows, cuts, kept ro
 from kernels import NSETS, Problem, dense_chain, log, safe_time  # noqa: E402
 
 ACT, BITS, GROUP, KS, E = "silu", 4, 64, (0.7, 0.8, 0.9), 2
-_C = ("R", "num_warps", "PER_SM", "PREFETCH", "ASM")
-SWEEP = [dict(zip(_C, c)) for c in [
-    (4, 4, 4, True, True), (4, 4, 3, True, True), (4, 4, 2, True, True), (2, 4, 6, True, True),
-    (2, 4, 8, True, True), (8, 4, 2, True, True), (8, 8, 2, True, True), (4, 4, 5, False, True),
-    (4, 4, 4, True, False)]]
+_C = ("R", "num_warps", "PER_SM", "MERGE", "PIN", "ASM")
+SWEEP = [dict(zip(_C, c), PREFETCH=True) for c in [  # MERGE: one gate+up tile; PIN: loads pinned early
+    (4, 4, 3, False, False, True), (4, 4, 3, True, False, True), (4, 4, 3, False, True, True),
+    (4, 4, 3, True, True, True), (4, 4, 2, True, False, True), (4, 8, 2, False, False, True),
+    (4, 8, 3, True, False, True), (8, 8, 1, True, False, True), (2, 4, 4, True, False, True),
+    (2, 4, 6, True, False, True), (4, 4, 3, False, False, False)]]
+_S = ("CHUNK", "BLOCK_M", "num_warps", "PER_SM")
+SPARSE_SWEEP = [dict(zip(_S, c), IND="torch", PREFETCH=False) for c in [  # _onepass.py, mode "gt"
+    (64, 4, 4, 4), (32, 4, 4, 4), (16, 2, 4, 4), (32, 2, 4, 3), (64, 8, 8, 2), (128, 8, 8, 2), (16, 4, 4, 6)]]
 T0 = time.time()
 
 
@@ -125,6 +129,13 @@ def sweep(p: Problem, bw, rows) -> list[dict]:
     if good:
         _gemv.CONFIG.update(min(good, key=lambda r: r["us"])["cfg"])
     log(f"sweep best: {_gemv.CONFIG}")
+    x, pr = p.xs[0], p.w(0)["prep"]
+    _gemv.launch(x, pr["q"], pr["scale"], ACT)
+    try:  # the chosen kernel's SASS, for the notes (instructions per word, where the loads sit)
+        with open(os.path.join(ARGS.out, "gemv_best.sass"), "w") as f:
+            f.write(_gemv.LAST_KERNEL.asm["sass"])
+    except Exception as e:  # noqa: BLE001
+        log(f"no SASS: {type(e).__name__}: {str(e)[:200]}")
     return out
 
 
@@ -203,6 +214,24 @@ def mlp_rows(p: Problem, bw, rows) -> float:
                 x, w["wg"], w["wu"], w["wdt"], c["shadow"], 0.0, "gt", ACT, gate=True, up=True, ind=ind))
             for i, x in enumerate(p.xs)]), kept_b, bw, k, kept, d_us)
     return d_us
+
+
+def sparse_sweep(p: Problem, bw, rows) -> list[dict]:
+    """The sparse phase alone (indicator given) under other _onepass.py configurations (measured only:
+    mode "gt" is shared with the low-rank dual)."""
+    out = []
+    for k in (0.9, 0.7):
+        c = sb.cuts(p, k)
+        kept = sb.kept_union(p, "dual[shadow4]", c)
+        inds = [_gemv.launch(x, p.w(i)["prep"]["q"], p.w(i)["prep"]["scale"], ACT) for i, x in enumerate(p.xs)]
+        for cfg in SPARSE_SWEEP:
+            t = safe_time(str(cfg), [(lambda x=x, w=p.w(i), ind=inds[i], cfg=cfg: _onepass.onepass_partials(
+                x, None, None, w["wg"], w["wu"], w["wdt"], c["shadow"], 0.0, "gt", ACT, True, True, config=cfg,
+                ind=ind).sum(0, keepdim=True).to(x.dtype)) for i, x in enumerate(p.xs)])
+            nbytes = 3 * kept * p.d_inter * p.d_model * E
+            out.append(dict(k=k, cfg=cfg, us=t, bw_share=nbytes / bw * 1e6 / t))
+            log(f"sparse k={k} {cfg} -> {t:.1f} us ({out[-1]['bw_share']:.0%})")
+    return out
 
 
 def compiled_rows(p: Problem, bw, rows, which: str):
@@ -317,11 +346,12 @@ def main():
     lines = write(rows, ARGS.out, meta)
     stages = [("sweep", lambda: meta.__setitem__("sweep", sweep(p, bw, rows)), 60),
               ("gemv", lambda: gemv_rows(p, bw, rows), 40), ("mlp", lambda: mlp_rows(p, bw, rows), 30),
+              ("sparse-sweep", lambda: meta.__setitem__("sparse_sweep", sparse_sweep(p, bw, rows)), 50),
               ("compiled", lambda: compiled_rows(p, bw, rows, "after"), 50),
               ("gemlite", lambda: gemlite_rows(p, bw, rows), 30),
               ("compiled-before", lambda: compiled_rows(p, bw, rows, "before"), 30)]
     for name, fn, need in stages:
-        if (name == "sweep" and (ARGS.no_sweep or args_tiny)) or (name.startswith("compiled") and args_tiny):
+        if (name.endswith("sweep") and (ARGS.no_sweep or args_tiny)) or (name.startswith("compiled") and args_tiny):
             continue
         if not meta["checks"]["ok"] and name != "gemv":
             log(f"{name} skipped: the check failed")

@@ -81,6 +81,20 @@ def test_gemv_against_float64(dtype, d_model, d_inter, group, bits, xs):
             assert ((s.double() - ref).abs() <= 1e-5 * ref + 1e-30 * ref.max()).all()
 
 
+@pytest.mark.parametrize("config", [dict(MERGE=True, R=2), dict(MERGE=True, PREFETCH=False, R=4),
+                                    dict(MERGE=False, PREFETCH=False, PIN=True, R=8)])
+def test_gemv_launch_variants(config):
+    """The kernel's other layouts (one merged gate/up tile, no prefetch, other block sizes) compute the
+    same values as the default one (the same products; on a GPU the float32 sums may be grouped
+    differently)."""
+    (qg, sg, qu, su), prep = _shadows(192, 45, 64, 4, torch.bfloat16, seed=9)
+    x = torch.randn(1, 192).bfloat16().to(DEV)
+    for act in (None, "silu"):
+        base = _gemv.launch(x, prep["q"], prep["scale"], act).cpu()
+        other = _gemv.launch(x, prep["q"], prep["scale"], act, config).cpu()
+        assert torch.allclose(base, other, rtol=1e-5, atol=1e-6 * base.abs().max().item())
+
+
 def test_gemv_zero_and_tiny_rows():
     """x = 0 gives exact zeros; a row whose shadow is all zero gives 0 for any x."""
     (qg, sg, qu, su), prep = _shadows(128, 24, 64, 4, torch.float32, seed=3)
