@@ -41,12 +41,12 @@ import shadow as sb  # noqa: E402  (benchmarks/shadow.py: shadows, cuts, kept ro
 from kernels import NSETS, Problem, dense_chain, log, safe_time  # noqa: E402
 
 ACT, BITS, GROUP, KS, E = "silu", 4, 64, (0.7, 0.8, 0.9), 2
-_C = ("R", "num_warps", "PER_SM", "MERGE", "PIN", "ASM")
-SWEEP = [dict(zip(_C, c), PREFETCH=True) for c in [  # MERGE: one gate+up tile; PIN: loads pinned early
-    (4, 4, 3, False, False, True), (4, 4, 3, True, False, True), (4, 4, 3, False, True, True),
-    (4, 4, 3, True, True, True), (4, 4, 2, True, False, True), (4, 8, 2, False, False, True),
-    (4, 8, 3, True, False, True), (8, 8, 1, True, False, True), (2, 4, 4, True, False, True),
-    (2, 4, 6, True, False, True), (4, 4, 3, False, False, False)]]
+_C = ("R", "num_warps", "PER_SM", "PIN", "AHEAD", "ASM")
+SWEEP = [dict(zip(_C, c), PREFETCH=True) for c in [  # PIN: next block's loads pinned before the arithmetic;
+    (4, 4, 3, False, 1, True), (4, 4, 3, True, 1, True), (4, 4, 2, True, 1, True),  # AHEAD: blocks
+    (2, 4, 4, True, 1, True), (2, 4, 5, True, 1, True), (2, 4, 6, True, 1, True),   # prefetched ahead
+    (4, 4, 2, False, 2, True), (2, 4, 4, False, 2, True), (2, 4, 3, True, 2, True), (4, 8, 2, True, 1, True),
+    (4, 4, 3, False, 1, False)]]
 _S = ("CHUNK", "BLOCK_M", "num_warps", "PER_SM")
 SPARSE_SWEEP = [dict(zip(_S, c), IND="torch", PREFETCH=False) for c in [  # _onepass.py, mode "gt"
     (64, 4, 4, 4), (32, 4, 4, 4), (16, 2, 4, 4), (32, 2, 4, 3), (64, 8, 8, 2), (128, 8, 8, 2), (16, 4, 4, 6)]]

@@ -81,12 +81,12 @@ def test_gemv_against_float64(dtype, d_model, d_inter, group, bits, xs):
             assert ((s.double() - ref).abs() <= 1e-5 * ref + 1e-30 * ref.max()).all()
 
 
-@pytest.mark.parametrize("config", [dict(MERGE=True, R=2), dict(MERGE=True, PREFETCH=False, R=4),
-                                    dict(MERGE=False, PREFETCH=False, PIN=True, R=8)])
+@pytest.mark.parametrize("config", [dict(AHEAD=2, PIN=True, R=2), dict(PREFETCH=False, R=4),
+                                    dict(PIN=True, R=8)])
 def test_gemv_launch_variants(config):
-    """The kernel's other layouts (one merged gate/up tile, no prefetch, other block sizes) compute the
-    same values as the default one (the same products; on a GPU the float32 sums may be grouped
-    differently)."""
+    """The kernel's other schedules (prefetch two blocks ahead or none, loads pinned, other block sizes)
+    compute the same values as the default one (the same products; on a GPU the float32 sums may be
+    grouped differently)."""
     (qg, sg, qu, su), prep = _shadows(192, 45, 64, 4, torch.bfloat16, seed=9)
     x = torch.randn(1, 192).bfloat16().to(DEV)
     for act in (None, "silu"):

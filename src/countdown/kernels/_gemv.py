@@ -56,7 +56,7 @@ from ._glu import _act, _pow2
 # Launch configuration, one token, tuned on an H200 at Llama-3.1-8B's shape by
 # `benchmarks/shadow_gemv.py` (see docs/kernels_shadow.md). R: rows per block (a power of two);
 # PER_SM: persistent programs per SM; ASM: the inline-asm dequantization on CUDA.
-CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, MERGE=False, PIN=False, ASM=True)
+CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, AHEAD=1, PIN=False, ASM=True)
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 
@@ -216,30 +216,11 @@ def _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gcol, gm,
     return wg, wu, sg, su
 
 
-@triton.jit
-def _tile2(Q, SC, rows, n_rows, n_words, n_groups, wcol, gcol, gm, BIG: tl.constexpr):
-    """MERGE: gate and up words as one [R, 2, G, WPG] tile (0: gate, 1: up), scales [R, 2, G]."""
-    mi = tl.arange(0, 2)
-    rm = rows < n_rows
-    if BIG:
-        qb = rows.to(tl.int64) * (2 * n_words)
-        sb = rows.to(tl.int64) * (2 * n_groups)
-    else:
-        qb = rows * (2 * n_words)
-        sb = rows * (2 * n_groups)
-    off = (qb[:, None] + mi[None, :] * n_words)[:, :, None, None] + wcol[None, None, :, :]
-    w = tl.load(Q + off, mask=(rm[:, None] & (mi < 2)[None, :])[:, :, None, None] & gm[None, None, :, None],
-                other=0)
-    soff = (sb[:, None] + mi[None, :] * n_groups)[:, :, None] + gcol[None, None, :]
-    sc = tl.load(SC + soff, mask=rm[:, None, None] & gm[None, None, :], other=0.0).to(tl.float32)
-    return w, sc
-
-
-@triton.jit
-def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs,
+@triton.jit(do_not_specialize=["zmask"])
+def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs, zmask,
                  BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
                  WPG: tl.constexpr, XL: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr,
-                 PREFETCH: tl.constexpr, MERGE: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr):
+                 PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr):
     pid = tl.program_id(0)
     VPW: tl.constexpr = 32 // BITS
     gi = tl.arange(0, G)
@@ -248,12 +229,11 @@ def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_
     wcol = gi[:, None] * WPG + wi[None, :]                         # [G, WPG] word index
     wm = gm[:, None] & (wi < WPG)[None, :]
     ri = tl.arange(0, R)
-    mi = tl.arange(0, 2)
-    if PREFETCH:  # the first block's words, requested before x is prepared
-        if MERGE:
-            nw, ns = _tile2(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-        else:
-            nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+    if PREFETCH:  # the first block's words (AHEAD 2: two blocks'), requested before x is prepared
+        nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+        if AHEAD == 2:
+            mwg, mwu, msg, msu = _tile(Q, SC, (pid + n_progs) * R + ri, n_rows, n_words, n_groups, wcol, gi, gm,
+                                       BIG)
     # ---- x once per program: per value position j of a word, [G, WPG] fp32
     x0 = _xload(X, wcol, wm, 0, VPW)
     x1 = _xload(X, wcol, wm, 1, VPW)
@@ -291,37 +271,31 @@ def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_
         p2 = p0
         p3 = p1
 
+    e0, e1, e2, e3 = p0[None], p1[None], p2[None], p3[None]  # [1, G, WPG]: in the tiles' layout once
     for blk in range(pid, n_blocks, n_progs):
         rows = blk * R + ri
-        nxt = rows + n_progs * R
-        if MERGE:  # one [R, 2, G, WPG] tile, one reduction for gate and up
-            if PREFETCH:  # this block's words arrived during the last one; request the next block's
-                w, sc = nw, ns
-                nw, ns = _tile2(Q, SC, nxt, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-                if PIN:  # keeps the compiler from sinking the loads below this block's arithmetic
-                    tl.debug_barrier()
+        if PREFETCH:  # this block's words were requested one (AHEAD 2: two) blocks ago; request the next
+            wg, wu, sg, su = nwg, nwu, nsg, nsu
+            if AHEAD == 2:
+                nwg, nwu, nsg, nsu = mwg, mwu, msg, msu
+                mwg, mwu, msg, msu = _tile(Q, SC, rows + 2 * n_progs * R, n_rows, n_words, n_groups, wcol, gi,
+                                           gm, BIG)
             else:
-                w, sc = _tile2(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-            d = _word_dot(w, h0[None, None], h1[None, None], h2[None, None], h3[None, None], h4[None, None],
-                          h5[None, None], h6[None, None], h7[None, None], p0[None, None], p1[None, None],
-                          p2[None, None], p3[None, None], BITS, ASM)
-            t = tl.sum(tl.sum(d, axis=3) * sc, axis=2) * down          # [R, 2]
-            g = tl.sum(tl.where(mi[None, :] == 0, t, 0.0), axis=1)
-            u = tl.sum(tl.where(mi[None, :] == 1, t, 0.0), axis=1)
+                nwg, nwu, nsg, nsu = _tile(Q, SC, rows + n_progs * R, n_rows, n_words, n_groups, wcol, gi, gm,
+                                           BIG)
         else:
-            if PREFETCH:
-                wg, wu, sg, su = nwg, nwu, nsg, nsu
-                nwg, nwu, nsg, nsu = _tile(Q, SC, nxt, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-                if PIN:
-                    tl.debug_barrier()
-            else:
-                wg, wu, sg, su = _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-            dg = _word_dot(wg, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
-                           p0[None], p1[None], p2[None], p3[None], BITS, ASM)
-            du = _word_dot(wu, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
-                           p0[None], p1[None], p2[None], p3[None], BITS, ASM)
-            g = tl.sum(tl.sum(dg, axis=2) * sg, axis=1) * down
-            u = tl.sum(tl.sum(du, axis=2) * su, axis=1) * down
+            wg, wu, sg, su = _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+        a0, a1, a2, a3 = e0, e1, e2, e3
+        if PIN:  # the loads above stay above: a barrier, then x's pairs made to depend on a load after it
+            tl.debug_barrier()  # (zmask is 0 at run time; the compiler cannot know it)
+            z = tl.load(SC + pid * 0).to(tl.int16, bitcast=True).to(tl.int32) & zmask
+            a0, a1, a2, a3 = e0 | z, e1 | z, e2 | z, e3 | z
+        dg = _word_dot(wg, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
+                       a0, a1, a2, a3, BITS, ASM)
+        du = _word_dot(wu, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
+                       a0, a1, a2, a3, BITS, ASM)
+        g = tl.sum(tl.sum(dg, axis=2) * sg, axis=1) * down
+        u = tl.sum(tl.sum(du, axis=2) * su, axis=1) * down
         rm = rows < n_rows
         if SCORE:
             tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
@@ -365,9 +339,9 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     else:
         out = new_output((1, n_rows), torch.float32, x.device)
     LAST_KERNEL = _gemv_kernel[(progs,)](
-        x, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs,
+        x, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs, 0,
         BITS=bits, ACT=act_code(activation or "silu"), R=R, G=_pow2(n_groups), WPG=wpg,
         XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]),
-        MERGE=bool(cfg.get("MERGE", False)), PIN=bool(cfg.get("PIN", False)),
+        AHEAD=int(cfg.get("AHEAD", 1)), PIN=bool(cfg.get("PIN", False)),
         BIG=n_rows * 2 * n_words >= 2**31, num_warps=cfg["num_warps"], num_stages=1)
     return out
