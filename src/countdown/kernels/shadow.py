@@ -6,11 +6,14 @@ compute the exact Gated-MLP on the kept rows only.
     y       = sum over kept rows i of (x W_up[i]^T) act(x W_gate[i]^T) w_down_t[i]   (x's precision)
 
 Bytes read per token: the two shadows (``quant.shadow_bytes``: 2 x 29.4 MB at 4 bits, group 64, for
-Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. The kernel (``_select.py``) computes the shadow
-GEMVs, the cut and the kept rows of the three full-precision matrices in one launch per token; for
-2-8 tokens it takes the union of the batch's kept rows (each token's own rows nonzero only) and runs
-the masked down projection after; beyond 8 tokens (prefill) the shadow scores come from the kernel
-and the masked kernel (masked.py) does the rest.
+Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. One token on CUDA (the default route, "onepass"):
+``_gemv.py``'s kernel writes the indicator |u~ act(g~)| (fp16x2 dequantization, fp16 products: error
+bound in its docstring) and ``_onepass.py``'s kernel computes the kept rows in one launch. The
+selecting kernel (``_select.py``, fp32 products) computes the shadow GEMVs, the cut and the kept rows
+of the three full-precision matrices in one launch (route "fused" for one token); for 2-8 tokens it
+takes the union of the batch's kept rows (each token's own rows nonzero only) and runs the masked down
+projection after; beyond 8 tokens (prefill) the shadow scores come from it and the masked kernel
+(masked.py) does the rest.
 
 GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 32 a power of two
 (groups of 32, 64, 128 at 4 bits). Other widths (2, 3 bits) and groups run the float32 reference
