@@ -42,7 +42,10 @@ tested against float64 (tests/test_shadow_gemv.py; the asm path on the GPU by be
 
 Grid: PROGS persistent programs (PER_SM per SM) walk blocks of R rows (p, p + PROGS, ...); per
 block the gate and up words of R rows, [R, G groups, WPG words] each, with the next block's words
-requested first (PREFETCH).
+requested first (PREFETCH; the first block's before x is prepared). AHEAD=2 requests two blocks
+ahead; PIN keeps the requests above the block's arithmetic (ptxas otherwise sinks them below it): a
+barrier, then x's pairs OR-ed with a value loaded after it and masked by ``zmask`` = 0. Both measured
+slower on an H200 (docs/kernels_shadow.md) and stay for other GPUs' sweeps.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ import triton.language as tl
 
 from ._glu import _act, _pow2
 
-# Launch configuration, one token, tuned on an H200 at Llama-3.1-8B's shape by
-# `benchmarks/shadow_gemv.py` (see docs/kernels_shadow.md). R: rows per block (a power of two);
+# Launch configuration, one token: the fastest of `benchmarks/shadow_gemv.py`'s sweep on an H200,
+# 2026-11-23, Llama-3.1-8B shape (26.3 us for gate and up, 56 % of copy bandwidth; 163 registers, so
+# 3 programs fit an SM: PER_SM 4 runs a second wave, 37 us). R: rows per block (a power of two);
 # PER_SM: persistent programs per SM; ASM: the inline-asm dequantization on CUDA.
 CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, AHEAD=1, PIN=False, ASM=True)
 INTERPRETER_PROGS = 3
