@@ -145,7 +145,10 @@ def test_shadow_kernel(dtype, batch, act, d_model, d_inter, group, bits):
     eu, eg = gamma * (x64.abs() @ du.abs().t()), gamma * (x64.abs() @ dg.abs().t())
     ut, gt = K.shadow_scores(x, prep)
     assert ut.dtype == torch.float32 and ut.shape == (batch, d_inter)
-    assert ((ut.double() - u64).abs() <= eu + 1e-30).all() and ((gt.double() - g64).abs() <= eg + 1e-30).all()
+    # one token: _gemv.py's fp16 products (bound in its docstring, tests/test_shadow_gemv.py)
+    widen = (5 * 2.0**-11 / gamma + 1) if batch == 1 else 1.0
+    assert ((ut.double() - u64).abs() <= widen * eu + 1e-30).all()
+    assert ((gt.double() - g64).abs() <= widen * eg + 1e-30).all()
     # the cut: about 80 % of the rows skipped, no row's score within its float32 error of the cut
     a64 = _common.act_torch(g64, act)
     score64 = (u64 * a64).abs()

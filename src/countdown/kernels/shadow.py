@@ -6,11 +6,14 @@ compute the exact Gated-MLP on the kept rows only.
     y       = sum over kept rows i of (x W_up[i]^T) act(x W_gate[i]^T) w_down_t[i]   (x's precision)
 
 Bytes read per token: the two shadows (``quant.shadow_bytes``: 2 x 29.4 MB at 4 bits, group 64, for
-Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. The kernel (``_select.py``) computes the shadow
-GEMVs, the cut and the kept rows of the three full-precision matrices in one launch per token; for
-2-8 tokens it takes the union of the batch's kept rows (each token's own rows nonzero only) and runs
-the masked down projection after; beyond 8 tokens (prefill) the shadow scores come from the kernel
-and the masked kernel (masked.py) does the rest.
+Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. One token on CUDA (the default route, "onepass"):
+``_gemv.py``'s kernel writes the indicator |u~ act(g~)| (fp16x2 dequantization, fp16 products: error
+bound in its docstring) and ``_onepass.py``'s kernel computes the kept rows in one launch. The
+selecting kernel (``_select.py``, fp32 products) computes the shadow GEMVs, the cut and the kept rows
+of the three full-precision matrices in one launch (route "fused" for one token); for 2-8 tokens it
+takes the union of the batch's kept rows (each token's own rows nonzero only) and runs the masked down
+projection after; beyond 8 tokens (prefill) the shadow scores come from it and the masked kernel
+(masked.py) does the rest.
 
 GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 32 a power of two
 (groups of 32, 64, 128 at 4 bits). Other widths (2, 3 bits) and groups run the float32 reference
@@ -34,6 +37,10 @@ MAX_FUSED_TOKENS = 8
 # its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
 # on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
 ONE_TOKEN_ROUTE = "onepass"
+# The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
+# made with one integer op, x kept in registers; the default), or "fp32", _select.py's SCORES kernel
+# (the earlier one, fp32 per value). benchmarks/shadow_gemv.py times both.
+ONE_TOKEN_GEMV = "fp16x2"
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -91,16 +98,41 @@ def _fast(x, q) -> bool:
     return q.dtype == torch.int32 and available(x) and q.device == x.device
 
 
+def _one_token_gemv(x2, q, scale) -> bool:
+    """Whether _gemv.py's kernel takes these shadow GEMVs (one token, 4 or 8 bits)."""
+    if ONE_TOKEN_GEMV != "fp16x2" or x2.shape[0] != 1:
+        return False
+    d_model = x2.shape[1]
+    bits = 32 * q.shape[2] // d_model
+    return bits in (4, 8) and q.shape[2] * 32 == d_model * bits and q.shape[2] % scale.shape[2] == 0 \
+        and _pow2_ok(q.shape[2] // scale.shape[2])
+
+
+def _pow2_ok(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
 def shadow_scores(x, prepared) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d_model] -> (u~, g~) float32 [..., d_inter] (the two shadow GEMVs alone)."""
+    """x [..., d_model] -> (u~, g~) float32 [..., d_inter] (the two shadow GEMVs alone). One token
+    on the fast path: _gemv.py's fp16x2 kernel (fp16 products, error bound in its docstring);
+    otherwise float32 products (_select.py)."""
     q, scale = _check(x, prepared)
     if not _fast(x, q):
         qg, sg, qu, su = unpack_prepared(prepared, x.shape[-1])
         return shadow_scores_ref(x, qg, sg, qu, su)
     x2 = x.reshape(-1, x.shape[-1])
-    o = torch.ops.countdown.shadow_scores(x2, q, scale)
+    if _one_token_gemv(x2, q, scale):
+        o = torch.ops.countdown.shadow_gemv(x2, q, scale, "silu", False)
+    else:
+        o = torch.ops.countdown.shadow_scores(x2, q, scale)
     lead = x.shape[:-1]
     return o[0].reshape(*lead, -1), o[1].reshape(*lead, -1)
+
+
+def _onepass_applies(x2) -> bool:
+    from . import _onepass
+
+    return _onepass.applies(x2)
 
 
 def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu"):
@@ -127,12 +159,16 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
     x2 = x.reshape(-1, d_model)
     n_tok = x2.shape[0]
-    if n_tok == 1 and ONE_TOKEN_ROUTE == "onepass" and x.is_cuda:
+    if n_tok == 1 and ONE_TOKEN_ROUTE == "onepass" and _onepass_applies(x2):
         from . import _onepass
 
-        u_t, g_t = shadow_scores(x2, prepared)
+        if _one_token_gemv(x2, q, scale):  # the indicator |u~ act(g~)| straight from the GEMV kernel
+            ind = torch.ops.countdown.shadow_gemv(x2, q, scale, activation, True)
+        else:
+            u_t, g_t = shadow_scores(x2, prepared)
+            ind = shadow_score(u_t, g_t, activation)
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
-                                 ind=shadow_score(u_t, g_t, activation))
+                                 ind=ind)
         return y.reshape(x.shape)
     if n_tok == 1:
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
@@ -158,6 +194,20 @@ def _scores_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
 @_scores_op.register_fake
 def _(x, q, scale):
     return x.new_empty((2, x.shape[0], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("countdown::shadow_gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str, score: bool) -> torch.Tensor:
+    """One token: (u~, g~) as [2, 1, d_inter] fp32, or (score) |u~ act(g~)| as [1, d_inter] fp32."""
+    from . import _gemv
+
+    return _gemv.launch(x, q, scale, activation if score else None)
+
+
+@_gemv_op.register_fake
+def _(x, q, scale, activation, score):
+    shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
+    return x.new_empty(shape, dtype=torch.float32)
 
 
 def _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t):
