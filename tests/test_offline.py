@@ -55,7 +55,7 @@ def test_exported_scored_replayed_equals_the_cpu_sweep(setup, tmp_path):
     data = files.read_job(job)
     assert len(data["configs"]) == 1 + 2 * 2 * 2 + 2  # dense, mono and dual x 2 modes x 2 k, dual[hybrid] prac x 2
     # the device side: a model object and the job's files only (no lm-eval in countdown.offline.device)
-    configs = device.load_configs(data, job.parent)
+    configs = device.load_configs(data, job.parent, setup.model)
     scores = files.empty_scores(data)
     device.score_job(setup.model, data, configs, scores, tmp_path / "s.json.gz", chunk=3, batch_tokens=8,
                      stop_after=None, log=lambda line: None)
@@ -78,7 +78,7 @@ def test_replay_refuses_scores_of_other_requests(setup, tmp_path):
     job = _run(setup, tmp_path / "a", export=tmp_path / "job")["job"]
     data = files.read_job(job)
     scores = files.empty_scores(data)
-    device.score_job(setup.model, data, device.load_configs(data, job.parent), scores, tmp_path / "s.json.gz",
+    device.score_job(setup.model, data, device.load_configs(data, job.parent, setup.model), scores, tmp_path / "s.json.gz",
                      chunk=4, batch_tokens=64, stop_after=None, log=lambda line: None)
     scores["requests_sha256"]["tiny_mc"] = "0" * 64
     files.write_gz_json(tmp_path / "bad.json.gz", scores)

@@ -21,23 +21,23 @@ import torch
 
 from ..artifacts import load_artifacts
 from ..scoring import EvalConfig, score_requests
-from .files import (artifact_identity, empty_scores, job_digest, read_job, read_scores, task_entry,
-                    write_gz_json)
+from .files import (artifact_identity, empty_scores, job_digest, read_job, read_scores, restore_shadows,
+                    task_entry, write_gz_json)
 from .weights import build_model
 
 LOGITS_BYTES = 6 << 30  # bytes of logits + log-softmax a continuation batch may hold
 
 
-def load_configs(job: dict, artifacts_dir: Path) -> dict[str, EvalConfig]:
-    """``{config key: EvalConfig}`` of the job, SP-Prac artifacts loaded and checked against the
-    identity the CPU recorded (a ValueError names a file that differs)."""
+def load_configs(job: dict, artifacts_dir: Path, model=None) -> dict[str, EvalConfig]:
+    """``{config key: EvalConfig}`` of the job, SP-Prac artifacts loaded (shadows rebuilt from
+    ``model``) and checked against the identity the CPU recorded (a ValueError names a file that differs)."""
     loaded, out = {}, {}
     for c in job["configs"]:
         art = None
         if c["artifacts"]:
             name = c["artifacts"]["file"]
             if name not in loaded:
-                loaded[name] = load_artifacts(artifacts_dir / name)
+                loaded[name] = restore_shadows(load_artifacts(artifacts_dir / name), model)
             art = loaded[name]
             if artifact_identity(art, job["sparsities"]) != c["artifacts"]["identity"]:
                 raise ValueError(f"{name} is not the SP-Prac artifact the job was made with ({c['key']})")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     artifacts_dir = Path(args.artifacts_dir) if args.artifacts_dir else Path(args.job).parent
     model = build_model(args.config_dir, args.weights, args.device, args.threads)
     loaded = time.perf_counter() - start
-    configs = load_configs(job, artifacts_dir)
+    configs = load_configs(job, artifacts_dir, model)
     vocab = model.get_output_embeddings().weight.shape[0]
     batch_tokens = args.batch_tokens or max(256, LOGITS_BYTES // (vocab * 4 * 2))
     device = torch.cuda.get_device_name() if str(args.device).startswith("cuda") else str(args.device)

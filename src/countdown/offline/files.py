@@ -96,6 +96,38 @@ def trim_artifacts(art, ks: Sequence[float]):
     return Artifacts(meta, tensors)
 
 
+def strip_shadows(art):
+    """A shadow artifact without its low-bit copies of W_gate / W_up (``shared/`` tensors): they are a
+    function of the model's weights, rebuilt where the model is (:func:`restore_shadows`), so they
+    need not travel. Other kinds are returned as they are."""
+    from ..artifacts import Artifacts
+
+    if art.kind != "shadow":
+        return art
+    return Artifacts(json.loads(json.dumps(art.meta)), {n: t for n, t in art.tensors.items()
+                                                         if not n.startswith("shared/")})
+
+
+def restore_shadows(art, model):
+    """The shadow tensors of ``art`` rebuilt from ``model``'s Gated-MLPs as the shadow kind builds them
+    (round-to-nearest of each weight, :func:`countdown.kernels.quant.quantize_rtn`), on the weights'
+    device; the caller checks the result with :func:`artifact_identity`."""
+    from ..artifacts import Artifacts
+    from ..kernels.quant import pack_bits, quantize_rtn
+    from ..mlp import require_gated_mlps
+
+    if art.kind != "shadow" or any(n.startswith("shared/") for n in art.tensors):
+        return art
+    bits, group = art.meta["bits"], art.meta["group"]
+    tensors = dict(art.tensors)
+    for i, mlp in enumerate(require_gated_mlps(model)):
+        for name, w in (("gate", mlp.w_gate), ("up", mlp.w_up)):
+            q, scale = quantize_rtn(w.detach().float(), bits, group)
+            tensors[f"shared/layer{i}/{name}_q"] = pack_bits(q, bits).cpu()
+            tensors[f"shared/layer{i}/{name}_scale"] = scale.cpu()
+    return Artifacts(art.meta, tensors)
+
+
 def artifact_identity(art, ks: Sequence[float]) -> str:
     """The checksum of ``art`` trimmed to ``ks``: equal on both machines exactly when the GPU scored
     with the tensors the CPU sweep would use."""

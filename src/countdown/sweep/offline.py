@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..offline.files import (JOB_FORMAT, answers, artifact_identity, config_key, read_scores, requests_digest,
-                             trim_artifacts, write_gz_json)
+                             strip_shadows, trim_artifacts, write_gz_json)
 from .cells import CellSpec
 
 PLACEHOLDER = (0.0, False)
@@ -66,7 +66,8 @@ def export_job(out_dir, label: str, model, tokenizer, cells: Sequence[CellSpec],
             if cell.method not in files:
                 full = artifacts_for(cell)
                 name = _file_name(label, cell.method)
-                trim_artifacts(full, sparsities).save(out / name, force=True)
+                # shadows are rebuilt from the weights on the other machine: they need not travel
+                strip_shadows(trim_artifacts(full, sparsities)).save(out / name, force=True)
                 files[cell.method] = {"file": name, "identity": artifact_identity(full, sparsities)}
             art = files[cell.method]
         configs.append({"key": key, "method": cell.method, "registry": methods[cell.method], "mode": cell.mode,
