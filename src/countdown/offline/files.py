@@ -122,7 +122,7 @@ def restore_shadows(art, model):
     tensors = dict(art.tensors)
     for i, mlp in enumerate(require_gated_mlps(model)):
         for name, w in (("gate", mlp.w_gate), ("up", mlp.w_up)):
-            q, scale = quantize_rtn(w.detach().float(), bits, group)
+            q, scale = quantize_rtn(w.detach().float().cpu(), bits, group)  # on the CPU, as it was built
             tensors[f"shared/layer{i}/{name}_q"] = pack_bits(q, bits).cpu()
             tensors[f"shared/layer{i}/{name}_scale"] = scale.cpu()
     return Artifacts(art.meta, tensors)
