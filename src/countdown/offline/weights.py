@@ -175,3 +175,36 @@ def build_model(config_dir: str | os.PathLike, pack: str | os.PathLike, device: 
                          f"unexpected {sorted(unexpected)[:5]}")
     model.tie_weights()
     return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m countdown.offline.weights --model NAME --out FILE``: the weights pack of a catalogue model
+    (its GGUF assembled and sha256-checked again, the cached fp32 model as the reference)."""
+    import argparse
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from .. import models
+
+    p = argparse.ArgumentParser(prog="python -m countdown.offline.weights", description=main.__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help=f"catalogue model ({', '.join(models.CATALOGUE)})")
+    p.add_argument("--out", required=True, help="the .pack file to write")
+    args = p.parse_args(argv)
+    if args.model not in models.CATALOGUE:
+        p.error(f"--model {args.model!r} is not a catalogue model: choose from {', '.join(models.CATALOGUE)}")
+    entry = models.CATALOGUE[args.model]
+    folder = models._catalogue_folder(entry)  # the cached fp32 model (built on first use)
+    reference = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        reference.update(load_file(str(f)))
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = models.fetch_gguf(entry, Path(tmp))
+        models.verify_sha256(gguf_path, entry.sha256)
+        header = pack_gguf(gguf_path, reference, args.out)
+    print(f"wrote {args.out}: {len(header['tensors'])} tensors, {Path(args.out).stat().st_size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
