@@ -120,3 +120,29 @@ def test_evaluate_configs_equals_evaluate_per_configuration(tmp_path):
         assert [d for d, _ in res["samples"]] == list(range(5))
         assert sum(per["acc"] for _, per in res["samples"]) / 5 == pytest.approx(ref["tasks"]["tiny_mc"]["acc"])
     assert not countdown.is_sparsified(model)
+
+
+def test_sliding_window_shorter_than_the_prompts():
+    """Gemma-3's sliding-window layers with prompts longer than the window (Gemma-3-270m: window 512,
+    BoolQ prompts up to ~780 tokens): the cached prompt keeps every position, the mask applies the window."""
+    import transformers
+    from conftest import _COMMON
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=4,
+                                           layer_types=["sliding_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(2)
+    encoded = [(torch.randint(3, 128, (n,), generator=gen).tolist(), torch.randint(3, 128, (m,), generator=gen).tolist())
+               for n, m in [(11, 3), (7, 6), (3, 4), (14, 2), (9, 1)]]
+    tok = tiny_tokenizer()
+    configs = [EvalConfig("dense"), EvalConfig("dual", "ideal", 0.5)]
+    shared, _ = score_requests(model, encoded, configs, 64, chunk=3, batch_tokens=12)
+    for c, config in enumerate(configs):
+        ref, _ = _reference(model, tok, config, encoded, 64)
+        for (ll, greedy), (ref_ll, ref_greedy) in zip(shared[c], ref):
+            assert ll == pytest.approx(ref_ll, abs=ATOL)
+            assert greedy == ref_greedy

@@ -42,6 +42,11 @@ def add_arguments(p) -> None:
                         f"(each merge holds the folder's lock briefly; default {DEFAULT_WAIT:g})")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite <model>.md / .png from the CSV as it stands; compute nothing")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the job of the pending lm-eval cells (requests as token ids, SP-Prac artifacts) to DIR "
+                        "for `python -m countdown.offline.device` on a GPU; measure nothing")
+    p.add_argument("--scores", default=None, metavar="FILE[,FILE]",
+                   help="scores files of such a job: lm-eval cells found there are replayed through lm-eval here")
     p.add_argument("--dtype", default="fp32", help="model dtype (default fp32)")
     p.add_argument("--device", default="cpu", help="model device (default cpu)")
 
@@ -84,7 +89,9 @@ def sweep_from_args(args) -> int:
                   artifacts_dir=args.artifacts_dir, dtype=args.dtype, device=args.device,
                   report_only=args.report_only, wait=getattr(args, "wait", DEFAULT_WAIT),
                   chunk=getattr(args, "chunk", DEFAULT_CHUNK),
-                  pass_configs=getattr(args, "pass_configs", DEFAULT_PASS_CONFIGS))
+                  pass_configs=getattr(args, "pass_configs", DEFAULT_PASS_CONFIGS),
+                  export=getattr(args, "export", None),
+                  scores=split_list(args.scores) if getattr(args, "scores", None) else None)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except (LockedError, UnwritableError) as err:

@@ -147,9 +147,11 @@ def _header(rows, model_name, tasks, info) -> list[str]:
         md.append(f"- Agreement with dense: {info['agreement_setting']} (countdown.agreement)")
     md += _calibration_lines(info.get("artifacts") or {})
     measured = sum(float(s) for s in {row_key(r): r["seconds"] for r in rows if r["seconds"]}.values())
+    lm_cell = ("the GPU time of its configuration's continuation passes plus an even share of its task's dense "
+               "prompt pass (transfers, model loading and the CPU's lm-eval replay excluded)"
+               if "scored on" in str(info.get("device", "")) else "its share of its task's shared pass")
     md.append(f"- Time: {measured:.0f} s measuring the {len({row_key(r) for r in rows})} cells of this report "
-              "(sum of the CSV's seconds, model loading excluded; an lm-eval cell's seconds are its share of "
-              "its task's shared pass)")
+              f"(sum of the CSV's seconds, model loading excluded; an lm-eval cell's seconds are {lm_cell})")
     if info.get("report_only"):
         md.append(f"- **Partial**: {info.get('measured_cells')} of {info.get('total_cells')} cells measured so "
                   "far (report written with --report-only; configurations missing a task have no average)")

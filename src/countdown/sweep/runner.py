@@ -16,7 +16,7 @@ import torch
 from ..agreement import default_prompts
 from ..io import check_writable_dir
 from ..registry import check_sparsity
-from . import measure
+from . import measure, offline
 from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, MODES, CellSpec,
                     agreement_setting, format_k, lmeval_setting, model_label, parse_methods, plan_cells,
                     ppl_setting, row_key, short_hash)
@@ -139,7 +139,8 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
               threads: int | None = None, model=None, tokenizer=None, task_manager=None,
               dtype: str = "fp32", device: str = "cpu", command: str | None = None, progress: bool = True,
               report_only: bool = False, wait: float = DEFAULT_WAIT, chunk: int = measure.DEFAULT_CHUNK,
-              pass_configs: int = measure.DEFAULT_PASS_CONFIGS, log: Callable[[str], None] = print) -> dict:
+              pass_configs: int = measure.DEFAULT_PASS_CONFIGS, export: str | os.PathLike | None = None,
+              scores: Sequence[str] | None = None, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the quality sweep and write ``<out_dir>/<model>.csv``, ``.docs.csv``, ``.md``, ``.png``.
 
     methods: method specs, ``"mono"`` or ``"dual[lowrank]"`` / ``"dual[shadow4]"`` (an SP-Prac kind;
@@ -159,6 +160,10 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     model / tokenizer: an already loaded model (then ``model_name`` is only its label);
         ``task_manager``: an lm-eval TaskManager that knows ``tasks`` (default: the offline tasks).
     wait: seconds a write waits for another run's merge into the same folder (default 60).
+    export: a folder: write the job of every pending lm-eval cell there (:mod:`countdown.sweep.offline`)
+        and its SP-Prac artifacts, measure nothing, return ``{"job": path}``.
+    scores: scores files of such a job (scored on a GPU): lm-eval cells found there are replayed
+        through lm-eval instead of computed; those not there stay pending.
 
     Results are merged into the CSV under a lock after every task pass and every other cell, so
     an interrupted sweep loses at most the pass or cell under way, and concurrent sweeps into one
@@ -223,6 +228,13 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
             store.add(meta_update=lambda meta: meta["splits"].update(splits))
         run = _Run(model, tokenizer, store, label, limit, sparsities, artifacts_dir, artifact_options, artifacts_tag,
                    spec_of, method_of, progress, log)
+        if export is not None:
+            shared = [c for c in todo if c.kind == "lmeval" and not measure.is_generation_task(task_manager, c.task)]
+            job = offline.export_job(export, label, model, tokenizer, shared, [t for t in tasks if any(
+                c.task == t for c in shared)], sparsities, run.artifacts_for, method_of, limit, num_fewshot,
+                task_manager, batch_size, command, log)
+            return {"job": job}
+        scored = offline.Scores(scores, label) if scores else None
         for task in tasks:  # lm-eval: every pending configuration of a task in one shared pass
             group = [c for c in todo if c.kind == "lmeval" and c.task == task]
             if group:
@@ -233,6 +245,17 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                 for cell in group:
                     computed += run.save(cell, measure.measure_lmeval(
                         model, tokenizer, cell, method_of[cell.method], run.artifacts_for(cell), limit, batch_size,
+                        num_fewshot, task_manager))
+                continue
+            if scored is not None:  # answers from the GPU, metrics from lm-eval here
+                have = [c for c in group if scored.has(task, c)]
+                if len(have) < len(group):
+                    log(f"  {task}: {len(group) - len(have)} configurations are not in the scores files: left pending")
+                if have:
+                    arts = {c.method: run.artifacts_for(c) for c in have if c.mode == "prac"}
+                    log(f"  {task}: {len(have)} configurations replayed from the scores files")
+                    computed += run.save_many(have, offline.replay_task(
+                        model, tokenizer, task, have, method_of, arts, sparsities, scored, limit, batch_size,
                         num_fewshot, task_manager))
                 continue
             for start in range(0, len(group), pass_configs):  # each pass is saved when it ends
@@ -257,6 +280,8 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                                                    run.artifacts_for(cell), prompt_list, max_new_tokens)
             computed += run.save(cell, result)
         device_txt = device_description(model) if model is not None else None
+        if scored is not None and device_txt:
+            device_txt += f"; lm-eval log-likelihoods scored on {scored.devices()} (seconds: GPU time per cell)"
     except KeyboardInterrupt:
         saved = len(cells) - len(pending())
         log(f"\ncountdown sweep: interrupted. {saved} of {len(cells)} cells are saved in {store.csv} "
