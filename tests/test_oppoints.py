@@ -107,3 +107,118 @@ def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):
     run_quality_grid("tiny", **kwargs)  # resumed: nothing measured again
     assert not any("ppl" in line and "k=" in line for line in logs)
     assert len(read_rows(path)) == 5
+
+
+def test_one_compiled_step_serves_dense_every_method_and_every_k():
+    """The slot harness (Dynamo, eager backend on the CPU) against eager decoding of the patched model:
+    same tokens for dense and each spec at each k, switched in place, and ONE graph for all of them."""
+    from countdown.bench.measure import clear_dynamo_counts, dynamo_counts
+    from countdown.bench.runner import private_copy
+    from countdown.bench.slots import SLOTS, CapturedDecoder, SlotModel
+    from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
+    from countdown.decode import generate_fast
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    arts = {}
+    for label in ("mono", "dual[lowrank]"):
+        spec = parse_spec(label)
+        art = random_artifacts(model, spec, [0.8, 0.4])
+        fit_cuts_on_decode(model, art, decode_prompts(128, 2, 7), new_tokens=8, rounds=1)
+        arts[label] = (spec, art)
+    refs = {"dense": generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]}
+    for label, (spec, art) in arts.items():
+        for k in (0.8, 0.4):
+            countdown.sparsify(model, spec.method, k, mode="prac", artifacts=art, path="auto")
+            refs[(label, k)] = generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]
+            countdown.unsparsify(model)
+    assert not torch.equal(refs["dense"], refs[("mono", 0.8)])  # sparsity changes the tokens: the check can fail
+    torch._dynamo.reset()
+    clear_dynamo_counts()
+    params = dict(model.named_parameters())
+    with SlotModel(model) as slots:
+        assert len(slots.holder.mlps) == 2 and all(SLOTS[p[3].slot] is p[2] for p in slots.places)
+        dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
+        assert torch.equal(dec.run(prompt, 12)[0], refs["dense"])
+        for label, (spec, art) in arts.items():
+            countdown.sparsify(slots.holder, spec.method, 0.8, mode="prac", artifacts=private_copy(art), path="auto")
+            for k in (0.8, 0.4):
+                retarget(slots.holder, art, k)
+                assert torch.equal(dec.run(prompt, 12)[0], refs[(label, k)]), (label, k)
+            countdown.unsparsify(slots.holder)
+        assert torch.equal(dec.run(prompt, 12)[0], refs["dense"])
+    assert dynamo_counts() == {"unique_graphs": 1, "graph_breaks": 0}
+    assert dict(model.named_parameters()).keys() == params.keys()  # the MLPs are back where they were
+
+
+def test_mask_replay_keeps_the_kept_counts(tmp_path):
+    from countdown.bench.maskreplay import contiguous_like, load_masks, random_like, replay, tile_masks
+    from countdown.bench.qualitygrid import _save_masks
+
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.rand(3, 5, 40, generator=gen) < torch.linspace(0.1, 0.6, 5)[None, :, None]
+    _save_masks(tmp_path / "m.pt", masks, {"model": "tiny", "method": "mono", "sparsity": 0.8})
+    loaded, meta = load_masks(str(tmp_path / "m.pt"))
+    assert torch.equal(loaded, masks) and meta["method"] == "mono"
+    big = tile_masks(masks, 4, 97)
+    assert big.shape == (4, 5, 97)
+    assert torch.equal(big[3, :, 45], masks[0, :, 5]) and torch.equal(big[1, 2, :40], masks[1, 2])
+    for other in (random_like(big), contiguous_like(big)):
+        assert torch.equal(other.sum(-1), big.sum(-1)) and not torch.equal(other, big)
+    assert contiguous_like(big)[0, 0, :int(big[0, 0].sum())].all()
+    w = [(torch.randn(97, 16), torch.randn(97, 16), torch.randn(97, 16)) for _ in range(2)]
+    assert replay(w, [torch.randn(1, 16) for _ in range(2)], big[:2, :1], "silu", reps=1) > 0  # runs (Triton interpreted)
+
+
+def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
+    import json
+
+    from countdown.bench.merge import OP_COLUMNS, merge_operating_points
+    from countdown.bench.qualitygrid import QUALITY_COLUMNS
+    from countdown.bench.report import write_csv
+
+    speed = tmp_path / "speed"
+    speed.mkdir()
+    base = {"run": "R", "batch": 1, "new_tokens": 512, "device": "GPU", "date": "2026-11-23", "config": "shape"}
+    write_csv([{**base, "method": "dense", "harness": "compile-cdt", "tokens_per_s": 200, "sparsity": "", "sparsity_real": ""},
+               {**base, "method": "dense", "harness": "one-compile", "tokens_per_s": 190, "kernel_us": 100,
+                "sparsity": "", "sparsity_real": ""},
+               {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.5, "sparsity_real": 0.5,
+                "tokens_per_s": 220, "kernel_us": 60, "mlp_speedup": 100 / 60},
+               {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.7, "sparsity_real": 0.7,
+                "tokens_per_s": 260, "kernel_us": 40, "mlp_speedup": 2.5}], str(speed / "decode.csv"))
+    (speed / "decode_meta.json").write_text(json.dumps([{**base, "command": "decode.py"}]))
+    quality = tmp_path / "quality"
+    quality.mkdir()
+    q = {"model": "tiny", "dense_ppl": 10.0, "top1": 1, "date": "2026-11-23"}
+    with open(quality / "tiny.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=QUALITY_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows([{**q, "method": "dense", "sparsity": 0, "sparsity_real": 0, "ppl": 10, "ppl_increase": 0, "kl": 0},
+                     {**q, "method": "mono", "sparsity": 0.6, "sparsity_real": 0.6, "ppl": 10.3, "ppl_increase": 0.03,
+                      "kl": 0.1},
+                     {**q, "method": "mono", "sparsity": 0.8, "sparsity_real": 0.75, "ppl": 13, "ppl_increase": 0.3,
+                      "kl": 0.5}])
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    with open(sweep / "tiny.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["model", "method", "mode", "sparsity", "task", "metric", "value", "setting"])
+        w.writeheader()
+        w.writerows([{"model": "tiny", "method": "dense", "mode": "", "sparsity": "", "task": "arc_easy", "metric": "acc",
+                      "value": 0.6, "setting": "limit=30"},
+                     {"model": "tiny", "method": "mono", "mode": "prac", "sparsity": "0.6", "task": "arc_easy",
+                      "metric": "acc", "value": 0.5, "setting": "limit=30"}])
+    out = tmp_path / "op"
+    written = merge_operating_points([str(speed)], str(quality), str(out), str(sweep), log=lambda m: None)
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert list(rows[0]) == OP_COLUMNS
+    dense, mono6, mono8 = rows
+    assert float(dense["decode_speedup"]) == 1.0 and float(dense["task_score"]) == pytest.approx(0.6)
+    # halfway between 1.10x (220 / 200) and 1.30x (260 / 200): against the fastest compiled dense decoder
+    assert float(mono6["decode_speedup"]) == pytest.approx(1.2)
+    assert float(mono6["kernel_us"]) == pytest.approx(50) and float(mono6["task_score"]) == pytest.approx(0.5)
+    assert mono8["decode_speedup"] == "" and "outside the timed range" in mono8["speed_note"]
+    line = written["tiny"]["recommendation"]
+    assert line.startswith("for at most 5 % perplexity increase, use mono at k=0.6 (+3.0 %") and "1.20x faster" in line
+    assert (out / "tiny.md").read_text().count("| mono |") == 2 and (out / "tiny.png").stat().st_size > 0

@@ -82,7 +82,7 @@ def _command(args) -> str:
 def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
     import countdown
-    from .operating import BenchSettings, operating_points, write_operating_points
+    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
     from .specs import parse_specs
 
     try:
@@ -118,7 +118,7 @@ def bench_from_args(args) -> int:
                             progress=not args.no_progress)
     meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
             "command": _command(args)}
-    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase)
+    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"

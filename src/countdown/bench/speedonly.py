@@ -96,7 +96,46 @@ def library_artifacts(model, spec: Spec, ks: list[float], texts: list[str], toke
                               f"{str(error)[:200]})") from error
 
 
-def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, rounds: int = 2) -> dict:
+def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int):
+    """Every layer's selector scores on the decode steps of ``model`` patched with ``art`` at ``k``
+    (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
+    kind without a score."""
+    from ..decode import generate_fast
+    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
+
+    sparsify(model, art.method, k, mode="prac", artifacts=art, path="masked")
+    try:
+        layers = state_of(model).layers
+        scores: list[list[torch.Tensor]] = [[] for _ in layers]
+
+        def hook(module, args, out, i):
+            scores[i].append(module.score(args[0], layers[i].mlp).float().flatten())
+
+        handles = [layer.selector.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
+                   for i, layer in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                generate_fast(model, prompts.to(next(model.parameters()).device), new_tokens, compile=False)
+        except NotImplementedError:  # a kind without a score keeps the cuts it was built with
+            return None, float("nan")
+        finally:
+            for h in handles:
+                h.remove()
+        return [torch.cat(s) for s in scores], round(sparsity_real(model)["mean"], 4)
+    finally:
+        unsparsify(model)
+
+
+def _quantile_cuts(scores: list[torch.Tensor], k: float) -> list[torch.Tensor]:
+    cuts = []
+    for s in scores:
+        rank = min(max(1, round(k * s.numel())), s.numel())
+        cuts.append(s.kthvalue(rank).values.cpu())
+    return cuts
+
+
+def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, rounds: int = 2,
+                       shared_first: bool | None = None) -> dict:
     """Set each layer's threshold / cut of ``art`` (in place) so that on the sparse model's own decode
     steps exactly a fraction ``1 - k`` of (step, row) pairs is kept, for every k of the artifact.
 
@@ -106,48 +145,36 @@ def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, 
     first round sees the activations of the cuts given (the dense model's when they keep every row);
     later rounds those of the sparse model the previous round made. Every kind's selector gives its
     score (``RowSelector.score(x, mlp)``) and its kind stores the cuts (``SelectorKind.set_cuts``).
-    Returns ``{k: [Sparsity-Real of each round's generation]}``."""
-    from ..decode import generate_fast
+
+    ``shared_first`` (default: for stand-ins, whose placeholder cuts keep every row): the first round
+    is the dense model's at every k, so one generation serves all of them. Returns
+    ``{k: [Sparsity-Real of each round's generation]}``."""
     from ..prac.base import get_kind
-    from ..registry import get_method
-    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
 
-    method = get_method(art.method)
     kind = get_kind(art.kind)
-    history: dict[float, list[float]] = {}
-    for k in art.sparsities:
-        history[k] = []
-        for _ in range(rounds):
-            sparsify(model, method.name, k, mode="prac", artifacts=art, path="masked")
-            scores: list[list[torch.Tensor]] = []
-            try:
-                layers = state_of(model).layers
-                scores = [[] for _ in layers]
-
-                def hook(module, args, out, i):
-                    scores[i].append(module.score(args[0], layers[i].mlp).float().flatten())
-
-                handles = [layer.selector.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
-                           for i, layer in enumerate(layers)]
-                try:
-                    with torch.no_grad():
-                        generate_fast(model, prompts.to(next(model.parameters()).device), new_tokens, compile=False)
-                finally:
-                    for h in handles:
-                        h.remove()
-                history[k].append(round(sparsity_real(model)["mean"], 4))
-            except NotImplementedError:  # a kind without a score keeps the cuts it was built with
-                history[k].append(float("nan"))
+    ks = list(art.sparsities)
+    history: dict[float, list[float]] = {k: [] for k in ks}
+    if shared_first is None:
+        shared_first = bool(art.meta.get("stand_in"))
+    left = {k: rounds for k in ks}
+    if shared_first and rounds > 0:
+        scores, real = _decode_scores(model, art, ks[0], prompts, new_tokens)
+        for k in ks:
+            history[k].append(real)
+            left[k] -= 1
+            if scores is not None:
+                kind.set_cuts(art, k, _quantile_cuts(scores, k))
+        if scores is None:
+            left = {k: 0 for k in ks}
+    for k in ks:
+        for _ in range(left[k]):
+            scores, real = _decode_scores(model, art, k, prompts, new_tokens)
+            history[k].append(real)
+            if scores is None:
                 break
-            finally:
-                unsparsify(model)
-            cuts = []
-            for layer_scores in scores:
-                s = torch.cat(layer_scores)
-                rank = min(max(1, round(k * s.numel())), s.numel())
-                cuts.append(s.kthvalue(rank).values.cpu())
-            kind.set_cuts(art, k, cuts)
-    art.meta["decode_fit"] = {"rounds": rounds, "prompts": int(prompts.shape[0]), "new_tokens": new_tokens,
+            kind.set_cuts(art, k, _quantile_cuts(scores, k))
+    art.meta["decode_fit"] = {"rounds": rounds, "shared_first": shared_first, "prompts": int(prompts.shape[0]),
+                              "new_tokens": new_tokens,
                               "sparsity_real_per_round": {f"{k:g}": v for k, v in history.items()}}
     return history
 

@@ -1,0 +1,200 @@
+"""Operating points: the quality of each configuration on a real model joined with its speed at a
+paper-scale shape, one table, plot and recommendation per model.
+
+Quality comes from the CPU grid (:mod:`countdown.bench.qualitygrid`, ``<quality>/<model>.csv``), speed
+from the one-compile decode benchmark (:mod:`countdown.bench.onecompile`, ``decode.csv``: Llama-3.1-8B
+shape, random weights, batch 1). A row's speed is read off its method's 8B-shape curve at the
+Sparsity-Real the method reached ON THE REAL MODEL (linear interpolation between the kept fractions
+timed; ``speed_sparsity_real`` says where, ``speed_note`` how): batch-1 speed depends on how many rows
+are read, not on which (the benchmark's mask replay checks that). Out of the timed range by more than
+:data:`EXTRAPOLATE` the speed is left empty. Decode speed-ups are against the fastest compiled dense
+decoder of the speed run. Task scores come from the lm-eval sweep (``<sweep>/<model>.csv``) where it
+has the cell: the mean score over the tasks that dense has at the sweep's most complete setting.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+EXTRAPOLATE = 0.02
+SPEED_HARNESS = "one-compile"
+OP_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
+              "kernel_us", "mlp_speedup", "task_score", "task_score_dense", "tasks", "top1", "ppl", "dense_ppl",
+              "tokens_per_s", "dense_tokens_per_s", "speed_sparsity_real", "speed_note", "speed_run", "speed_config",
+              "quality_date", "artifacts"]
+
+
+def _float(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def speed_curves(rows: list[dict]) -> dict[str, dict]:
+    """Per method label: its one-compile rows at batch 1 as points ``(sparsity_real, row)`` sorted, from
+    the last run that has the method; ``"dense"``: the run's dense reference."""
+    curves: dict[str, dict] = {}
+    for r in rows:
+        if r.get("harness") != SPEED_HARNESS or str(r.get("batch")) != "1" or r["method"] == "dense":
+            continue
+        curve = curves.setdefault(r["method"], {"run": r["run"], "points": []})
+        if curve["run"] != r["run"]:  # a later run of the same method replaces the earlier one
+            curve.update(run=r["run"], points=[])
+        curve["points"].append((float(r["sparsity_real"]), r))
+    for curve in curves.values():
+        curve["points"].sort(key=lambda p: p[0])
+    return curves
+
+
+def _interp(points: list[tuple[float, dict]], x: float, key: str):
+    pts = [(s, _float(r.get(key))) for s, r in points if _float(r.get(key)) is not None]
+    if not pts:
+        return None
+    if x <= pts[0][0]:
+        return pts[0][1] if pts[0][0] - x <= EXTRAPOLATE else None
+    if x >= pts[-1][0]:
+        return pts[-1][1] if x - pts[-1][0] <= EXTRAPOLATE else None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def sweep_label(method_label: str) -> str:
+    """The sweep's name of a bench spec: the plain method where the spec is its default kind."""
+    from .qualitygrid import artifact_options
+    from .specs import parse_spec, resolve_kind
+
+    spec = resolve_kind(parse_spec(method_label))
+    try:
+        return spec.label if artifact_options(spec) else spec.method
+    except Exception:  # a kind this library does not know
+        return method_label
+
+
+def task_scores(path: Path) -> tuple[dict, float | None, list[str]]:
+    """``({(sweep method, k): mean score}, dense mean, tasks)`` from a sweep CSV, at its lm-eval setting
+    with the most rows, over the tasks dense has there."""
+    from ..sweep.cells import AGREEMENT_TASK, PPL_TASKS
+    from ..sweep.tables import average_scores
+
+    if not path.exists():
+        return {}, None, []
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["task"] not in PPL_TASKS and r["task"] != AGREEMENT_TASK]
+    settings: dict[str, int] = {}
+    for r in rows:
+        settings[r["setting"]] = settings.get(r["setting"], 0) + 1
+    if not settings:
+        return {}, None, []
+    setting = max(settings, key=settings.get)
+    rows = [r for r in rows if r["setting"] == setting]
+    tasks = sorted({r["task"] for r in rows if r["method"] == "dense"})
+    scores = average_scores(rows, tasks) if tasks else {}
+    dense = scores.get(("dense", "", None))
+    out = {(m, k): v for (m, mode, k), v in scores.items() if mode == "prac"}
+    return out, dense, [f"{t} ({setting})" for t in tasks]
+
+
+def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores=({}, None, [])) -> list[dict]:
+    """The operating-point rows of one model (:data:`OP_COLUMNS`)."""
+    by_k, dense_score, tasks = scores
+    out = []
+    for q in quality_rows:
+        method = q["method"]
+        real = float(q["sparsity_real"] or 0)
+        row = {"model": q["model"], "method": method, "sparsity": float(q["sparsity"] or 0), "sparsity_real": real,
+               "ppl_increase": float(q["ppl_increase"]), "kl": float(q["kl"]), "top1": _float(q.get("top1")),
+               "ppl": float(q["ppl"]), "dense_ppl": float(q["dense_ppl"]), "quality_date": q.get("date"),
+               "artifacts": q.get("artifacts", ""), "device": speed_meta.get("device", ""),
+               "date": speed_meta.get("date", ""), "speed_run": speed_meta.get("run", ""),
+               "speed_config": speed_meta.get("config", ""), "task_score_dense": dense_score,
+               "tasks": "; ".join(tasks)}
+        if method == "dense":
+            row.update(decode_speedup=1.0, mlp_speedup=1.0, kernel_us=speed_meta.get("dense_kernel_us"),
+                       tokens_per_s=speed_meta.get("dense_tokens_per_s"),
+                       dense_tokens_per_s=speed_meta.get("dense_tokens_per_s"), task_score=dense_score,
+                       speed_note="the reference: the fastest compiled dense decoder of the speed run")
+        else:
+            curve = curves.get(method)
+            row["task_score"] = by_k.get((sweep_label(method), row["sparsity"]))
+            if curve is None:
+                row["speed_note"] = "no speed row for this method"
+            else:
+                pts = curve["points"]
+                row.update(decode_speedup=_interp(pts, real, "speedup_vs_compiled"),
+                           kernel_us=_interp(pts, real, "kernel_us"), mlp_speedup=_interp(pts, real, "mlp_speedup"),
+                           tokens_per_s=_interp(pts, real, "tokens_per_s"),
+                           dense_tokens_per_s=speed_meta.get("dense_tokens_per_s"), speed_sparsity_real=real)
+                span = f"{pts[0][0]:.3f}-{pts[-1][0]:.3f}"
+                row["speed_note"] = (f"interpolated at Sparsity-Real {real:.3f} between the kept fractions timed ({span})"
+                                     if row["decode_speedup"] is not None else
+                                     f"Sparsity-Real {real:.3f} outside the timed range {span}")
+        out.append(row)
+    return out
+
+
+def _speed_meta(rows: list[dict], metas: list[dict]) -> dict:
+    dense = [r for r in rows if r["method"] == "dense" and _float(r.get("dense_compiled_tokens_per_s"))]
+    dense_slots = [r for r in rows if r["method"] == "dense" and r.get("harness") == SPEED_HARNESS]
+    meta = dict(metas[-1]) if metas else {}
+    if dense:
+        meta["dense_tokens_per_s"] = float(dense[-1]["dense_compiled_tokens_per_s"])
+    if dense_slots and _float(dense_slots[0].get("kernel_us")):
+        meta["dense_kernel_us"] = float(dense_slots[0]["kernel_us"])
+    return meta
+
+
+def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "results/operating_points/quality",
+                           out_dir: str = "results/operating_points", sweep_dir: str | None = "results/quality",
+                           models: Sequence[str] | None = None, max_ppl_increase: float = 0.05,
+                           log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Write ``<out>/<model>.csv`` / ``.md`` / ``.png`` for each model with a quality table; returns
+    ``{model: paths and recommendation}``."""
+    from .opreport import write_operating_points
+    from .qualitygrid import read_rows
+    from .report import fill_references, read_runs
+
+    rows, metas = read_runs(list(speed_dirs))
+    fill_references(rows)
+    curves = speed_curves(rows)
+    speed_meta = _speed_meta(rows, metas)
+    if models is None:
+        models = sorted(p[:-4] for p in os.listdir(quality_dir) if p.endswith(".csv"))
+    written = {}
+    for model in models:
+        quality = read_rows(Path(quality_dir) / f"{model}.csv")
+        if not quality:
+            log(f"{model}: no quality rows in {quality_dir}; skipped")
+            continue
+        scores = task_scores(Path(sweep_dir) / f"{model}.csv") if sweep_dir else ({}, None, [])
+        merged = merge_model(quality, curves, speed_meta, scores)
+        order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in merged))}
+        merged.sort(key=lambda r: (order[r["method"]], r["sparsity"]))
+        where = f" at the {speed_meta.get('config', '?')} decode speed on {speed_meta.get('device', '?')}"
+        meta = {"model": model, "max_ppl_increase": max_ppl_increase, "where": where,
+                "title": f"{model}: quality (CPU, XSum) vs decode speed ({speed_meta.get('config')}, "
+                         f"{speed_meta.get('device')}, batch 1)",
+                "speed_label": "decode speed-up over the compiled dense decoder",
+                "notes": [f"quality: {model}, decode-style perplexity increase over dense and KL(dense || sparse) on "
+                          "2,048 held-out XSum tokens (windows of 512, first half a dense prompt); SP-Prac artifacts "
+                          "calibrated / trained on Wikipedia passages; CPU, fp32, "
+                          f"{quality[0].get('date', '?')} (`benchmarks/operating_points.py quality`)",
+                          f"speed: {speed_meta.get('config')} with random weights, bf16, batch 1, "
+                          f"{speed_meta.get('device')}, {speed_meta.get('date')}, run {speed_meta.get('run')} "
+                          f"(`{speed_meta.get('command', '')}`); each row read off its method's curve at the "
+                          "Sparsity-Real measured on the real model; against the fastest compiled dense decoder "
+                          f"of that run ({_fmt(speed_meta.get('dense_tokens_per_s'))} tokens/s)",
+                          "task score: mean lm-eval score over the sweep's tasks (results/quality), where the sweep "
+                          "has the cell"]}
+        written[model] = write_operating_points(merged, out_dir, meta, max_ppl_increase, columns=OP_COLUMNS)
+        log(f"{model}: {written[model]['recommendation']}")
+    return written
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{float(value):.1f}"
