@@ -181,13 +181,14 @@ def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
     speed = tmp_path / "speed"
     speed.mkdir()
     base = {"run": "R", "batch": 1, "new_tokens": 512, "device": "GPU", "date": "2026-11-23", "config": "shape"}
-    write_csv([{**base, "method": "dense", "harness": "compile-cdt", "tokens_per_s": 200, "sparsity": "", "sparsity_real": ""},
-               {**base, "method": "dense", "harness": "one-compile", "tokens_per_s": 190, "kernel_us": 100,
+    write_csv([{**base, "method": "dense", "harness": "compile-cdt", "tokens_per_s": 200, "decode_tokens_per_s": 200,
+                "sparsity": "", "sparsity_real": ""},
+               {**base, "method": "dense", "harness": "one-compile", "tokens_per_s": 190, "decode_tokens_per_s": 190, "kernel_us": 100,
                 "sparsity": "", "sparsity_real": ""},
                {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.5, "sparsity_real": 0.5,
-                "tokens_per_s": 220, "kernel_us": 60, "mlp_speedup": 100 / 60},
+                "tokens_per_s": 220, "decode_tokens_per_s": 220, "kernel_us": 60, "mlp_speedup": 100 / 60},
                {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.7, "sparsity_real": 0.7,
-                "tokens_per_s": 260, "kernel_us": 40, "mlp_speedup": 2.5}], str(speed / "decode.csv"))
+                "tokens_per_s": 260, "decode_tokens_per_s": 260, "kernel_us": 40, "mlp_speedup": 2.5}], str(speed / "decode.csv"))
     (speed / "decode_meta.json").write_text(json.dumps([{**base, "command": "decode.py"}]))
     quality = tmp_path / "quality"
     quality.mkdir()
@@ -209,6 +210,7 @@ def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
                       "value": 0.6, "setting": "limit=30"},
                      {"model": "tiny", "method": "mono", "mode": "prac", "sparsity": "0.6", "task": "arc_easy",
                       "metric": "acc", "value": 0.5, "setting": "limit=30"}])
+    (sweep / "tiny.meta.json").write_text(json.dumps({"artifacts": {"mono": {"kind": "threshold"}}}))
     out = tmp_path / "op"
     written = merge_operating_points([str(speed)], str(quality), str(out), str(sweep), log=lambda m: None)
     rows = list(csv.DictReader(open(out / "tiny.csv")))
@@ -222,3 +224,28 @@ def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
     line = written["tiny"]["recommendation"]
     assert line.startswith("for at most 5 % perplexity increase, use mono at k=0.6 (+3.0 %") and "1.20x faster" in line
     assert (out / "tiny.md").read_text().count("| mono |") == 2 and (out / "tiny.png").stat().st_size > 0
+
+
+def test_shadow_stand_in_is_the_librarys_quantization_with_cuts_fitted_on_decode():
+    from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+    from countdown.decode import generate_fast
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    art = random_artifacts(model, parse_spec("dual[shadow4]"), [0.8, 0.5])
+    from countdown.prac.shadow import fit_shadow_layer
+    from countdown.mlp import require_gated_mlps
+    from countdown.registry import get_method
+
+    mlps = require_gated_mlps(model)
+    ref = fit_shadow_layer(get_method("dual"), mlps[1], 1, torch.randn(8, 64), [0.8], {"bits": 4, "group": 64,
+                                                                                       "cut_rule": "mean-quantile"})
+    for name in ("gate_q", "up_q", "gate_scale", "up_scale"):
+        assert torch.equal(art.tensors[f"shared/layer1/{name}"], ref[f"shared/layer1/{name}"])
+    prompts = decode_prompts(128, 4, 8)
+    history = fit_cuts_on_decode(model, art, prompts, new_tokens=16, rounds=1)
+    assert history[0.8] == history[0.5] == [0.0]  # one shared dense round served both k
+    countdown.sparsify(model, "dual", 0.8, mode="prac", artifacts=art, path="masked")
+    generate_fast(model, prompts, 16, compile=False)
+    assert countdown.sparsity_real(model)["mean"] == pytest.approx(0.8, abs=0.06)
+    countdown.unsparsify(model)

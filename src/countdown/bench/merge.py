@@ -3,7 +3,8 @@ paper-scale shape, one table, plot and recommendation per model.
 
 Quality comes from the CPU grid (:mod:`countdown.bench.qualitygrid`, ``<quality>/<model>.csv``), speed
 from the one-compile decode benchmark (:mod:`countdown.bench.onecompile`, ``decode.csv``: Llama-3.1-8B
-shape, random weights, batch 1). A row's speed is read off its method's 8B-shape curve at the
+shape, random weights, batch 1); speed is decode tokens/s (steps/s, the prefill left out), tokens/s
+columns too. A row's speed is read off its method's 8B-shape curve at the
 Sparsity-Real the method reached ON THE REAL MODEL (linear interpolation between the kept fractions
 timed; ``speed_sparsity_real`` says where, ``speed_note`` how): batch-1 speed depends on how many rows
 are read, not on which (the benchmark's mask replay checks that). Out of the timed range by more than
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 EXTRAPOLATE = 0.02
-SPEED_HARNESS = "one-compile"
+SPEED_HARNESSES = ("one-compile", "one-compile-eager")  # the one-compile benchmark's rows (the second: its fallback)
 OP_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
               "kernel_us", "mlp_speedup", "task_score", "task_score_dense", "tasks", "top1", "ppl", "dense_ppl",
               "tokens_per_s", "dense_tokens_per_s", "speed_sparsity_real", "speed_note", "speed_run", "speed_config",
@@ -39,7 +40,7 @@ def speed_curves(rows: list[dict]) -> dict[str, dict]:
     the last run that has the method; ``"dense"``: the run's dense reference."""
     curves: dict[str, dict] = {}
     for r in rows:
-        if r.get("harness") != SPEED_HARNESS or str(r.get("batch")) != "1" or r["method"] == "dense":
+        if r.get("harness") not in SPEED_HARNESSES or str(r.get("batch")) != "1" or r["method"] == "dense":
             continue
         curve = curves.setdefault(r["method"], {"run": r["run"], "points": []})
         if curve["run"] != r["run"]:  # a later run of the same method replaces the earlier one
@@ -76,33 +77,55 @@ def sweep_label(method_label: str) -> str:
         return method_label
 
 
-def task_scores(path: Path) -> tuple[dict, float | None, list[str]]:
-    """``({(sweep method, k): mean score}, dense mean, tasks)`` from a sweep CSV, at its lm-eval setting
-    with the most rows, over the tasks dense has there."""
+def task_scores(path: Path) -> tuple[dict, float | None, list[str], dict]:
+    """``({(sweep method, k): mean score}, dense mean, tasks, {sweep method: SP-Prac kind})`` from a
+    sweep CSV (and the kinds from its ``.meta.json``), at its lm-eval setting with the most rows, over
+    the tasks dense has there."""
+    import json
+
     from ..sweep.cells import AGREEMENT_TASK, PPL_TASKS
     from ..sweep.tables import average_scores
 
     if not path.exists():
-        return {}, None, []
+        return {}, None, [], {}
     with open(path, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["task"] not in PPL_TASKS and r["task"] != AGREEMENT_TASK]
+    meta_path = path.with_name(path.stem + ".meta.json")
+    kinds = {}
+    if meta_path.exists():
+        kinds = {label: a.get("kind") for label, a in (json.loads(meta_path.read_text()).get("artifacts") or {}).items()}
     settings: dict[str, int] = {}
     for r in rows:
         settings[r["setting"]] = settings.get(r["setting"], 0) + 1
     if not settings:
-        return {}, None, []
+        return {}, None, [], kinds
     setting = max(settings, key=settings.get)
     rows = [r for r in rows if r["setting"] == setting]
     tasks = sorted({r["task"] for r in rows if r["method"] == "dense"})
     scores = average_scores(rows, tasks) if tasks else {}
     dense = scores.get(("dense", "", None))
     out = {(m, k): v for (m, mode, k), v in scores.items() if mode == "prac"}
-    return out, dense, [f"{t} ({setting})" for t in tasks]
+    return out, dense, [f"{t} ({setting})" for t in tasks], kinds
 
 
-def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores=({}, None, [])) -> list[dict]:
+def sweep_cell(method_label: str, kinds: dict) -> str | None:
+    """The sweep's method whose SP-Prac artifacts were of the same method and kind as ``method_label``
+    (its own spelling first: the sweep's plain ``dual`` was the hybrid kind before shadow became the
+    default), or None."""
+    from .specs import parse_spec, resolve_kind
+
+    try:
+        spec = resolve_kind(parse_spec(method_label))
+    except ValueError:
+        return None
+    own = sweep_label(method_label)
+    candidates = [own] + [label for label in kinds if label.split("[")[0] == spec.method and label != own]
+    return next((label for label in candidates if kinds.get(label) == spec.kind), None)
+
+
+def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores=({}, None, [], {})) -> list[dict]:
     """The operating-point rows of one model (:data:`OP_COLUMNS`)."""
-    by_k, dense_score, tasks = scores
+    by_k, dense_score, tasks, kinds = scores
     out = []
     for q in quality_rows:
         method = q["method"]
@@ -110,7 +133,7 @@ def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores
         row = {"model": q["model"], "method": method, "sparsity": float(q["sparsity"] or 0), "sparsity_real": real,
                "ppl_increase": float(q["ppl_increase"]), "kl": float(q["kl"]), "top1": _float(q.get("top1")),
                "ppl": float(q["ppl"]), "dense_ppl": float(q["dense_ppl"]), "quality_date": q.get("date"),
-               "artifacts": q.get("artifacts", ""), "device": speed_meta.get("device", ""),
+               "artifacts": _short(q.get("artifacts", "")), "device": speed_meta.get("device", ""),
                "date": speed_meta.get("date", ""), "speed_run": speed_meta.get("run", ""),
                "speed_config": speed_meta.get("config", ""), "task_score_dense": dense_score,
                "tasks": "; ".join(tasks)}
@@ -121,14 +144,15 @@ def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores
                        speed_note="the reference: the fastest compiled dense decoder of the speed run")
         else:
             curve = curves.get(method)
-            row["task_score"] = by_k.get((sweep_label(method), row["sparsity"]))
+            cell = sweep_cell(method, kinds)
+            row["task_score"] = by_k.get((cell, row["sparsity"])) if cell else None
             if curve is None:
                 row["speed_note"] = "no speed row for this method"
             else:
                 pts = curve["points"]
-                row.update(decode_speedup=_interp(pts, real, "speedup_vs_compiled"),
+                row.update(decode_speedup=_interp(pts, real, "decode_speedup_vs_compiled"),
                            kernel_us=_interp(pts, real, "kernel_us"), mlp_speedup=_interp(pts, real, "mlp_speedup"),
-                           tokens_per_s=_interp(pts, real, "tokens_per_s"),
+                           tokens_per_s=_interp(pts, real, "decode_tokens_per_s"),
                            dense_tokens_per_s=speed_meta.get("dense_tokens_per_s"), speed_sparsity_real=real)
                 span = f"{pts[0][0]:.3f}-{pts[-1][0]:.3f}"
                 row["speed_note"] = (f"interpolated at Sparsity-Real {real:.3f} between the kept fractions timed ({span})"
@@ -139,11 +163,13 @@ def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores
 
 
 def _speed_meta(rows: list[dict], metas: list[dict]) -> dict:
-    dense = [r for r in rows if r["method"] == "dense" and _float(r.get("dense_compiled_tokens_per_s"))]
-    dense_slots = [r for r in rows if r["method"] == "dense" and r.get("harness") == SPEED_HARNESS]
+    from .report import COMPILED_HARNESSES
+
+    dense = [r for r in rows if r["method"] == "dense" and r.get("harness") in COMPILED_HARNESSES]
+    dense_slots = [r for r in rows if r["method"] == "dense" and r.get("harness") in SPEED_HARNESSES]
     meta = dict(metas[-1]) if metas else {}
-    if dense:
-        meta["dense_tokens_per_s"] = float(dense[-1]["dense_compiled_tokens_per_s"])
+    if dense:  # the reference: the fastest compiled dense decoder, decode steps/s
+        meta["dense_tokens_per_s"] = max(float(r["decode_tokens_per_s"]) for r in dense)
     if dense_slots and _float(dense_slots[0].get("kernel_us")):
         meta["dense_kernel_us"] = float(dense_slots[0]["kernel_us"])
     return meta
@@ -171,10 +197,9 @@ def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "result
         if not quality:
             log(f"{model}: no quality rows in {quality_dir}; skipped")
             continue
-        scores = task_scores(Path(sweep_dir) / f"{model}.csv") if sweep_dir else ({}, None, [])
+        scores = task_scores(Path(sweep_dir) / f"{model}.csv") if sweep_dir else ({}, None, [], {})
         merged = merge_model(quality, curves, speed_meta, scores)
-        order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in merged))}
-        merged.sort(key=lambda r: (order[r["method"]], r["sparsity"]))
+        merged.sort(key=lambda r: (_order(r["method"]), r["method"], r["sparsity"]))
         where = f" at the {speed_meta.get('config', '?')} decode speed on {speed_meta.get('device', '?')}"
         meta = {"model": model, "max_ppl_increase": max_ppl_increase, "where": where,
                 "title": f"{model}: quality (CPU, XSum) vs decode speed ({speed_meta.get('config')}, "
@@ -190,10 +215,22 @@ def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "result
                           "Sparsity-Real measured on the real model; against the fastest compiled dense decoder "
                           f"of that run ({_fmt(speed_meta.get('dense_tokens_per_s'))} tokens/s)",
                           "task score: mean lm-eval score over the sweep's tasks (results/quality), where the sweep "
-                          "has the cell"]}
+                          "has the cell with the same method and SP-Prac kind"]}
         written[model] = write_operating_points(merged, out_dir, meta, max_ppl_increase, columns=OP_COLUMNS)
         log(f"{model}: {written[model]['recommendation']}")
     return written
+
+
+ORDER = ("dense", "mono", "cats", "dual[shadow", "dual[hybrid", "dual[lowrank", "dejavu", "teal")
+
+
+def _order(method: str) -> int:
+    return next((i for i, prefix in enumerate(ORDER) if method.startswith(prefix)), len(ORDER))
+
+
+def _short(artifacts: str) -> str:
+    """``"shadow, 8192 tokens of countdown.data... (Wikipedia passages)"`` -> ``"shadow, 8192 calibration tokens"``."""
+    return artifacts.split(" tokens of ")[0] + " calibration tokens" if " tokens of " in artifacts else artifacts
 
 
 def _fmt(value) -> str:

@@ -67,25 +67,27 @@ def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
     from ..mlp import require_gated_mlps
     from ..prac.base import selectors_for
     from .runner import IdTokenizer, generated_texts
-    from .speedonly import RANDOM_KINDS, SPEED_ONLY, fit_cuts_on_decode, library_artifacts, random_artifacts
+    from .speedonly import RANDOM_KINDS, SPEED_ONLY, fit_cuts_on_decode, library_artifacts, on_device, random_artifacts
 
     art, how = None, ""
     if spec.kind in RANDOM_KINDS:
         try:
-            art = random_artifacts(model, spec, s.ks)
+            art = on_device(random_artifacts(model, spec, s.ks), next(model.parameters()).device)
             selectors_for(art, require_gated_mlps(model), spec.method, s.ks[0])  # a kind of another layout fails here
-            how = "random predictor" if spec.kind != "threshold" else "thresholds"
+            how = {"threshold": "thresholds", "shadow": "shadows of the model's own weights"}.get(spec.kind,
+                                                                                                "random predictor")
         except Exception as error:  # e.g. a method whose thresholds are laid out otherwise: let the library build it
             log(f"{spec.label}: no random stand-in ({type(error).__name__}: {str(error)[:120]}); the library builds it")
             art = None
     if art is None:
         texts = generated_texts(model, s.prompt, 2048, s.fit_prompts)
-        art = library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=2048)
+        art = on_device(library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=2048),
+                        next(model.parameters()).device)
         how = "library fit on the dense model's greedy text"
     prompts = decode_prompts(model.config.vocab_size, s.fit_prompts, s.prompt)
     history = fit_cuts_on_decode(model, art, prompts, new_tokens=s.fit_tokens, rounds=s.fit_rounds)
     rank = art.meta.get("d_rank")
-    label = (f"{SPEED_ONLY}: {how}{f' (rank {rank})' if rank and spec.kind != 'threshold' else ''}, cuts fitted on "
+    label = (f"{SPEED_ONLY}: {how}{f' (rank {rank})' if rank and spec.kind not in ('threshold', 'shadow') else ''}, cuts fitted on "
              f"decode steps ({s.fit_rounds} round(s), {s.fit_prompts} prompts x {s.fit_tokens} tokens)")
     return art, label, history
 
@@ -140,7 +142,6 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
     from ..decode import reset_decoders
     from ..sparse import sparsify, unsparsify
     from .runner import private_copy
-    from .slots import CapturedDecoder, SlotModel
 
     s = settings
     budget = Budget(s.budget_s)
@@ -165,7 +166,7 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
         with PeakMemory() as peak:
             stats = [measure.time_decode(model, prompt, s.new_tokens, harness, max_cache_len)
                      for _ in range(max(1, s.dense_samples))]
-        rows.append(decode_row(ctx, "dense", None, None, stats, (1.0, 1.0), f"compile {which}", harness, peak.bytes,
+        rows.append(decode_row(ctx, "dense", None, None, stats, (1.0, 1.0), f"full-graph compile #{which}", harness, peak.bytes,
                                measure.model_bytes(model), graphs=measure.dynamo_counts() if cuda else None))
         meta.setdefault("dense_spread", {}).setdefault("1", {})[f"{harness} #{which}"] = spread(
             [st["tokens_per_s"] for st in stats])
@@ -208,15 +209,43 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
         log(f"{spec.label}: artifacts and cuts in {time.perf_counter() - start:.1f} s ({label}); Sparsity-Real "
             f"{meta['sparsity_real_8b'][spec.label]} (fit rounds {history})")
         prepared.append((spec, art, label, kept))
-    inputs = _mlp_inputs(model, prompt, s.kernel_layers, s.kernel_tokens)
     # 3. one compile for every configuration
+    _slot_phase(model, prepared, s, ctx, rows, prompt, max_cache_len, budget, log, done)
+    # 4. real masks replayed at this shape
+    if s.masks and budget.left() > 30:
+        from .maskreplay import replay_files
+
+        meta["mask_replay"] = replay_files(model, s.masks, ctx["copy_bps"], log=log)
+        done()
+    elif s.masks:
+        skipped["mask replay"] = f"time budget ({budget.left():.0f} s left)"
+    # 5. the full-graph dense decoder once more
+    if s.dense_compiles > 1 and budget.left() > 75:
+        dense_full_graph(2)
+    elif s.dense_compiles > 1:
+        skipped["dense full-graph compile #2"] = f"time budget ({budget.left():.0f} s left)"
+    done()
+    return rows
+
+
+def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_cache_len, budget, log, done) -> None:
+    """Dense and every prepared spec at every k through one compiled step (see the module docstring).
+    If the Inductor compile or its capture fails, the eager step is captured instead (harness
+    ``one-compile-eager``: the same for every row, so the ratios hold; said in the log and meta)."""
+    from ..sparse import sparsify, unsparsify
+    from .runner import private_copy
+    from .slots import CapturedDecoder, SlotModel
+
+    meta, skipped = ctx["meta"], ctx["meta"].setdefault("skipped", {})
+    cuda = next(model.parameters()).device.type == "cuda"
+    inputs = _mlp_inputs(model, prompt, s.kernel_layers, s.kernel_tokens) if s.kernel_layers else None
     slots = SlotModel(model)
     modules = [g.module for g in slots.mlps[:s.kernel_layers]]
-    dec = CapturedDecoder(model, slots.holder, 1, max_cache_len, compile=s.compile if cuda or s.compile != "inductor"
-                          else None, options=SLOT_INDUCTOR_OPTIONS)
+    harness = SLOT_HARNESS
+    dec = CapturedDecoder(model, slots.holder, 1, max_cache_len, compile=s.compile, options=SLOT_INDUCTOR_OPTIONS)
     measure.clear_dynamo_counts()
     try:
-        dense_kernel = mlp_time(modules, inputs)
+        dense_kernel = mlp_time(modules, inputs) if inputs else None
         meta["kernel"] = {"dense_us": dense_kernel, "layers": len(modules), "tokens": s.kernel_tokens}
 
         def time_slots(label, spec, k, kept, art_label, art=None, setup=0.0, kernel_us=None, kernel_real=None):
@@ -225,21 +254,32 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
                 for _ in range(max(1, s.dense_samples if spec is None else s.samples)):
                     _, prefill_s, decode_s = dec.run(prompt, s.new_tokens)
                     stats.append(_stats(s.new_tokens, prefill_s, decode_s, setup))
-            row = decode_row(ctx, label, spec, k, stats, kept, art_label, SLOT_HARNESS, peak.bytes,
-                             measure.model_bytes(model) + measure.model_bytes(slots.holder), art=art, graphs=measure.dynamo_counts() if s.compile else None,
-                             kernel_us=dense_kernel if kernel_us is None else kernel_us, kernel_real=kernel_real,
+            row = decode_row(ctx, label, spec, k, stats, kept, art_label, harness, peak.bytes,
+                             measure.model_bytes(model) + measure.model_bytes(slots.holder), art=art,
+                             graphs=measure.dynamo_counts() if s.compile else None,
+                             kernel_us=dense_kernel if spec is None else kernel_us, kernel_real=kernel_real,
                              dense_kernel_us=dense_kernel)
             rows.append(row)
             log(f"  {label:16s} k={'-' if k is None else f'{k:g}':4s} {row['tokens_per_s']:8.1f} tok/s "
                 f"{row['ms_per_step']:.3f} ms/step, MLP {row['kernel_us']} us ({row['kernel_roofline_us']} us "
                 f"roofline), graphs {row['graphs']}")
-            return row
+            spreads = meta.setdefault("dense_spread", {}).setdefault("1", {})
+            if spec is None:
+                spreads[f"{harness} #{sum(1 for key in spreads if key.startswith(harness + ' #')) + 1}"] = spread(
+                    [st["tokens_per_s"] for st in stats])
 
-        setup = dec.capture(prompt) if cuda else 0.0
-        log(f"slots: step compiled and captured in {setup:.1f} s")
+        try:
+            setup = dec.capture(prompt)
+        except Exception as error:  # keep the run: the eager step in our CUDA graph serves every row alike
+            log(f"slots: the compiled step failed ({type(error).__name__}: {str(error)[:300]}); capturing the eager "
+                "step instead")
+            meta["slot_fallback"] = f"{type(error).__name__}: {str(error)[:300]}"
+            torch._dynamo.reset()
+            harness = SLOT_HARNESS + "-eager"
+            dec = CapturedDecoder(model, slots.holder, 1, max_cache_len, compile=None)
+            setup = dec.capture(prompt)
+        log(f"slots: step compiled and captured in {setup:.1f} s ({harness})")
         time_slots("dense", None, None, (1.0, 1.0), "", setup=setup)
-        meta.setdefault("dense_spread", {}).setdefault("1", {})[f"{SLOT_HARNESS} #1"] = spread(
-            [float(rows[-1]["tokens_per_s_min"]), float(rows[-1]["tokens_per_s"]), float(rows[-1]["tokens_per_s_max"])])
         done()
         for spec, art, art_label, kept in prepared:
             if budget.left() < 25:
@@ -250,11 +290,11 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
             try:
                 sparsify(slots.holder, spec.method, s.ks[0], mode="prac", artifacts=private_copy(art), path="auto")
                 try:
-                    setup = dec.capture(prompt) if cuda else 0.0
+                    setup = dec.capture(prompt)
                     for k in s.ks:
                         retarget(slots.holder, art, k)
-                        us = mlp_time(modules, inputs)
-                        real = _mlp_kept(slots.holder, modules, inputs)
+                        us = mlp_time(modules, inputs) if inputs else None
+                        real = _mlp_kept(slots.holder, modules, inputs) if inputs else None
                         time_slots(spec.label, spec, k, kept[k], art_label, art=art, setup=setup, kernel_us=us,
                                    kernel_real=real)
                         setup = 0.0
@@ -266,29 +306,14 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
                 log(f"{spec.label} FAILED: {type(error).__name__}: {str(error)[:400]}")
             log(f"{spec.label}: {time.perf_counter() - start:.1f} s in the slots")
             done()
-        if cuda:
-            dec.capture(prompt)
+        dec.capture(prompt)
         time_slots("dense", None, None, (1.0, 1.0), "")  # the slot baseline again, after every method
-        meta["dense_spread"]["1"][f"{SLOT_HARNESS} #2"] = spread(
-            [float(rows[-1]["tokens_per_s_min"]), float(rows[-1]["tokens_per_s"]), float(rows[-1]["tokens_per_s_max"])])
         meta["slot_graphs"] = measure.dynamo_counts()
         log(f"slots: Dynamo over every configuration and k: {meta['slot_graphs']} (1 graph, 0 breaks: no recompile)")
     finally:
         dec.release()
         slots.restore()
         done()
-    # 4. the full-graph dense decoder once more
-    if s.dense_compiles > 1 and budget.left() > 90:
-        dense_full_graph(2)
-    elif s.dense_compiles > 1:
-        skipped["dense full-graph compile #2"] = f"time budget ({budget.left():.0f} s left)"
-    # 5. real masks replayed at this shape
-    if s.masks and budget.left() > 20:
-        from .maskreplay import replay_files
-
-        meta["mask_replay"] = replay_files(model, s.masks, ctx["copy_bps"], log=log)
-    done()
-    return rows
 
 
 def _stats(new_tokens: int, prefill_s: float, decode_s: float, setup_s: float) -> dict:

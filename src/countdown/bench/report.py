@@ -19,6 +19,7 @@ DECODE_COLUMNS = [
     "artifacts", "tokens_per_s_min", "tokens_per_s_max", "samples",
     # the one-compile benchmark adds: the step's roofline, and one Gated-MLP alone against its roofline
     "roofline_ms", "kernel_us", "kernel_roofline_us", "kernel_sparsity_real", "mlp_speedup",
+    "decode_speedup_vs_compiled",  # decode steps/s (prefill left out) over the fastest compiled dense decoder's
 ]
 COMPILED_HARNESSES = ("compile-cdt", "compile", "one-compile")  # the dense reference: the fastest of these
 
@@ -33,7 +34,17 @@ def fill_references(rows: list) -> None:
                  and int(r["batch"]) == int(batch) and int(r["new_tokens"]) == int(n)]
         return max(found) if found else None
 
+    def find_decode(run, batch, n):
+        found = [float(r["decode_tokens_per_s"]) for r in rows
+                 if r["run"] == run and r["method"] == "dense" and r["harness"] in COMPILED_HARNESSES
+                 and int(r["batch"]) == int(batch) and int(r["new_tokens"]) == int(n)
+                 and r.get("decode_tokens_per_s") not in ("", None)]
+        return max(found) if found else None
+
     for r in rows:
+        ref = find_decode(r["run"], r["batch"], r["new_tokens"])
+        r["decode_speedup_vs_compiled"] = ("" if ref is None or r.get("decode_tokens_per_s") in ("", None)
+                                           else round(float(r["decode_tokens_per_s"]) / ref, 4))
         compiled = [find(r["run"], h, r["batch"], r["new_tokens"]) for h in COMPILED_HARNESSES]
         compiled = [c for c in compiled if c is not None]
         comp = max(compiled) if compiled else None

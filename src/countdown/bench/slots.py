@@ -149,12 +149,19 @@ class CapturedDecoder:
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, warmup: int = 3) -> float:
         """Warm the compiled step up on ``input_ids`` (compiles on first use, tunes) and record it in a
-        CUDA graph over static buffers; returns the seconds it took. Call again after any change of
+        CUDA graph over static buffers (on a CPU: the warm-up only); returns the seconds it took. Call again after any change of
         what sits in the slots (another method, patched or not); a change of k needs no new capture."""
         start = time.perf_counter()
         self.release()
         first = self.prefill(input_ids)
         token, position = first.clone(), torch.full_like(first, input_ids.shape[1])
+        if self.device.type != "cuda":  # no CUDA graphs: warm the step up (compiles) and run it step by step
+            with _sparse_scope(self.holder, 0):
+                for _ in range(warmup):
+                    token = self.step(token, position).clone()
+                    position = position + 1
+            self.cache.reset()
+            return time.perf_counter() - start
         with _sparse_scope(self.holder, 0):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -19,7 +19,7 @@ import torch
 from .specs import Spec
 
 SPEED_ONLY = "speed-only"
-RANDOM_KINDS = ("threshold", "lowrank", "hybrid", "ternary")
+RANDOM_KINDS = ("threshold", "lowrank", "hybrid", "ternary", "shadow")  # shadow: the model's own weights quantized
 
 
 class SpecUnavailable(RuntimeError):
@@ -44,6 +44,8 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
 
     if spec.kind == "threshold":
         return {"thresholds": torch.full((len(ks), len(mlps)), -1.0)}, {"rule": "speed-only", "d_rank": None}
+    if spec.kind == "shadow":
+        return _shadow_tensors(spec, mlps, ks)
     tensors: dict[str, torch.Tensor] = {}
     rank = default_rank(spec, mlps[0].d_model, mlps[0].d_inter)
     for i, mlp in enumerate(mlps):
@@ -61,9 +63,36 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
     return tensors, {"d_rank": None if spec.kind == "ternary" else rank}
 
 
+def _shadow_tensors(spec: Spec, mlps, ks) -> tuple[dict, dict]:
+    """The shadow kind's tensors: the model's own W_gate / W_up quantized (on their device, as the
+    library's fit does; closed form, nothing to train) and placeholder cuts that keep every row."""
+    from ..artifacts import sparsity_key
+    from ..kernels.quant import pack_bits, quantize_rtn
+    from ..prac.shadow import DEFAULT_BITS, DEFAULT_GROUP
+
+    bits, group = int(spec.options.get("bits", DEFAULT_BITS)), int(spec.options.get("group", DEFAULT_GROUP))
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, mlp in enumerate(mlps):
+            for name, w in (("gate", mlp.w_gate), ("up", mlp.w_up)):
+                q, scale = quantize_rtn(w, bits, group)
+                tensors[f"shared/layer{i}/{name}_q"] = pack_bits(q, bits).cpu()
+                tensors[f"shared/layer{i}/{name}_scale"] = scale.cpu()
+            for k in ks:
+                tensors[f"{sparsity_key(k)}/layer{i}/cut"] = torch.tensor(-1e30)
+    return tensors, {"bits": bits, "group": group, "cut_rule": "speed-only", "d_rank": None}
+
+
+def on_device(art, device):
+    """``art`` with every tensor on ``device``: selectors built from it (every ``sparsify`` and
+    :func:`retarget`) then unpack and copy there, not on the host (seconds per layer at 8B)."""
+    return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
+
+
 def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
-    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary) for ``model`` at ``ks`` with
-    random predictor weights and cuts that keep every row: call :func:`fit_cuts_on_decode` next."""
+    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary, shadow) for ``model`` at ``ks`` with
+    random predictor weights (shadow: the model's own weights quantized) and cuts that keep every row:
+    call :func:`fit_cuts_on_decode` next."""
     from ..artifacts import Artifacts, new_meta
     from ..mlp import require_gated_mlps
     from ..registry import get_method
@@ -72,7 +101,7 @@ def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
         raise SpecUnavailable(f"{spec.label}: no random stand-in for kind {spec.kind!r}")
     mlps = require_gated_mlps(model)
     tensors, extra = _random_tensors(spec, mlps, ks, torch.Generator().manual_seed(seed))
-    selection = "threshold" if spec.kind == "threshold" else "cut"
+    selection = "threshold" if spec.kind == "threshold" else "cut"  # every kind's cut rule
     meta = new_meta(get_method(spec.method), spec.kind, ks, mlps, selection=selection,
                     data={"name": SPEED_ONLY, "num_tokens": 0, "window": 0}, stand_in=True, **extra)
     return Artifacts(meta, tensors)
