@@ -14,9 +14,10 @@ Order of work (each step labelled in the log, every row written as soon as it is
    recorded from dense decode steps) against its roofline (weight bytes / copy bandwidth); dense in
    the slots again at the end;
 4. the full-graph dense decoder compiled a second time, if the budget allows (the baseline's spread
-   across compiles);
-5. masks recorded on a real model replayed at this shape against random masks of the same kept
-   fraction (:mod:`countdown.bench.maskreplay`), if given.
+   across compiles).
+
+Between 2 and 3, if mask files are given, masks recorded on real models are replayed at this shape
+against random masks of the same kept fraction (:mod:`countdown.bench.maskreplay`).
 
 Speed-ups against dense are taken against the fastest compiled dense decoder of the run (full-graph or
 slots: the conservative choice), and also against dense in the slots (``speedup_vs_dense_same_harness``).
@@ -209,16 +210,14 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
         log(f"{spec.label}: artifacts and cuts in {time.perf_counter() - start:.1f} s ({label}); Sparsity-Real "
             f"{meta['sparsity_real_8b'][spec.label]} (fit rounds {history})")
         prepared.append((spec, art, label, kept))
-    # 3. one compile for every configuration
-    _slot_phase(model, prepared, s, ctx, rows, prompt, max_cache_len, budget, log, done)
-    # 4. real masks replayed at this shape
-    if s.masks and budget.left() > 30:
+    # 3. real masks replayed at this shape (the assumption every row below rests on)
+    if s.masks:
         from .maskreplay import replay_files
 
         meta["mask_replay"] = replay_files(model, s.masks, ctx["copy_bps"], log=log)
         done()
-    elif s.masks:
-        skipped["mask replay"] = f"time budget ({budget.left():.0f} s left)"
+    # 4. one compile for every configuration
+    _slot_phase(model, prepared, s, ctx, rows, prompt, max_cache_len, budget, log, done)
     # 5. the full-graph dense decoder once more
     if s.dense_compiles > 1 and budget.left() > 75:
         dense_full_graph(2)

@@ -3,9 +3,10 @@
 :func:`operating_points` measures, for dense and each method spec at each k on the user's model and
 machine: decode tokens/s through ``countdown.generate_fast`` against the dense model in the same
 harness (CUDA: compiled, CUDA graphs, the Triton kernel path; CPU: eager with the ``gather`` path,
-which reads only the kept rows), and quality on held-out text: decode-style perplexity (the first half
-of each window a dense prompt, the rest sparse and scored) relative to dense, and the teacher-forced
-KL(dense || sparse) of :func:`countdown.agreement.agreement`. SP-Prac artifacts come from
+which reads only the kept rows), and quality on held-out text as the operating-point tables give it
+(:mod:`countdown.bench.quality`): decode-style perplexity (the first half of each window a dense prompt,
+the rest sparse and scored) relative to dense, and KL(dense || sparse) and top-1 agreement on the
+same positions, from one forward per window. SP-Prac artifacts come from
 :func:`countdown.prac.prepare.ensure_artifacts` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
 """
@@ -23,7 +24,7 @@ from .opreport import pareto, recommendation, write_operating_points  # noqa: F4
 from .specs import Spec, availability, resolve_kind
 
 COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
-           "ppl", "dense_ppl", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
+           "ppl", "dense_ppl", "top1", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
            "quality", "artifacts"]
 
 
@@ -38,8 +39,6 @@ class BenchSettings:
     calib_tokens: int | None = None  # None: the library's default
     ppl_tokens: int = 4096
     window: int = 512
-    kl_prompts: int = 10
-    kl_tokens: int = 32
     batch: int = 1
     prompt: int = 64
     new_tokens: int = 128
@@ -61,6 +60,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
     from ..prac.prepare import ensure_artifacts
+    from .qualitygrid import artifact_options
 
     if s.artifacts_dir is None:
         from ..data import cache_root
@@ -68,10 +68,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         folder = cache_root() / "artifacts"
     else:
         folder = s.artifacts_dir
-    options: dict = {"progress": False}
-    if spec.kind not in (None, "threshold"):
-        options["kind"] = spec.kind
-        options.update(spec.options)
+    options: dict = {"progress": False, **artifact_options(spec)}  # spelled as the sweep's: one cached file
     if s.calib_texts is not None:
         options["texts"] = s.calib_texts
     if s.calib_tokens is not None:
@@ -80,25 +77,15 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
     return art, f"{art.kind}, {art.meta['data'].get('num_tokens')} tokens of {art.meta['data'].get('name')}"
 
 
-def _quality(model, tokenizer, spec, k, art, s: BenchSettings, texts) -> dict:
-    from ..agreement import agreement
-    from ..ppl import perplexity
-    from ..sparse import sparsify, sparsity_real, unsparsify
+def _quality(model, spec, k, art, held) -> dict:
+    from ..sparse import sparsify, unsparsify
+    from .quality import decode_quality
 
     sparsify(model, spec.method, k, mode="prac", artifacts=art, path="masked")
     try:
-        ppl = perplexity(model, tokenizer, texts=texts, max_tokens=s.ppl_tokens, window=s.window,
-                         prompt_fraction=0.5, progress=False)
-        real = sparsity_real(model)["mean"]
+        return decode_quality(model, held)
     finally:
         unsparsify(model)
-    kl = float("nan")
-    if s.kl_prompts > 0:
-        from ..agreement import default_prompts
-
-        kl = agreement(model, tokenizer, spec.method, k, mode="prac", artifacts=art,
-                       prompts=default_prompts()[:s.kl_prompts], max_new_tokens=s.kl_tokens)["kl"]
-    return {"ppl": ppl, "sparsity_real": real, "kl": kl}
 
 
 def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
@@ -128,11 +115,11 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     date = datetime.date.today().isoformat()
     model.generation_config.eos_token_id = None  # every run decodes exactly new_tokens
-    texts = None
+    held = None
     if not speed_only:
-        from ..data import eval_texts
+        from .quality import held_out
 
-        texts = s.texts if s.texts is not None else eval_texts()
+        held = held_out(model, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window)
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
     specs = []
@@ -148,14 +135,9 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
             "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL"}
     dense_tps = _speed(model, prompt, s, harness)
     reset_decoders()
-    dense_ppl = None
-    if not speed_only:
-        from ..ppl import perplexity
-
-        dense_ppl = perplexity(model, tokenizer, texts=texts, max_tokens=s.ppl_tokens, window=s.window,
-                               prompt_fraction=0.5, progress=False)
+    dense_ppl = None if held is None else held.dense_ppl
     rows = [{**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0 if dense_ppl else "",
-             "kl": 0.0 if dense_ppl else "", "decode_speedup": 1.0, "ppl": dense_ppl or "", "dense_ppl": dense_ppl or "",
+             "kl": 0.0 if dense_ppl else "", "top1": 1.0 if dense_ppl else "", "decode_speedup": 1.0, "ppl": dense_ppl or "", "dense_ppl": dense_ppl or "",
              "tokens_per_s": dense_tps, "dense_tokens_per_s": dense_tps, "path": "dense", "artifacts": ""}]
     bar.update(1)
     for spec in specs:
@@ -179,7 +161,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
                     unsparsify(model)
                     reset_decoders()
             else:
-                quality[k] = _quality(model, tokenizer, spec, k, art, s, texts)
+                quality[k] = _quality(model, spec, k, art, held)
         # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
         sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path=path)
         try:
@@ -189,7 +171,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
                 q = quality[k]
                 rows.append({**base, "method": spec.label, "sparsity": k, "sparsity_real": round(q["sparsity_real"], 4),
                              "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
-                             "kl": "" if speed_only else q["kl"], "decode_speedup": tps / dense_tps,
+                             "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
+                             "decode_speedup": tps / dense_tps,
                              "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
                              "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
                              "artifacts": art_label})
