@@ -14,7 +14,6 @@ weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and 
 from __future__ import annotations
 
 import datetime
-import math
 from dataclasses import dataclass, field
 
 import torch
