@@ -3,8 +3,10 @@
     # 1. quality on the CPU (long; resumable; every k of every practical configuration, XSum held out)
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/operating_points.py quality \\
         --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b
-    # 2. speed on one GPU, one call (the decode benchmark, one compile for every configuration):
-    PYTHONPATH=src python benchmarks/decode.py --out $OUT --masks results/operating_points/quality/masks
+    # 2. speed on one GPU, one call (the decode benchmark, one compile for every configuration); the
+    #    masks the quality step saved (results/operating_points/quality/masks, not in git) travel in a
+    #    carry folder:
+    PYTHONPATH=src python benchmarks/decode.py --out $OUT --new-tokens 256 --masks <copy of that folder>
     # 3. merge: results/operating_points/<model>.csv / .md / .png and the recommendation per model
     PYTHONPATH=src python benchmarks/operating_points.py merge --speed benchmarks/results/decode_runs/<run>
 
