@@ -48,7 +48,8 @@ def merge(args) -> int:
 
     written = merge_operating_points(args.speed.split(","), quality_dir=args.quality, out_dir=args.out,
                                      sweep_dir=args.sweep, models=args.models.split(",") if args.models else None,
-                                     max_ppl_increase=args.max_ppl_increase, log=log)
+                                     max_ppl_increase=args.max_ppl_increase,
+                                     harnesses=tuple(args.harness.split(",")), note=args.note, log=log)
     for model, paths in written.items():
         print(f"{model}: {paths['recommendation']}")
     return 0
@@ -74,6 +75,9 @@ def parse_args(argv=None):
     m.add_argument("--sweep", default="results/quality", help="lm-eval sweep results (task scores where it has them)")
     m.add_argument("--models", default=None, help="default: every model with a quality table")
     m.add_argument("--max-ppl-increase", type=float, default=0.05)
+    m.add_argument("--harness", default="one-compile,one-compile-eager",
+                   help="decode rows that make the speed curves (compile-cdt: the earlier per-compile runs)")
+    m.add_argument("--note", default="", help="a first line for each table and plot (e.g. that the speed is a trial's)")
     m.add_argument("--out", default="results/operating_points")
     m.set_defaults(func=merge)
     return ap.parse_args(argv)

@@ -249,3 +249,17 @@ def test_shadow_stand_in_is_the_librarys_quantization_with_cuts_fitted_on_decode
     generate_fast(model, prompts, 16, compile=False)
     assert countdown.sparsity_real(model)["mean"] == pytest.approx(0.8, abs=0.06)
     countdown.unsparsify(model)
+
+
+def test_recommendation_names_a_configuration_within_the_bound_even_without_its_speed():
+    from countdown.bench.opreport import recommendation
+
+    rows = [{"method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0, "decode_speedup": 1.0},
+            {"method": "dual[shadow4]", "sparsity": 0.5, "sparsity_real": 0.514, "ppl_increase": 0.042,
+             "decode_speedup": None},
+            {"method": "mono", "sparsity": 0.7, "sparsity_real": 0.7, "ppl_increase": 0.3, "decode_speedup": 1.3}]
+    line = recommendation(rows, 0.05)
+    assert line.startswith("for at most 5 % perplexity increase: dual[shadow4] at k=0.5 (+4.2 %")
+    assert "no decode speed was measured" in line
+    rows[1]["decode_speedup"] = 1.04
+    assert recommendation(rows, 0.05).endswith("1.04x faster")

@@ -35,12 +35,12 @@ def _float(value):
         return None
 
 
-def speed_curves(rows: list[dict]) -> dict[str, dict]:
-    """Per method label: its one-compile rows at batch 1 as points ``(sparsity_real, row)`` sorted, from
-    the last run that has the method; ``"dense"``: the run's dense reference."""
+def speed_curves(rows: list[dict], harnesses: Sequence[str] = SPEED_HARNESSES) -> dict[str, dict]:
+    """Per method label: its rows of ``harnesses`` at batch 1 as points ``(sparsity_real, row)`` sorted,
+    from the last run that has the method."""
     curves: dict[str, dict] = {}
     for r in rows:
-        if r.get("harness") not in SPEED_HARNESSES or str(r.get("batch")) != "1" or r["method"] == "dense":
+        if r.get("harness") not in harnesses or str(r.get("batch")) != "1" or r["method"] == "dense":
             continue
         curve = curves.setdefault(r["method"], {"run": r["run"], "points": []})
         if curve["run"] != r["run"]:  # a later run of the same method replaces the earlier one
@@ -123,12 +123,14 @@ def sweep_cell(method_label: str, kinds: dict) -> str | None:
     return next((label for label in candidates if kinds.get(label) == spec.kind), None)
 
 
-def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores=({}, None, [], {})) -> list[dict]:
-    """The operating-point rows of one model (:data:`OP_COLUMNS`)."""
+def merge_model(quality_rows: list[dict], curves: dict, runs: dict, scores=({}, None, [], {})) -> list[dict]:
+    """The operating-point rows of one model (:data:`OP_COLUMNS`); ``runs``: :func:`run_metas`."""
     by_k, dense_score, tasks, kinds = scores
     out = []
+    last = runs[max(runs)] if runs else {}
     for q in quality_rows:
         method = q["method"]
+        speed_meta = runs.get(curves[method]["run"], last) if method in curves else last
         real = float(q["sparsity_real"] or 0)
         row = {"model": q["model"], "method": method, "sparsity": float(q["sparsity"] or 0), "sparsity_real": real,
                "ppl_increase": float(q["ppl_increase"]), "kl": float(q["kl"]), "top1": _float(q.get("top1")),
@@ -138,7 +140,8 @@ def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores
                "speed_config": speed_meta.get("config", ""), "task_score_dense": dense_score,
                "tasks": "; ".join(tasks)}
         if method == "dense":
-            row.update(decode_speedup=1.0, mlp_speedup=1.0, kernel_us=speed_meta.get("dense_kernel_us"),
+            row.update(decode_speedup=1.0, mlp_speedup=1.0 if speed_meta.get("dense_kernel_us") else None,
+                       kernel_us=speed_meta.get("dense_kernel_us"),
                        tokens_per_s=speed_meta.get("dense_tokens_per_s"),
                        dense_tokens_per_s=speed_meta.get("dense_tokens_per_s"), task_score=dense_score,
                        speed_note="the reference: the fastest compiled dense decoder of the speed run")
@@ -162,33 +165,41 @@ def merge_model(quality_rows: list[dict], curves: dict, speed_meta: dict, scores
     return out
 
 
-def _speed_meta(rows: list[dict], metas: list[dict]) -> dict:
+def run_metas(rows: list[dict], metas: list[dict]) -> dict[str, dict]:
+    """Per run id: its metadata with the dense reference (the fastest compiled dense decoder's decode
+    steps/s) and the dense MLP's time."""
     from .report import COMPILED_HARNESSES
 
-    dense = [r for r in rows if r["method"] == "dense" and r.get("harness") in COMPILED_HARNESSES]
-    dense_slots = [r for r in rows if r["method"] == "dense" and r.get("harness") in SPEED_HARNESSES]
-    meta = dict(metas[-1]) if metas else {}
-    if dense:  # the reference: the fastest compiled dense decoder, decode steps/s
-        meta["dense_tokens_per_s"] = max(float(r["decode_tokens_per_s"]) for r in dense)
-    if dense_slots and _float(dense_slots[0].get("kernel_us")):
-        meta["dense_kernel_us"] = float(dense_slots[0]["kernel_us"])
-    return meta
+    out = {}
+    for meta in metas:
+        run = meta.get("run")
+        dense = [r for r in rows if r["run"] == run and r["method"] == "dense" and str(r.get("batch")) == "1"
+                 and r.get("harness") in COMPILED_HARNESSES and _float(r.get("decode_tokens_per_s"))]
+        kernel = [r for r in rows if r["run"] == run and r["method"] == "dense" and _float(r.get("kernel_us"))]
+        out[run] = {**meta, "dense_tokens_per_s": max((float(r["decode_tokens_per_s"]) for r in dense), default=None),
+                    "dense_kernel_us": float(kernel[0]["kernel_us"]) if kernel else None}
+    return out
 
 
 def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "results/operating_points/quality",
                            out_dir: str = "results/operating_points", sweep_dir: str | None = "results/quality",
                            models: Sequence[str] | None = None, max_ppl_increase: float = 0.05,
+                           harnesses: Sequence[str] = SPEED_HARNESSES, note: str = "",
                            log: Callable[[str], None] = print) -> dict[str, dict]:
     """Write ``<out>/<model>.csv`` / ``.md`` / ``.png`` for each model with a quality table; returns
-    ``{model: paths and recommendation}``."""
+    ``{model: paths and recommendation}``. ``harnesses``: whose rows make the speed curves (default the
+    one-compile benchmark's; ``("compile-cdt",)`` reads the earlier per-compile runs); ``note``: a first
+    line for the Markdown and the plot's title (e.g. that the speed is a trial's)."""
     from .opreport import write_operating_points
     from .qualitygrid import read_rows
     from .report import fill_references, read_runs
 
     rows, metas = read_runs(list(speed_dirs))
     fill_references(rows)
-    curves = speed_curves(rows)
-    speed_meta = _speed_meta(rows, metas)
+    curves = speed_curves(rows, harnesses)
+    runs = run_metas(rows, metas)
+    used = sorted({c["run"] for c in curves.values()})
+    speed_meta = runs[used[-1]] if used else (runs[max(runs)] if runs else {})
     if models is None:
         models = sorted(p[:-4] for p in os.listdir(quality_dir) if p.endswith(".csv"))
     written = {}
@@ -198,22 +209,25 @@ def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "result
             log(f"{model}: no quality rows in {quality_dir}; skipped")
             continue
         scores = task_scores(Path(sweep_dir) / f"{model}.csv") if sweep_dir else ({}, None, [], {})
-        merged = merge_model(quality, curves, speed_meta, scores)
+        merged = merge_model(quality, curves, runs, scores)
         merged.sort(key=lambda r: (_order(r["method"]), r["method"], r["sparsity"]))
         where = f" at the {speed_meta.get('config', '?')} decode speed on {speed_meta.get('device', '?')}"
         meta = {"model": model, "max_ppl_increase": max_ppl_increase, "where": where,
-                "title": f"{model}: quality (CPU, XSum) vs decode speed ({speed_meta.get('config')}, "
-                         f"{speed_meta.get('device')}, batch 1)",
+                "title": (f"{note}\n" if note else "") + f"{model}: quality (CPU, XSum) vs decode speed "
+                         f"({speed_meta.get('config')}, {speed_meta.get('device')}, batch 1)",
                 "speed_label": "decode speed-up over the compiled dense decoder",
-                "notes": [f"quality: {model}, decode-style perplexity increase over dense and KL(dense || sparse) on "
+                "notes": ([f"**{note}**"] if note else []) + [f"quality: {model}, decode-style perplexity increase over dense and KL(dense || sparse) on "
                           "2,048 held-out XSum tokens (windows of 512, first half a dense prompt); SP-Prac artifacts "
                           "calibrated / trained on Wikipedia passages; CPU, fp32, "
                           f"{quality[0].get('date', '?')} (`benchmarks/operating_points.py quality`)",
                           f"speed: {speed_meta.get('config')} with random weights, bf16, batch 1, "
-                          f"{speed_meta.get('device')}, {speed_meta.get('date')}, run {speed_meta.get('run')} "
-                          f"(`{speed_meta.get('command', '')}`); each row read off its method's curve at the "
-                          "Sparsity-Real measured on the real model; against the fastest compiled dense decoder "
-                          f"of that run ({_fmt(speed_meta.get('dense_tokens_per_s'))} tokens/s)",
+                          f"{speed_meta.get('device')}, {speed_meta.get('date')}; each row read off its method's "
+                          "curve at the Sparsity-Real measured on the real model, in decode steps/s against the "
+                          "fastest compiled dense decoder of the same run"] +
+                         [f"speed run {run} ({', '.join(sorted(m for m, c in curves.items() if c['run'] == run))}; "
+                          f"dense {_fmt(runs[run].get('dense_tokens_per_s'))} steps/s): `{runs[run].get('command', '')}`"
+                          for run in used] +
+                         [
                           "task score: mean lm-eval score over the sweep's tasks (results/quality), where the sweep "
                           "has the cell with the same method and SP-Prac kind"]}
         written[model] = write_operating_points(merged, out_dir, meta, max_ppl_increase, columns=OP_COLUMNS)

@@ -20,20 +20,28 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
     """One line: the fastest configuration within ``max_ppl_increase`` (relative, 0.05 = 5 %) of dense
     decode-style perplexity, and its speed-up (``where``: e.g. " at the Llama-3.1-8B shape on an H200");
     on speed-only rows, the fastest and that quality was not measured."""
-    sparse = [r for r in rows if r["method"] != "dense" and _known(r.get("decode_speedup"))]
-    if not sparse:
+    every = [r for r in rows if r["method"] != "dense"]
+    sparse = [r for r in every if _known(r.get("decode_speedup"))]
+    if not every:
         return "no sparse configuration was measured"
-    if all(not _known(r.get("ppl_increase")) for r in sparse):
+    if all(not _known(r.get("ppl_increase")) for r in every):
+        if not sparse:
+            return "no sparse configuration was measured"
         best = max(sparse, key=lambda r: r["decode_speedup"])
         return (f"speed only (random weights, quality not measured): the fastest is {best['method']} at "
                 f"k={best['sparsity']:g}: {best['decode_speedup']:.2f}x the dense decoder{where}")
-    ok = [r for r in sparse if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
     pct = f"{100 * max_ppl_increase:g} %"
+    within = [r for r in every if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
+    ok = [r for r in within if _known(r.get("decode_speedup"))]
+    if within and not ok:
+        names = ", ".join(f"{r['method']} at k={r['sparsity']:g} (+{100 * r['ppl_increase']:.1f} %, Sparsity-Real "
+                          f"{r['sparsity_real']:.3f})" for r in within)
+        return f"for at most {pct} perplexity increase: {names}; no decode speed was measured at that Sparsity-Real"
     if not ok:
-        closest = min(sparse, key=lambda r: r["ppl_increase"] if _known(r.get("ppl_increase")) else math.inf)
+        closest = min((r for r in every if _known(r.get("ppl_increase"))), key=lambda r: r["ppl_increase"])
+        speed = (f", {closest['decode_speedup']:.2f}x{where}" if _known(closest.get("decode_speedup")) else "")
         return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
-                f"k={closest['sparsity']:g} (+{100 * closest['ppl_increase']:.1f} %, "
-                f"{closest['decode_speedup']:.2f}x{where}); stay dense or accept more")
+                f"k={closest['sparsity']:g} (+{100 * closest['ppl_increase']:.1f} %{speed}); stay dense or accept more")
     best = max(ok, key=lambda r: r["decode_speedup"])
     verdict = "faster" if best["decode_speedup"] > 1 else "(not faster than dense here)"
     return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
