@@ -49,7 +49,7 @@ T0 = time.perf_counter()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for --smoke (a check of this script)
 SMOKE_OVERRIDES = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 352,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
-DEFAULT_METHODS = "mono,cats,dual[shadow4],dual[hybrid],dual[lowrank],dejavu,teal"
+DEFAULT_METHODS = "mono,dual[shadow4],teal,cats,dual[hybrid],dual[lowrank],dejavu"  # teal early: a tight budget drops the last
 
 
 def log(*parts) -> None:
