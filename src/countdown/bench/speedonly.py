@@ -135,6 +135,8 @@ def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int)
     sparsify(model, art.method, k, mode="prac", artifacts=art, path="masked")
     try:
         layers = state_of(model).layers
+        if not all(callable(getattr(layer.selector, "score", None)) for layer in layers):
+            return None, float("nan")  # a selector with no score (teal's keeps two cuts): its own cuts stay
         scores: list[list[torch.Tensor]] = [[] for _ in layers]
 
         def hook(module, args, out, i):
