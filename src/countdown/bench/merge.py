@@ -213,7 +213,7 @@ def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "result
         merged.sort(key=lambda r: (_order(r["method"]), r["method"], r["sparsity"]))
         where = f" at the {speed_meta.get('config', '?')} decode speed on {speed_meta.get('device', '?')}"
         meta = {"model": model, "max_ppl_increase": max_ppl_increase, "where": where,
-                "title": (f"{note}\n" if note else "") + f"{model}: quality (CPU, XSum) vs decode speed "
+                "title": (f"{note.split(':')[0]}: " if note else "") + f"{model}: quality (CPU, XSum) vs decode speed\n"
                          f"({speed_meta.get('config')}, {speed_meta.get('device')}, batch 1)",
                 "speed_label": "decode speed-up over the compiled dense decoder",
                 "notes": ([f"**{note}**"] if note else []) + [f"quality: {model}, decode-style perplexity increase over dense and KL(dense || sparse) on "
