@@ -34,18 +34,19 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
     within = [r for r in every if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
     ok = [r for r in within if _known(r.get("decode_speedup"))]
     if within and not ok:
-        names = ", ".join(f"{r['method']} at k={r['sparsity']:g} (+{100 * r['ppl_increase']:.1f} %, Sparsity-Real "
+        names = ", ".join(f"{r['method']} at k={r['sparsity']:g} ({100 * r['ppl_increase']:+.1f} %, Sparsity-Real "
                           f"{r['sparsity_real']:.3f})" for r in within)
-        return f"for at most {pct} perplexity increase: {names}; no decode speed was measured at that Sparsity-Real"
+        return (f"for at most {pct} perplexity increase: {names}; no decode speed was measured at "
+                f"{'that Sparsity-Real' if len(within) == 1 else 'those Sparsity-Real values'}")
     if not ok:
         closest = min((r for r in every if _known(r.get("ppl_increase"))), key=lambda r: r["ppl_increase"])
         speed = (f", {closest['decode_speedup']:.2f}x{where}" if _known(closest.get("decode_speedup")) else "")
         return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
-                f"k={closest['sparsity']:g} (+{100 * closest['ppl_increase']:.1f} %{speed}); stay dense or accept more")
+                f"k={closest['sparsity']:g} ({100 * closest['ppl_increase']:+.1f} %{speed}); stay dense or accept more")
     best = max(ok, key=lambda r: r["decode_speedup"])
     verdict = "faster" if best["decode_speedup"] > 1 else "(not faster than dense here)"
     return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
-            f"(+{100 * best['ppl_increase']:.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "
+            f"({100 * best['ppl_increase']:+.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "
             f"{best['decode_speedup']:.2f}x {verdict}{where}")
 
 
