@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import io
 import json
+import re
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -155,7 +156,7 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
             have = {_key(r) for r in read_rows(path)}
             for k in ks:
                 row_key = _key({**base, "method": spec.label, "sparsity": k, "artifact_tag": tag})
-                mask_path = out / "masks" / f"{label}-{spec.label}-k{k:g}.pt"
+                mask_path = out / "masks" / f"{label}-{re.sub(r'[^A-Za-z0-9._-]', '_', spec.label)}-k{k:g}.pt"
                 want_masks = masks and abs(k - MASK_K) < 1e-6 and not mask_path.exists()
                 if row_key in have and not want_masks:
                     continue
