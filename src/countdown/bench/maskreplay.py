@@ -70,7 +70,7 @@ def replay(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], input
     return time_graph(calls, reps=reps, device=device)
 
 
-def replay_files(model, paths: list[str], copy_bps: float, layers: int = 8, tokens: int = 16, log=print) -> list[dict]:
+def replay_files(model, paths: list[str], copy_bps: float, layers: int = 8, tokens: int = 8, log=print) -> list[dict]:
     """Replay every mask file of ``paths`` (files or folders of ``*.pt``) on ``model``'s first ``layers``
     Gated-MLPs: one dict per file with the kept fraction and the three timings."""
     from ..cost import mlp_weight_bytes
