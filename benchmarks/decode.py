@@ -1,13 +1,22 @@
 """End-to-end decode speed on a GPU: dense and every configuration at every k, one command, one budget.
 
     PYTHONPATH=src python benchmarks/decode.py --out $OUT                      # the full benchmark
+    PYTHONPATH=src python benchmarks/decode.py --smoke --out /tmp/smoke         # a check of this script (CPU)
     PYTHONPATH=src python benchmarks/decode.py --report RUN1,RUN2 --out benchmarks/results  # merge runs
 
-A paper-scale shape with random weights (values do not change batch-1 speed), bf16, a prompt of 64
-random tokens, then 512 new tokens through ``countdown.generate_fast`` (static KV cache, CUDA graphs,
-Inductor with coordinate-descent tuning), batch 1 and 4, k = 0.9 / 0.8 / 0.7, for dense and every
-method spec (``--methods``: mono, cats, dual[lowrank], dual[hybrid], dual[shadow4], teal; parsed by
-``countdown.bench.specs``; a spec this library cannot run yet is skipped with the reason printed).
+A paper-scale shape with random weights (values do not change batch-1 speed; ``--masks`` checks that
+with masks recorded on real models), bf16, a prompt of 64 random tokens, then 512 new tokens, batch 1,
+k = 0.5 ... 0.9, for dense and every method spec (``--methods``: mono, cats, dual[lowrank],
+dual[hybrid], dual[shadow4], dejavu, teal; parsed by ``countdown.bench.specs``; a spec this library
+cannot run yet is skipped with the reason printed).
+
+Runners. ``--runner one-compile`` (default, ``countdown.bench.onecompile``): the compiled dense decoder
+as ``generate_fast`` runs it (full graph, CUDA graphs, coordinate-descent tuning; compiled twice for the
+spread), then every configuration through ONE compile of the step with the Gated-MLPs behind an opaque
+slot op (``countdown.bench.slots``), one CUDA-graph capture per method, k switched in place; per row
+also one MLP alone against its roofline. Fits one 10-minute call. ``--runner per-compile``
+(``countdown.bench.runner``): the earlier one, one full-graph compile per configuration and batch
+(batch > 1 too).
 
 The logic lives in the library (``countdown.bench``): this script is its command line.
 ``countdown.bench.runner`` says what makes it fast (one compile per configuration and batch, k switched
@@ -40,7 +49,7 @@ T0 = time.perf_counter()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for --smoke (a check of this script)
 SMOKE_OVERRIDES = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 352,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
-DEFAULT_METHODS = "mono,cats,dual[lowrank],dual[hybrid],dual[shadow4],teal"
+DEFAULT_METHODS = "mono,dual[shadow4],teal,cats,dual[hybrid],dual[lowrank],dejavu"  # teal early: a tight budget drops the last
 
 
 def log(*parts) -> None:
@@ -55,8 +64,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama-3.1-8b-shape", help="a shape name from countdown.catalogue()")
     ap.add_argument("--methods", default=DEFAULT_METHODS, help="method specs (countdown.bench.specs)")
-    ap.add_argument("--ks", default="0.7,0.8,0.9")
-    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--runner", choices=("one-compile", "per-compile"), default="one-compile")
+    ap.add_argument("--ks", default="0.5,0.6,0.7,0.8,0.9")
+    ap.add_argument("--batches", default="1", help="batch sizes (per-compile runner only; one-compile: batch 1)")
     ap.add_argument("--batch-methods", default="", help="specs also timed at batch > 1 (default: all)")
     ap.add_argument("--new-tokens", default="512")
     ap.add_argument("--prompt", type=int, default=64)
@@ -72,10 +82,18 @@ def parse_args(argv=None):
     ap.add_argument("--dense-samples", type=int, default=3,
                     help="timings of the dense compiled graph per batch (min / median / max reported)")
     ap.add_argument("--samples", type=int, default=1, help="timings per sparse configuration and k")
-    ap.add_argument("--refit-cuts", type=int, default=2, metavar="ROUNDS",
-                    help="rounds of fitting the speed-only cuts on the sparse model's own decode steps")
+    ap.add_argument("--dense-compiles", type=int, default=2, help="one-compile: full-graph dense compiles (2: the "
+                    "second at the end, if the budget allows)")
+    ap.add_argument("--kernel-layers", type=int, default=8, help="one-compile: layers whose MLP is timed alone")
+    ap.add_argument("--masks", default="", help="one-compile: comma-separated mask files / folders recorded on real "
+                    "models (benchmarks/operating_points.py quality saves them) to replay at this shape")
+    ap.add_argument("--refit-cuts", type=int, default=None, metavar="ROUNDS",
+                    help="rounds of fitting the speed-only cuts on the sparse model's own decode steps (default: "
+                    "1 for one-compile, whose first round serves every k; 2 for per-compile)")
     ap.add_argument("--kept-steps", type=int, default=32, help="decode steps for Sparsity-Real")
-    ap.add_argument("--budget-s", type=float, default=500, help="stop starting new configurations after this")
+    ap.add_argument("--fit-prompts", type=int, default=None, help="prompts the speed-only cuts are fitted on (8; smoke 2)")
+    ap.add_argument("--fit-tokens", type=int, default=None, help="decode steps per fit prompt (32; smoke 8)")
+    ap.add_argument("--budget-s", type=float, default=480, help="stop starting new configurations after this")
     ap.add_argument("--compile-estimate-s", type=float, default=45)
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--checks", choices=("quick", "full"), default="quick",
@@ -142,8 +160,14 @@ def main(argv=None) -> int:
     checks_ok = None
     if not args.skip_checks:
         quick = args.checks == "quick"
-        checks_ok = run_checks(lambda *a: log(*a), specs=("mono",) if quick else ("mono", "dual[lowrank]"),
-                               modes=None if not quick or DEVICE != "cuda" else ("eager", "compile"), sampling=not quick)
+        if args.runner == "one-compile":
+            from countdown.bench.checks import run_slot_checks
+
+            checks_ok = run_slot_checks(lambda *a: log(*a), specs=("mono",) if quick else ("mono", "dual[lowrank]"))
+        else:
+            checks_ok = run_checks(lambda *a: log(*a), specs=("mono",) if quick else ("mono", "dual[lowrank]"),
+                                   modes=None if not quick or DEVICE != "cuda" else ("eager", "compile"),
+                                   sampling=not quick)
         log(f"checks {'passed' if checks_ok else 'FAILED'}")
     meta["checks_ok"] = checks_ok
     meta["copy_gbps"] = copy_bandwidth() / 1e9 if DEVICE == "cuda" else float("nan")
@@ -154,11 +178,13 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     meta["model_gb"] = model_bytes(model) / 1e9
     log(f"model {meta['model_gb']:.2f} GB; copy bandwidth {meta['copy_gbps']:.0f} GB/s")
+    if args.runner == "one-compile":
+        return _one_compile(args, model, specs, meta)
     settings = DecodeSettings(
         specs=specs, ks=[float(k) for k in args.ks.split(",")], batches=_ints(args.batches),
         new_tokens=_ints(args.new_tokens), prompt=args.prompt, harness=args.harnesses.split(",")[0],
         dense_samples=args.dense_samples, samples=args.samples, eager_tokens=_ints(args.eager_tokens),
-        kept_steps=args.kept_steps, fit_rounds=args.refit_cuts, budget_s=args.budget_s - (time.perf_counter() - T0),
+        kept_steps=args.kept_steps, fit_rounds=args.refit_cuts or 2, budget_s=args.budget_s - (time.perf_counter() - T0),
         compile_estimate_s=args.compile_estimate_s,
         batch_specs=[s.label for s in specs_of(argparse.Namespace(methods=args.batch_methods, rank=args.rank))]
         if args.batch_methods else None,
@@ -177,6 +203,37 @@ def main(argv=None) -> int:
     finally:
         meta["wall_s"] = time.perf_counter() - T0
         rep.fill_references(rows)
+        rep.write_report(rows, [meta], args.out, log)
+        print(rep.short_table(rows), flush=True)
+    return 0
+
+
+def _one_compile(args, model, specs, meta) -> int:
+    from countdown.bench import report as rep
+    from countdown.bench.onecompile import OneCompileSettings, one_compile_sweep
+
+    if _ints(args.batches) != [1]:
+        print("--runner one-compile times batch 1; use --runner per-compile for --batches", file=sys.stderr)
+        return 2
+    settings = OneCompileSettings(
+        specs=specs, ks=[float(k) for k in args.ks.split(",")], new_tokens=_ints(args.new_tokens)[0],
+        prompt=args.prompt, dense_samples=args.dense_samples, samples=args.samples, dense_compiles=args.dense_compiles,
+        fit_rounds=args.refit_cuts or 1, kept_steps=args.kept_steps, kernel_layers=args.kernel_layers,
+        fit_prompts=args.fit_prompts or (2 if args.smoke else 8), fit_tokens=args.fit_tokens or (8 if args.smoke else 32),
+        budget_s=args.budget_s - (time.perf_counter() - T0), compile="inductor" if DEVICE == "cuda" else "eager-backend",
+        masks=[m for m in args.masks.split(",") if m.strip()])
+    rows: list = []
+
+    def checkpoint(done: list) -> None:
+        meta["wall_s"] = time.perf_counter() - T0
+        rows[:] = [dict(r) for r in done]
+        rep.fill_references(rows)
+        rep.write_report(rows, [meta], args.out, log)
+
+    try:
+        one_compile_sweep(model, settings, meta, log=lambda *a: log(*a), checkpoint=checkpoint)
+    finally:
+        meta["wall_s"] = time.perf_counter() - T0
         rep.write_report(rows, [meta], args.out, log)
         print(rep.short_table(rows), flush=True)
     return 0

@@ -147,7 +147,7 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", "tiny", "--methods", "mono,dual[lowrank],teal", "-k", "0.5,0.8", "--texts", held_out,
             "--calib-texts", calib, "--calib-tokens", "256", "--ppl-tokens", "256", "--window", "64",
-            "--kl-prompts", "2", "--kl-tokens", "4", "--new-tokens", "6", "--prompt", "8", "--samples", "1",
+            "--new-tokens", "6", "--prompt", "8", "--samples", "1",
             "--artifacts-dir", str(tmp_path / "arts"), "--out", str(out), "--no-progress"]
     assert bench_main(argv) == 0
     printed = capsys.readouterr()
@@ -169,8 +169,9 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
     sparse = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5, progress=False)
     countdown.unsparsify(model)
     mono8 = rows[1]
-    assert float(rows[0]["ppl"]) == pytest.approx(dense)
-    assert float(mono8["ppl_increase"]) == pytest.approx(sparse / dense - 1)
+    # countdown.perplexity batches 4 windows per forward, the bench one: equal up to float32 rounding
+    assert float(rows[0]["ppl"]) == pytest.approx(dense, rel=1e-5)
+    assert float(mono8["ppl_increase"]) == pytest.approx(sparse / dense - 1, abs=1e-5)
     assert 0 < float(mono8["sparsity_real"]) < 1 and float(mono8["kl"]) >= 0
     assert float(mono8["decode_speedup"]) == pytest.approx(float(mono8["tokens_per_s"]) / float(mono8["dense_tokens_per_s"]))
     assert not countdown.is_sparsified(model)

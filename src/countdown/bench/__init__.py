@@ -8,11 +8,19 @@
   fractions, the weight bytes a decode step reads (roofline: :func:`countdown.cost.mlp_weight_bytes`);
 * :mod:`~countdown.bench.speedonly`: speed-only artifacts (random predictors, cuts fitted on the
   model's own decode steps) for random-weight shapes;
-* :mod:`~countdown.bench.runner`: the decode benchmark (dense + every spec x k x batch, one budget);
+* :mod:`~countdown.bench.runner`: the per-compile decode benchmark (dense + every spec x k x batch);
+* :mod:`~countdown.bench.slots`, :mod:`~countdown.bench.onecompile`, :mod:`~countdown.bench.rows`: the
+  one-compile decode benchmark (every Gated-MLP behind an opaque op, the step compiled once, one CUDA
+  graph per method, k switched in place; the MLP alone against its roofline);
+* :mod:`~countdown.bench.maskreplay`: masks recorded on real models replayed at a paper-scale shape;
+* :mod:`~countdown.bench.quality`, :mod:`~countdown.bench.qualitygrid`: decode-style perplexity, KL and
+  top-1 against dense in one pass; the resumable quality grid of the operating points;
+* :mod:`~countdown.bench.merge`: quality (real models) joined with speed (8B shape) per model;
 * :mod:`~countdown.bench.breakdown`: the dense step per operation, and the compiled step profiled;
 * :mod:`~countdown.bench.report`: decode.csv / .md / .png;
 * :mod:`~countdown.bench.operating`, :mod:`~countdown.bench.cli`: ``countdown bench``, speed and quality
-  on the user's own model, with a recommendation.
+  on the user's own model, with a recommendation; :mod:`~countdown.bench.opreport`: the operating-point
+  CSV / Markdown / plot (Pareto frontier) and the recommendation line.
 """
 
 from ..cost import mlp_weight_bytes

@@ -77,3 +77,79 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
             countdown.unsparsify(model)
     del model
     return ok
+
+
+def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), ks: tuple[float, ...] = (0.8, 0.5),
+                    n_new: int = 24) -> bool:
+    """The one-compile harness (:mod:`countdown.bench.slots`) against eager decoding of the patched model,
+    on a small fp32 Llama: dense and each spec at each k (switched in place, one capture per spec) must
+    give the eager tokens, and the compiled step must stay one graph with no break over all of them
+    (CUDA: Inductor + our CUDA graph; CPU: Dynamo with the eager backend, no graph)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import countdown
+    from ..decode import generate_fast, reset_decoders
+    from .runner import private_copy
+    from .slots import CapturedDecoder, SlotModel
+    from .speedonly import retarget
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, 512, (1, 9), device=device)
+    arts = {}
+    for label in specs:
+        spec = parse_spec(label)
+        art = random_artifacts(model, spec, list(ks))
+        fit_cuts_on_decode(model, art, decode_prompts(512, 4, 9), new_tokens=16, rounds=1)
+        arts[label] = (spec, art)
+    refs = {("dense", None): generate_fast(model, prompt, n_new, compile="eager")[0][:, 9:]}
+    for label, (spec, art) in arts.items():
+        countdown.sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+        try:
+            for k in ks:
+                retarget(model, art, k)
+                refs[(label, k)] = generate_fast(model, prompt, n_new, compile="eager")[0][:, 9:]
+        finally:
+            countdown.unsparsify(model)
+            reset_decoders()
+    torch._dynamo.reset()
+    clear_dynamo_counts()
+    ok = True
+    with SlotModel(model) as slots:
+        dec = CapturedDecoder(model, slots.holder, 1, 64, compile="inductor" if cuda else "eager-backend",
+                              options={"triton.cudagraphs": False})
+
+        def check(name, k):
+            nonlocal ok
+            out = dec.run(prompt, n_new)[0]
+            same = int((out == refs[(name, k)]).all(dim=0).cumprod(0).sum())
+            ok &= same == n_new
+            log(f"slot check {name:14s} k={k if k is not None else '-'}: first {same}/{n_new} tokens equal eager "
+                f"-> {'ok' if same == n_new else 'FAILED'}")
+
+        if cuda:
+            dec.capture(prompt)
+        check("dense", None)
+        for label, (spec, art) in arts.items():
+            countdown.sparsify(slots.holder, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+            try:
+                if cuda:
+                    dec.capture(prompt)
+                for k in ks:
+                    retarget(slots.holder, art, k)
+                    check(label, k)
+            finally:
+                dec.release()
+                countdown.unsparsify(slots.holder)
+    counts = dynamo_counts()
+    one = counts["unique_graphs"] == 1 and counts["graph_breaks"] == 0
+    ok &= one
+    log(f"slot check: Dynamo over dense and every spec and k: {counts} -> {'ok' if one else 'FAILED'}")
+    del model
+    return ok

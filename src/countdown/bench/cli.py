@@ -42,10 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl")
     parser.add_argument("--calib-texts", default=None, help="calibration / training text (default: the library's)")
     parser.add_argument("--calib-tokens", type=int, default=None, help="calibration / training tokens (default: the library's)")
-    parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens for perplexity")
+    parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens for perplexity, KL and top-1")
     parser.add_argument("--window", type=int, default=512, help="perplexity window (its first half a dense prompt)")
-    parser.add_argument("--kl-prompts", type=int, default=10, help="prompts for KL (0 skips it)")
-    parser.add_argument("--kl-tokens", type=int, default=32, help="greedy tokens per KL prompt")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded at once in the speed test")
     parser.add_argument("--prompt", type=int, default=64, help="prompt length of the speed test (random tokens)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per speed test")
@@ -82,7 +80,7 @@ def _command(args) -> str:
 def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
     import countdown
-    from .operating import BenchSettings, operating_points, write_operating_points
+    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
     from .specs import parse_specs
 
     try:
@@ -104,8 +102,7 @@ def bench_from_args(args) -> int:
     settings = BenchSettings(
         specs=specs, ks=list(args.sparsity), texts=countdown.load_texts(args.texts) if args.texts else None,
         calib_texts=countdown.load_texts(args.calib_texts) if args.calib_texts else None,
-        calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, kl_prompts=args.kl_prompts,
-        kl_tokens=args.kl_tokens, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
+        calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
         samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only)
     skipped: list[str] = []
 
@@ -118,7 +115,7 @@ def bench_from_args(args) -> int:
                             progress=not args.no_progress)
     meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
             "command": _command(args)}
-    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase)
+    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"

@@ -3,9 +3,10 @@
 :func:`operating_points` measures, for dense and each method spec at each k on the user's model and
 machine: decode tokens/s through ``countdown.generate_fast`` against the dense model in the same
 harness (CUDA: compiled, CUDA graphs, the Triton kernel path; CPU: eager with the ``gather`` path,
-which reads only the kept rows), and quality on held-out text: decode-style perplexity (the first half
-of each window a dense prompt, the rest sparse and scored) relative to dense, and the teacher-forced
-KL(dense || sparse) of :func:`countdown.agreement.agreement`. SP-Prac artifacts come from
+which reads only the kept rows), and quality on held-out text as the operating-point tables give it
+(:mod:`countdown.bench.quality`): decode-style perplexity (the first half of each window a dense prompt,
+the rest sparse and scored) relative to dense, and KL(dense || sparse) and top-1 agreement on the
+same positions, from one forward per window. SP-Prac artifacts come from
 :func:`countdown.prac.prepare.ensure_artifacts` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
 """
@@ -13,16 +14,16 @@ weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and 
 from __future__ import annotations
 
 import datetime
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from . import measure
+from .opreport import pareto, recommendation, write_operating_points  # noqa: F401  (countdown bench's report)
 from .specs import Spec, availability, resolve_kind
 
 COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
-           "ppl", "dense_ppl", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
+           "ppl", "dense_ppl", "top1", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
            "quality", "artifacts"]
 
 
@@ -37,8 +38,6 @@ class BenchSettings:
     calib_tokens: int | None = None  # None: the library's default
     ppl_tokens: int = 4096
     window: int = 512
-    kl_prompts: int = 10
-    kl_tokens: int = 32
     batch: int = 1
     prompt: int = 64
     new_tokens: int = 128
@@ -60,6 +59,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
     from ..prac.prepare import ensure_artifacts
+    from .qualitygrid import artifact_options
 
     if s.artifacts_dir is None:
         from ..data import cache_root
@@ -67,10 +67,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         folder = cache_root() / "artifacts"
     else:
         folder = s.artifacts_dir
-    options: dict = {"progress": False}
-    if spec.kind not in (None, "threshold"):
-        options["kind"] = spec.kind
-        options.update(spec.options)
+    options: dict = {"progress": False, **artifact_options(spec)}  # spelled as the sweep's: one cached file
     if s.calib_texts is not None:
         options["texts"] = s.calib_texts
     if s.calib_tokens is not None:
@@ -79,25 +76,15 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
     return art, f"{art.kind}, {art.meta['data'].get('num_tokens')} tokens of {art.meta['data'].get('name')}"
 
 
-def _quality(model, tokenizer, spec, k, art, s: BenchSettings, texts) -> dict:
-    from ..agreement import agreement
-    from ..ppl import perplexity
-    from ..sparse import sparsify, sparsity_real, unsparsify
+def _quality(model, spec, k, art, held) -> dict:
+    from ..sparse import sparsify, unsparsify
+    from .quality import decode_quality
 
     sparsify(model, spec.method, k, mode="prac", artifacts=art, path="masked")
     try:
-        ppl = perplexity(model, tokenizer, texts=texts, max_tokens=s.ppl_tokens, window=s.window,
-                         prompt_fraction=0.5, progress=False)
-        real = sparsity_real(model)["mean"]
+        return decode_quality(model, held)
     finally:
         unsparsify(model)
-    kl = float("nan")
-    if s.kl_prompts > 0:
-        from ..agreement import default_prompts
-
-        kl = agreement(model, tokenizer, spec.method, k, mode="prac", artifacts=art,
-                       prompts=default_prompts()[:s.kl_prompts], max_new_tokens=s.kl_tokens)["kl"]
-    return {"ppl": ppl, "sparsity_real": real, "kl": kl}
 
 
 def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
@@ -127,11 +114,11 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     date = datetime.date.today().isoformat()
     model.generation_config.eos_token_id = None  # every run decodes exactly new_tokens
-    texts = None
+    held = None
     if not speed_only:
-        from ..data import eval_texts
+        from .quality import held_out
 
-        texts = s.texts if s.texts is not None else eval_texts()
+        held = held_out(model, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window)
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
     specs = []
@@ -147,14 +134,9 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
             "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL"}
     dense_tps = _speed(model, prompt, s, harness)
     reset_decoders()
-    dense_ppl = None
-    if not speed_only:
-        from ..ppl import perplexity
-
-        dense_ppl = perplexity(model, tokenizer, texts=texts, max_tokens=s.ppl_tokens, window=s.window,
-                               prompt_fraction=0.5, progress=False)
+    dense_ppl = None if held is None else held.dense_ppl
     rows = [{**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0 if dense_ppl else "",
-             "kl": 0.0 if dense_ppl else "", "decode_speedup": 1.0, "ppl": dense_ppl or "", "dense_ppl": dense_ppl or "",
+             "kl": 0.0 if dense_ppl else "", "top1": 1.0 if dense_ppl else "", "decode_speedup": 1.0, "ppl": dense_ppl or "", "dense_ppl": dense_ppl or "",
              "tokens_per_s": dense_tps, "dense_tokens_per_s": dense_tps, "path": "dense", "artifacts": ""}]
     bar.update(1)
     for spec in specs:
@@ -178,7 +160,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
                     unsparsify(model)
                     reset_decoders()
             else:
-                quality[k] = _quality(model, tokenizer, spec, k, art, s, texts)
+                quality[k] = _quality(model, spec, k, art, held)
         # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
         sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path=path)
         try:
@@ -188,7 +170,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
                 q = quality[k]
                 rows.append({**base, "method": spec.label, "sparsity": k, "sparsity_real": round(q["sparsity_real"], 4),
                              "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
-                             "kl": "" if speed_only else q["kl"], "decode_speedup": tps / dense_tps,
+                             "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
+                             "decode_speedup": tps / dense_tps,
                              "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
                              "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
                              "artifacts": art_label})
@@ -198,113 +181,3 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
             unsparsify(model)
     bar.close()
     return rows
-
-
-def recommendation(rows: list[dict], max_ppl_increase: float = 0.05) -> str:
-    """One line: the fastest configuration within ``max_ppl_increase`` (relative, 0.05 = 5 %) of dense
-    decode-style perplexity, and its speed-up; on speed-only rows, the fastest and that quality was
-    not measured."""
-    sparse = [r for r in rows if r["method"] != "dense"]
-    if not sparse:
-        return "no sparse configuration was measured"
-    if all(r["ppl_increase"] in ("", None) for r in sparse):
-        best = max(sparse, key=lambda r: r["decode_speedup"])
-        return (f"speed only (random weights, quality not measured): the fastest is {best['method']} at "
-                f"k={best['sparsity']:g}: {best['decode_speedup']:.2f}x the dense decoder")
-    ok = [r for r in sparse if r["ppl_increase"] not in ("", None) and r["ppl_increase"] <= max_ppl_increase]
-    pct = f"{100 * max_ppl_increase:g} %"
-    if not ok:
-        closest = min(sparse, key=lambda r: r["ppl_increase"] if r["ppl_increase"] not in ("", None) else math.inf)
-        return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
-                f"k={closest['sparsity']:g} (+{100 * closest['ppl_increase']:.1f} %, "
-                f"{closest['decode_speedup']:.2f}x); stay dense or accept more")
-    best = max(ok, key=lambda r: r["decode_speedup"])
-    verdict = "faster" if best["decode_speedup"] > 1 else "(not faster than dense here)"
-    return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
-            f"(+{100 * best['ppl_increase']:.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "
-            f"{best['decode_speedup']:.2f}x {verdict}")
-
-
-def pareto(rows: list[dict]) -> list[dict]:
-    """The rows no other row beats on both perplexity increase (lower) and speed-up (higher)."""
-    pts = [r for r in rows if r["ppl_increase"] not in ("", None)]
-    return [r for r in pts if not any(o is not r and o["ppl_increase"] <= r["ppl_increase"]
-                                      and o["decode_speedup"] >= r["decode_speedup"]
-                                      and (o["ppl_increase"], o["decode_speedup"]) != (r["ppl_increase"], r["decode_speedup"])
-                                      for o in pts)]
-
-
-def _cell(value, fmt: str) -> str:
-    return "-" if value in ("", None) or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
-
-
-def write_operating_points(rows: list[dict], out_dir: str, meta: dict, max_ppl_increase: float = 0.05) -> dict:
-    """``<model>.csv``, ``.md`` and ``.png`` in ``out_dir`` (the plot: speed-up against perplexity
-    increase with the Pareto frontier, or against Sparsity-Real when quality was not measured).
-    Returns the paths and the recommendation line."""
-    import csv
-    import os
-
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, str(meta.get("model", "model")).replace("/", "_"))
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    line = recommendation(rows, max_ppl_increase)
-    front = {id(r) for r in pareto(rows)}
-    lines = [f"# Operating points: {meta.get('model')}", "", f"**{line}**", "",
-             f"- device: {rows[0]['device'] if rows else '-'}; date: {rows[0]['date'] if rows else '-'}; "
-             f"command: `{meta.get('command', '')}`",
-             f"- speed: tokens/s of `countdown.generate_fast` ({rows[0]['harness'] if rows else '-'}, batch "
-             f"{rows[0]['batch'] if rows else '-'}, {rows[0]['new_tokens'] if rows else '-'} new tokens after a "
-             f"{meta.get('prompt', '-')}-token prompt, median of {meta.get('samples', '-')}) over the dense model in the "
-             "same harness; quality: decode-style perplexity (half of each window a dense prompt) relative to dense, "
-             "and KL(dense || sparse) in nats, teacher-forced on the dense model's greedy answers.",
-             "", "| method | k | Sparsity-Real | ppl increase | KL | decode speed-up | tokens/s | Pareto | artifacts |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        inc = "" if r["ppl_increase"] in ("", None) else 100 * r["ppl_increase"]
-        lines.append(f"| {r['method']} | {_cell(r['sparsity'], 'g')} | {_cell(r['sparsity_real'], '.3f')} | "
-                     f"{_cell(inc, '+.1f')}{'' if inc == '' else ' %'} | {_cell(r['kl'], '.3f')} | "
-                     f"{r['decode_speedup']:.2f}x | {r['tokens_per_s']:.1f} | {'*' if id(r) in front else ''} | "
-                     f"{r['artifacts'] or '-'} |")
-    for reason in meta.get("skipped", []):
-        lines.append(f"\n- skipped {reason}")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        _plot(rows, stem + ".png", meta, front)
-    except Exception as error:  # a plotting failure must not lose the table
-        line += f" (plot failed: {error})"
-    return {"csv": stem + ".csv", "markdown": stem + ".md", "plot": stem + ".png", "recommendation": line}
-
-
-def _plot(rows, path, meta, front) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    quality = any(r["ppl_increase"] not in ("", None) for r in rows)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [r for r in rows if r["method"] == method]
-        xs = [100 * r["ppl_increase"] if quality else r["sparsity_real"] for r in pts]
-        ax.plot(xs, [r["decode_speedup"] for r in pts], marker="o", ls="-" if len(pts) > 1 else "", label=method)
-        for r, x in zip(pts, xs):
-            if r["method"] != "dense":
-                ax.annotate(f"{r['sparsity']:g}", (x, r["decode_speedup"]), fontsize=6)
-    if quality and front:
-        pts = sorted((100 * r["ppl_increase"], r["decode_speedup"]) for r in rows if id(r) in front)
-        ax.plot(*zip(*pts), color="k", lw=0.8, ls="--", label="Pareto frontier")
-        ax.set_xscale("symlog", linthresh=1.0)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("decode-style perplexity increase over dense (%)" if quality else "Sparsity-Real (speed only)")
-    ax.set_ylabel("decode speed-up over dense")
-    ax.set_title(f"{meta.get('model')} on {rows[0]['device'] if rows else ''}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

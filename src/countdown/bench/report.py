@@ -17,7 +17,11 @@ DECODE_COLUMNS = [
     "dense_eager_tokens_per_s", "speedup_vs_compiled", "speedup_vs_eager", "speedup_vs_dense_same_harness", "gbps",
     "copy_gbps", "bw_share", "weight_gb_per_step", "peak_mem_gb", "model_mem_gb", "setup_s", "graphs", "graph_breaks",
     "artifacts", "tokens_per_s_min", "tokens_per_s_max", "samples",
+    # the one-compile benchmark adds: the step's roofline, and one Gated-MLP alone against its roofline
+    "roofline_ms", "kernel_us", "kernel_roofline_us", "kernel_sparsity_real", "mlp_speedup",
+    "decode_speedup_vs_compiled",  # decode steps/s (prefill left out) over the fastest compiled dense decoder's
 ]
+COMPILED_HARNESSES = ("compile-cdt", "compile", "one-compile")  # the dense reference: the fastest of these
 
 
 def fill_references(rows: list) -> None:
@@ -30,8 +34,18 @@ def fill_references(rows: list) -> None:
                  and int(r["batch"]) == int(batch) and int(r["new_tokens"]) == int(n)]
         return max(found) if found else None
 
+    def find_decode(run, batch, n):
+        found = [float(r["decode_tokens_per_s"]) for r in rows
+                 if r["run"] == run and r["method"] == "dense" and r["harness"] in COMPILED_HARNESSES
+                 and int(r["batch"]) == int(batch) and int(r["new_tokens"]) == int(n)
+                 and r.get("decode_tokens_per_s") not in ("", None)]
+        return max(found) if found else None
+
     for r in rows:
-        compiled = [find(r["run"], h, r["batch"], r["new_tokens"]) for h in ("compile-cdt", "compile")]
+        ref = find_decode(r["run"], r["batch"], r["new_tokens"])
+        r["decode_speedup_vs_compiled"] = ("" if ref is None or r.get("decode_tokens_per_s") in ("", None)
+                                           else round(float(r["decode_tokens_per_s"]) / ref, 4))
+        compiled = [find(r["run"], h, r["batch"], r["new_tokens"]) for h in COMPILED_HARNESSES]
         compiled = [c for c in compiled if c is not None]
         comp = max(compiled) if compiled else None
         eager = find(r["run"], "eager", 1, r["new_tokens"]) if int(r["batch"]) == 1 else None
@@ -84,7 +98,9 @@ def markdown(rows: list, metas: list) -> str:
                   + (f"; wall {meta['wall_s']:.0f} s" if meta.get("wall_s") else ""), ""]
         for batch, by_n in (meta.get("dense_spread") or {}).items():
             for n, sp in by_n.items():
-                lines.append(f"- dense baseline, batch {batch}, {n} new tokens: {sp['n']} timings of one decoder (one compile), "
+                what = (f"{n} new tokens: {sp['n']} timings of one decoder (one compile)" if str(n).isdigit()
+                        else f"{n}: {sp['n']} timings")
+                lines.append(f"- dense baseline, batch {batch}, {what}, "
                              f"min {sp['min']:.1f} / median {sp['median']:.1f} / max {sp['max']:.1f} tokens/s "
                              f"(spread {100 * (sp['max'] - sp['min']) / sp['median']:.1f} %)")
         for label, reason in (meta.get("skipped") or {}).items():
@@ -104,8 +120,49 @@ def markdown(rows: list, metas: list) -> str:
                 f"{share} | {r['peak_mem_gb'] or '-'} | {r.get('model_mem_gb') or '-'} | "
                 f"{graphs} | {r['artifacts'] or '-'} |")
         lines.append("")
+        lines += _mlp_section(run_rows, meta) + _replay_section(meta)
         lines += _breakdown_sections(meta)
     return "\n".join(lines)
+
+
+def _mlp_section(rows: list, meta: dict) -> list[str]:
+    """One Gated-MLP alone per row (the one-compile benchmark), against its roofline."""
+    timed = [r for r in rows if r.get("kernel_us") not in ("", None)]
+    if not timed:
+        return []
+    k = meta.get("kernel") or {}
+    out = [f"### One Gated-MLP alone (median per call in one CUDA graph, cycling over the first {k.get('layers', '-')} "
+           f"layers' weights x {k.get('tokens', '-')} inputs recorded from dense decode steps; Sparsity-Real counted "
+           "on those inputs; roofline = weight bytes / copy bandwidth)", "",
+           "| method | k | Sparsity-Real (MLP inputs) | us | roofline us | x roofline | vs dense MLP |", "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in timed:
+        key = (r["method"], r["sparsity"])
+        if key in seen:
+            continue
+        seen.add(key)
+        ratio = (float(r["kernel_us"]) / float(r["kernel_roofline_us"])
+                 if r.get("kernel_roofline_us") not in ("", None) else None)
+        out.append(f"| {r['method']} | {r['sparsity'] or '-'} | {r.get('kernel_sparsity_real') or '-'} | "
+                   f"{float(r['kernel_us']):.1f} | {_f(r.get('kernel_roofline_us'), '.1f')} | "
+                   f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_x(r.get('mlp_speedup'))} |")
+    graphs = meta.get("slot_graphs")
+    if graphs:
+        out.append(f"\n- one-compile harness: Dynamo counted {graphs['unique_graphs']} graph(s) and "
+                   f"{graphs['graph_breaks']} break(s) over dense, every method and every k (no recompilation)")
+    return out + [""]
+
+
+def _replay_section(meta: dict) -> list[str]:
+    replay = meta.get("mask_replay")
+    if not replay:
+        return []
+    out = ["### Masks from real models replayed at this shape (masked kernel, same kept rows per layer and token)", "",
+           "| masks | kept | real us | random us | real / random | contiguous us | roofline us |", "|---|---|---|---|---|---|---|"]
+    for r in replay:
+        out.append(f"| {r.get('model')} {r.get('method')} k={r.get('sparsity')} | {r['kept']:.3f} | {r['real_us']:.1f} | "
+                   f"{r['random_us']:.1f} | {r['real_over_random']:.3f} | {r['contiguous_us']:.1f} | {r['roofline_us']:.1f} |")
+    return out + [""]
 
 
 def _breakdown_sections(meta: dict) -> list[str]:
@@ -200,11 +257,12 @@ def read_runs(folders: list[str]) -> tuple[list, list]:
 def short_table(rows: list) -> str:
     out = io.StringIO()
     out.write(f"{'method':15s} {'harness':11s} {'k':>4s} {'real':>6s} {'b':>2s} {'new':>5s} {'tok/s':>8s} "
-              f"{'min':>7s} {'max':>7s} {'vsComp':>6s} {'GB/s':>6s} {'share':>5s} {'peakGB':>6s}\n")
+              f"{'min':>7s} {'max':>7s} {'vsComp':>6s} {'GB/s':>6s} {'share':>5s} {'peakGB':>6s} {'MLPus':>6s} {'vsMLP':>6s}\n")
     for r in rows:
         share = f"{100 * float(r['bw_share']):4.0f}%" if r.get("bw_share") not in ("", None) else "    -"
         out.write(f"{r['method']:15s} {r['harness']:11s} {str(r['sparsity'] or '-'):>4s} {str(r['sparsity_real'] or '-'):>6s} "
                   f"{r['batch']:>2} {r['new_tokens']:>5} {float(r['tokens_per_s']):8.1f} "
                   f"{_f(r.get('tokens_per_s_min'), '7.1f'):>7s} {_f(r.get('tokens_per_s_max'), '7.1f'):>7s} "
-                  f"{_x(r['speedup_vs_compiled']):>6s} {float(r['gbps']):6.0f} {share} {str(r['peak_mem_gb'] or '-'):>6s}\n")
+                  f"{_x(r['speedup_vs_compiled']):>6s} {float(r['gbps']):6.0f} {share} {str(r['peak_mem_gb'] or '-'):>6s} "
+                  f"{_f(r.get('kernel_us'), '6.1f'):>6s} {_x(r.get('mlp_speedup')):>6s}\n")
     return out.getvalue()

@@ -19,7 +19,7 @@ import torch
 from .specs import Spec
 
 SPEED_ONLY = "speed-only"
-RANDOM_KINDS = ("threshold", "lowrank", "hybrid", "ternary")
+RANDOM_KINDS = ("threshold", "lowrank", "hybrid", "ternary", "shadow")  # shadow: the model's own weights quantized
 
 
 class SpecUnavailable(RuntimeError):
@@ -44,6 +44,8 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
 
     if spec.kind == "threshold":
         return {"thresholds": torch.full((len(ks), len(mlps)), -1.0)}, {"rule": "speed-only", "d_rank": None}
+    if spec.kind == "shadow":
+        return _shadow_tensors(spec, mlps, ks)
     tensors: dict[str, torch.Tensor] = {}
     rank = default_rank(spec, mlps[0].d_model, mlps[0].d_inter)
     for i, mlp in enumerate(mlps):
@@ -61,9 +63,36 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
     return tensors, {"d_rank": None if spec.kind == "ternary" else rank}
 
 
+def _shadow_tensors(spec: Spec, mlps, ks) -> tuple[dict, dict]:
+    """The shadow kind's tensors: the model's own W_gate / W_up quantized (on their device, as the
+    library's fit does; closed form, nothing to train) and placeholder cuts that keep every row."""
+    from ..artifacts import sparsity_key
+    from ..kernels.quant import pack_bits, quantize_rtn
+    from ..prac.shadow import DEFAULT_BITS, DEFAULT_GROUP
+
+    bits, group = int(spec.options.get("bits", DEFAULT_BITS)), int(spec.options.get("group", DEFAULT_GROUP))
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, mlp in enumerate(mlps):
+            for name, w in (("gate", mlp.w_gate), ("up", mlp.w_up)):
+                q, scale = quantize_rtn(w, bits, group)
+                tensors[f"shared/layer{i}/{name}_q"] = pack_bits(q, bits).cpu()
+                tensors[f"shared/layer{i}/{name}_scale"] = scale.cpu()
+            for k in ks:
+                tensors[f"{sparsity_key(k)}/layer{i}/cut"] = torch.tensor(-1e30)
+    return tensors, {"bits": bits, "group": group, "cut_rule": "speed-only", "d_rank": None}
+
+
+def on_device(art, device):
+    """``art`` with every tensor on ``device``: selectors built from it (every ``sparsify`` and
+    :func:`retarget`) then unpack and copy there, not on the host (seconds per layer at 8B)."""
+    return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
+
+
 def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
-    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary) for ``model`` at ``ks`` with
-    random predictor weights and cuts that keep every row: call :func:`fit_cuts_on_decode` next."""
+    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary, shadow) for ``model`` at ``ks`` with
+    random predictor weights (shadow: the model's own weights quantized) and cuts that keep every row:
+    call :func:`fit_cuts_on_decode` next."""
     from ..artifacts import Artifacts, new_meta
     from ..mlp import require_gated_mlps
     from ..registry import get_method
@@ -72,7 +101,7 @@ def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
         raise SpecUnavailable(f"{spec.label}: no random stand-in for kind {spec.kind!r}")
     mlps = require_gated_mlps(model)
     tensors, extra = _random_tensors(spec, mlps, ks, torch.Generator().manual_seed(seed))
-    selection = "threshold" if spec.kind == "threshold" else "cut"
+    selection = "threshold" if spec.kind == "threshold" else "cut"  # every kind's cut rule
     meta = new_meta(get_method(spec.method), spec.kind, ks, mlps, selection=selection,
                     data={"name": SPEED_ONLY, "num_tokens": 0, "window": 0}, stand_in=True, **extra)
     return Artifacts(meta, tensors)
@@ -96,7 +125,48 @@ def library_artifacts(model, spec: Spec, ks: list[float], texts: list[str], toke
                               f"{str(error)[:200]})") from error
 
 
-def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, rounds: int = 2) -> dict:
+def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int):
+    """Every layer's selector scores on the decode steps of ``model`` patched with ``art`` at ``k``
+    (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
+    kind without a score."""
+    from ..decode import generate_fast
+    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
+
+    sparsify(model, art.method, k, mode="prac", artifacts=art, path="masked")
+    try:
+        layers = state_of(model).layers
+        if not all(callable(getattr(layer.selector, "score", None)) for layer in layers):
+            return None, float("nan")  # a selector with no score (teal's keeps two cuts): its own cuts stay
+        scores: list[list[torch.Tensor]] = [[] for _ in layers]
+
+        def hook(module, args, out, i):
+            scores[i].append(module.score(args[0], layers[i].mlp).float().flatten())
+
+        handles = [layer.selector.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
+                   for i, layer in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                generate_fast(model, prompts.to(next(model.parameters()).device), new_tokens, compile=False)
+        except NotImplementedError:  # a kind without a score keeps the cuts it was built with
+            return None, float("nan")
+        finally:
+            for h in handles:
+                h.remove()
+        return [torch.cat(s) for s in scores], round(sparsity_real(model)["mean"], 4)
+    finally:
+        unsparsify(model)
+
+
+def _quantile_cuts(scores: list[torch.Tensor], k: float) -> list[torch.Tensor]:
+    cuts = []
+    for s in scores:
+        rank = min(max(1, round(k * s.numel())), s.numel())
+        cuts.append(s.kthvalue(rank).values.cpu())
+    return cuts
+
+
+def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, rounds: int = 2,
+                       shared_first: bool | None = None) -> dict:
     """Set each layer's threshold / cut of ``art`` (in place) so that on the sparse model's own decode
     steps exactly a fraction ``1 - k`` of (step, row) pairs is kept, for every k of the artifact.
 
@@ -106,48 +176,36 @@ def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, 
     first round sees the activations of the cuts given (the dense model's when they keep every row);
     later rounds those of the sparse model the previous round made. Every kind's selector gives its
     score (``RowSelector.score(x, mlp)``) and its kind stores the cuts (``SelectorKind.set_cuts``).
-    Returns ``{k: [Sparsity-Real of each round's generation]}``."""
-    from ..decode import generate_fast
+
+    ``shared_first`` (default: for stand-ins, whose placeholder cuts keep every row): the first round
+    is the dense model's at every k, so one generation serves all of them. Returns
+    ``{k: [Sparsity-Real of each round's generation]}``."""
     from ..prac.base import get_kind
-    from ..registry import get_method
-    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
 
-    method = get_method(art.method)
     kind = get_kind(art.kind)
-    history: dict[float, list[float]] = {}
-    for k in art.sparsities:
-        history[k] = []
-        for _ in range(rounds):
-            sparsify(model, method.name, k, mode="prac", artifacts=art, path="masked")
-            scores: list[list[torch.Tensor]] = []
-            try:
-                layers = state_of(model).layers
-                scores = [[] for _ in layers]
-
-                def hook(module, args, out, i):
-                    scores[i].append(module.score(args[0], layers[i].mlp).float().flatten())
-
-                handles = [layer.selector.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
-                           for i, layer in enumerate(layers)]
-                try:
-                    with torch.no_grad():
-                        generate_fast(model, prompts.to(next(model.parameters()).device), new_tokens, compile=False)
-                finally:
-                    for h in handles:
-                        h.remove()
-                history[k].append(round(sparsity_real(model)["mean"], 4))
-            except NotImplementedError:  # a kind without a score keeps the cuts it was built with
-                history[k].append(float("nan"))
+    ks = list(art.sparsities)
+    history: dict[float, list[float]] = {k: [] for k in ks}
+    if shared_first is None:
+        shared_first = bool(art.meta.get("stand_in"))
+    left = {k: rounds for k in ks}
+    if shared_first and rounds > 0:
+        scores, real = _decode_scores(model, art, ks[0], prompts, new_tokens)
+        for k in ks:
+            history[k].append(real)
+            left[k] -= 1
+            if scores is not None:
+                kind.set_cuts(art, k, _quantile_cuts(scores, k))
+        if scores is None:
+            left = {k: 0 for k in ks}
+    for k in ks:
+        for _ in range(left[k]):
+            scores, real = _decode_scores(model, art, k, prompts, new_tokens)
+            history[k].append(real)
+            if scores is None:
                 break
-            finally:
-                unsparsify(model)
-            cuts = []
-            for layer_scores in scores:
-                s = torch.cat(layer_scores)
-                rank = min(max(1, round(k * s.numel())), s.numel())
-                cuts.append(s.kthvalue(rank).values.cpu())
-            kind.set_cuts(art, k, cuts)
-    art.meta["decode_fit"] = {"rounds": rounds, "prompts": int(prompts.shape[0]), "new_tokens": new_tokens,
+            kind.set_cuts(art, k, _quantile_cuts(scores, k))
+    art.meta["decode_fit"] = {"rounds": rounds, "shared_first": shared_first, "prompts": int(prompts.shape[0]),
+                              "new_tokens": new_tokens,
                               "sparsity_real_per_round": {f"{k:g}": v for k, v in history.items()}}
     return history
 

@@ -1,0 +1,265 @@
+"""Operating points: decode-style quality in one pass, the resumable quality grid, the one-compile
+decode harness, mask replay and the merge into results/operating_points (tiny models, CPU)."""
+
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import countdown
+from conftest import tiny_model
+from countdown.bench.quality import decode_quality, held_out, record_masks
+from countdown.bench.qualitygrid import artifact_options, read_rows, run_quality_grid
+from countdown.bench.specs import parse_spec, resolve_kind
+from test_calibrate import CharTokenizer, word_texts
+
+TOK = CharTokenizer()
+
+
+def _calibrated(model, tmp_path, method="mono", ks=(0.5, 0.8)):
+    return countdown.ensure_artifacts(model, TOK, method, list(ks), tmp_path / "arts", progress=False,
+                                      texts=word_texts(0), num_tokens=256)
+
+
+@torch.no_grad()
+def test_decode_quality_matches_perplexity_and_a_float64_kl():
+    model = tiny_model("llama")
+    texts = word_texts(5)
+    held = held_out(model, TOK, texts=texts, max_tokens=256, window=64)
+    dense = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
+                                 batch_size=1, progress=False)
+    assert held.dense_ppl == pytest.approx(dense, rel=1e-6)
+    countdown.sparsify(model, "cats", 0.7, mode="ideal", path="masked")
+    try:
+        q = decode_quality(model, held)
+        sparse = countdown.perplexity(model, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
+                                      batch_size=1, progress=False)
+        # independent KL: float64 model copies, dense vs sparse forward of every window, scored half only
+        ref = []
+        for row in held.rows.split(1):
+            with countdown.dense_prefix(model, held.prompt):
+                q_logits = model(row).logits[0, held.first:-1].double()
+            ref.append((row, q_logits))
+    finally:
+        countdown.unsparsify(model)
+    kls = []
+    for row, q_logits in ref:
+        p = F.log_softmax(model(row).logits[0, held.first:-1].double(), -1)
+        kls.append(F.kl_div(F.log_softmax(q_logits, -1), p, log_target=True, reduction="none").sum(-1))
+    assert q["ppl"] == pytest.approx(sparse, rel=1e-6)
+    assert q["ppl_increase"] == pytest.approx(sparse / dense - 1, rel=1e-5)
+    assert q["kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-4)
+    assert q["tokens"] == held.scored == 4 * 32 and abs(q["sparsity_real"] - 0.7) < 0.02
+    assert 0 < q["top1"] <= 1
+
+
+def test_record_masks_are_the_masks_the_selectors_pick(tmp_path):
+    model = tiny_model("llama")
+    held = held_out(model, TOK, texts=word_texts(5), max_tokens=128, window=64)
+    countdown.sparsify(model, "mono", 0.8, mode="ideal", path="masked")
+    try:
+        masks = record_masks(model, held, n_tokens=8)
+    finally:
+        countdown.unsparsify(model)
+    assert masks.shape == (2, 8, 97) and masks.dtype == torch.bool
+    assert (masks.sum(-1) == countdown.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
+
+
+def test_artifact_options_are_spelled_as_the_sweep_spells_them():
+    assert artifact_options(resolve_kind(parse_spec("dual"))) == {}
+    assert artifact_options(resolve_kind(parse_spec("dual[shadow4]"))) == {}
+    assert artifact_options(resolve_kind(parse_spec("dual[shadow3]"))) == {"kind": "shadow", "bits": 3}
+    assert artifact_options(resolve_kind(parse_spec("dual[hybrid]"))) == {"kind": "hybrid"}
+    assert artifact_options(resolve_kind(parse_spec("dejavu"))) == {}
+    assert artifact_options(resolve_kind(parse_spec("mono"))) == {}
+    from countdown.sweep.cells import parse_method_spec
+
+    for label in ("dual", "dual[hybrid]", "dual[lowrank]", "dejavu", "cats"):
+        assert artifact_options(resolve_kind(parse_spec(label))) == parse_method_spec(label).options
+
+
+def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):
+    model = tiny_model("llama")
+    logs = []
+    kwargs = dict(specs="mono,cats,teal", ks=(0.5, 0.8), out_dir=tmp_path / "q", max_tokens=128, window=64,
+                  artifacts_dir=tmp_path / "arts", model=model, tokenizer=TOK, texts=word_texts(5),
+                  calib={"texts": word_texts(0), "num_tokens": 256}, log=logs.append)
+    path = run_quality_grid("tiny", **kwargs)
+    rows = read_rows(path)
+    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("cats", "0.5"), ("cats", "0.8"),
+                                                             ("mono", "0.5"), ("mono", "0.8")]
+    assert any("skipping teal" in line for line in logs) or any(r["method"] == "teal" for r in rows)
+    assert (tmp_path / "q" / "masks" / "tiny-mono-k0.8.pt").exists()
+    saved = torch.load(tmp_path / "q" / "masks" / "tiny-mono-k0.8.pt")
+    assert saved["shape"][0] == 2 and saved["method"] == "mono"
+    # the mono k=0.8 row against a fresh measurement with the same (cached) artifact
+    art = countdown.ensure_artifacts(model, TOK, "mono", [0.5, 0.8], tmp_path / "arts", progress=False,
+                                     texts=word_texts(0), num_tokens=256)
+    held = held_out(model, TOK, texts=word_texts(5), max_tokens=128, window=64)
+    countdown.sparsify(model, "mono", 0.8, mode="prac", artifacts=art, path="masked")
+    q = decode_quality(model, held)
+    countdown.unsparsify(model)
+    mono8 = next(r for r in rows if r["method"] == "mono" and r["sparsity"] == "0.8")
+    assert float(mono8["ppl_increase"]) == pytest.approx(q["ppl_increase"])
+    assert float(mono8["kl"]) == pytest.approx(q["kl"])
+    logs.clear()
+    run_quality_grid("tiny", **kwargs)  # resumed: nothing measured again
+    assert not any("ppl" in line and "k=" in line for line in logs)
+    assert len(read_rows(path)) == 5
+
+
+def test_one_compiled_step_serves_dense_every_method_and_every_k():
+    """The slot harness (Dynamo, eager backend on the CPU) against eager decoding of the patched model:
+    same tokens for dense and each spec at each k, switched in place, and ONE graph for all of them."""
+    from countdown.bench.measure import clear_dynamo_counts, dynamo_counts
+    from countdown.bench.runner import private_copy
+    from countdown.bench.slots import SLOTS, CapturedDecoder, SlotModel
+    from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
+    from countdown.decode import generate_fast
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    arts = {}
+    for label in ("mono", "dual[lowrank]"):
+        spec = parse_spec(label)
+        art = random_artifacts(model, spec, [0.8, 0.4])
+        fit_cuts_on_decode(model, art, decode_prompts(128, 2, 7), new_tokens=8, rounds=1)
+        arts[label] = (spec, art)
+    refs = {"dense": generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]}
+    for label, (spec, art) in arts.items():
+        for k in (0.8, 0.4):
+            countdown.sparsify(model, spec.method, k, mode="prac", artifacts=art, path="auto")
+            refs[(label, k)] = generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]
+            countdown.unsparsify(model)
+    assert not torch.equal(refs["dense"], refs[("mono", 0.8)])  # sparsity changes the tokens: the check can fail
+    torch._dynamo.reset()
+    clear_dynamo_counts()
+    params = dict(model.named_parameters())
+    with SlotModel(model) as slots:
+        assert len(slots.holder.mlps) == 2 and all(SLOTS[p[3].slot] is p[2] for p in slots.places)
+        dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
+        assert torch.equal(dec.run(prompt, 12)[0], refs["dense"])
+        for label, (spec, art) in arts.items():
+            countdown.sparsify(slots.holder, spec.method, 0.8, mode="prac", artifacts=private_copy(art), path="auto")
+            for k in (0.8, 0.4):
+                retarget(slots.holder, art, k)
+                assert torch.equal(dec.run(prompt, 12)[0], refs[(label, k)]), (label, k)
+            countdown.unsparsify(slots.holder)
+        assert torch.equal(dec.run(prompt, 12)[0], refs["dense"])
+    assert dynamo_counts() == {"unique_graphs": 1, "graph_breaks": 0}
+    assert dict(model.named_parameters()).keys() == params.keys()  # the MLPs are back where they were
+
+
+def test_mask_replay_keeps_the_kept_counts(tmp_path):
+    from countdown.bench.maskreplay import contiguous_like, load_masks, random_like, replay, tile_masks
+    from countdown.bench.qualitygrid import _save_masks
+
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.rand(3, 5, 40, generator=gen) < torch.linspace(0.1, 0.6, 5)[None, :, None]
+    _save_masks(tmp_path / "m.pt", masks, {"model": "tiny", "method": "mono", "sparsity": 0.8})
+    loaded, meta = load_masks(str(tmp_path / "m.pt"))
+    assert torch.equal(loaded, masks) and meta["method"] == "mono"
+    big = tile_masks(masks, 4, 97)
+    assert big.shape == (4, 5, 97)
+    assert torch.equal(big[3, :, 45], masks[0, :, 5]) and torch.equal(big[1, 2, :40], masks[1, 2])
+    for other in (random_like(big), contiguous_like(big)):
+        assert torch.equal(other.sum(-1), big.sum(-1)) and not torch.equal(other, big)
+    assert contiguous_like(big)[0, 0, :int(big[0, 0].sum())].all()
+    w = [(torch.randn(97, 16), torch.randn(97, 16), torch.randn(97, 16)) for _ in range(2)]
+    assert replay(w, [torch.randn(1, 16) for _ in range(2)], big[:2, :1], "silu", reps=1) > 0  # runs (Triton interpreted)
+
+
+def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
+    import json
+
+    from countdown.bench.merge import OP_COLUMNS, merge_operating_points
+    from countdown.bench.qualitygrid import QUALITY_COLUMNS
+    from countdown.bench.report import write_csv
+
+    speed = tmp_path / "speed"
+    speed.mkdir()
+    base = {"run": "R", "batch": 1, "new_tokens": 512, "device": "GPU", "date": "2026-11-23", "config": "shape"}
+    write_csv([{**base, "method": "dense", "harness": "compile-cdt", "tokens_per_s": 200, "decode_tokens_per_s": 200,
+                "sparsity": "", "sparsity_real": ""},
+               {**base, "method": "dense", "harness": "one-compile", "tokens_per_s": 190, "decode_tokens_per_s": 190, "kernel_us": 100,
+                "sparsity": "", "sparsity_real": ""},
+               {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.5, "sparsity_real": 0.5,
+                "tokens_per_s": 220, "decode_tokens_per_s": 220, "kernel_us": 60, "mlp_speedup": 100 / 60},
+               {**base, "method": "mono", "harness": "one-compile", "sparsity": 0.7, "sparsity_real": 0.7,
+                "tokens_per_s": 260, "decode_tokens_per_s": 260, "kernel_us": 40, "mlp_speedup": 2.5}], str(speed / "decode.csv"))
+    (speed / "decode_meta.json").write_text(json.dumps([{**base, "command": "decode.py"}]))
+    quality = tmp_path / "quality"
+    quality.mkdir()
+    q = {"model": "tiny", "dense_ppl": 10.0, "top1": 1, "date": "2026-11-23"}
+    with open(quality / "tiny.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=QUALITY_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows([{**q, "method": "dense", "sparsity": 0, "sparsity_real": 0, "ppl": 10, "ppl_increase": 0, "kl": 0},
+                     {**q, "method": "mono", "sparsity": 0.6, "sparsity_real": 0.6, "ppl": 10.3, "ppl_increase": 0.03,
+                      "kl": 0.1},
+                     {**q, "method": "mono", "sparsity": 0.8, "sparsity_real": 0.75, "ppl": 13, "ppl_increase": 0.3,
+                      "kl": 0.5}])
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    with open(sweep / "tiny.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["model", "method", "mode", "sparsity", "task", "metric", "value", "setting"])
+        w.writeheader()
+        w.writerows([{"model": "tiny", "method": "dense", "mode": "", "sparsity": "", "task": "arc_easy", "metric": "acc",
+                      "value": 0.6, "setting": "limit=30"},
+                     {"model": "tiny", "method": "mono", "mode": "prac", "sparsity": "0.6", "task": "arc_easy",
+                      "metric": "acc", "value": 0.5, "setting": "limit=30"}])
+    (sweep / "tiny.meta.json").write_text(json.dumps({"artifacts": {"mono": {"kind": "threshold"}}}))
+    out = tmp_path / "op"
+    written = merge_operating_points([str(speed)], str(quality), str(out), str(sweep), log=lambda m: None)
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert list(rows[0]) == OP_COLUMNS
+    dense, mono6, mono8 = rows
+    assert float(dense["decode_speedup"]) == 1.0 and float(dense["task_score"]) == pytest.approx(0.6)
+    # halfway between 1.10x (220 / 200) and 1.30x (260 / 200): against the fastest compiled dense decoder
+    assert float(mono6["decode_speedup"]) == pytest.approx(1.2)
+    assert float(mono6["kernel_us"]) == pytest.approx(50) and float(mono6["task_score"]) == pytest.approx(0.5)
+    assert mono8["decode_speedup"] == "" and "outside the timed range" in mono8["speed_note"]
+    line = written["tiny"]["recommendation"]
+    assert line.startswith("for at most 5 % perplexity increase, use mono at k=0.6 (+3.0 %") and "1.20x faster" in line
+    assert (out / "tiny.md").read_text().count("| mono |") == 2 and (out / "tiny.png").stat().st_size > 0
+
+
+def test_shadow_stand_in_is_the_librarys_quantization_with_cuts_fitted_on_decode():
+    from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+    from countdown.decode import generate_fast
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    art = random_artifacts(model, parse_spec("dual[shadow4]"), [0.8, 0.5])
+    from countdown.prac.shadow import fit_shadow_layer
+    from countdown.mlp import require_gated_mlps
+    from countdown.registry import get_method
+
+    mlps = require_gated_mlps(model)
+    ref = fit_shadow_layer(get_method("dual"), mlps[1], 1, torch.randn(8, 64), [0.8], {"bits": 4, "group": 64,
+                                                                                       "cut_rule": "mean-quantile"})
+    for name in ("gate_q", "up_q", "gate_scale", "up_scale"):
+        assert torch.equal(art.tensors[f"shared/layer1/{name}"], ref[f"shared/layer1/{name}"])
+    prompts = decode_prompts(128, 4, 8)
+    history = fit_cuts_on_decode(model, art, prompts, new_tokens=16, rounds=1)
+    assert history[0.8] == history[0.5] == [0.0]  # one shared dense round served both k
+    countdown.sparsify(model, "dual", 0.8, mode="prac", artifacts=art, path="masked")
+    generate_fast(model, prompts, 16, compile=False)
+    assert countdown.sparsity_real(model)["mean"] == pytest.approx(0.8, abs=0.06)
+    countdown.unsparsify(model)
+
+
+def test_recommendation_names_a_configuration_within_the_bound_even_without_its_speed():
+    from countdown.bench.opreport import recommendation
+
+    rows = [{"method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0, "decode_speedup": 1.0},
+            {"method": "dual[shadow4]", "sparsity": 0.5, "sparsity_real": 0.514, "ppl_increase": 0.042,
+             "decode_speedup": None},
+            {"method": "mono", "sparsity": 0.7, "sparsity_real": 0.7, "ppl_increase": 0.3, "decode_speedup": 1.3}]
+    line = recommendation(rows, 0.05)
+    assert line.startswith("for at most 5 % perplexity increase: dual[shadow4] at k=0.5 (+4.2 %")
+    assert "no decode speed was measured" in line
+    rows[1]["decode_speedup"] = 1.04
+    assert recommendation(rows, 0.05).endswith("1.04x faster")
