@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..registry import get_method
 from .specs import Spec, availability, parse_specs, resolve_kind
 
 QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense_ppl", "ppl_increase", "kl", "top1",
@@ -157,7 +158,9 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
             for k in ks:
                 row_key = _key({**base, "method": spec.label, "sparsity": k, "artifact_tag": tag})
                 mask_path = out / "masks" / f"{label}-{re.sub(r'[^A-Za-z0-9._-]', '_', spec.label)}-k{k:g}.pt"
-                want_masks = masks and abs(k - MASK_K) < 1e-6 and not mask_path.exists()
+                # masks are row masks (d_inter per token): teal's input masks have another shape, not replayed
+                want_masks = (masks and abs(k - MASK_K) < 1e-6 and not mask_path.exists()
+                              and get_method(spec.method).structure == "rows")
                 if row_key in have and not want_masks:
                     continue
                 start = time.perf_counter()

@@ -44,9 +44,9 @@ def add_arguments(p) -> None:
                    help="rewrite <model>.md / .png from the CSV as it stands; compute nothing")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the job of the pending lm-eval cells (requests as token ids, SP-Prac artifacts) to DIR "
-                        "for `python -m countdown.offline.device` on a GPU; measure nothing")
+                        "for `python -m countdown.offline.device` on a GPU; measure nothing (default: off)")
     p.add_argument("--scores", default=None, metavar="FILE[,FILE]",
-                   help="scores files of such a job: lm-eval cells found there are replayed through lm-eval here")
+                   help="scores files of such a job: lm-eval cells found there are replayed through lm-eval here (default: none)")
     p.add_argument("--dtype", default="fp32", help="model dtype (default fp32)")
     p.add_argument("--device", default="cpu", help="model device (default cpu)")
 
