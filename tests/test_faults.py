@@ -522,6 +522,35 @@ def test_two_writers_at_once_never_mix(writer, two_k, tmp_path):
     assert leftovers(folder) == []
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["proc-fd", "read-once"])
+def test_a_replace_between_header_and_tensors_cannot_mix_two_writes(two_k, tmp_path, monkeypatch, portable):
+    """safetensors maps the tensors by opening the file name a second time; a writer that replaces
+    the artifact in that instant (the CI failure of 2026-11-23) must not pair one write's metadata
+    with another's tensors. The replace is forced deterministically inside that second open."""
+    import countdown.io as cio
+
+    monkeypatch.setattr(cio, "_PROC_FD", not portable)
+    path = tmp_path / "a.safetensors"
+    write, check = artifact_writer(two_k, path)
+    write(1)
+    real = torch.UntypedStorage.from_file
+    replaced = []
+
+    def from_file(*args, **kwargs):  # the moment between safetensors' header read and its mapping
+        if not replaced:
+            replaced.append(1)
+            write(2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", from_file)
+    if portable:  # no second open at all: replace just before the one read instead
+        write(2)
+        replaced.append(1)
+    assert check() in (1, 2) and replaced  # one whole write, its checksum holds
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", real)
+    assert check() == 2
+
+
 # --------------------------------------------------------------------------------------------
 # The sweep and the model cache (their own helpers' features, through public behaviour)
 # --------------------------------------------------------------------------------------------

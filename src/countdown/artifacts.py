@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .io import atomic_path
+from .io import atomic_path, read_safetensors
 from .mlp import GatedMLP
 from .registry import Method, check_sparsity, get_method
 
@@ -261,16 +261,12 @@ def _check_meta(meta: Any, path: Path) -> None:
 
 def load_artifacts(path: str | os.PathLike) -> Artifacts:
     """Read an artifact file written by :meth:`Artifacts.save`, verifying metadata and checksum."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"no artifact file at {path}: build one with countdown.calibrate / "
                             "countdown.train_predictors and save it, or use ensure_artifacts")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        header, tensors = read_safetensors(path)  # one open file: never one write's header with another's tensors
     except Exception as err:  # safetensors raises its own error types for truncated headers/data
         raise ArtifactError(f"artifact {path} is corrupt or truncated ({err}); {REBUILD}") from None
     if "countdown" not in header:

@@ -11,6 +11,9 @@ cache, benchmark results) goes through this module:
 * :func:`file_lock`: an advisory ``fcntl`` lock on ``.<name>.lock`` beside the output, held for a whole run. A second
   run on the same output stops at once (or waits, if asked) with a message naming the lock file and
   the process that holds it, so two runs never both print "wrote".
+* :func:`read_safetensors`: read a safetensors file through one open file, so a writer replacing
+  it at the same moment cannot pair one file's header with another's tensors (safetensors' own
+  ``safe_open`` opens the path a second time for the tensors).
 * :func:`check_writable`: create the target's folder and a probe file in it *before* any work
   starts, so an unwritable ``--out`` fails in a second, not after an hour of calibration.
 """
@@ -224,3 +227,44 @@ def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") 
             _HELD.discard(key)
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict]:
+    """``(metadata, tensors)`` of a safetensors file, both from the same version of the file.
+
+    ``safetensors.safe_open(..., framework="pt")`` reads the header from one open of the path and
+    maps the tensors from a second one (``torch.UntypedStorage.from_file(name)``); if another
+    process replaces the file in between (every countdown writer does so atomically), the metadata
+    of one write comes back with the tensors of another. Here the file is opened once: on Linux
+    safetensors reads it through ``/proc/self/fd`` (memory-mapped, as before); elsewhere it is read
+    into memory once and parsed from the bytes. Errors are safetensors' own (a truncated file, a
+    bad header) or ``OSError``.
+    """
+    from safetensors import safe_open
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        if _PROC_FD and os.path.exists(proc):
+            with safe_open(proc, framework="pt") as f:
+                return dict(f.metadata() or {}), {name: f.get_tensor(name) for name in f.keys()}
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    return _parse_safetensors(data)
+
+
+_PROC_FD = sys.platform.startswith("linux")  # tests switch it off to exercise the portable path
+
+
+def _parse_safetensors(data: bytes) -> tuple[dict[str, str], dict]:
+    from safetensors.torch import load
+
+    if len(data) < 8:
+        raise ValueError(f"not a safetensors file: {len(data)} bytes, shorter than its 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError(f"not a safetensors file: header length {n} exceeds the file ({len(data)} bytes)")
+    header = json.loads(data[8:8 + n])
+    return dict(header.get("__metadata__") or {}), load(data)

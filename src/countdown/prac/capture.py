@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..artifacts import model_fingerprint
-from ..io import atomic_path, atomic_write, file_lock
+from ..io import atomic_path, atomic_write, file_lock, read_safetensors
 from ..stream import stream_mlp_inputs
 from .base import FitContext
 
@@ -40,8 +40,6 @@ def save_layer(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def load_checkpoint(folder: Path, config: dict, n_layers: int) -> dict[int, dict[str, torch.Tensor]]:
     """Finished layers of an earlier run with the same config; raises if the config differs."""
-    from safetensors.torch import load_file
-
     folder.mkdir(parents=True, exist_ok=True)
     cfg_path = folder / "config.json"
     if cfg_path.exists():
@@ -61,7 +59,7 @@ def load_checkpoint(folder: Path, config: dict, n_layers: int) -> dict[int, dict
         path = folder / f"layer{i:03d}.safetensors"
         if path.exists():
             try:
-                done[i] = load_file(str(path))
+                done[i] = read_safetensors(path)[1]  # one open: a concurrent replace cannot mix two writes
             except Exception:  # written atomically, so only an outside hand can corrupt it: redo it
                 path.unlink()
     return done
