@@ -221,11 +221,18 @@ def _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gcol, gm,
 
 
 @triton.jit(do_not_specialize=["zmask"])
-def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs, zmask,
+def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, n_groups, n_blocks, n_progs, zmask,
                  BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
                  WPG: tl.constexpr, XL: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr,
+                 LIST: tl.constexpr, CUT_PTR: tl.constexpr,
                  PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr):
     pid = tl.program_id(0)
+    if LIST:  # the kept rows of the blocks this program visits, in visit order, at OUT[pid * cap ...]
+        if CUT_PTR:
+            cut = tl.load(CUT).to(tl.float32)
+        else:
+            cut = cut_f
+        n_kept = tl.full([], 0, tl.int32)
     VPW: tl.constexpr = 32 // BITS
     gi = tl.arange(0, G)
     wi = tl.arange(0, WPG)
@@ -301,11 +308,17 @@ def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_
         g = tl.sum(tl.sum(dg, axis=2) * sg, axis=1) * down
         u = tl.sum(tl.sum(du, axis=2) * su, axis=1) * down
         rm = rows < n_rows
-        if SCORE:
+        if LIST:
+            keep = ((tl.abs(u * _act(g, ACT)) > cut) & rm).to(tl.int32)
+            tl.store(OUT + pid * cap + n_kept + tl.cumsum(keep, axis=0) - 1, rows, mask=keep > 0)
+            n_kept += tl.sum(keep, axis=0)
+        elif SCORE:
             tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
         else:
             tl.store(OUT + rows, u, mask=rm)
             tl.store(OUT + n_rows + rows, g, mask=rm)
+    if LIST:
+        tl.store(CNT + pid, n_kept)
 
 
 def supports(n_tok: int, bits: int, wpg: int) -> bool:
@@ -313,12 +326,33 @@ def supports(n_tok: int, bits: int, wpg: int) -> bool:
     return n_tok == 1 and bits in (4, 8) and wpg >= 1 and (wpg & (wpg - 1)) == 0
 
 
+def n_programs(device: torch.device, n_rows: int, config: dict | None = None) -> int:
+    """The kernel's persistent programs for ``n_rows`` rows on ``device`` (the kept lists' count)."""
+    cfg = {**CONFIG, **(config or {})}
+    n_blocks = -(-n_rows // cfg["R"])
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        progs = torch.cuda.get_device_properties(index).multi_processor_count * cfg["PER_SM"]
+    else:
+        progs = INTERPRETER_PROGS
+    return max(1, min(n_blocks, progs))
+
+
+def list_capacity(n_rows: int, progs: int, config: dict | None = None) -> int:
+    """Slots per program in the kept-row lists: every row the program visits."""
+    R = {**CONFIG, **(config or {})}["R"]
+    return -(-(-(-n_rows // R)) // progs) * R
+
+
 def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str | None,
-           config: dict | None = None) -> torch.Tensor:
+           config: dict | None = None, cut=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
-    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
+    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32; with ``cut`` (a
+    0-dim tensor or a float) the kept rows instead, ``(lists, counts)``: lists int32 [programs * cap]
+    (program p's kept rows, ascending, at p * cap, ``list_capacity``), counts int32 [programs]."""
     global LAST_KERNEL
-    from ._common import act_code, interpreting, new_output
+    from ._common import act_code, interpreting, new_output, split_threshold
 
     cfg = {**CONFIG, **(config or {})}
     n_rows, d_model = q.shape[0], x.shape[1]
@@ -328,24 +362,31 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     if x.shape[0] != 1 or not supports(1, bits, wpg) or n_words * 32 != d_model * bits:
         raise ValueError(f"the one-token shadow GEMV takes x [1, d_model] and 4- or 8-bit shadows, got x "
                          f"{tuple(x.shape)}, q {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    if cut is not None and activation is None:
+        raise ValueError("kept-row lists need the activation of the score |u~ act(g~)|")
     x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
     R = cfg["R"]
     n_blocks = -(-n_rows // R)
-    if x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        progs = torch.cuda.get_device_properties(index).multi_processor_count * cfg["PER_SM"]
-    else:
-        progs = INTERPRETER_PROGS
-    progs = max(1, min(n_blocks, progs))
+    progs = n_programs(x.device, n_rows, cfg)
     asm = bool(cfg["ASM"]) and x.device.type == "cuda" and not interpreting()
-    if activation is None:
+    cut_t, cut_f, cap, counts = None, 0.0, 0, None
+    if cut is not None:
+        cut_t, cut_f = split_threshold(cut)
+        if cut_t is not None and cut_t.dim() != 0:
+            raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
+        cap = list_capacity(n_rows, progs, cfg)
+        out = new_output((progs * cap,), torch.int32, x.device)
+        counts = new_output((progs,), torch.int32, x.device)
+    elif activation is None:
         out = new_output((2, 1, n_rows), torch.float32, x.device)
     else:
         out = new_output((1, n_rows), torch.float32, x.device)
     LAST_KERNEL = _gemv_kernel[(progs,)](
-        x, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs, 0,
+        x, q, scale, out, counts if counts is not None else out, cut_t if cut_t is not None else scale,
+        float(cut_f), cap, n_rows, d_model, n_words, n_groups, n_blocks, progs, 0,
         BITS=bits, ACT=act_code(activation or "silu"), R=R, G=_pow2(n_groups), WPG=wpg,
-        XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]),
+        XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, LIST=cut is not None,
+        CUT_PTR=cut_t is not None, PREFETCH=bool(cfg["PREFETCH"]),
         AHEAD=int(cfg.get("AHEAD", 1)), PIN=bool(cfg.get("PIN", False)),
         BIG=n_rows * 2 * n_words >= 2**31, num_warps=cfg["num_warps"], num_stages=1)
-    return out
+    return (out, counts) if cut is not None else out

@@ -36,6 +36,8 @@ MAX_FUSED_TOKENS = 8
 # in PyTorch (fused by torch.compile) and the one-launch sparse kernel of _onepass.py with that score as
 # its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
 # on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
+# "stream": _gemv.py's kernel applies the cut and writes the kept rows as lists, _stream.py's kernel
+# splits them evenly over its programs (no per-chunk imbalance; needs the fp16x2 GEMV).
 ONE_TOKEN_ROUTE = "onepass"
 # The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
 # made with one integer op, x kept in registers; the default), or "fp32", _select.py's SCORES kernel
@@ -159,7 +161,10 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
     x2 = x.reshape(-1, d_model)
     n_tok = x2.shape[0]
-    if n_tok == 1 and ONE_TOKEN_ROUTE == "onepass" and _onepass_applies(x2):
+    if n_tok == 1 and ONE_TOKEN_ROUTE == "stream" and _onepass_applies(x2) and _one_token_gemv(x2, q, scale):
+        p = torch.ops.countdown.shadow_stream(x2, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation)
+        return p.sum(0, keepdim=True).to(x.dtype).reshape(x.shape)
+    if n_tok == 1 and ONE_TOKEN_ROUTE in ("onepass", "stream") and _onepass_applies(x2):
         from . import _onepass
 
         if _one_token_gemv(x2, q, scale):  # the indicator |u~ act(g~)| straight from the GEMV kernel
@@ -208,6 +213,25 @@ def _gemv_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: 
 def _(x, q, scale, activation, score):
     shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
     return x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("countdown::shadow_stream", mutates_args=())
+def _stream_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cut_t: Optional[torch.Tensor], cut_f: float,
+               w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, activation: str) -> torch.Tensor:
+    """One token: the kept-row lists from the shadow GEMV with the cut, then the evenly split sparse
+    phase; fp32 partial sums [programs, d_model] (y = their sum)."""
+    from . import _gemv, _stream
+
+    lists, counts = _gemv.launch(x, q, scale, activation, cut=cut_t if cut_t is not None else cut_f)
+    cap = lists.numel() // counts.numel()
+    return _stream.stream_partials(x, lists, counts, cap, w_gate, w_up, w_down_t, activation)
+
+
+@_stream_op.register_fake
+def _(x, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation):
+    from . import _stream
+
+    return x.new_empty((_stream.n_programs(x.device), x.shape[1]), dtype=torch.float32)
 
 
 def _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t):

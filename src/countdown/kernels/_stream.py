@@ -1,0 +1,146 @@
+"""Triton kernel: the sparse phase of one token from a list of kept rows, the work split evenly.
+
+_onepass.py gives each program whole chunks of rows and lets it find the kept ones itself; at
+k = 0.9 a chunk of 64 rows keeps 6 on average but up to 15, so the slowest program, not the bytes,
+sets the time (31 % of the copy bandwidth on an H200, docs/kernels_shadow.md). Here the indicator
+kernel (the shadow GEMV of _gemv.py with a cut) has already written the kept rows as L lists, one
+per program of its own, ``lists[l * cap : l * cap + counts[l]]``. Every program of this kernel reads
+the L counts (a few hundred integers), forms their prefix sums, and takes the kept rows
+``j = pid * BM, pid * BM + PROGS * BM, ...`` of the concatenated lists: BM rows per step, the same
+number of steps (within one) for every program. Per step::
+
+    list l of row j = #{l' : incl[l'] <= j}      (incl: inclusive prefix sums of the counts)
+    row             = lists[l * cap + j - excl[l]]
+    s               = (x . W_up[row]) * act(x . W_gate[row])     fp32, rounded to x's dtype
+    P[pid]         += s * W_down^T[row]                           fp32 [d_model]
+
+With PREFETCH the next step's rows are requested before the current step's arithmetic (two steps
+of rows in flight per program). The partial sums P [PROGS, d_model] are written whole and summed
+by the caller (under torch.compile, fused into the residual add), so the result does not depend on
+timing: the lists are in a fixed order and every program sums its rows in that order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import act_code
+from ._glu import _act, _pow2, _round_to
+
+# Launch configuration: BM kept rows per step, PER_SM programs per SM. Starting point, not yet
+# measured against _onepass.py on a GPU (benchmarks/shadow_gemv.py --stream sweeps it).
+CONFIG = dict(BM=2, num_warps=8, PER_SM=2, PREFETCH=True)
+INTERPRETER_PROGS = 3
+LAST_KERNEL = None
+
+
+@triton.jit
+def _kept_rows(LISTS, incl, excl, li, j, total, cap):
+    """The row ids of kept-row positions ``j`` [BM] of the concatenated lists (0 past ``total``)."""
+    valid = j < total
+    owner = tl.sum((incl[None, :] <= j[:, None]).to(tl.int32), axis=1)
+    start = tl.sum(tl.where(li[None, :] == owner[:, None], excl[None, :], 0), axis=1)
+    return tl.load(LISTS + owner * cap + (j - start), mask=valid, other=0), valid
+
+
+@triton.jit
+def _load_rows(WG, WU, WD, rows, valid, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
+    if BIG:
+        off = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
+    else:
+        off = rows[:, None] * d_model + kd[None, :]
+    if EVEN_D:
+        m = valid[:, None]
+    else:
+        m = valid[:, None] & (kd < d_model)[None, :]
+    return (tl.load(WG + off, mask=m, other=0.0), tl.load(WU + off, mask=m, other=0.0),
+            tl.load(WD + off, mask=m, other=0.0))
+
+
+@triton.jit
+def _stream_kernel(X, LISTS, COUNTS, WG, WU, WD, P, n_lists, cap, d_model, n_progs,
+                   ACT: tl.constexpr, BM: tl.constexpr, NL: tl.constexpr, BLOCK_D: tl.constexpr,
+                   EVEN_D: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
+    pid = tl.program_id(0)
+    li = tl.arange(0, NL)
+    counts = tl.load(COUNTS + li, mask=li < n_lists, other=0)
+    incl = tl.cumsum(counts, axis=0)
+    excl = incl - counts
+    total = tl.sum(counts, axis=0)
+    kd = tl.arange(0, BLOCK_D)
+    bm = tl.arange(0, BM)
+    if EVEN_D:
+        xv = tl.load(X + kd).to(tl.float32)
+    else:
+        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    step = n_progs * BM
+    if PREFETCH:
+        rows_n, valid_n = _kept_rows(LISTS, incl, excl, li, pid * BM + bm, total, cap)
+        wg_n, wu_n, wd_n = _load_rows(WG, WU, WD, rows_n, valid_n, kd, d_model, BIG, EVEN_D)
+    for t in range(pid * BM, total, step):
+        if PREFETCH:  # this step's rows arrived during the last one; request the next step's
+            wg, wu, wd, valid = wg_n, wu_n, wd_n, valid_n
+            rows_n, valid_n = _kept_rows(LISTS, incl, excl, li, t + step + bm, total, cap)
+            wg_n, wu_n, wd_n = _load_rows(WG, WU, WD, rows_n, valid_n, kd, d_model, BIG, EVEN_D)
+        else:
+            rows, valid = _kept_rows(LISTS, incl, excl, li, t + bm, total, cap)
+            wg, wu, wd = _load_rows(WG, WU, WD, rows, valid, kd, d_model, BIG, EVEN_D)
+        g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+        u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+        s = _round_to(tl.where(valid, u * _act(g, ACT), 0.0), X.dtype.element_ty)
+        yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+    if BIG:
+        off = pid.to(tl.int64) * d_model + kd
+    else:
+        off = pid * d_model + kd
+    if EVEN_D:
+        tl.store(P + off, yacc)
+    else:
+        tl.store(P + off, yacc, mask=kd < d_model)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def n_programs(device: torch.device, config: dict | None = None) -> int:
+    """Rows of the partial sums this kernel writes on ``device``."""
+    cfg = {**CONFIG, **(config or {})}
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _sm_count(index) * cfg["PER_SM"]
+    return INTERPRETER_PROGS
+
+
+def stream_partials(x, lists, counts, cap: int, w_gate, w_up, w_down_t, activation: str,
+                    config: dict | None = None) -> torch.Tensor:
+    """fp32 partial sums P [programs, d_model] of the kept rows in ``lists`` / ``counts`` (see the
+    module docstring; from ``_gemv.launch(..., cut=...)``) for x [1, d_model]; y = P.sum(0)."""
+    global LAST_KERNEL
+    cfg = {**CONFIG, **(config or {})}
+    if x.shape[0] != 1:
+        raise ValueError(f"the streaming sparse kernel takes one token, got {x.shape[0]}")
+    d_inter, d_model = w_gate.shape
+    if w_up.shape != (d_inter, d_model) or w_down_t.shape != (d_inter, d_model):
+        raise ValueError(f"w_gate, w_up and w_down_t must all be [d_inter, d_model] = {(d_inter, d_model)}, got "
+                         f"{tuple(w_up.shape)} and {tuple(w_down_t.shape)}")
+    if lists.numel() != counts.numel() * cap:
+        raise ValueError(f"{counts.numel()} lists of {cap} slots need {counts.numel() * cap} entries, got {lists.numel()}")
+    x, w_gate, w_up, w_down_t = x.contiguous(), w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
+    progs = n_programs(x.device, cfg)
+    block_d = max(16, _pow2(d_model))
+    p = _common.new_output((progs, d_model), torch.float32, x.device)
+    LAST_KERNEL = _stream_kernel[(progs,)](
+        x, lists, counts, w_gate, w_up, w_down_t, p, counts.numel(), cap, d_model, progs,
+        ACT=act_code(activation), BM=cfg["BM"], NL=max(16, _pow2(counts.numel())), BLOCK_D=block_d,
+        EVEN_D=block_d == d_model, BIG=d_inter * d_model >= 2**31, PREFETCH=bool(cfg["PREFETCH"]),
+        num_warps=cfg["num_warps"], num_stages=1)
+    return p
