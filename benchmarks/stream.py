@@ -130,6 +130,25 @@ def sweep(p: Problem, bw, rows, meta) -> None:
         log(f"best stream config (sum over k = 0.9, 0.7): {meta['best_stream']}")
 
 
+PROBE_KS = (0.0, 0.5, 0.9, 0.99, 1.0)
+PROBE_CONFIGS = [dict(BM=4, num_warps=4, PER_SM=2, PREFETCH=False), dict(BM=2, num_warps=8, PER_SM=1, PREFETCH=True)]
+
+
+def probe(p: Problem, bw, rows) -> None:
+    """The sparse phase alone from nothing kept (k = 1: launch, partials and their sum only) to all
+    kept (k = 0: the row-gather's own bandwidth), onepass and two stream configurations."""
+    for k in PROBE_KS:
+        c = sb.cuts(p, k)
+        kept = sb.kept_union(p, "dual[shadow4]", c)
+        nbytes = max(3 * kept * p.d_inter * p.d_model * E, 1.0)
+        lists = lists_for(p, c)
+        inds = [_gemv.launch(x, p.w(i)["prep"]["q"], p.w(i)["prep"]["scale"], ACT) for i, x in enumerate(p.xs)]
+        one = sparse_alone(p, c, lists, inds)[0]
+        row(rows, "probe", "onepass (default)", one, nbytes, bw, k, kept, cfg=_onepass.CONFIGS["gt"])
+        for cfg in PROBE_CONFIGS:
+            row(rows, "probe", "stream", sparse_alone(p, c, lists, inds, cfg)[1], nbytes, bw, k, kept, cfg=cfg)
+
+
 def mlp(p: Problem, bw, rows, compiled: bool) -> None:
     kind = "compiled" if compiled else "mlp"
     dense = (torch.compile(lambda x, wg, wu, wd: x + dense_chain(x, wg, wu, wd, ACT), fullgraph=True) if compiled
@@ -208,6 +227,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; later stages are skipped past it")
+    ap.add_argument("--probe", action="store_true", help="only the check and the probe stage (k = 0 ... 1)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1), small shapes")
     args = ap.parse_args()
     if args.tiny:
@@ -231,6 +251,8 @@ def main():
     lines = write(rows, args.out, meta)
     stages = [("sweep", lambda: sweep(p, bw, rows, meta), 40), ("mlp", lambda: mlp(p, bw, rows, False), 30),
               ("compiled", lambda: mlp(p, bw, rows, True), 40)]
+    if args.probe:
+        stages = [("probe", lambda: probe(p, bw, rows), 20)]
     for name, fn, need in stages:
         if not meta["checks"]["ok"]:
             log(f"{name} skipped: the check failed")

@@ -2,7 +2,7 @@
 
 _onepass.py gives each program whole chunks of rows and lets it find the kept ones itself; at
 k = 0.9 a chunk of 64 rows keeps 6 on average but up to 15, so the slowest program, not the bytes,
-sets the time (31 % of the copy bandwidth on an H200, docs/kernels_shadow.md). Here the indicator
+might set the time (31 % of the copy bandwidth on an H200, docs/kernels_shadow.md). Here the indicator
 kernel (the shadow GEMV of _gemv.py with a cut) has already written the kept rows as L lists, one
 per program of its own, ``lists[l * cap : l * cap + counts[l]]``. Every program of this kernel reads
 the L counts (a few hundred integers), forms their prefix sums, and takes the kept rows
@@ -32,9 +32,14 @@ from . import _common
 from ._common import act_code
 from ._glu import _act, _pow2, _round_to
 
-# Launch configuration: BM kept rows per step, PER_SM programs per SM. Starting point, not yet
-# measured against _onepass.py on a GPU (benchmarks/shadow_gemv.py --stream sweeps it).
-CONFIG = dict(BM=2, num_warps=8, PER_SM=2, PREFETCH=True)
+# Launch configuration: BM kept rows per step, PER_SM programs per SM. The fastest of
+# `benchmarks/stream.py`'s sweep on an H200, 2026-11-23, Llama-3.1-8B shape (benchmarks/results/stream/):
+# the sparse phase alone 24.3 us at k = 0.9 (onepass 26.4), 43.2 us at k = 0.7 (onepass 46.0); the
+# whole shadow MLP no faster than the onepass route (compiled k = 0.9: 50.5 vs 49.4 us), so the route
+# stays opt-in. The same run's probe: with nothing kept the phase still costs 8.8-11 us (launches,
+# partials and their sum), with everything kept it streams at 85-87 % of copy bandwidth: at high k the
+# gap is that fixed cost, not the balance of work that this kernel fixes.
+CONFIG = dict(BM=4, num_warps=4, PER_SM=2, PREFETCH=False)
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 

@@ -37,7 +37,8 @@ MAX_FUSED_TOKENS = 8
 # its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
 # on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
 # "stream": _gemv.py's kernel applies the cut and writes the kept rows as lists, _stream.py's kernel
-# splits them evenly over its programs (no per-chunk imbalance; needs the fp16x2 GEMV).
+# splits them evenly over its programs (needs the fp16x2 GEMV; measured no faster than "onepass" as a
+# whole MLP on an H200, 2026-11-23, benchmarks/results/stream/: opt-in).
 ONE_TOKEN_ROUTE = "onepass"
 # The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
 # made with one integer op, x kept in registers; the default), or "fp32", _select.py's SCORES kernel
