@@ -32,6 +32,12 @@ from countdown.sweep import read_rows, run_sweep
 from countdown.sweep.store import DOC_FIELDS, decode_outcomes
 
 
+def _shown(key: str) -> str:
+    """``"mono|ideal|0.8"`` as a Markdown cell: ``mono ideal k=0.8``."""
+    label, mode, k = key.split("|")
+    return " ".join([label, mode] + ([f"k={k}"] if k else [])).replace("  ", " ").strip()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name in ("--model", "--job", "--scores", "--docs", "--tasks", "--configs", "--out"):
@@ -70,7 +76,7 @@ def main() -> None:
             continue
         gpu = float(np.mean([per[i] for i in range(args.limit) if i in per]))
         worst = max(worst, abs(gpu - float(r["value"])))
-        lines.append(f"| {r['task']} | {key} | {r['metric']} | {float(r['value']):.4f} | {gpu:.4f} | "
+        lines.append(f"| {r['task']} | {_shown(key)} | {r['metric']} | {float(r['value']):.4f} | {gpu:.4f} | "
                      f"{gpu - float(r['value']):+.4f} |")
     lines += ["", f"Largest cell difference: {worst:.4f} (CPU sweep {cpu_seconds:.0f} s here).", ""]
     # request level, with the job's own artifact files (exactly what the GPU used)
@@ -85,7 +91,7 @@ def main() -> None:
             entry = scores["tasks"][task][key]
             d = np.abs(np.array([lp for lp, _ in out[j]]) - np.array(entry["logp"][:len(reqs)]))
             flips = sum(g != ("1" if o else "0") for (_, o), g in zip(out[j], entry["greedy"]))
-            lines.append(f"| {task} | {key} | {len(reqs)} | {np.median(d):.1e} | {np.mean(d <= 1e-3):.2f} | "
+            lines.append(f"| {task} | {_shown(key)} | {len(reqs)} | {np.median(d):.1e} | {np.mean(d <= 1e-3):.2f} | "
                          f"{d.max():.2g} | {flips} |")
     atomic_write(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -33,5 +33,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export PYTHONPATH=$R/src:/tmp/site PYTHONUNBUFFERED=1
 python3 -m countdown.offline.device --job $R/$M.job.json.gz --weights $D/$M/$M.pack --config-dir $R/$M-config \
-  --artifacts-dir $D/$M --out $OUT/$M.scores.json.gz --chunk 1024 --stop-after ${STOP_AFTER:-400} 2>&1 | tee $OUT/$M.log
+  --artifacts-dir $D/$M --out $OUT/$M.scores.json.gz --chunk 1024 --stop-after ${STOP_AFTER:-400} ${BATCH_TOKENS:+--batch-tokens $BATCH_TOKENS} 2>&1 | tee $OUT/$M.log
 echo "dev.sh total $(python3 -c "print(round($(date +%s.%N)-$T0,1))") s"

@@ -147,14 +147,22 @@ def _header(rows, model_name, tasks, info) -> list[str]:
         md.append(f"- Agreement with dense: {info['agreement_setting']} (countdown.agreement)")
     md += _calibration_lines(info.get("artifacts") or {})
     measured = sum(float(s) for s in {row_key(r): r["seconds"] for r in rows if r["seconds"]}.values())
+    offline = "scored on" in str(info.get("device", ""))
     lm_cell = ("the GPU time of its configuration's continuation passes plus an even share of its task's dense "
                "prompt pass (transfers, model loading and the CPU's lm-eval replay excluded)"
-               if "scored on" in str(info.get("device", "")) else "its share of its task's shared pass")
+               if offline else "its share of its task's shared pass")
     md.append(f"- Time: {measured:.0f} s measuring the {len({row_key(r) for r in rows})} cells of this report "
               f"(sum of the CSV's seconds, model loading excluded; an lm-eval cell's seconds are {lm_cell})")
-    if info.get("report_only"):
+    if offline:
+        on_gpu = sum(float(s) for s in {row_key(r): r["seconds"] for r in rows
+                                        if r["seconds"] and r["task"] in tasks}.values())
+        md.append(f"  - of which lm-eval cells (GPU): {on_gpu:.0f} s; perplexity and agreement cells (CPU): "
+                  f"{measured - on_gpu:.0f} s")
+    if info.get("report_only") and info.get("measured_cells", 0) < info.get("total_cells", 0):
         md.append(f"- **Partial**: {info.get('measured_cells')} of {info.get('total_cells')} cells measured so "
                   "far (report written with --report-only; configurations missing a task have no average)")
+    elif info.get("report_only"):
+        md.append(f"- Report rewritten from the CSV (--report-only); all {info.get('total_cells')} cells measured")
     elif "run_seconds" in info:
         md.append(f"- Last run: {info.get('computed')} of {info.get('total_cells')} cells computed, "
                   f"{info['run_seconds']:.0f} s in all (cells already in the CSV are skipped)")
