@@ -123,3 +123,29 @@ def test_report_bolds_only_significant_and_names_what_is_not(tmp_path):
     tests = PairedTests(sweep.stats.doc_outcomes(docs, rows, ["A"]), ["A"])
     assert tests.better(("dual", "ideal", 0.9), ("mono", "ideal", 0.9)) is True
     assert tests.better(("dual", "ideal", 0.8), ("mono", "ideal", 0.8)) is False
+
+
+def test_a_within_claim_is_tested_against_its_margin_and_says_so():
+    """mono SP-Prac half a point below SP-Ideal on 2,000 documents (0.505 vs 0.500: the two differ on
+    10 documents, -1 each). The 3 % margin is -0.01515; the bootstrap's 95 % interval of the mean
+    difference is about [-0.008, -0.002] (10 +- 2 sqrt(10) differing documents), above the margin:
+    significant, and the text reads the interval against the margin (no p-value against 0). The
+    same 10 differing documents among 100 would not be: a count of about 10 +- 6 of 100."""
+    from countdown.sweep.orderings import orderings
+
+    ideal, prac = ("mono", "ideal", 0.8), ("mono", "prac", 0.8)
+
+    def check(n, n_ideal, n_prac):
+        out = {ideal: {"t": {i: float(i < n_ideal) for i in range(n)}},
+               prac: {"t": {i: float(i < n_prac) for i in range(n)}}}
+        checks = orderings({ideal: n_ideal / n, prac: n_prac / n}, tests=PairedTests(out, ["t"]), beyond_paper=False)
+        return next(c for c in checks if c["check"].startswith("mono SP-Prac within"))
+
+    within = check(2000, 1010, 1000)
+    assert within["status"] == "holds"
+    assert "against the margin -0.015: significant" in within["details"][0] and " p " not in within["details"][0]
+    assert within["significance"].startswith("every comparison significant")
+    assert check(100, 51, 50)["significance"].startswith("not significant")  # the same claim, too few documents
+    # a loss of 3.5 points (beyond 3 % of 0.505): fails, and significantly so
+    within = check(2000, 1010, 940)
+    assert within["status"] == "fails" and "against the margin -0.015: significant" in within["details"][0]

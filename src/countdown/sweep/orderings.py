@@ -42,6 +42,9 @@ class _Check:
         res = self.tests.test(a, b)
         sig = None if res is None else (res["lo"] > margin if ok else res["hi"] < margin)
         self.significance.append((where, sig))
+        if margin and res is not None:  # a non-inferiority claim: the interval is read against the margin, not 0
+            return (f" (Δ {res['diff']:+.3f}, 95 % CI [{res['lo']:+.3f}, {res['hi']:+.3f}] against the margin "
+                    f"{margin:+.3f}: {_sig_word(sig)})")
         return f" ({describe(res)}: {_sig_word(sig)})"
 
     def result(self, missing: set = frozenset()) -> dict:
