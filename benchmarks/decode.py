@@ -77,6 +77,9 @@ def parse_args(argv=None):
                     help="dual on the kernel path: predictor inside the fused kernel, or mask in PyTorch + "
                     "masked kernel (countdown.prac.lowrank.IN_KERNEL)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
+    ap.add_argument("--attention", choices=["sdpa", "countdown"], default="sdpa",
+                    help="decode-step attention of every row: transformers' SDPA, or countdown's split-KV kernel "
+                         "(countdown.attention.use_decode_attention)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
@@ -176,6 +179,11 @@ def main(argv=None) -> int:
     model, _ = countdown.load_model(args.config, dtype="bf16" if DEVICE == "cuda" else "fp32", device=DEVICE,
                                     random_weights=True, config_overrides=SMOKE_OVERRIDES if args.smoke else None)
     model.generation_config.eos_token_id = None
+    if args.attention == "countdown":
+        from countdown.attention import use_decode_attention
+
+        use_decode_attention(model)
+    meta["attention"] = model.config._attn_implementation
     meta["model_gb"] = model_bytes(model) / 1e9
     log(f"model {meta['model_gb']:.2f} GB; copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     if args.runner == "one-compile":
