@@ -149,6 +149,37 @@ def probe(p: Problem, bw, rows) -> None:
             row(rows, "probe", "stream", sparse_alone(p, c, lists, inds, cfg)[1], nbytes, bw, k, kept, cfg=cfg)
 
 
+def pdl(p: Problem, bw, rows, meta) -> None:
+    """Programmatic dependent launch (kernels/_pdl.py) off and on: the compiled x + mlp(x), both
+    routes, k = 0.5 / 0.7 / 0.9; first the outputs with it on against off (same kernels: equal)."""
+    from countdown.kernels import _pdl
+
+    sh = shadow_bytes(p.d_inter, p.d_model, BITS, GROUP)
+    diffs = []
+    for route in ("onepass", "stream"):
+        def f(x, q, sc, cut, wg, wu, wdt, route=route):
+            with sb.route(route):
+                return x + K.shadow_dual_gated_mlp(x, {"q": q, "scale": sc}, cut, wg, wu, wdt, ACT)
+        fn = torch.compile(f, fullgraph=True)
+        for k in (0.5, 0.7, 0.9):
+            c = sb.cuts(p, k)
+            kept = sb.kept_union(p, "dual[shadow4]", c)
+            for on in (False, True):
+                _pdl.ENABLED = on
+                args = lambda i: (p.xs[i], p.w(i)["prep"]["q"], p.w(i)["prep"]["scale"], c["shadow"], p.w(i)["wg"],
+                                  p.w(i)["wu"], p.w(i)["wdt"])
+                if k == 0.9:
+                    out = fn(*args(0))
+                    torch.cuda.synchronize()
+                    diffs.append((route, on, out.float()))
+                t = safe_time(f"{route} pdl={on}", [(lambda i=i: fn(*args(i))) for i in range(len(p.xs))])
+                row(rows, "pdl", f"dual[shadow4] {route} pdl={'on' if on else 'off'}", t,
+                    sh + 3 * kept * p.d_inter * p.d_model * E, bw, k, kept)
+            _pdl.ENABLED = False
+    meta["pdl_max_abs_diff"] = max((a[2] - b[2]).abs().max().item() for a, b in zip(diffs[::2], diffs[1::2]))
+    log(f"pdl on vs off, largest output difference: {meta['pdl_max_abs_diff']}")
+
+
 def mlp(p: Problem, bw, rows, compiled: bool) -> None:
     kind = "compiled" if compiled else "mlp"
     dense = (torch.compile(lambda x, wg, wu, wd: x + dense_chain(x, wg, wu, wd, ACT), fullgraph=True) if compiled
@@ -227,6 +258,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; later stages are skipped past it")
+    ap.add_argument("--pdl", action="store_true", help="only the check and the PDL stage (off against on)")
     ap.add_argument("--probe", action="store_true", help="only the check and the probe stage (k = 0 ... 1)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1), small shapes")
     args = ap.parse_args()
@@ -253,6 +285,8 @@ def main():
               ("compiled", lambda: mlp(p, bw, rows, True), 40)]
     if args.probe:
         stages = [("probe", lambda: probe(p, bw, rows), 20)]
+    if args.pdl:
+        stages = [("pdl", lambda: pdl(p, bw, rows, meta), 30)]
     for name, fn, need in stages:
         if not meta["checks"]["ok"]:
             log(f"{name} skipped: the check failed")

@@ -142,3 +142,15 @@ def test_stream_route_matches_the_onepass_route(dtype, act, monkeypatch):
     atol = (1e-2 if dtype == torch.bfloat16 else 1e-5) * max(1.0, ref64.abs().max().item())
     for route, y in out.items():
         assert y.dtype == dtype and ((y.double() - ref64).abs() <= 2 * (ref_t.double() - ref64).abs() + atol).all(), route
+
+
+def test_pdl_is_off_unless_asked_and_never_under_the_interpreter(monkeypatch):
+    from countdown.kernels import _pdl
+
+    x = torch.zeros(1, 8, device=DEV)
+    monkeypatch.setattr(_pdl, "ENABLED", False)
+    assert not _pdl.active(x) and _pdl.launch_kwargs(False) == {}
+    monkeypatch.setattr(_pdl, "ENABLED", True)
+    if not torch.cuda.is_available():  # CPU / TRITON_INTERPRET: the grid-dependency ops do not exist there
+        assert not _pdl.active(x)
+    assert _pdl.launch_kwargs(True) == {"launch_pdl": True}

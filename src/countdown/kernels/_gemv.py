@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ._glu import _act, _pow2
+from ._pdl import gdc_launch_dependents
 
 # Launch configuration, one token: the fastest of `benchmarks/shadow_gemv.py`'s sweep on an H200,
 # 2026-11-23, Llama-3.1-8B shape (26.3 us for gate and up, 56 % of copy bandwidth; 163 registers, so
@@ -225,8 +226,11 @@ def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, 
                  BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
                  WPG: tl.constexpr, XL: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr,
                  LIST: tl.constexpr, CUT_PTR: tl.constexpr,
-                 PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr):
+                 PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr,
+                 PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    if PDL:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
+        gdc_launch_dependents()
     if LIST:  # the kept rows of the blocks this program visits, in visit order, at OUT[pid * cap ...]
         if CUT_PTR:
             cut = tl.load(CUT).to(tl.float32)
@@ -352,6 +356,7 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     0-dim tensor or a float) the kept rows instead, ``(lists, counts)``: lists int32 [programs * cap]
     (program p's kept rows, ascending, at p * cap, ``list_capacity``), counts int32 [programs]."""
     global LAST_KERNEL
+    from . import _pdl
     from ._common import act_code, interpreting, new_output, split_threshold
 
     cfg = {**CONFIG, **(config or {})}
@@ -388,5 +393,5 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
         XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, LIST=cut is not None,
         CUT_PTR=cut_t is not None, PREFETCH=bool(cfg["PREFETCH"]),
         AHEAD=int(cfg.get("AHEAD", 1)), PIN=bool(cfg.get("PIN", False)),
-        BIG=n_rows * 2 * n_words >= 2**31, num_warps=cfg["num_warps"], num_stages=1)
+        BIG=n_rows * 2 * n_words >= 2**31, PDL=_pdl.active(x), num_warps=cfg["num_warps"], num_stages=1)
     return (out, counts) if cut is not None else out

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._common import act_code
 from ._glu import MODES, _act, _keep, _pow2, _round_to
+from ._pdl import gdc_wait
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
 # it, since the in-kernel indicator may differ from torch's in the last bit at a threshold tie.
@@ -99,8 +100,11 @@ def _onepass_kernel(
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
     BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    if PDL:  # launched early (_pdl.py): nothing of the previous kernel's output is read before this
+        gdc_wait()
     kd = tl.arange(0, BLOCK_D)
     ki = tl.arange(0, BLOCK_I)
     if EVEN_D:
@@ -240,6 +244,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     progs = n_programs(x.device, d_inter, mode, cfg)
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
+    pdl = _pdl.active(x)
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
         float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, chunk), progs,
@@ -247,8 +252,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
-        SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None,
-        num_warps=cfg["num_warps"], num_stages=1,
+        SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
     return p
 

@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._common import act_code
 from ._glu import _act, _pow2, _round_to
+from ._pdl import gdc_wait
 
 # Launch configuration: BM kept rows per step, PER_SM programs per SM. The fastest of
 # `benchmarks/stream.py`'s sweep on an H200, 2026-11-23, Llama-3.1-8B shape (benchmarks/results/stream/):
@@ -70,19 +71,21 @@ def _load_rows(WG, WU, WD, rows, valid, kd, d_model, BIG: tl.constexpr, EVEN_D: 
 @triton.jit
 def _stream_kernel(X, LISTS, COUNTS, WG, WU, WD, P, n_lists, cap, d_model, n_progs,
                    ACT: tl.constexpr, BM: tl.constexpr, NL: tl.constexpr, BLOCK_D: tl.constexpr,
-                   EVEN_D: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
+                   EVEN_D: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    kd = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        xv = tl.load(X + kd).to(tl.float32)
+    else:
+        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    if PDL:  # launched during the GEMV: its lists are complete and visible after this
+        gdc_wait()
     li = tl.arange(0, NL)
     counts = tl.load(COUNTS + li, mask=li < n_lists, other=0)
     incl = tl.cumsum(counts, axis=0)
     excl = incl - counts
     total = tl.sum(counts, axis=0)
-    kd = tl.arange(0, BLOCK_D)
     bm = tl.arange(0, BM)
-    if EVEN_D:
-        xv = tl.load(X + kd).to(tl.float32)
-    else:
-        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
     yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
     step = n_progs * BM
     if PREFETCH:
@@ -143,9 +146,10 @@ def stream_partials(x, lists, counts, cap: int, w_gate, w_up, w_down_t, activati
     progs = n_programs(x.device, cfg)
     block_d = max(16, _pow2(d_model))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
+    pdl = _pdl.active(x)
     LAST_KERNEL = _stream_kernel[(progs,)](
         x, lists, counts, w_gate, w_up, w_down_t, p, counts.numel(), cap, d_model, progs,
         ACT=act_code(activation), BM=cfg["BM"], NL=max(16, _pow2(counts.numel())), BLOCK_D=block_d,
-        EVEN_D=block_d == d_model, BIG=d_inter * d_model >= 2**31, PREFETCH=bool(cfg["PREFETCH"]),
-        num_warps=cfg["num_warps"], num_stages=1)
+        EVEN_D=block_d == d_model, BIG=d_inter * d_model >= 2**31, PREFETCH=bool(cfg["PREFETCH"]), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return p
