@@ -97,15 +97,18 @@ def row(rows, kind, method, us, nbytes, bw, k=None, kept=None, dense_us=None, cf
     log(f"{kind:10s} {method:28s} k={k} {us:8.2f} us  roofline {roof:6.2f} us ({roof / us:.0%})")
 
 
-def sparse_alone(p: Problem, c, lists, inds, cfg=None):
-    """(onepass us, stream us) of the sparse phase alone; cfg: the stream configuration."""
-    one = safe_time("onepass", [(lambda x=x, w=p.w(i), ind=inds[i]: _onepass.onepass_mlp(
+def onepass_alone(p: Problem, c, inds) -> float:
+    """us of _onepass.py's sparse phase alone (indicator given), default configuration."""
+    return safe_time("onepass", [(lambda x=x, w=p.w(i), ind=inds[i]: _onepass.onepass_mlp(
         x, w["wg"], w["wu"], w["wdt"], c["shadow"], 0.0, "gt", ACT, gate=True, up=True, ind=ind))
-        for i, x in enumerate(p.xs)]) if cfg is None else None
-    st = safe_time(f"stream {cfg}", [(lambda x=x, w=p.w(i), lc=lists[i]: _stream.stream_partials(
+        for i, x in enumerate(p.xs)])
+
+
+def stream_alone(p: Problem, lists, cfg=None) -> float:
+    """us of _stream.py's sparse phase alone (lists given) under ``cfg`` (default: its CONFIG)."""
+    return safe_time(f"stream {cfg}", [(lambda x=x, w=p.w(i), lc=lists[i]: _stream.stream_partials(
         x, lc[0], lc[1], lc[0].numel() // lc[1].numel(), w["wg"], w["wu"], w["wdt"], ACT, cfg).sum(
         0, keepdim=True).to(x.dtype)) for i, x in enumerate(p.xs)])
-    return one, st
 
 
 def sweep(p: Problem, bw, rows, meta) -> None:
@@ -116,11 +119,11 @@ def sweep(p: Problem, bw, rows, meta) -> None:
         nbytes = 3 * kept * p.d_inter * p.d_model * E
         lists = lists_for(p, c)
         inds = [_gemv.launch(x, p.w(i)["prep"]["q"], p.w(i)["prep"]["scale"], ACT) for i, x in enumerate(p.xs)]
-        one, st = sparse_alone(p, c, lists, inds)
+        one, st = onepass_alone(p, c, inds), stream_alone(p, lists)
         row(rows, "sparse", "onepass (default)", one, nbytes, bw, k, kept, cfg=_onepass.CONFIGS["gt"])
         row(rows, "sparse", "stream (default)", st, nbytes, bw, k, kept, cfg=_stream.CONFIG)
         for cfg in STREAM_SWEEP:
-            _, t = sparse_alone(p, c, lists, inds, {**_stream.CONFIG, **cfg})
+            t = stream_alone(p, lists, {**_stream.CONFIG, **cfg})
             row(rows, "sparse", "stream (sweep)", t, nbytes, bw, k, kept, cfg=cfg)
             best.setdefault(json.dumps(cfg, sort_keys=True), []).append(t)
     valid = {key: sum(ts) for key, ts in best.items() if all(t == t for t in ts)}
@@ -143,10 +146,10 @@ def probe(p: Problem, bw, rows) -> None:
         nbytes = max(3 * kept * p.d_inter * p.d_model * E, 1.0)
         lists = lists_for(p, c)
         inds = [_gemv.launch(x, p.w(i)["prep"]["q"], p.w(i)["prep"]["scale"], ACT) for i, x in enumerate(p.xs)]
-        one = sparse_alone(p, c, lists, inds)[0]
+        one = onepass_alone(p, c, inds)
         row(rows, "probe", "onepass (default)", one, nbytes, bw, k, kept, cfg=_onepass.CONFIGS["gt"])
         for cfg in PROBE_CONFIGS:
-            row(rows, "probe", "stream", sparse_alone(p, c, lists, inds, cfg)[1], nbytes, bw, k, kept, cfg=cfg)
+            row(rows, "probe", "stream", stream_alone(p, lists, cfg), nbytes, bw, k, kept, cfg=cfg)
 
 
 def pdl(p: Problem, bw, rows, meta) -> None:

@@ -229,6 +229,9 @@ def file_lock(path: str | os.PathLike, wait: float = 0.0, what: str = "output") 
         os.close(fd)  # closing the descriptor releases the flock
 
 
+_PROC_FD = sys.platform.startswith("linux")  # tests switch it off to exercise the portable path
+
+
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict]:
     """``(metadata, tensors)`` of a safetensors file, both from the same version of the file.
 
@@ -254,8 +257,6 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict]:
         os.close(fd)
     return _parse_safetensors(data)
 
-
-_PROC_FD = sys.platform.startswith("linux")  # tests switch it off to exercise the portable path
 
 
 def _parse_safetensors(data: bytes) -> tuple[dict[str, str], dict]:

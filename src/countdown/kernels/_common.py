@@ -6,6 +6,7 @@ Nothing here imports Triton, so ``import countdown.kernels`` works without it; t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -25,6 +26,21 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     if POISON_OUTPUTS:
         out.fill_(float("nan") if dtype.is_floating_point else -1)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device, per_sm: int, interpreter_progs: int) -> int:
+    """Programs of a persistent kernel on ``device``: ``per_sm`` per SM on CUDA, ``interpreter_progs``
+    elsewhere (the interpreter: small, so each program walks several blocks). Callers cap it by their
+    number of blocks."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
+    return interpreter_progs
 
 
 def act_code(activation: str) -> int:

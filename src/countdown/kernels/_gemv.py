@@ -332,15 +332,11 @@ def supports(n_tok: int, bits: int, wpg: int) -> bool:
 
 def n_programs(device: torch.device, n_rows: int, config: dict | None = None) -> int:
     """The kernel's persistent programs for ``n_rows`` rows on ``device`` (the kept lists' count)."""
+    from ._common import persistent_programs
+
     cfg = {**CONFIG, **(config or {})}
     n_blocks = -(-n_rows // cfg["R"])
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        progs = torch.cuda.get_device_properties(index).multi_processor_count * cfg["PER_SM"]
-    else:
-        progs = INTERPRETER_PROGS
-    return max(1, min(n_blocks, progs))
+    return max(1, min(n_blocks, persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
 
 
 def list_capacity(n_rows: int, progs: int, config: dict | None = None) -> int:

@@ -27,7 +27,6 @@ written whole (no atomics, no zeroed workspace): the reduction is deterministic.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Optional
@@ -90,6 +89,19 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(W + off, mask=(r < n_rows)[:, None], other=0.0)
     return tl.load(W + off, mask=(r < n_rows)[:, None] & (k < n_k)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
+    """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (shared with _stream.py)."""
+    if BIG:
+        off = pid.to(tl.int64) * d_model + kd
+    else:
+        off = pid * d_model + kd
+    if EVEN_D:
+        tl.store(P + off, yacc)
+    else:
+        tl.store(P + off, yacc, mask=kd < d_model)
 
 
 @triton.jit
@@ -180,32 +192,14 @@ def _onepass_kernel(
             s = _round_to(s, X.dtype.element_ty)  # s in the model's dtype, as the two-kernel chain
             yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
 
-    if BIG:
-        off = pid.to(tl.int64) * d_model + kd
-    else:
-        off = pid * d_model + kd
-    if EVEN_D:
-        tl.store(P + off, yacc)
-    else:
-        tl.store(P + off, yacc, mask=kd < d_model)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
 def n_programs(device: torch.device, d_inter: int, mode: str, config: dict | None = None) -> int:
     """How many partial sums the kernel writes for this device, shape and mode (the op's output rows)."""
     cfg = {**CONFIGS[mode], **(config or {})}
     n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        progs = _sm_count(index) * cfg["PER_SM"]
-    else:
-        progs = INTERPRETER_PROGS
-    return max(1, min(n_chunks, progs))
+    return max(1, min(n_chunks, _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
 
 
 def applies(x2: torch.Tensor) -> bool:

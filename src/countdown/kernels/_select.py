@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import persistent_programs
 from ._glu import _act, _pow2, _round_to
 
 
@@ -330,15 +331,9 @@ def config(kind: str, n_tok: int, extra: dict | None = None) -> dict:
 
 def n_programs(device, d_inter: int, cfg: dict) -> int:
     n_blocks = -(-d_inter // cfg["ROWS"])
-    device = torch.device(device)
     if not cfg["PER_SM"]:
         return n_blocks
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        progs = torch.cuda.get_device_properties(index).multi_processor_count * cfg["PER_SM"]
-    else:
-        progs = INTERPRETER_PROGS
-    return max(1, min(n_blocks, progs))
+    return max(1, min(n_blocks, persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
 
 
 def shadow_layout(d_model: int, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:

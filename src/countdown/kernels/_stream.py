@@ -22,8 +22,6 @@ timing: the lists are in a fixed order and every program sums its rows in that o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +29,7 @@ import triton.language as tl
 from . import _common, _pdl
 from ._common import act_code
 from ._glu import _act, _pow2, _round_to
+from ._onepass import _store_partial
 from ._pdl import gdc_wait
 
 # Launch configuration: BM kept rows per step, PER_SM programs per SM. The fastest of
@@ -103,29 +102,13 @@ def _stream_kernel(X, LISTS, COUNTS, WG, WU, WD, P, n_lists, cap, d_model, n_pro
         u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
         s = _round_to(tl.where(valid, u * _act(g, ACT), 0.0), X.dtype.element_ty)
         yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
-    if BIG:
-        off = pid.to(tl.int64) * d_model + kd
-    else:
-        off = pid * d_model + kd
-    if EVEN_D:
-        tl.store(P + off, yacc)
-    else:
-        tl.store(P + off, yacc, mask=kd < d_model)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
 def n_programs(device: torch.device, config: dict | None = None) -> int:
     """Rows of the partial sums this kernel writes on ``device``."""
     cfg = {**CONFIG, **(config or {})}
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _sm_count(index) * cfg["PER_SM"]
-    return INTERPRETER_PROGS
+    return _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)
 
 
 def stream_partials(x, lists, counts, cap: int, w_gate, w_up, w_down_t, activation: str,
