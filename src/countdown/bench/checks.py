@@ -9,6 +9,19 @@ from .speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
 from .specs import parse_spec
 
 
+def _check_model(device: str):
+    """The small random Llama both checks decode with (seeded: the same weights every time)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), modes: tuple[str, ...] | None = None,
                sampling: bool = True) -> bool:
     """generate_fast (eager / compile / cudagraph) against ``model.generate``, greedy, on a small fp32
@@ -16,18 +29,12 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
     predictor: the Triton kernel paths on CUDA). The compiled step must be one graph for the whole
     generation (no graph break, no recompilation per token) and a repeated call must give the same
     tokens; with ``sampling``, a seeded sampled generation must give the same tokens in every mode."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import countdown
     from ..decode import generate_fast, reset_decoders
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=4)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.generation_config.eos_token_id = None
+    model = _check_model(device)
     prompt = torch.randint(0, 512, (2, 9), device=device)
     if modes is None:
         modes = ("eager", "compile", "cudagraph") if device == "cuda" else ("eager",)
@@ -85,7 +92,6 @@ def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"
     on a small fp32 Llama: dense and each spec at each k (switched in place, one capture per spec) must
     give the eager tokens, and the compiled step must stay one graph with no break over all of them
     (CUDA: Inductor + our CUDA graph; CPU: Dynamo with the eager backend, no graph)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import countdown
     from ..decode import generate_fast, reset_decoders
@@ -95,12 +101,7 @@ def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=4)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.generation_config.eos_token_id = None
+    model = _check_model(device)
     prompt = torch.randint(0, 512, (1, 9), device=device)
     arts = {}
     for label in specs:
