@@ -52,6 +52,20 @@ SMOKE_OVERRIDES = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_siz
 DEFAULT_METHODS = "mono,dual[shadow4],teal,cats,dual[hybrid],dual[lowrank],dejavu"  # teal early: a tight budget drops the last
 
 
+def shadow_route() -> str:
+    """The one-token route of the shadow kernels this run uses (COUNTDOWN_SHADOW_ROUTE)."""
+    from countdown.kernels import shadow
+
+    return shadow.ONE_TOKEN_ROUTE
+
+
+def pdl_on() -> bool:
+    """Whether programmatic dependent launch is switched on for this run (COUNTDOWN_PDL)."""
+    from countdown.kernels import _pdl
+
+    return bool(_pdl.ENABLED)
+
+
 def log(*parts) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s]", *parts, flush=True)
 
@@ -157,7 +171,8 @@ def main(argv=None) -> int:
             "run": datetime.datetime.now().strftime("%Y%m%dT%H%M%S"), "date": datetime.date.today().isoformat(),
             "config": args.config, "prompt": args.prompt, "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
-            "predictor_route": args.predictor_route, "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            "predictor_route": args.predictor_route, "shadow_route": shadow_route(), "pdl": pdl_on(),
+            "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
             "command": "PYTHONPATH=src python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     log(json.dumps(meta))
     checks_ok = None

@@ -154,3 +154,20 @@ def test_pdl_is_off_unless_asked_and_never_under_the_interpreter(monkeypatch):
     if not torch.cuda.is_available():  # CPU / TRITON_INTERPRET: the grid-dependency ops do not exist there
         assert not _pdl.active(x)
     assert _pdl.launch_kwargs(True) == {"launch_pdl": True}
+
+
+@pytest.mark.parametrize("value, expect", [("stream", "stream"), ("", "onepass"), ("bogus", None)])
+def test_route_from_the_environment(value, expect):
+    """COUNTDOWN_SHADOW_ROUTE picks the route for a whole run; a wrong name stops the import naming the fix."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COUNTDOWN_SHADOW_ROUTE": value}
+    code = "from countdown.kernels import shadow; print(shadow.ONE_TOKEN_ROUTE)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if expect is not None:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == expect
+    else:
+        assert run.returncode != 0
+        assert "COUNTDOWN_SHADOW_ROUTE" in run.stderr and "expected fused, onepass or stream" in run.stderr

@@ -22,6 +22,7 @@ GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -39,7 +40,10 @@ MAX_FUSED_TOKENS = 8
 # "stream": _gemv.py's kernel applies the cut and writes the kept rows as lists, _stream.py's kernel
 # splits them evenly over its programs (needs the fp16x2 GEMV; measured no faster than "onepass" as a
 # whole MLP on an H200, 2026-11-23, benchmarks/results/stream/: opt-in).
-ONE_TOKEN_ROUTE = "onepass"
+ONE_TOKEN_ROUTE = os.environ.get("COUNTDOWN_SHADOW_ROUTE") or "onepass"  # the environment picks it for a whole run
+if ONE_TOKEN_ROUTE not in ("fused", "onepass", "stream"):
+    raise ValueError(f"COUNTDOWN_SHADOW_ROUTE={ONE_TOKEN_ROUTE!r}: expected fused, onepass or stream "
+                     "(unset it for the default, onepass)")
 # The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
 # made with one integer op, x kept in registers; the default), or "fp32", _select.py's SCORES kernel
 # (the earlier one, fp32 per value). benchmarks/shadow_gemv.py times both.
