@@ -42,7 +42,10 @@ def _ref(q, k, v, bias, scale):
     (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=7)),           # 3 blocks a split; 300 = 6 x 48 + 12
     (2, 4, 2, 100, 32, [100, 3], dict(BLOCK_N=16, SPLITS=1)),        # one split: writes the output itself
     (1, 16, 2, 90, 32, [90], dict(BLOCK_N=16)),                      # the planner's own choice (8 programs)
-], ids=["gqa4", "one-key", "odd", "many-splits", "ragged-split", "one-split", "planned"])
+    (3, 6, 2, 129, 80, [129, 64, 7], dict(BLOCK_N=16, SPLITS=5, LAST_MERGES=True)),  # one launch, merged by
+    (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=7, LAST_MERGES=True)),         # the last split to end
+], ids=["gqa4", "one-key", "odd", "many-splits", "ragged-split", "one-split", "planned", "last-merges",
+        "last-merges-ragged"])
 def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     torch.manual_seed(T)
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KVH, T, D), torch.randn(B, KVH, T, D)
@@ -50,7 +53,7 @@ def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     bias = torch.where(keep, 0.0, float("-inf"))
     scale = 1 / math.sqrt(D)
     ref = _ref(q, k, v, bias, scale)
-    for mask in (keep, bias):  # boolean and additive forms of the same mask
+    for mask in (keep, bias):  # boolean and additive forms (twice: LAST_MERGES's counters reset themselves)
         out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), scale, config).cpu()
         assert out.shape == (B, H, 1, D) and out.dtype == torch.float32
         assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5)
