@@ -40,11 +40,10 @@ from countdown.kernels import _attention
 
 H, KVH, D, LAYERS = 32, 8, 128, 32
 SHAPES = [(1, 640, 576), (1, 2048, 2000), (1, 8192, 8000), (4, 640, 576), (4, 4096, 4000)]  # batch, cache, valid
-SWEEP = ([dict(BLOCK_N=32, PER_SM=ps, num_stages=2, num_warps=4, LAST_MERGES=lm) for ps in (1, 2, 4) for lm in (False, True)]
-         + [dict(BLOCK_N=64, PER_SM=ps, num_stages=st, num_warps=4, LAST_MERGES=lm)
-            for ps in (1, 2, 4) for st in (2, 3) for lm in (False, True)]
-         + [dict(BLOCK_N=64, PER_SM=2, num_stages=2, num_warps=8, LAST_MERGES=False),
-            dict(BLOCK_N=128, PER_SM=1, num_stages=2, num_warps=8, LAST_MERGES=False)])
+SWEEP = ([dict(BLOCK_N=bn, PER_SM=ps, SKIP_MASKED=sk, num_stages=2, num_warps=4)
+          for bn in (32, 64) for ps in (2, 4, 8) for sk in (True, False)]
+         + [dict(BLOCK_N=64, PER_SM=4, SKIP_MASKED=True, num_stages=3, num_warps=4),
+            dict(BLOCK_N=64, PER_SM=4, SKIP_MASKED=True, num_stages=2, num_warps=8)])
 
 
 def sdpa(q, k, v, mask, scale):
@@ -168,7 +167,7 @@ def main():
         [",".join(keys)] + [",".join(f"{r.get(c, '')}" for c in keys) for r in rows]) + "\n")
     dev_name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke test)"
     fmt = lambda r, c: f"{r[c]:.1f}" if c in r else ""
-    cfg = ", ".join(f"{k}={config[k]}" for k in ("BLOCK_N", "PER_SM", "num_stages", "num_warps", "LAST_MERGES"))
+    cfg = ", ".join(f"{k}={config[k]}" for k in ("BLOCK_N", "PER_SM", "SKIP_MASKED", "num_stages", "num_warps"))
     lines = [f"# One-token attention, Llama-3.1-8B heads ({dev_name}, {datetime.date.today()})", "",
              f"`PYTHONPATH=src python {' '.join(sys.argv)}`; copy bandwidth {bw / 1e12:.2f} TB/s; kernel config "
              f"{cfg}. Microseconds per layer (32 layers' caches in turn); graph: in one CUDA graph, eager: launched "

@@ -42,10 +42,10 @@ def _ref(q, k, v, bias, scale):
     (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=7)),           # 3 blocks a split; 300 = 6 x 48 + 12
     (2, 4, 2, 100, 32, [100, 3], dict(BLOCK_N=16, SPLITS=1)),        # one split: writes the output itself
     (1, 16, 2, 90, 32, [90], dict(BLOCK_N=16)),                      # the planner's own choice (8 programs)
-    (3, 6, 2, 129, 80, [129, 64, 7], dict(BLOCK_N=16, SPLITS=5, LAST_MERGES=True)),  # one launch, merged by
-    (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=7, LAST_MERGES=True)),         # the last split to end
-], ids=["gqa4", "one-key", "odd", "many-splits", "ragged-split", "one-split", "planned", "last-merges",
-        "last-merges-ragged"])
+    (3, 6, 2, 129, 80, [129, 64, 7], dict(BLOCK_N=16, SPLITS=5, SKIP_MASKED=False)),  # masked keys read
+    (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=1, SKIP_MASKED=False)),
+], ids=["gqa4", "one-key", "odd", "many-splits", "ragged-split", "one-split", "planned", "read-masked",
+        "read-masked-one-split"])
 def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     torch.manual_seed(T)
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KVH, T, D), torch.randn(B, KVH, T, D)
@@ -53,19 +53,21 @@ def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     bias = torch.where(keep, 0.0, float("-inf"))
     scale = 1 / math.sqrt(D)
     ref = _ref(q, k, v, bias, scale)
-    for mask in (keep, bias):  # boolean and additive forms (twice: LAST_MERGES's counters reset themselves)
+    for b, n in enumerate(valid):  # masked keys skipped or read (SKIP_MASKED=False): NaN there must not leak
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    for mask in (keep, bias):  # boolean and additive forms of the same mask
         out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), scale, config).cpu()
         assert out.shape == (B, H, 1, D) and out.dtype == torch.float32
         assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("B,KVH,T,config,expect", [
-    (1, 8, 8192, dict(BLOCK_N=64, PER_SM=2), (256, 32)),   # H200 (132 SMs): 264 programs wanted, 256 run
-    (1, 8, 640, dict(BLOCK_N=64, PER_SM=2), (64, 10)),     # short cache: one block a split
-    (4, 8, 4096, dict(BLOCK_N=64, PER_SM=2), (512, 8)),
-    (1, 8, 100000, dict(BLOCK_N=64, PER_SM=2), (3072, 33)),  # long cache: 48 blocks a split
-    (1, 1, 100000, dict(BLOCK_N=64, PER_SM=2), (1600, 63)),  # 264 wanted, capped by MAX_SPLITS = 64
-    (1, 8, 50, dict(BLOCK_N=64, PER_SM=2), (64, 1)),
+    (1, 8, 8192, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (256, 32)),   # H200 (132 SMs): 264 programs wanted, 256 run
+    (1, 8, 640, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (64, 10)),     # short cache: one block a split
+    (4, 8, 4096, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (512, 8)),
+    (1, 8, 100000, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (3072, 33)),  # long cache: 48 blocks a split
+    (1, 1, 100000, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (1600, 63)),  # 264 wanted, capped by MAX_SPLITS = 64
+    (1, 8, 50, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (64, 1)),
 ])
 def test_plan_splits(B, KVH, T, config, expect, monkeypatch):
     monkeypatch.setattr(_common, "persistent_programs", lambda device, per_sm, interp: 132 * per_sm)

@@ -11,8 +11,9 @@ once, BLOCK_N positions at a time, with an online softmax in fp32 (base 2)::
     s[g, t] = scale * q[g] . k[t] + bias[t]       (bias: 0 / -inf from a boolean mask, or additive)
     m[g] = max_t s[g, t],   l[g] = sum_t exp(s - m),   o[g] = sum_t exp(s - m) v[t]     per split
 
-Keys whose mask is False (or whose bias is -inf) are not read at all: with a static cache only the
-valid prefix costs bandwidth. The number of splits follows from the cache length and the SM count
+With SKIP_MASKED, keys whose mask is False (or whose bias is -inf) are not read at all: with a
+static cache only the valid prefix costs bandwidth; without it the K/V loads need not wait for the
+mask (one memory latency less a block) and masked keys are read but not counted. The number of splits follows from the cache length and the SM count
 (about PER_SM programs per SM, splits a multiple of BLOCK_N keys). One split writes the output
 directly; several write fp32 partials that ``_combine_kernel`` merges per (batch, head)::
 
@@ -31,20 +32,19 @@ import triton.language as tl
 from . import _common
 
 # BLOCK_N keys per step; PER_SM programs per SM aimed for; MAX_SPLITS caps the partials (the combine
-# loads them all at once); SPLITS forces a number of splits (tests).
-# LAST_MERGES: the last split of each group merges (one launch; counters in a per-device buffer that
-# each call leaves zeroed, so two calls must not run at once on two streams) instead of a second kernel.
-CONFIG = dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64, SPLITS=None, num_warps=4, num_stages=2, COMBINE_WARPS=4,
-              LAST_MERGES=False)
+# loads them all at once); SPLITS forces a number of splits (tests); SKIP_MASKED: K/V loads wait for
+# the mask and skip masked keys (False: they read every key of the split, masked or not, without
+# waiting). Chosen by ``benchmarks/attention.py --sweep`` on an H200 (see docs/decode.md).
+CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2)
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_kernel(Q, K, V, MASK, OUT, PO, PM, PL, LOCK, qk_scale, T, split_len,
+def _split_kernel(Q, K, V, MASK, OUT, P, qk_scale, T, split_len,
                   sq_b, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t, so_b, so_h,
                   G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BOOL_MASK: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  LAST_MERGES: tl.constexpr, CB: tl.constexpr):
+                  SKIP_MASKED: tl.constexpr):
     sp = tl.program_id(0)  # split of the keys
     hk = tl.program_id(1)  # KV head
     b = tl.program_id(2)   # batch row
@@ -73,7 +73,10 @@ def _split_kernel(Q, K, V, MASK, OUT, PO, PM, PL, LOCK, qk_scale, T, split_len,
         else:
             bias = tl.load(m_base + t * sm_t, mask=tm, other=float("-inf")).to(tl.float32) * 1.4426950408889634
             keep = bias != float("-inf")
-        kv_m = keep[:, None] & dm[None, :]
+        if SKIP_MASKED:
+            kv_m = keep[:, None] & dm[None, :]
+        else:
+            kv_m = tm[:, None] & dm[None, :]
         tt = t.to(tl.int64)
         k = tl.load(k_base + tt[:, None] * sk_t + di[None, :], mask=kv_m, other=0.0)
         v = tl.load(v_base + tt[:, None] * sv_t + di[None, :], mask=kv_m, other=0.0)
@@ -82,6 +85,9 @@ def _split_kernel(Q, K, V, MASK, OUT, PO, PM, PL, LOCK, qk_scale, T, split_len,
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale + bias[None, :]                                   # [GP, BLOCK_N], base 2
+        if not SKIP_MASKED:  # masked keys were read: whatever they hold (NaN too) must not count
+            s = tl.where(keep[None, :], s, float("-inf"))
+            v = tl.where(keep[:, None], v, 0.0)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
         p = tl.exp2(s - m_ref[:, None])
@@ -99,57 +105,30 @@ def _split_kernel(Q, K, V, MASK, OUT, PO, PM, PL, LOCK, qk_scale, T, split_len,
                  mask=gm[:, None] & dm[None, :])
     else:
         row = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
-        tl.store(PM + row, m, mask=gm)
-        tl.store(PL + row, lsum, mask=gm)
-        tl.store(PO + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
-        if LAST_MERGES:  # the group's last split to finish merges all of them (no second launch)
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            done = tl.atomic_add(LOCK + b * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu")
-            if done == n_splits - 1:
-                tl.store(LOCK + b * tl.num_programs(1) + hk, 0)  # ready for the next call
-                for g in tl.static_range(G):
-                    _merge(PO, PM, PL, OUT + b * so_b + (hk * G + g) * so_h, (b * H + hk * G + g) * n_splits,
-                           n_splits, D, BD, CB)
+        n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
+        tl.store(P + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
+        tl.store(P + n_rows * BD + row, m, mask=gm)
+        tl.store(P + n_rows * (BD + 1) + row, lsum, mask=gm)
 
 
 @triton.jit
-def _merge(PO, PM, PL, OUT, row0, n_splits, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
-    """One head's output from its n_splits partials (rows row0 ...); .cg: read past L1 (written by other SMs)."""
+def _combine_kernel(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
+    bh = tl.program_id(0)  # one (batch row, head): its n_splits partials
+    b = bh // H
     di = tl.arange(0, BD)
     ci = tl.arange(0, CB)
     cm = ci < n_splits
-    rows = row0 + ci
-    m = tl.load(PM + rows, mask=cm, other=float("-inf"), cache_modifier=".cg")
-    lsum = tl.load(PL + rows, mask=cm, other=0.0, cache_modifier=".cg")
-    o = tl.load(PO + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+    rows = bh * n_splits + ci
+    m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"))
+    lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0)
+    o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0)
     mref = tl.max(m, axis=0)
     mref = tl.where(mref == float("-inf"), 0.0, mref)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mref))
     total = tl.sum(w * lsum, axis=0)
     num = tl.sum(w[:, None] * o, axis=0)
     out = tl.where(total > 0, num / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(OUT + di, out.to(OUT.dtype.element_ty), mask=di < D)
-
-
-@triton.jit
-def _combine_kernel(PO, PM, PL, OUT, n_splits, so_b, so_h, H, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // H
-    _merge(PO, PM, PL, OUT + b * so_b + (bh - b * H) * so_h, bh * n_splits, n_splits, D, BD, CB)
-
-
-_LOCKS: dict = {}
-
-
-def _locks(n: int, device) -> torch.Tensor:
-    """A zeroed int32 counter per (batch row, KV head), kept per device (the kernel re-zeroes what it
-    uses). Made inside a CUDA-graph capture it is not kept (the graph's memset zeroes it each replay)."""
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        buf = _LOCKS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return buf
+    tl.store(OUT + b * so_b + (bh - b * H) * so_h + di, out.to(OUT.dtype.element_ty), mask=di < D)
 
 
 def _pow2(n: int) -> int:
@@ -192,22 +171,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     BD = max(16, _pow2(D))
     split_len, n_splits = plan_splits(B, KVH, T, q.device, cfg)
     out = _common.new_output((B, H, 1, D), q.dtype, q.device)
-    if n_splits > 1:
-        po = _common.new_output((B * H * n_splits, BD), torch.float32, q.device)
-        pm = _common.new_output((B * H * n_splits,), torch.float32, q.device)
-        pl = _common.new_output((B * H * n_splits,), torch.float32, q.device)
-    else:
-        po = pm = pl = out  # unused
-    last = bool(cfg["LAST_MERGES"]) and n_splits > 1
-    lock = _locks(B * KVH, q.device) if last else out
+    n_rows = B * H * n_splits
+    part = _common.new_output((n_rows * (BD + 2),), torch.float32, q.device) if n_splits > 1 else out
     _split_kernel[(n_splits, KVH, B)](
-        q, k, v, mask, out, po, pm, pl, lock, float(scale) * LOG2E, T, split_len,
+        q, k, v, mask, out, part, float(scale) * LOG2E, T, split_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(1), out.stride(0), out.stride(1),
         G=G, D=D, BD=BD, GP=max(16, _pow2(G)), BLOCK_N=cfg["BLOCK_N"], BOOL_MASK=mask.dtype == torch.uint8,
         IEEE=q.dtype == torch.float32 or _common.interpreting(), DIRECT=n_splits == 1, NUM_STAGES=cfg["num_stages"],
-        LAST_MERGES=last, CB=max(2, _pow2(n_splits)), num_warps=cfg["num_warps"])
-    if n_splits > 1 and not last:
-        _combine_kernel[(B * H,)](po, pm, pl, out, n_splits, out.stride(0), out.stride(1), H, D=D, BD=BD,
-                                  CB=max(2, _pow2(n_splits)), num_warps=cfg["COMBINE_WARPS"])
+        SKIP_MASKED=bool(cfg["SKIP_MASKED"]), num_warps=cfg["num_warps"])
+    if n_splits > 1:
+        cb = max(2, _pow2(n_splits))
+        _combine_kernel[(B * H,)](part, out, n_splits, out.stride(0), out.stride(1), H, n_rows, D=D, BD=BD, CB=cb,
+                                  num_warps=4 if cb <= 32 else 8)
     return out
