@@ -1,8 +1,8 @@
 """The one-token split-KV attention (kernels/_attention.py) and its transformers registration.
 
 Kernel: against float64 softmax attention with repeated KV heads, for grouped heads, ragged valid
-lengths per batch row, a length that is not a multiple of the chunk, several chunk sizes and an
-additive (float) mask. Integration: a tiny Llama and Qwen2 model decode the same greedy tokens
+lengths per batch row, boolean and additive masks, many splits, a split length that does not divide
+the cache, one split (no merge), and the split planner's arithmetic. Integration: a tiny Llama and Qwen2 model decode the same greedy tokens
 with the kernel as with SDPA (static cache), and the logits agree to float32 rounding.
 """
 
@@ -35,23 +35,50 @@ def _ref(q, k, v, bias, scale):
 
 
 @pytest.mark.parametrize("B,H,KVH,T,D,valid,config", [
-    (2, 8, 2, 70, 64, [50, 70], dict(CHUNK=32, BLOCK_T=32)),
-    (1, 4, 4, 33, 32, [1], dict(CHUNK=16, BLOCK_T=16)),        # one key only; no grouping
-    (3, 6, 2, 129, 80, [129, 64, 7], dict(CHUNK=64, BLOCK_T=32)),  # D not a power of two; 3 heads a group
-    (1, 8, 1, 300, 16, [300], dict(CHUNK=16, BLOCK_T=16)),      # 19 chunks: the combine loops twice
-], ids=["gqa4", "one-key", "odd", "many-chunks"])
+    (2, 8, 2, 70, 64, [50, 70], dict(BLOCK_N=32, SPLITS=3)),          # 3 splits of 32 keys, the last 6
+    (1, 4, 4, 33, 32, [1], dict(BLOCK_N=16)),                         # one key only; no grouping
+    (3, 6, 2, 129, 80, [129, 64, 7], dict(BLOCK_N=32, SPLITS=2)),     # D not a power of two; 3 heads a group
+    (1, 8, 1, 300, 16, [300], dict(BLOCK_N=16, SPLITS=19)),          # 19 splits of one block each
+    (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=7)),           # 3 blocks a split; 300 = 6 x 48 + 12
+    (2, 4, 2, 100, 32, [100, 3], dict(BLOCK_N=16, SPLITS=1)),        # one split: writes the output itself
+    (1, 16, 2, 90, 32, [90], dict(BLOCK_N=16)),                      # the planner's own choice (8 programs)
+    (3, 6, 2, 129, 80, [129, 64, 7], dict(BLOCK_N=16, SPLITS=5, SKIP_MASKED=False)),  # masked keys read
+    (1, 8, 2, 300, 32, [290], dict(BLOCK_N=16, SPLITS=1, SKIP_MASKED=False)),
+], ids=["gqa4", "one-key", "odd", "many-splits", "ragged-split", "one-split", "planned", "read-masked",
+        "read-masked-one-split"])
 def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     torch.manual_seed(T)
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KVH, T, D), torch.randn(B, KVH, T, D)
-    bias = torch.where(torch.arange(T)[None, :] < torch.tensor(valid)[:, None], 0.0, float("-inf"))
+    keep = torch.arange(T)[None, :] < torch.tensor(valid)[:, None]
+    bias = torch.where(keep, 0.0, float("-inf"))
     scale = 1 / math.sqrt(D)
-    out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), bias.to(DEV), scale, config).cpu()
-    assert out.shape == (B, H, 1, D) and out.dtype == torch.float32
-    assert torch.allclose(out.double(), _ref(q, k, v, bias, scale), atol=2e-6, rtol=1e-5)
+    ref = _ref(q, k, v, bias, scale)
+    for b, n in enumerate(valid):  # masked keys skipped or read (SKIP_MASKED=False): NaN there must not leak
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    for mask in (keep, bias):  # boolean and additive forms of the same mask
+        out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), scale, config).cpu()
+        assert out.shape == (B, H, 1, D) and out.dtype == torch.float32
+        assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("B,KVH,T,config,expect", [
+    (1, 8, 8192, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (256, 32)),   # H200 (132 SMs): 264 programs wanted, 256 run
+    (1, 8, 640, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (64, 10)),     # short cache: one block a split
+    (4, 8, 4096, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (512, 8)),
+    (1, 8, 100000, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (3072, 33)),  # long cache: 48 blocks a split
+    (1, 1, 100000, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (1600, 63)),  # 264 wanted, capped by MAX_SPLITS = 64
+    (1, 8, 50, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (64, 1)),
+])
+def test_plan_splits(B, KVH, T, config, expect, monkeypatch):
+    monkeypatch.setattr(_common, "persistent_programs", lambda device, per_sm, interp: 132 * per_sm)
+    split_len, n_splits = _attention.plan_splits(B, KVH, T, "cuda", config)
+    assert (split_len, n_splits) == expect
+    assert split_len % config["BLOCK_N"] == 0 and (n_splits - 1) * split_len < T <= n_splits * split_len
 
 
 def test_kernel_bf16_strided_cache_and_additive_mask():
-    """A static cache viewed through a slice (strided), bf16, and a float mask with finite values."""
+    """A static cache viewed through a slice (strided), bf16, a float mask with finite values, and a
+    boolean mask broadcast over the batch (stride 0), as transformers passes it."""
     torch.manual_seed(1)
     B, H, KVH, T, D = 2, 4, 2, 48, 32
     big_k, big_v = torch.randn(B, KVH, T + 16, D).bfloat16(), torch.randn(B, KVH, T + 16, D).bfloat16()
@@ -59,24 +86,34 @@ def test_kernel_bf16_strided_cache_and_additive_mask():
     q = torch.randn(B, H, 1, D).bfloat16()
     bias = torch.randn(B, T) * 2
     bias[1, 40:] = float("-inf")
-    out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), bias.to(DEV), 0.3).cpu()
-    assert out.dtype == torch.bfloat16
-    assert torch.allclose(out.double(), _ref(q, k, v, bias, 0.3), atol=1e-2, rtol=1e-2)
+    for config in (dict(BLOCK_N=16, SPLITS=2), dict(BLOCK_N=16, SPLITS=1)):
+        out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), bias.to(DEV), 0.3, config).cpu()
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.double(), _ref(q, k, v, bias, 0.3), atol=1e-2, rtol=1e-2)
+        keep = (torch.arange(T) < 30)[None, None, None, :].expand(B, 1, 1, T)
+        row = attention.mask_row(keep, B, T)
+        assert row.stride(0) == 0
+        out = _attention.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), row.to(DEV), 0.3, config).cpu()
+        ref = _ref(q, k, v, torch.where(keep[:, 0, 0], 0.0, float("-inf")), 0.3)
+        assert torch.allclose(out.double(), ref, atol=1e-2, rtol=1e-2)
 
 
 def test_kernel_bad_input():
     q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="one query token|q \\[B, H, 1, D\\]"):
+    with pytest.raises(ValueError, match="q \\[B, H, 1, D\\]"):
         _attention.decode_attention(q, k, k, torch.zeros(1, 8), 1.0)
-    with pytest.raises(ValueError, match="bias must be float32"):
+    with pytest.raises(ValueError, match="mask must be bool or float"):
         _attention.decode_attention(q[:, :, :1], k, k, torch.zeros(1, 7), 1.0)
+    with pytest.raises(ValueError, match="share a dtype"):
+        _attention.decode_attention(q[:, :, :1], k.bfloat16(), k, torch.zeros(1, 8), 1.0)
 
 
-def test_mask_bias():
+def test_mask_row():
     m = torch.tensor([[[[True, True, False]]]])
-    assert torch.equal(attention.mask_bias(m, 2, 3), torch.tensor([[0.0, 0.0, float("-inf")]] * 2))
-    assert attention.mask_bias(m.expand(1, 2, 1, 3), 1, 3) is None  # differs per head: not taken
-    assert attention.mask_bias(m, 1, 4) is None  # does not cover the keys
+    assert torch.equal(attention.mask_row(m, 2, 3), torch.tensor([[True, True, False]] * 2))
+    assert attention.mask_row(m.expand(1, 2, 1, 3), 1, 3) is None  # differs per head: not taken
+    assert attention.mask_row(m, 1, 4) is None  # does not cover the keys
+    assert attention.mask_row(m.int(), 1, 3) is None  # neither boolean nor additive
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

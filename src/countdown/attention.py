@@ -8,7 +8,8 @@ The model stays a transformers model: the kernel is registered under the name ``
 in ``transformers.AttentionInterface`` (with SDPA's mask function in ``AttentionMaskInterface``), and
 the model is switched with ``set_attn_implementation``. A decode step (one query token, a boolean or
 additive mask shared by the heads, no dropout, no soft-capping, CUDA or the Triton interpreter) goes
-to ``torch.ops.countdown.decode_attention``; everything else, the prefill included, to transformers'
+to ``torch.ops.countdown.decode_attention`` (the mask's last row passed as a view: no kernel builds a
+bias first); everything else, the prefill included, to transformers'
 own SDPA function, unchanged. Why a kernel of its own: see kernels/_attention.py (the library kernel
 runs one program per head for a single token).
 """
@@ -24,28 +25,26 @@ _PREVIOUS = "_countdown_attn_before"
 
 
 @torch.library.custom_op("countdown::decode_attention", mutates_args=())
-def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     from .kernels import _attention
 
-    return _attention.decode_attention(q, k, v, bias, scale)
+    return _attention.decode_attention(q, k, v, mask, scale)
 
 
 @_decode_op.register_fake
-def _(q, k, v, bias, scale):
-    return torch.empty_like(q)
+def _(q, k, v, mask, scale):
+    return q.new_empty(q.shape)  # the kernel's output is contiguous
 
 
-def mask_bias(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
-    """The mask of the (last) query row as a float32 additive bias [batch, length], or None when
-    the mask differs between heads or does not cover ``length`` keys."""
+def mask_row(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """The mask of the (last) query row as a [batch, length] view (no copy: bool, True = attend, or
+    an additive float mask, as given), or None when the mask differs between heads or does not
+    cover ``length`` keys."""
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != length or mask.shape[0] not in (1, batch):
         return None
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        bias = torch.zeros(row.shape, dtype=torch.float32, device=row.device).masked_fill(~row, float("-inf"))
-    else:
-        bias = row.float()
-    return bias.expand(batch, length)
+    if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+        return None
+    return mask[:, 0, -1, :].expand(batch, length)
 
 
 def decode_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -54,17 +53,18 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, n_q, D = query.shape
-    bias = None
+    row = None
     if (n_q == 1 and attention_mask is not None and not dropout and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions") and _common.available(query)
-            and key.shape[1] > 0 and H % key.shape[1] == 0):
-        bias = mask_bias(attention_mask, B, key.shape[2])
-    if bias is None:
+            and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None
+            and _common.available(query) and key.shape[1] > 0 and H % key.shape[1] == 0
+            and query.dtype == key.dtype == value.dtype):
+        row = mask_row(attention_mask, B, key.shape[2])
+    if row is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = float(scaling) if scaling is not None else D ** -0.5
-    out = torch.ops.countdown.decode_attention(query, key, value, bias, scale)
-    return out.transpose(1, 2).contiguous(), None
+    out = torch.ops.countdown.decode_attention(query, key, value, row, scale)
+    return out.transpose(1, 2).contiguous(), None  # [B, H, 1, D] -> [B, 1, H, D]: a view, no copy
 
 
 def register() -> str:
