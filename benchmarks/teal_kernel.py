@@ -39,13 +39,18 @@ DTYPE = torch.bfloat16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Batch-1 candidates: gate/up (KS, BN, BM, warps, stages) with the default down, then down
 # (FB, BN2, BM2, warps2, stages2) with the best gate/up.
-GATEUP = [dict(KS=512, BN=128, BM=16, warps=4, stages=1), dict(KS=256, BN=128, BM=16, warps=4, stages=1),
-          dict(KS=1024, BN=128, BM=16, warps=4, stages=1), dict(KS=512, BN=256, BM=16, warps=4, stages=1),
-          dict(KS=512, BN=128, BM=32, warps=4, stages=1), dict(KS=256, BN=256, BM=8, warps=4, stages=1),
-          dict(KS=1024, BN=256, BM=16, warps=8, stages=1)]
-DOWN = [dict(FB=256, BN2=256, BM2=16, warps2=4, stages2=1), dict(FB=256, BN2=128, BM2=16, warps2=4, stages2=1),
-        dict(FB=256, BN2=512, BM2=16, warps2=4, stages2=1), dict(FB=512, BN2=256, BM2=32, warps2=4, stages2=1),
-        dict(FB=128, BN2=256, BM2=16, warps2=4, stages2=1)]
+GATEUP = [dict(KS=1024, BN=128, BM=16, warps=4, stages=1), dict(KS=2048, BN=128, BM=16, warps=4, stages=1),
+          dict(KS=1024, BN=64, BM=32, warps=4, stages=1), dict(KS=1024, BN=128, BM=16, warps=8, stages=1),
+          dict(KS=512, BN=128, BM=16, warps=4, stages=1), dict(KS=1024, BN=128, BM=32, warps=8, stages=1)]
+DOWN = [dict(FB=512, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=False),
+        dict(FB=512, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=True),
+        dict(FB=512, BN2=512, BM2=16, warps2=4, stages2=1, FUSE=False),
+        dict(FB=512, BN2=512, BM2=16, warps2=4, stages2=1, FUSE=True),
+        dict(FB=1024, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=False),
+        dict(FB=256, BN2=512, BM2=16, warps2=4, stages2=1, FUSE=True),
+        dict(FB=512, BN2=256, BM2=16, warps2=4, stages2=1, FUSE=True)]
+
+FUSED = {**_teal.TEAL_CONFIGS[1], "FUSE": True}
 
 
 def log(*a):
@@ -100,11 +105,26 @@ def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def gap_cut(values: torch.Tensor, k: float, gap: float = 3e-2) -> float:
+    """A cut near the k-quantile of ``values`` in a gap between neighbours at least ``gap`` (relative)
+    wide: the kernel's s (g, u in fp32) and PyTorch's (bf16) cannot then keep different entries."""
+    v = torch.unique(values.double().flatten().cpu())
+    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
+    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
+        lo, hi = v[j - 1].item(), v[j].item()
+        if hi - lo > gap * max(abs(hi), 1e-6):
+            return (lo + hi) / 2
+    raise AssertionError("no gap wide enough")
+
+
 def check(p, fn, k, label, cuts, x=None):
-    """Relative L2 error of ``fn(x, w, cut_x, cut_s)`` and of the bf16 PyTorch op against float64."""
-    cut_x, cut_s = cuts[:2]
+    """Relative L2 error of ``fn(x, w, cut_x, cut_s)`` and of the bf16 PyTorch op against float64 under
+    the same masks (cut_s moved into a gap of |s| near its quantile, so that no entry flips)."""
+    cut_x = cuts[0]
     w = p.w(0)
     x = p.xs[0] if x is None else x
+    xt = torch.where(x.float().abs() > cut_x, x.double(), 0.0)
+    cut_s = gap_cut(((xt @ w["wu_t"].double()) * F.silu(xt @ w["wg_t"].double())).abs(), k)
     out = fn(x, w, cut_x, cut_s)
     out_t, keep_x, keep_s = K.teal_gated_mlp_ref(x, w["wg_t"], w["wu_t"], w["wdt"], cut_x, cut_s, "silu",
                                                 return_masks=True)
@@ -214,12 +234,38 @@ class Report:
                     f"command `{self.meta['command']}`\n\n{self.table()}\n")
 
 
+def profile(p, cuts, k, path):
+    """Per-kernel device times (torch.profiler, eager calls) of the default kernel at k and with
+    nothing kept, appended to ``path``."""
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+    with open(path, "a") as f:
+        for label, (cx, cs) in ((f"k={k}", cuts[k][:2]), ("nothing kept", (1e9, 1e9))):
+            fn = new_timed()
+            tx, ts = torch.tensor(cx, device=DEV), torch.tensor(cs, device=DEV)
+            for i, x in enumerate(p.xs):
+                fn(x, p.w(i), tx, ts)
+            torch.cuda.synchronize()
+            with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    for i, x in enumerate(p.xs):
+                        fn(x, p.w(i), tx, ts)
+                torch.cuda.synchronize()
+            f.write(f"## {label}: kernel, calls, mean device us\n")
+            for ev in prof.key_averages():
+                total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+                if ev.count and total:
+                    f.write(f"{ev.key[:90]:90s} {ev.count:5d} {total / ev.count:9.2f}\n")
+    log(open(path).read())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/teal_kernel"))
     ap.add_argument("--old", default=None, help="path of the previous _teal.py, to time it too")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--pdl", action="store_true", help="also time the new kernel with PDL launches")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times at the largest k")
     ap.add_argument("--ks", default="0.5,0.7,0.9")
     ap.add_argument("--shape", default="Llama-3.1-8B", choices=sorted(SHAPES))
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this many seconds")
@@ -243,6 +289,7 @@ def main():
     for k in ks:
         checks.append(check(p, teal_new(), k, "teal new", cuts[k]))
         checks.append(check(p, teal_new(), k, "teal new", cuts[k], x=p.xb))
+        checks.append(check(p, teal_new(FUSED), k, "teal new (finish fused)", cuts[k]))
         if old is not None:
             checks.append(check(p, teal_old(old), k, "teal old", cuts[k]))
     if not all(c["ok"] for c in checks):
@@ -260,6 +307,7 @@ def main():
     for k in ks:
         cx, cs, cm, n_x, n_s, n_m = cuts[k]
         rep.row("teal new", k, time_fn(p, new_timed(), cx, cs), teal_bytes(n_x, n_s), n_x, n_s)
+        rep.row("teal new (finish fused)", k, time_fn(p, new_timed(FUSED), cx, cs), teal_bytes(n_x, n_s), n_x, n_s)
         if old is not None:
             rep.row("teal old", k, time_fn(p, old_timed(old), cx, cs), teal_bytes(n_x, n_s), n_x, n_s)
         rep.row("mono (kept s = kept rows)", k, time_fn(p, mono, 0.0, cm),
@@ -268,6 +316,9 @@ def main():
         rep.row("teal new", k, time_fn(p, new_timed(), cx, cs, xs=[p.xb] * NSLOTS), teal_bytes(nb, n_s), nb, n_s,
                 batch=3)
     rep.row("teal new (nothing kept)", 1.0, time_fn(p, new_timed(), 1e9, 1e9), 0.0, 0.0, 0.0)
+    rep.row("teal new (finish fused, nothing kept)", 1.0, time_fn(p, new_timed(FUSED), 1e9, 1e9), 0.0, 0.0, 0.0)
+    if args.profile and DEV == "cuda":
+        profile(p, cuts, ks[-1], os.path.join(args.out, "profile.txt"))
     if args.pdl and DEV == "cuda":
         _pdl.ENABLED = True
         for k in ks:

@@ -159,9 +159,11 @@ SMALL_CASES = [  # (dtype, batch, k, kept: "some" / "all" / "none")
 ]
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["finish-kernel", "finish-fused"])
 @pytest.mark.parametrize("dtype,batch,k,kept", SMALL_CASES,
                          ids=[f"{str(c[0])[6:]}-b{c[1]}-k{c[2]}-{c[3]}" for c in SMALL_CASES])
-def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept):
+def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept, fuse):
+    """Both ways of finishing s: its own kernel, or inside each down program (config FUSE)."""
     from countdown.kernels import _teal
 
     monkeypatch.setattr(_teal, "FB", 32)
@@ -172,7 +174,7 @@ def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept):
     else:
         cut_x, cut_s = (-1.0, -1.0) if kept == "all" else (1e9, 1e9)
     out = _teal.teal_mlp(x, wg_t, wu_t, wd_t, torch.tensor(cut_x, device=DEVICE), 0.0, None, cut_s, "silu",
-                         config=SMALL)
+                         config={**SMALL, "FUSE": fuse})
     out_torch, keep_x, keep_s = K.teal_gated_mlp_ref(x, wg_t, wu_t, wd_t, cut_x, cut_s, "silu", return_masks=True)
     if kept == "all":
         assert keep_x.all()

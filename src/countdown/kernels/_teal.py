@@ -131,12 +131,10 @@ def _teal_gateup_kernel(
 
 
 @triton.jit
-def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, thr_f, n_tok, d_inter, n_splits,
-                        ACT: tl.constexpr, THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr,
-                        NSPL: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-    blk = tl.program_id(0)
+def _s_compact(P1, THR, X, IDX, VAL, base, blk, thr_f, n_tok, d_inter, n_splits, ACT: tl.constexpr,
+               THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, NSPL: tl.constexpr):
+    """s of block ``blk`` (g and u summed over the splits in order), its kept channels (union over the
+    tokens) compacted into IDX / VAL from ``base``; returns their count."""
     b = tl.arange(0, BPD)
     i = blk * FB + tl.arange(0, FB)
     m2 = (b < n_tok)[:, None] & (i < d_inter)[None, :]
@@ -161,20 +159,32 @@ def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, thr_f, n_tok, d_inter, n_s
     keep = (tl.abs(s) > thr) & m2
     anyk = tl.max(keep.to(tl.int32), axis=0)
     pos = tl.cumsum(anyk, axis=0) - 1
-    base = blk.to(tl.int64) * FB
-    tl.store(SIDX + base + pos, i, mask=anyk > 0)
-    tl.store(SVAL + (base + pos)[None, :] * BPD + b[:, None], tl.where(keep, s, 0.0),
+    tl.store(IDX + base + pos, i, mask=anyk > 0)
+    tl.store(VAL + (base + pos)[None, :] * BPD + b[:, None], tl.where(keep, s, 0.0),
              mask=(anyk > 0)[None, :] & (b < BPD)[:, None])
-    tl.store(SCNT + blk, tl.sum(anyk, axis=0))
+    return tl.sum(anyk, axis=0)
+
+
+@triton.jit
+def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, thr_f, n_tok, d_inter, n_splits,
+                        ACT: tl.constexpr, THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr,
+                        NSPL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    blk = tl.program_id(0)
+    cnt = _s_compact(P1, THR, X, SIDX, SVAL, blk.to(tl.int64) * FB, blk, thr_f, n_tok, d_inter, n_splits,
+                     ACT, THR_PTR, BPD, FB, NSPL)
+    tl.store(SCNT + blk, cnt)
     if PDL:  # the down kernel may launch (its gdc_wait still waits for this grid to finish)
         gdc_launch_dependents()
 
 
 @triton.jit
-def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, n_tok, d_inter, d_model,
+def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inter, d_model, n_splits,
                       BP: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
+                      NSPL: tl.constexpr):
     if PDL:
         gdc_wait()
     pid_n = tl.program_id(0)
@@ -182,8 +192,14 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, n_tok, d_inter, d_model,
     b = tl.arange(0, BPD)
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < d_model
-    cnt = tl.load(SCNT + blk)
-    base = blk.to(tl.int64) * FB
+    if FUSE:  # the finish step here, into this program's own scratch slice (read back after a barrier)
+        base = (blk * tl.num_programs(0) + pid_n).to(tl.int64) * FB
+        cnt = _s_compact(P1, THR, X, SIDX, SVAL, base, blk, thr_f, n_tok, d_inter, n_splits,
+                         ACT, THR_PTR, BPD, FB, NSPL)
+        tl.debug_barrier()
+    else:
+        cnt = tl.load(SCNT + blk)
+        base = blk.to(tl.int64) * FB
     if BP == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
@@ -214,12 +230,14 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, n_tok, d_inter, d_model,
 
 
 # By batch bucket (1 token; 2-16 tokens): gate/up (KS input channels per split, BN columns, BM kept
-# rows a tile) and down (FB intermediate channels a block, BN2 columns, BM2 rows a tile). FB is shared
-# by the buckets (it fixes the op's output shape). Defaults: benchmarks/teal_kernel.py (see docs/teal.md).
-FB = 256
+# rows a tile) and down (FB intermediate channels a block, BN2 columns, BM2 rows a tile; FUSE: the
+# finish step inside each down program instead of its own launch). FB is shared by the buckets (it
+# fixes the op's output shape). Batch 1: the fastest of `benchmarks/teal_kernel.py --sweep` on an H200,
+# 2026-11-23 (benchmarks/results/teal_kernel/); batch 2-16 not swept.
+FB = 512
 TEAL_CONFIGS = {
-    1: dict(KS=512, BN=128, BM=16, warps=4, stages=1, BN2=256, BM2=16, warps2=4, stages2=1),
-    16: dict(KS=512, BN=128, BM=16, warps=4, stages=2, BN2=128, BM2=16, warps2=4, stages2=2),
+    1: dict(KS=1024, BN=128, BM=16, warps=4, stages=1, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=False),
+    16: dict(KS=512, BN=128, BM=16, warps=4, stages=2, BN2=128, BM2=16, warps2=4, stages2=2, FUSE=False),
 }
 MAX_GROUP = 16  # tokens per launch group (more are run group by group)
 
@@ -279,20 +297,25 @@ def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, ac
         EVEN_N=d_inter % bn == 0, BIG=d_model * max(w_gate_t.stride(0), w_up_t.stride(0)) >= 2**31,
         PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl.launch_kwargs(pdl),
     )
-    sidx = torch.empty((nb * fb,), dtype=torch.int32, device=dev)
-    sval = torch.empty((nb * fb * bpd,), dtype=torch.float32, device=dev)
+    fuse = bool(cfg.get("FUSE", False))
+    grid3 = (triton.cdiv(d_model, bn2), nb)
+    n_lists = grid3[0] * nb if fuse else nb  # fused: a scratch slice per down program
+    sidx = torch.empty((n_lists * fb,), dtype=torch.int32, device=dev)
+    sval = torch.empty((n_lists * fb * bpd,), dtype=torch.float32, device=dev)
     scnt = torch.empty((nb,), dtype=torch.int32, device=dev)
-    k2 = _teal_finish_kernel[(nb,)](
-        p1, thr_s_t if thr_s_t is not None else p1, x, sidx, sval, scnt, float(thr_s_f), n_tok, d_inter, splits,
-        ACT=act_code(activation), THR_PTR=thr_s_t is not None, BPD=bpd, FB=fb, NSPL=_pow2(splits),
-        PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl),
-    )
+    thr_s = thr_s_t if thr_s_t is not None else p1
+    common = dict(ACT=act_code(activation), THR_PTR=thr_s_t is not None, BPD=bpd, FB=fb, NSPL=_pow2(splits),
+                  PDL=pdl)
+    k2 = None
+    if not fuse:
+        k2 = _teal_finish_kernel[(nb,)](
+            p1, thr_s, x, sidx, sval, scnt, float(thr_s_f), n_tok, d_inter, splits,
+            num_warps=4, **common, **_pdl.launch_kwargs(pdl))
     p2 = _common.new_output((nb, n_tok, d_model), torch.float32, dev)
-    k3 = _teal_down_kernel[(triton.cdiv(d_model, bn2), nb)](
-        sidx, sval, scnt, w_down_t, p2, n_tok, d_inter, d_model,
-        BP=bp, BPD=bpd, FB=fb, BM=bm2, BN=bn2, DOT_PREC=prec, EVEN_N=d_model % bn2 == 0,
-        BIG=d_inter * d_model >= 2**31, PDL=pdl, num_warps=cfg["warps2"], num_stages=cfg["stages2"],
-        **_pdl.launch_kwargs(pdl),
+    k3 = _teal_down_kernel[grid3](
+        sidx, sval, scnt, w_down_t, p2, p1, thr_s, x, float(thr_s_f), n_tok, d_inter, d_model, splits,
+        BP=bp, BM=bm2, BN=bn2, DOT_PREC=prec, EVEN_N=d_model % bn2 == 0, BIG=d_inter * d_model >= 2**31,
+        FUSE=fuse, num_warps=cfg["warps2"], num_stages=cfg["stages2"], **common, **_pdl.launch_kwargs(pdl),
     )
     LAST_KERNELS = (k1, k2, k3)
     return p2
