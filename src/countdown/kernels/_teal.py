@@ -236,7 +236,7 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inte
 # 2026-11-23 (benchmarks/results/teal_kernel/); batch 2-16 not swept.
 FB = 512
 TEAL_CONFIGS = {
-    1: dict(KS=1024, BN=128, BM=16, warps=4, stages=1, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=False),
+    1: dict(KS=1024, BN=64, BM=32, warps=4, stages=1, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=True),
     16: dict(KS=512, BN=128, BM=16, warps=4, stages=2, BN2=128, BM2=16, warps2=4, stages2=2, FUSE=False),
 }
 MAX_GROUP = 16  # tokens per launch group (more are run group by group)
