@@ -1,4 +1,4 @@
-"""Triton kernels of TEAL's Gated-MLP: three launches, no atomics, every read a kept row.
+"""Triton kernels of TEAL's Gated-MLP: two or three launches, no atomics, every weight read a kept row.
 
 Weights come transposed (``[d_model, d_inter]`` for gate and up, unit inner stride, any row stride;
 ``[d_inter, d_model]`` for down), so a kept input channel is one contiguous row and a GEMV over the
@@ -16,7 +16,9 @@ read once; each token's output uses only its own masks):
    (no atomics, no zeroed buffer: deterministic).
 2. ``_teal_finish_kernel``, grid (block of FB intermediate channels): g and u summed over the
    splits in order, ``s = u * act(g)`` rounded to x's dtype, kept where ``|s| > tau_s``; the kept
-   channels of the block are compacted (union over the tokens) into SIDX / SVAL / SCNT.
+   channels of the block are compacted (union over the tokens) into SIDX / SVAL / SCNT. With FUSE
+   (the batch-1 default) each down program does this itself for its block, into its own scratch
+   slice (read back after a CTA barrier): one launch less, the block's s computed once per column block.
 3. ``_teal_down_kernel``, grid (column block of BN2 of d_model, block of FB): the block's compacted
    kept rows of W_down^T, in tiles of BM2 rows, times their s; fp32 partial [BP, BN2] into P2[block].
 

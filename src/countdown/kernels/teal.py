@@ -7,7 +7,7 @@
 
 Weights come transposed: ``w_gate_t``, ``w_up_t`` ``[d_model, d_inter]`` (unit inner stride, any row
 stride: the ``.t()`` of a weight stored column-major, or of half of a fused gate_up) and
-``w_down_t`` ``[d_inter, d_model]``. Three launches (``_teal.py``): the input-sparse gate/up GEMVs
+``w_down_t`` ``[d_inter, d_model]``. Two or three launches (``_teal.py``): the input-sparse gate/up GEMVs
 over the compacted kept channels (split over the input channels, fp32 partials), the sum of the
 splits with the activation, product, threshold and compaction of the kept s entries, and the
 down projection over them; the down partials are summed outside the op (fused by torch.compile into
