@@ -141,3 +141,55 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(lambda v: K.teal_gated_mlp(v, wg_t, wu_t, wd_t, cx, cs), fullgraph=True,
                              backend="eager" if DEVICE == "cpu" else "inductor")
     torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-6)
+
+
+# Small launch configurations, so that the small shapes run several input-channel splits, column
+# blocks and intermediate blocks, with tiles that do not divide the kept counts.
+SMALL = dict(KS=16, BN=32, BM=4, BN2=16, BM2=4)
+SMALL_CASES = [  # (dtype, batch, k, kept: "some" / "all" / "none")
+    (torch.float32, 1, 0.5, "some"),
+    (torch.bfloat16, 1, 0.9, "some"),
+    (torch.float16, 3, 0.7, "some"),
+    (torch.bfloat16, 3, 0.5, "some"),
+    (torch.float32, 17, 0.6, "some"),  # two token groups
+    (torch.float32, 1, 0.0, "all"),
+    (torch.float32, 3, 0.0, "all"),
+    (torch.bfloat16, 1, 0.0, "none"),
+    (torch.float32, 3, 0.0, "none"),
+]
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["finish-kernel", "finish-fused"])
+@pytest.mark.parametrize("dtype,batch,k,kept", SMALL_CASES,
+                         ids=[f"{str(c[0])[6:]}-b{c[1]}-k{c[2]}-{c[3]}" for c in SMALL_CASES])
+def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept, fuse):
+    """Both ways of finishing s: its own kernel, or inside each down program (config FUSE)."""
+    from countdown.kernels import _teal
+
+    monkeypatch.setattr(_teal, "FB", 32)
+    x = torch.randn(batch, D_MODEL, device=DEVICE).to(dtype)
+    wg_t, wu_t, wd_t = _weights(dtype, fused=batch == 3)
+    if kept == "some":
+        cut_x, cut_s = _cuts(x, wg_t, wu_t, "silu", k)
+    else:
+        cut_x, cut_s = (-1.0, -1.0) if kept == "all" else (1e9, 1e9)
+    out = _teal.teal_mlp(x, wg_t, wu_t, wd_t, torch.tensor(cut_x, device=DEVICE), 0.0, None, cut_s, "silu",
+                         config={**SMALL, "FUSE": fuse})
+    out_torch, keep_x, keep_s = K.teal_gated_mlp_ref(x, wg_t, wu_t, wd_t, cut_x, cut_s, "silu", return_masks=True)
+    if kept == "all":
+        assert keep_x.all()
+    if kept == "none":
+        assert not keep_x.any()
+        assert torch.equal(out, torch.zeros_like(out))
+    ref64 = K.teal_masked_ref(x.double(), wg_t.double(), wu_t.double(), wd_t.double(), keep_x, keep_s, "silu")
+    _check(out, out_torch, ref64)
+
+
+def test_partials_shape_matches_fake(monkeypatch):
+    """The op's partial sums have the shape its fake (torch.compile's view of it) announces."""
+    from countdown.kernels import _teal
+
+    x = torch.randn(2, D_MODEL, device=DEVICE)
+    wg_t, wu_t, wd_t = _weights(torch.float32)
+    p = _teal.teal_partials(x, wg_t, wu_t, wd_t, None, 0.3, None, 0.01, "silu")
+    assert p.shape == (_teal.n_parts(D_INTER), 2, D_MODEL) and p.dtype == torch.float32

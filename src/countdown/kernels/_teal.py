@@ -1,20 +1,29 @@
-"""Triton kernels of TEAL's Gated-MLP: gate and up GEMVs over the kept input entries, then s.
+"""Triton kernels of TEAL's Gated-MLP: two or three launches, no atomics, every weight read a kept row.
 
-Stage 1, input-sparse GEMVs of W_gate^T and W_up^T ([d_model, d_inter], unit inner stride, any row
-stride: a kept input channel j is one contiguous row of each)::
+Weights come transposed (``[d_model, d_inter]`` for gate and up, unit inner stride, any row stride;
+``[d_inter, d_model]`` for down), so a kept input channel is one contiguous row and a GEMV over the
+kept channels reads only their rows. For a group of BP tokens (the union of their kept entries is
+read once; each token's output uses only its own masks):
 
-    acc[b, i]           += sum_{j : |x[b, j]| > tau_x} x[b, j] W_gate^T[j, i]      (gate, fp32)
-    acc[b, d_inter + i] += sum_{j : |x[b, j]| > tau_x} x[b, j] W_up^T[j, i]        (up, fp32)
+1. ``_teal_gateup_kernel``, grid (column block of BN, split of KS input channels). A program loads
+   its split's x, compacts the kept channels (union over its tokens: a prefix sum, then a scatter of
+   the channel numbers and each token's masked x into this program's own slice of a scratch buffer,
+   read back after a CTA barrier), then walks the compacted list in tiles of BM kept rows: one round
+   trip loads the tile's rows of W_gate^T and W_up^T ([BM, BN] each, 2 BN contiguous bytes a row).
+   Batch 1 accumulates ``w * x`` elementwise in a [BM, BN] fp32 register tile and reduces it over
+   rows once at the end (a cross-thread reduction per tile costs more than the tile's loads); a
+   group of tokens uses ``tl.dot``. The program writes its fp32 partial of g and u to P1[split]
+   (no atomics, no zeroed buffer: deterministic).
+2. ``_teal_finish_kernel``, grid (block of FB intermediate channels): g and u summed over the
+   splits in order, ``s = u * act(g)`` rounded to x's dtype, kept where ``|s| > tau_s``; the kept
+   channels of the block are compacted (union over the tokens) into SIDX / SVAL / SCNT. With FUSE
+   (the batch-1 default) each down program does this itself for its block, into its own scratch
+   slice (read back after a CTA barrier): one launch less, the block's s computed once per column block.
+3. ``_teal_down_kernel``, grid (column block of BN2 of d_model, block of FB): the block's compacted
+   kept rows of W_down^T, in tiles of BM2 rows, times their s; fp32 partial [BP, BN2] into P2[block].
 
-Grid (chunk of CHUNK input channels, column block of BLOCK_N, token group of BP). A program compacts
-the kept channels of its chunk (union over its tokens: a prefix sum, then a [BLOCK_M, CHUNK] one-hot
-select), loads [BLOCK_M, BLOCK_N] tiles of *kept* rows of both matrices (one round trip for the
-two), multiplies them by each token's own masked x, and adds its partial sums to the zeroed fp32
-accumulator with relaxed atomics (the chunks' order of summation varies, as in ``_down.py``).
-
-Stage 2 (``_teal_finish_kernel``): ``s = up * act(gate)`` in fp32, ``s`` kept where ``|s| > tau_s``
-(else 0) and written in x's dtype; on the way it clears the down projection's fp32 accumulator. The
-down projection over the kept s entries is then ``_down.sparse_down`` (s != 0 is its keep mask).
+``y = P2.sum(0)`` in x's dtype is left to the caller: under torch.compile that sum and cast fuse
+into the residual add that follows (as ``_onepass.py``'s partials do).
 """
 
 from __future__ import annotations
@@ -23,174 +32,299 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._common import act_code
-from ._down import DownPlan, sparse_down
-from ._glu import _act
+from ._glu import _act, _round_to
+from ._pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _acc_tile(acc, xt, w, BP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BP', N] += xt [BP', M] @ w [M, N]: elementwise FMA into a [M, N] tile for one token,
+    tl.dot for a group."""
+    if BP == 1:
+        return acc + w.to(tl.float32) * tl.trans(xt)  # [M, N] * [M, 1]
+    if DOT_PREC == "ieee":  # fp32 inputs, or bf16 under the interpreter (its bf16 dot is wrong)
+        return acc + tl.dot(xt, w.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(xt.to(w.dtype), w)
+
+
+@triton.jit
+def _list_tile(IDX, VAL, base, m, cnt, b, BPD: tl.constexpr):
+    """Entries ``m`` of a compacted list: channel numbers [BM] and per-token values [BPD, BM] (0 past cnt)."""
+    valid = m < cnt
+    rows = tl.load(IDX + base + m, mask=valid, other=0)
+    vals = tl.load(VAL + (base + m)[None, :] * BPD + b[:, None], mask=valid[None, :] & (b < BPD)[:, None],
+                   other=0.0)
+    return rows, vals
 
 
 @triton.jit
 def _teal_gateup_kernel(
-    X, WG, WU, THR, ACC,
+    X, WG, WU, THR, SCRI, SCRX, P1,
     thr_f, n_tok, d_model, d_inter, stride_x, stride_wg, stride_wu,
-    THR_PTR: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr,
-    BIG: tl.constexpr,
+    THR_PTR: tl.constexpr, BP: tl.constexpr, BPD: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_c = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    b = tl.program_id(2) * BP + tl.arange(0, BP)
+    if PDL:  # x may come from the kernel before; the (small) finish kernel may launch now
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    prog = pid_k * tl.num_programs(0) + pid_n
+    b = tl.arange(0, BPD)
     bmask = b < n_tok
-    bi = tl.arange(0, BP)
-    r = pid_c * CHUNK + tl.arange(0, CHUNK)  # input channels of this chunk
+    r = pid_k * KS + tl.arange(0, KS)
     m2 = bmask[:, None] & (r < d_model)[None, :]
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < d_inter
     if THR_PTR:
         thr = tl.load(THR).to(tl.float32)
     else:
         thr = thr_f
-
     xv = tl.load(X + b[:, None] * stride_x + r[None, :], mask=m2, other=0.0).to(tl.float32)
     keep = (tl.abs(xv) > thr) & m2
     anyk = tl.max(keep.to(tl.int32), axis=0)
     cnt = tl.sum(anyk, axis=0)
-    pos = tl.where(anyk > 0, tl.cumsum(anyk, axis=0) - 1, -1)
+    pos = tl.cumsum(anyk, axis=0) - 1
+    # compaction through this program's own scratch slice (written and read by this CTA only)
+    sbase = prog.to(tl.int64) * KS
+    tl.store(SCRI + sbase + pos, r, mask=anyk > 0)
+    tl.store(SCRX + (sbase + pos)[None, :] * BPD + b[:, None], tl.where(keep, xv, 0.0),
+             mask=(anyk > 0)[None, :] & (b < BPD)[:, None])
+    tl.debug_barrier()
 
-    acc_g = tl.zeros([BP, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BP, BLOCK_N], dtype=tl.float32)
-    for t in range(0, cnt, BLOCK_M):
-        m = t + tl.arange(0, BLOCK_M)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < d_inter
+    if BP == 1:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BPD, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BPD, BN], dtype=tl.float32)
+    # the list entries of tile t + 1 are requested with tile t's weights: one round trip a tile
+    m = tl.arange(0, BM)
+    rows, xt = _list_tile(SCRI, SCRX, sbase, m, cnt, b, BPD)
+    for t in range(0, cnt, BM):
         valid = m < cnt
-        rows = tl.sum(tl.where(pos[None, :] == m[:, None], r[None, :], 0), axis=1)  # kept channels [BLOCK_M]
         if BIG:
-            rows = rows.to(tl.int64)
+            rr = rows.to(tl.int64)
+        else:
+            rr = rows
         if EVEN_N:
             wmask = valid[:, None]
         else:
             wmask = valid[:, None] & nmask[None, :]
-        mt = bmask[:, None] & valid[None, :]
-        xt = tl.load(X + b[:, None] * stride_x + rows[None, :], mask=mt, other=0.0)  # [BP, BLOCK_M]
-        wg = tl.load(WG + rows[:, None] * stride_wg + n[None, :], mask=wmask, other=0.0)
-        wu = tl.load(WU + rows[:, None] * stride_wu + n[None, :], mask=wmask, other=0.0)
-        # each token's own mask: a channel another token of the group keeps adds nothing here
-        xt = tl.where(tl.abs(xt.to(tl.float32)) > thr, xt, 0.0)
-        if USE_DOT:
-            if DOT_PREC == "ieee":  # fp32 inputs, or bf16 under the interpreter (its bf16 dot is wrong)
-                acc_g += tl.dot(xt.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                acc_u += tl.dot(xt.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
-            else:
-                acc_g += tl.dot(xt.to(wg.dtype), wg)
-                acc_u += tl.dot(xt.to(wu.dtype), wu)
-        else:
-            xf = xt.to(tl.float32)
-            wgf = wg.to(tl.float32)
-            wuf = wu.to(tl.float32)
-            for j in tl.static_range(BP):
-                if BP == 1:
-                    xj = tl.trans(xf)  # [BLOCK_M, 1]
-                else:
-                    xj = tl.sum(tl.where(bi[:, None] == j, xf, 0.0), axis=0)[:, None]
-                pg = tl.sum(wgf * xj, axis=0)
-                pu = tl.sum(wuf * xj, axis=0)
-                if BP == 1:
-                    acc_g += pg[None, :]
-                    acc_u += pu[None, :]
-                else:
-                    acc_g = tl.where(bi[:, None] == j, acc_g + pg[None, :], acc_g)
-                    acc_u = tl.where(bi[:, None] == j, acc_u + pu[None, :], acc_u)
-    if cnt > 0:
-        bn = bmask[:, None] & nmask[None, :]
-        off = b[:, None] * (2 * d_inter) + n[None, :]
-        tl.atomic_add(ACC + off, acc_g, mask=bn, sem="relaxed")
-        tl.atomic_add(ACC + off + d_inter, acc_u, mask=bn, sem="relaxed")
+        wg = tl.load(WG + rr[:, None] * stride_wg + n[None, :], mask=wmask, other=0.0)
+        wu = tl.load(WU + rr[:, None] * stride_wu + n[None, :], mask=wmask, other=0.0)
+        m += BM
+        rows_n, xt_n = _list_tile(SCRI, SCRX, sbase, m, cnt, b, BPD)
+        acc_g = _acc_tile(acc_g, xt, wg, BP, DOT_PREC)
+        acc_u = _acc_tile(acc_u, xt, wu, BP, DOT_PREC)
+        rows, xt = rows_n, xt_n
+    if BP == 1:
+        g = tl.sum(acc_g, axis=0)[None, :]
+        u = tl.sum(acc_u, axis=0)[None, :]
+    else:
+        g = acc_g
+        u = acc_u
+    off = ((pid_k * n_tok + b[:, None]).to(tl.int64) * 2) * d_inter + n[None, :]
+    bn = bmask[:, None] & nmask[None, :]
+    tl.store(P1 + off, g, mask=bn)
+    tl.store(P1 + off + d_inter, u, mask=bn)
 
 
 @triton.jit
-def _teal_finish_kernel(ACC, THR, S, YACC, thr_f, n_tok, d_inter, n_y,
-                        ACT: tl.constexpr, THR_PTR: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr,
-                        ZBLK: tl.constexpr):
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    if ZERO:  # clear the down projection's accumulator (it runs after this kernel)
-        if b == 0:
-            z = pid * ZBLK + tl.arange(0, ZBLK)
-            tl.store(YACC + z, tl.zeros([ZBLK], dtype=tl.float32), mask=z < n_y)
+def _s_compact(P1, THR, X, IDX, VAL, base, blk, thr_f, n_tok, d_inter, n_splits, ACT: tl.constexpr,
+               THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, NSPL: tl.constexpr):
+    """s of block ``blk`` (g and u summed over the splits in order), its kept channels (union over the
+    tokens) compacted into IDX / VAL from ``base``; returns their count."""
+    b = tl.arange(0, BPD)
+    i = blk * FB + tl.arange(0, FB)
+    m2 = (b < n_tok)[:, None] & (i < d_inter)[None, :]
+    if BPD == 1:  # every split's partial in one load: one round trip
+        k = tl.arange(0, NSPL)
+        off = (k.to(tl.int64) * 2 * n_tok)[:, None] * d_inter + i[None, :]
+        km = (k < n_splits)[:, None] & (i < d_inter)[None, :]
+        g = tl.sum(tl.load(P1 + off, mask=km, other=0.0), axis=0)[None, :]
+        u = tl.sum(tl.load(P1 + off + d_inter, mask=km, other=0.0), axis=0)[None, :]
+    else:
+        g = tl.zeros([BPD, FB], dtype=tl.float32)
+        u = tl.zeros([BPD, FB], dtype=tl.float32)
+        for k in range(0, n_splits):  # in split order: deterministic
+            off = ((k * n_tok + b[:, None]).to(tl.int64) * 2) * d_inter + i[None, :]
+            g += tl.load(P1 + off, mask=m2, other=0.0)
+            u += tl.load(P1 + off + d_inter, mask=m2, other=0.0)
     if THR_PTR:
         thr = tl.load(THR).to(tl.float32)
     else:
         thr = thr_f
-    i = pid * BLOCK + tl.arange(0, BLOCK)
-    imask = i < d_inter
-    g = tl.load(ACC + b * (2 * d_inter) + i, mask=imask, other=0.0)
-    u = tl.load(ACC + b * (2 * d_inter) + d_inter + i, mask=imask, other=0.0)
-    s = u * _act(g, ACT)
-    s = tl.where(tl.abs(s) > thr, s, 0.0)
-    tl.store(S + b * d_inter + i, s.to(S.dtype.element_ty), mask=imask)
+    s = _round_to(u * _act(g, ACT), X.dtype.element_ty)  # s in the model's dtype, as PyTorch computes it
+    keep = (tl.abs(s) > thr) & m2
+    anyk = tl.max(keep.to(tl.int32), axis=0)
+    pos = tl.cumsum(anyk, axis=0) - 1
+    tl.store(IDX + base + pos, i, mask=anyk > 0)
+    tl.store(VAL + (base + pos)[None, :] * BPD + b[:, None], tl.where(keep, s, 0.0),
+             mask=(anyk > 0)[None, :] & (b < BPD)[:, None])
+    return tl.sum(anyk, axis=0)
 
 
-# By batch bucket (1 token; 2-16 tokens). Not yet swept on the device: starting points from _down.py's
-# measured configurations with half the columns (two matrices per tile).
+@triton.jit
+def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, thr_f, n_tok, d_inter, n_splits,
+                        ACT: tl.constexpr, THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr,
+                        NSPL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    blk = tl.program_id(0)
+    cnt = _s_compact(P1, THR, X, SIDX, SVAL, blk.to(tl.int64) * FB, blk, thr_f, n_tok, d_inter, n_splits,
+                     ACT, THR_PTR, BPD, FB, NSPL)
+    tl.store(SCNT + blk, cnt)
+    if PDL:  # the down kernel may launch (its gdc_wait still waits for this grid to finish)
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inter, d_model, n_splits,
+                      BP: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr,
+                      PDL: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
+                      NSPL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    pid_n = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = tl.arange(0, BPD)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < d_model
+    if FUSE:  # the finish step here, into this program's own scratch slice (read back after a barrier)
+        base = (blk * tl.num_programs(0) + pid_n).to(tl.int64) * FB
+        cnt = _s_compact(P1, THR, X, SIDX, SVAL, base, blk, thr_f, n_tok, d_inter, n_splits,
+                         ACT, THR_PTR, BPD, FB, NSPL)
+        tl.debug_barrier()
+    else:
+        cnt = tl.load(SCNT + blk)
+        base = blk.to(tl.int64) * FB
+    if BP == 1:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BPD, BN], dtype=tl.float32)
+    m = tl.arange(0, BM)
+    rows, st = _list_tile(SIDX, SVAL, base, m, cnt, b, BPD)
+    for t in range(0, cnt, BM):
+        valid = m < cnt
+        if BIG:
+            rr = rows.to(tl.int64)
+        else:
+            rr = rows
+        if EVEN_N:
+            wmask = valid[:, None]
+        else:
+            wmask = valid[:, None] & nmask[None, :]
+        w = tl.load(WD + rr[:, None] * d_model + n[None, :], mask=wmask, other=0.0)
+        m += BM
+        rows_n, st_n = _list_tile(SIDX, SVAL, base, m, cnt, b, BPD)
+        acc = _acc_tile(acc, st, w, BP, DOT_PREC)
+        rows, st = rows_n, st_n
+    if BP == 1:
+        part = tl.sum(acc, axis=0)[None, :]
+    else:
+        part = acc
+    off = (blk * n_tok + b[:, None]).to(tl.int64) * d_model + n[None, :]
+    tl.store(P2 + off, part, mask=(b < n_tok)[:, None] & nmask[None, :])
+
+
+# By batch bucket (1 token; 2-16 tokens): gate/up (KS input channels per split, BN columns, BM kept
+# rows a tile) and down (FB intermediate channels a block, BN2 columns, BM2 rows a tile; FUSE: the
+# finish step inside each down program instead of its own launch). FB is shared by the buckets (it
+# fixes the op's output shape). Batch 1: the fastest of `benchmarks/teal_kernel.py --sweep` on an H200,
+# 2026-11-23 (benchmarks/results/teal_kernel/); batch 2-16 not swept.
+FB = 512
 TEAL_CONFIGS = {
-    1: dict(CHUNK=128, BLOCK_M=16, BLOCK_N=256, USE_DOT=False, num_warps=4, num_stages=1),
-    16: dict(CHUNK=256, BLOCK_M=16, BLOCK_N=128, USE_DOT=True, num_warps=4, num_stages=3),
+    1: dict(KS=1024, BN=64, BM=32, warps=4, stages=1, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=True),
+    16: dict(KS=512, BN=128, BM=16, warps=4, stages=2, BN2=128, BM2=16, warps2=4, stages2=2, FUSE=False),
 }
-FINISH_BLOCK = 1024
+MAX_GROUP = 16  # tokens per launch group (more are run group by group)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-LAST_KERNEL = None
+def n_parts(d_inter: int) -> int:
+    """Rows of the op's partial sums P2 (blocks of FB intermediate channels)."""
+    return triton.cdiv(d_inter, FB)
 
 
-def teal_gateup(x, w_gate_t, w_up_t, thr_t, thr_f, config: dict | None = None) -> torch.Tensor:
-    """Stage 1: the fp32 accumulator ``[n_tok, 2 d_inter]`` (gate, then up) of the kept x entries."""
-    global LAST_KERNEL
+LAST_KERNELS = None
+
+
+def teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation: str,
+                  config: dict | None = None) -> torch.Tensor:
+    """fp32 partial sums P2 ``[n_parts(d_inter), n_tok, d_model]`` of y for x ``[n_tok, d_model]``;
+    ``y = P2.sum(0)``. Tokens beyond MAX_GROUP are run in groups of MAX_GROUP."""
+    n_tok = x.shape[0]
+    if n_tok > MAX_GROUP:
+        return torch.cat([teal_partials(x[i:i + MAX_GROUP], w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f,
+                                        thr_s_t, thr_s_f, activation, config)
+                          for i in range(0, n_tok, MAX_GROUP)], dim=1)
+    return _group(x.contiguous(), w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f,
+                  activation, config)
+
+
+def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation, config):
+    global LAST_KERNELS
     n_tok, d_model = x.shape
     d_inter = w_gate_t.shape[1]
+    dev = x.device
     cfg = {**TEAL_CONFIGS[1 if n_tok == 1 else 16], **(config or {})}
-    use_dot = bool(cfg["USE_DOT"])
-    bp = max(16, _pow2(min(n_tok, 16))) if use_dot else _pow2(min(n_tok, 16))
-    block_m = max(16, cfg["BLOCK_M"]) if use_dot else cfg["BLOCK_M"]
-    block_n = min(cfg["BLOCK_N"], max(16, _pow2(d_inter)))
-    chunk = min(cfg["CHUNK"], max(16, _pow2(d_model)))
-    acc = torch.zeros((n_tok, 2 * d_inter), dtype=torch.float32, device=x.device)
-    thr_arg = thr_t if thr_t is not None else acc
-    cpu_bf16 = x.device.type == "cpu" and x.dtype == torch.bfloat16 and _common.interpreting()
-    grid = (triton.cdiv(d_model, chunk), triton.cdiv(d_inter, block_n), triton.cdiv(n_tok, bp))
-    LAST_KERNEL = _teal_gateup_kernel[grid](
-        x, w_gate_t, w_up_t, thr_arg, acc,
-        float(thr_f), n_tok, d_model, d_inter, x.stride(0), w_gate_t.stride(0), w_up_t.stride(0),
-        THR_PTR=thr_t is not None, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
-        DOT_PREC="ieee" if (x.dtype == torch.float32 or cpu_bf16) else "default",
-        EVEN_N=d_inter % block_n == 0,
-        BIG=d_model * max(w_gate_t.stride(0), w_up_t.stride(0)) >= 2**31,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    bp = 1 if n_tok == 1 else 16  # tl.dot needs 16 rows
+    bpd = 1 if n_tok == 1 else max(16, _pow2(n_tok))
+    bm = cfg["BM"] if bp == 1 else max(16, cfg["BM"])
+    bm2 = cfg["BM2"] if bp == 1 else max(16, cfg["BM2"])
+    bn = min(cfg["BN"], max(16, _pow2(d_inter)))
+    bn2 = min(cfg["BN2"], max(16, _pow2(d_model)))
+    ks = min(cfg["KS"], max(16, _pow2(d_model)))
+    fb = min(cfg.get("FB", FB), max(16, _pow2(d_inter)))  # a config's FB: tuning runs only
+    splits = triton.cdiv(d_model, ks)
+    nb = triton.cdiv(d_inter, fb)
+    cpu_bf16 = dev.type == "cpu" and x.dtype != torch.float32 and _common.interpreting()
+    prec = "ieee" if (x.dtype == torch.float32 or cpu_bf16) else "default"
+    pdl = _pdl.active(x)  # COUNTDOWN_PDL=1: each launch overlaps the previous kernel's tail
+    grid1 = (triton.cdiv(d_inter, bn), splits)
+    scr_i = torch.empty((grid1[0] * splits * ks,), dtype=torch.int32, device=dev)
+    scr_x = torch.empty((grid1[0] * splits * ks * bpd,), dtype=torch.float32, device=dev)
+    p1 = _common.new_output((splits, n_tok, 2, d_inter), torch.float32, dev)
+    k1 = _teal_gateup_kernel[grid1](
+        x, w_gate_t, w_up_t, thr_x_t if thr_x_t is not None else p1, scr_i, scr_x, p1,
+        float(thr_x_f), n_tok, d_model, d_inter, x.stride(0), w_gate_t.stride(0), w_up_t.stride(0),
+        THR_PTR=thr_x_t is not None, BP=bp, BPD=bpd, KS=ks, BM=bm, BN=bn, DOT_PREC=prec,
+        EVEN_N=d_inter % bn == 0, BIG=d_model * max(w_gate_t.stride(0), w_up_t.stride(0)) >= 2**31,
+        PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl.launch_kwargs(pdl),
     )
-    return acc
+    fuse = bool(cfg.get("FUSE", False))
+    grid3 = (triton.cdiv(d_model, bn2), nb)
+    n_lists = grid3[0] * nb if fuse else nb  # fused: a scratch slice per down program
+    sidx = torch.empty((n_lists * fb,), dtype=torch.int32, device=dev)
+    sval = torch.empty((n_lists * fb * bpd,), dtype=torch.float32, device=dev)
+    scnt = torch.empty((nb,), dtype=torch.int32, device=dev)
+    thr_s = thr_s_t if thr_s_t is not None else p1
+    common = dict(ACT=act_code(activation), THR_PTR=thr_s_t is not None, BPD=bpd, FB=fb, NSPL=_pow2(splits),
+                  PDL=pdl)
+    k2 = None
+    if not fuse:
+        k2 = _teal_finish_kernel[(nb,)](
+            p1, thr_s, x, sidx, sval, scnt, float(thr_s_f), n_tok, d_inter, splits,
+            num_warps=4, **common, **_pdl.launch_kwargs(pdl))
+    p2 = _common.new_output((nb, n_tok, d_model), torch.float32, dev)
+    k3 = _teal_down_kernel[grid3](
+        sidx, sval, scnt, w_down_t, p2, p1, thr_s, x, float(thr_s_f), n_tok, d_inter, d_model, splits,
+        BP=bp, BM=bm2, BN=bn2, DOT_PREC=prec, EVEN_N=d_model % bn2 == 0, BIG=d_inter * d_model >= 2**31,
+        FUSE=fuse, num_warps=cfg["warps2"], num_stages=cfg["stages2"], **common, **_pdl.launch_kwargs(pdl),
+    )
+    LAST_KERNELS = (k1, k2, k3)
+    return p2
 
 
 def teal_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation: str,
              config: dict | None = None) -> torch.Tensor:
-    """y ``[n_tok, d_model]`` in x's dtype: stage 1, stage 2, then the sparse down projection."""
-    n_tok, d_model = x.shape
-    d_inter = w_gate_t.shape[1]
-    x = x.contiguous()
-    acc = teal_gateup(x, w_gate_t, w_up_t, thr_x_t, thr_x_f, config)
-    plan = DownPlan(n_tok, d_inter, d_model)
-    work = plan.workspace(x.device, zeroed=False) if plan.atomic else None
-    # The interpreter truncates fp32 -> bf16 (GPUs round): there s is kept in fp32 and PyTorch rounds it.
-    cpu_bf16 = x.device.type == "cpu" and x.dtype == torch.bfloat16 and _common.interpreting()
-    s = _common.new_output((n_tok, d_inter), torch.float32 if cpu_bf16 else x.dtype, x.device)
-    block = min(FINISH_BLOCK, max(16, _pow2(d_inter)))
-    grid = (triton.cdiv(d_inter, block), n_tok)
-    n_y = work.numel() if work is not None else 0
-    _teal_finish_kernel[grid](
-        acc, thr_s_t if thr_s_t is not None else acc, s, work if work is not None else acc,
-        float(thr_s_f), n_tok, d_inter, n_y,
-        ACT=act_code(activation), THR_PTR=thr_s_t is not None, BLOCK=block, ZERO=work is not None,
-        ZBLK=_pow2(max(1, triton.cdiv(max(n_y, 1), grid[0]))), num_warps=4,
-    )
-    return sparse_down(s.to(x.dtype), None, w_down_t, plan=plan, workspace=work)
+    """y ``[n_tok, d_model]`` in x's dtype (the partials summed here: for direct calls and tests)."""
+    p = teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation, config)
+    return p.sum(0).to(x.dtype)

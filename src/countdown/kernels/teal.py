@@ -7,9 +7,12 @@
 
 Weights come transposed: ``w_gate_t``, ``w_up_t`` ``[d_model, d_inter]`` (unit inner stride, any row
 stride: the ``.t()`` of a weight stored column-major, or of half of a fused gate_up) and
-``w_down_t`` ``[d_inter, d_model]``. Three launches after a memset: the input-sparse gate/up GEMVs
-(``_teal.py``), the activation/product/threshold, the sparse down projection (``_down.py``). A batch
-of up to 8 tokens reads the union of its kept rows once and applies each token's own masks.
+``w_down_t`` ``[d_inter, d_model]``. Two or three launches (``_teal.py``): the input-sparse gate/up GEMVs
+over the compacted kept channels (split over the input channels, fp32 partials), the sum of the
+splits with the activation, product, threshold and compaction of the kept s entries, and the
+down projection over them; the down partials are summed outside the op (fused by torch.compile into
+what follows). A group of up to 16 tokens reads the union of its kept rows once and applies each
+token's own masks.
 
 Bytes read per token: (2 d_inter n_x + d_model n_s) weights for n_x kept x entries and n_s kept s
 entries, plus vectors (:func:`countdown.cost.mlp_weight_bytes` kind ``"teal"``).
@@ -54,14 +57,17 @@ def teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: 
 def _teal_op(x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor, w_down_t: torch.Tensor,
              thr_x_t: Optional[torch.Tensor], thr_x_f: float, thr_s_t: Optional[torch.Tensor], thr_s_f: float,
              activation: str) -> torch.Tensor:
-    from ._teal import teal_mlp
+    """The fp32 partial sums ``[n_parts, n_tok, d_model]`` of y (``_teal.teal_partials``)."""
+    from ._teal import teal_partials
 
-    return teal_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation)
+    return teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation)
 
 
 @_teal_op.register_fake
 def _(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation):
-    return torch.empty_like(x)
+    from ._teal import n_parts
+
+    return x.new_empty((n_parts(w_gate_t.shape[1]), x.shape[0], x.shape[1]), dtype=torch.float32)
 
 
 def _check(x, w_gate_t, w_up_t, w_down_t):
@@ -92,6 +98,7 @@ def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str 
     w_down_t = w_down_t.contiguous()
     tx_t, tx_f = split_threshold(thr_x)
     ts_t, ts_f = split_threshold(thr_s)
-    y = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
+    # the partials' sum and cast stay outside the op, where torch.compile fuses them with what follows
+    p = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
                                            tx_t, tx_f, ts_t, ts_f, activation)
-    return y.reshape(x.shape)
+    return p.sum(0).to(x.dtype).reshape(x.shape)
