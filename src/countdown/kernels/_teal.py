@@ -39,6 +39,20 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _tile_rows(rows, valid, nmask, BIG: tl.constexpr, EVEN_N: tl.constexpr):
+    """A tile's row offsets (int64 where the weight is too big for int32 offsets) and its load mask."""
+    if BIG:
+        rr = rows.to(tl.int64)
+    else:
+        rr = rows
+    if EVEN_N:
+        wmask = valid[:, None]
+    else:
+        wmask = valid[:, None] & nmask[None, :]
+    return rr, wmask
+
+
+@triton.jit
 def _acc_tile(acc, xt, w, BP: tl.constexpr, DOT_PREC: tl.constexpr):
     """acc [BP', N] += xt [BP', M] @ w [M, N]: elementwise FMA into a [M, N] tile for one token,
     tl.dot for a group."""
@@ -104,15 +118,7 @@ def _teal_gateup_kernel(
     m = tl.arange(0, BM)
     rows, xt = _list_tile(SCRI, SCRX, sbase, m, cnt, b, BPD)
     for t in range(0, cnt, BM):
-        valid = m < cnt
-        if BIG:
-            rr = rows.to(tl.int64)
-        else:
-            rr = rows
-        if EVEN_N:
-            wmask = valid[:, None]
-        else:
-            wmask = valid[:, None] & nmask[None, :]
+        rr, wmask = _tile_rows(rows, m < cnt, nmask, BIG, EVEN_N)
         wg = tl.load(WG + rr[:, None] * stride_wg + n[None, :], mask=wmask, other=0.0)
         wu = tl.load(WU + rr[:, None] * stride_wu + n[None, :], mask=wmask, other=0.0)
         m += BM
@@ -209,15 +215,7 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inte
     m = tl.arange(0, BM)
     rows, st = _list_tile(SIDX, SVAL, base, m, cnt, b, BPD)
     for t in range(0, cnt, BM):
-        valid = m < cnt
-        if BIG:
-            rr = rows.to(tl.int64)
-        else:
-            rr = rows
-        if EVEN_N:
-            wmask = valid[:, None]
-        else:
-            wmask = valid[:, None] & nmask[None, :]
+        rr, wmask = _tile_rows(rows, m < cnt, nmask, BIG, EVEN_N)
         w = tl.load(WD + rr[:, None] * d_model + n[None, :], mask=wmask, other=0.0)
         m += BM
         rows_n, st_n = _list_tile(SIDX, SVAL, base, m, cnt, b, BPD)
