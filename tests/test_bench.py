@@ -118,6 +118,13 @@ def test_op_breakdown_counts_each_ops_bytes():
     assert all(r["us"] > 0 for r in rows.values())
     assert time_graph([lambda: None]) >= 0
     assert spread([3.0, 1.0, float("nan"), 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    from countdown.bench.report import _breakdown_sections
+
+    ops = list(rows.values())
+    timed = "\n".join(_breakdown_sections({"copy_gbps": 100.0, "breakdown": {"1": {"ops": ops, "step_ms": 2.0}}}))
+    assert "against the compiled step's 2.00 ms" in timed and "lm_head" in timed
+    untimed = "\n".join(_breakdown_sections({"copy_gbps": 100.0, "breakdown": {"1": {"ops": ops, "step_ms": None}}}))
+    assert "(no compiled step timed)" in untimed and "lm_head" in untimed
 
 
 def test_recommendation_and_pareto():

@@ -52,6 +52,7 @@ class OneCompileSettings:
     dense_samples: int = 3
     samples: int = 1
     dense_compiles: int = 2
+    breakdown: bool = True  # the per-op breakdown of the dense step (countdown.bench.breakdown), CUDA only
     fit_prompts: int = 8
     fit_tokens: int = 32
     fit_rounds: int = 1
@@ -177,9 +178,18 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
             f"(setup {rows[-1]['setup_s']} s)")
         done()
 
-    # 1. the compiled dense decoder as generate_fast runs it
+    # 1. the compiled dense decoder as generate_fast runs it, and where its step's time goes
     if s.dense_compiles > 0:
         dense_full_graph(1)
+    if cuda and s.breakdown:
+        from .breakdown import op_breakdown
+        from .runner import _safe
+
+        ops = _safe(lambda: {"ops": op_breakdown(model, 1, cache_len=max_cache_len,
+                                                 filled=s.prompt + s.new_tokens // 2)}, log)
+        meta.setdefault("breakdown", {})["1"] = {**ops, "step_ms": rows[0]["ms_per_step"] if rows else None}
+        log("per-op breakdown of the dense step: " + ("done" if "ops" in ops else ops.get("error", "")))
+        done()
     # 2. artifacts, cuts and kept fractions of every spec (no compile)
     prepared = []
     for spec in s.specs:

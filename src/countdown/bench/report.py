@@ -174,9 +174,9 @@ def _breakdown_sections(meta: dict) -> list[str]:
         if "ops" not in b:
             out += [f"Per-op breakdown, batch {batch}: {b.get('error', 'not measured')}", ""]
             continue
+        against = f"against the compiled step's {b['step_ms']:.2f} ms" if b.get("step_ms") else "(no compiled step timed)"
         out += [f"### Dense step, batch {batch}: each operation alone (eager op in its own CUDA graph, one call per "
-                f"layer's weights) against the compiled step's {b['step_ms']:.2f} ms", "",
-                format_breakdown(b["ops"], copy_bps, b["step_ms"]), ""]
+                f"layer's weights) {against}", "", format_breakdown(b["ops"], copy_bps, b.get("step_ms")), ""]
     for p in meta.get("profiles") or []:
         if "classes" not in p:
             continue
