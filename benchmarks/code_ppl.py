@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     done = {key(r) for r in rows}
     model, tok = countdown.load_model(args.model)
     texts = load_texts("python")
+    arts = {}
     dense_ppl = next((float(r["ppl"]) for r in rows if r["method"] == "dense"), None)
     for method, mode, k in configs(args.methods.split(","), args.modes.split(","), ks):
         row_key = (method, mode, f"{k:g}" if k is not None else "")
@@ -84,8 +85,9 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         real = ""
         if method != "dense":
-            art = (ensure_artifacts(model, tok, method, ks, cache_root() / "artifacts", progress=False)
-                   if mode == "prac" else None)
+            if mode == "prac" and method not in arts:  # one file holds every k: read it once per method
+                arts[method] = ensure_artifacts(model, tok, method, ks, cache_root() / "artifacts", progress=False)
+            art = arts.get(method) if mode == "prac" else None
             countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="all")
         try:
             ppl = countdown.perplexity(model, tok, texts=texts, max_tokens=args.tokens, prompt_fraction=0.0,

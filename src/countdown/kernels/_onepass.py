@@ -93,7 +93,7 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
-    """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (shared with _stream.py)."""
+    """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (shared with _stream.py and _select.py)."""
     if BIG:
         off = pid.to(tl.int64) * d_model + kd
     else:

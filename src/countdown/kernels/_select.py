@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ._common import persistent_programs
 from ._glu import _act, _pow2, _round_to
+from ._onepass import _store_partial
 
 
 @triton.jit
@@ -299,14 +300,7 @@ def _select_kernel(
                            EVEN_D, BIG, FUSE_DOWN, OUT_F32)
 
     if FUSE_DOWN:
-        if BIG:
-            off = pid.to(tl.int64) * d_model + kd
-        else:
-            off = pid * d_model + kd
-        if EVEN_D:
-            tl.store(OUT + off, yacc)
-        else:
-            tl.store(OUT + off, yacc, mask=dmask)
+        _store_partial(OUT, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
 # Launch configurations by (kind, one token or several), tuned on an H200 at Llama-3.1-8B's shape with
