@@ -91,9 +91,10 @@ def parse_args(argv=None):
                     help="dual on the kernel path: predictor inside the fused kernel, or mask in PyTorch + "
                     "masked kernel (countdown.prac.lowrank.IN_KERNEL)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
-    ap.add_argument("--attention", choices=["sdpa", "countdown"], default="sdpa",
-                    help="decode-step attention of every row: transformers' SDPA, or countdown's split-KV kernel "
-                         "(countdown.attention.use_decode_attention)")
+    ap.add_argument("--attention", choices=["sdpa", "countdown", "fused"], default="sdpa",
+                    help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
+                         "(countdown.attention.use_decode_attention), or that kernel with the rotary embedding and "
+                         "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
@@ -198,7 +199,13 @@ def main(argv=None) -> int:
         from countdown.attention import use_decode_attention
 
         use_decode_attention(model)
-    meta["attention"] = model.config._attn_implementation
+    elif args.attention == "fused":
+        from countdown.fused_attention import fuse_attention
+
+        skipped = fuse_attention(model)
+        if skipped:
+            log(f"fuse_attention left {len(skipped)} modules alone: {skipped[0]}")
+    meta["attention"] = model.config._attn_implementation + ("+fused" if args.attention == "fused" else "")
     meta["model_gb"] = model_bytes(model) / 1e9
     log(f"model {meta['model_gb']:.2f} GB; copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     if args.runner == "one-compile":

@@ -21,7 +21,7 @@ from .timing import time_graph
 KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
     # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
     ("countdown sparse kernels", ("_sparse_glu_kernel", "_sparse_down_kernel", "_onepass_kernel", "_sum_partials")),
-    ("attention", ("fmha", "attention", "flash", "sdpa")),
+    ("attention", ("fmha", "attention", "flash", "sdpa", "_split_kernel", "_combine_kernel")),  # ours: kernels/_attention.py, _rope_attention.py
     ("GEMV + activation (MLP gate/up)", ("silu", "gelu")),
     ("RMSNorm (+ fused GEMV)", ("rsqrt",)),
     ("sampling (argmax)", ("argmax",)),
@@ -142,7 +142,8 @@ def profile_steps(model, n_steps: int = 16) -> dict:
     """Device time per decode step by kernel class (:data:`KERNEL_CLASSES`), from torch.profiler over
     ``n_steps`` calls of the model's cached (compiled or captured) step, after a ``generate_fast`` run
     made it. Returns ``{"device_ms_per_step", "kernels_per_step", "classes": {class: {"ms_per_step",
-    "kernels_per_step", "top": [(ms, kernel name), ...]}}}``."""
+    "kernels_per_step", "top": [(ms, kernel name), ...]}}, "kernels": [{"kernel", "class", "calls_per_step",
+    "us_per_step", "us_per_call"}, ...]}`` (every kernel, slowest first)."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..decode import _DECODERS, _scope
@@ -167,6 +168,7 @@ def profile_steps(model, n_steps: int = 16) -> dict:
             free_memory()
     decoder.cache.reset()
     classes: dict = {}
+    every: list[dict] = []
     kernels = 0
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", None)
@@ -179,8 +181,11 @@ def profile_steps(model, n_steps: int = 16) -> dict:
         entry["ms_per_step"] += us / 1e3 / n_steps
         entry["kernels_per_step"] += event.count / n_steps
         entry["top"].append((round(us / 1e3 / n_steps, 4), event.key[:80]))
+        every.append({"kernel": event.key[:160], "class": name, "calls_per_step": event.count / n_steps,
+                      "us_per_step": us / n_steps, "us_per_call": us / max(event.count, 1)})
         kernels += event.count
     for entry in classes.values():
         entry["top"] = sorted(entry["top"], reverse=True)[:4]
     total = sum(e["ms_per_step"] for e in classes.values())
-    return {"device_ms_per_step": total, "kernels_per_step": kernels / n_steps, "classes": classes}
+    every.sort(key=lambda e: -e["us_per_step"])
+    return {"device_ms_per_step": total, "kernels_per_step": kernels / n_steps, "classes": classes, "kernels": every}

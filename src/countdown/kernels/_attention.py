@@ -64,15 +64,39 @@ def _split_kernel(Q, K, V, MASK, OUT, P, qk_scale, T, split_len,
     m = tl.full([GP], float("-inf"), tl.float32)
     lsum = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BD], dtype=tl.float32)
+    m, lsum, acc = attend_keys(q, k_base, v_base, m_base, start, end, -1, sk_t, sv_t, sm_t, qk_scale, di, dm,
+                               m, lsum, acc, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
+    if DIRECT:  # one split: this is the answer
+        out = tl.where(lsum[:, None] > 0, acc / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
+        tl.store(OUT + b * so_b + h[:, None] * so_h + di[None, :], out.to(OUT.dtype.element_ty),
+                 mask=gm[:, None] & dm[None, :])
+    else:
+        row = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
+        n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
+        tl.store(P + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
+        tl.store(P + n_rows * BD + row, m, mask=gm)
+        tl.store(P + n_rows * (BD + 1) + row, lsum, mask=gm)
+
+
+@triton.jit
+def attend_keys(q, k_base, v_base, m_base, start, end, skip, sk_t, sv_t, sm_t, qk_scale, di, dm, m, lsum, acc,
+                BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                SKIP_MASKED: tl.constexpr):
+    """Keys ``start <= t < end`` (but not ``t == skip``) folded into the running softmax state (m, lsum,
+    acc) of the GP query rows ``q``; shared with kernels/_rope_attention.py."""
     for t0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         t = t0 + tl.arange(0, BLOCK_N)
         tm = t < end
         if BOOL_MASK:
             keep = tl.load(m_base + t * sm_t, mask=tm, other=0) != 0
-            bias = tl.where(keep, 0.0, float("-inf"))
         else:
             bias = tl.load(m_base + t * sm_t, mask=tm, other=float("-inf")).to(tl.float32) * 1.4426950408889634
             keep = bias != float("-inf")
+        keep = keep & (t != skip)
+        if BOOL_MASK:
+            bias = tl.where(keep, 0.0, float("-inf"))
+        else:
+            bias = tl.where(keep, bias, float("-inf"))
         if SKIP_MASKED:
             kv_m = keep[:, None] & dm[None, :]
         else:
@@ -99,20 +123,17 @@ def _split_kernel(Q, K, V, MASK, OUT, P, qk_scale, T, split_len,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    if DIRECT:  # one split: this is the answer
-        out = tl.where(lsum[:, None] > 0, acc / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
-        tl.store(OUT + b * so_b + h[:, None] * so_h + di[None, :], out.to(OUT.dtype.element_ty),
-                 mask=gm[:, None] & dm[None, :])
-    else:
-        row = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
-        n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
-        tl.store(P + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
-        tl.store(P + n_rows * BD + row, m, mask=gm)
-        tl.store(P + n_rows * (BD + 1) + row, lsum, mask=gm)
+    return m, lsum, acc
 
 
 @triton.jit
 def _combine_kernel(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
+    combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D, BD, CB)
+
+
+@triton.jit
+def combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
+    """The merge of one program (batch row, head), shared with kernels/_rope_attention.py."""
     bh = tl.program_id(0)  # one (batch row, head): its n_splits partials
     b = bh // H
     di = tl.arange(0, BD)

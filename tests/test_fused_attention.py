@@ -1,0 +1,92 @@
+"""fuse_attention (countdown/fused_attention.py): one QKV GEMV + the fused rope/cache/attention kernel.
+
+Against transformers' own forward on the same model: the same greedy tokens from generate_fast
+(eager, and compiled through Dynamo with the op opaque), one decode step's logits and the whole
+static cache after it equal to float32 rounding, the kernel called once per layer per decode step
+(never for the prompt); the weights are shared, not copied (parameter bytes unchanged, the same
+state-dict keys and values) and unfusing gives each projection its own storage back. Modules of
+other layouts are left alone with the reason.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+from countdown import attention, fused_attention  # noqa: E402
+from countdown.kernels import _rope_attention  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step_logits_and_cache(model, prompt):
+    from transformers import StaticCache
+
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        model(prompt, past_key_values=cache, use_cache=True)
+        out = None
+        for i in range(3):  # three decode steps: positions 9, 10, 11
+            pos = prompt.shape[1] + i
+            out = model(prompt[:, -1 - i:prompt.shape[1] - i], past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([pos], device=DEV))
+        return out.logits.float().cpu(), [(layer.keys.cpu(), layer.values.cpu(), int(layer.cumulative_length))
+                                          for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_model_decodes_as_transformers(arch, monkeypatch):
+    from countdown.decode import generate_fast
+
+    model = tiny_model(arch).to(DEV)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
+    ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    n_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    assert fused_attention.fuse_attention(model) == []
+    assert model.config._attn_implementation == attention.NAME
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == n_param_bytes
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+    calls = []
+    real = _rope_attention.rope_decode_attention
+    monkeypatch.setattr(_rope_attention, "rope_decode_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    out, _ = generate_fast(model, prompt, 6, compile=False)
+    assert torch.equal(out, ref_tokens)
+    assert len(calls) == 5 * model.config.num_hidden_layers  # each decode step, each layer; the prompt not
+    logits, cache = _step_logits_and_cache(model, prompt)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for (k, v, n), (k_ref, v_ref, n_ref) in zip(cache, ref_cache):
+        assert n == n_ref == 12
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
+    if arch == "llama":  # the compiled step: the op opaque to Dynamo, its mutations functionalised
+        compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
+        assert torch.equal(compiled, ref_tokens)
+
+    fused_attention.fuse_attention(model, False)
+    assert model.config._attn_implementation != attention.NAME
+    assert not fused_attention.is_fused(attn)
+    assert attn.k_proj.weight.untyped_storage().data_ptr() != attn.q_proj.weight.untyped_storage().data_ptr()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    again, _ = generate_fast(model, prompt, 6, compile=False)
+    assert torch.equal(again, ref_tokens)
+
+
+def test_other_layouts_are_left_alone_with_the_reason():
+    model = tiny_model("gemma3")
+    skipped = fused_attention.fuse_attention(model)
+    assert len(skipped) == model.config.num_hidden_layers and "Gemma3Attention is not one of" in skipped[0]
+    assert not any(fused_attention.is_fused(layer.self_attn) for layer in model.model.layers)
+    with pytest.raises(TypeError, match="fuse_attention takes a transformers decoder"):
+        fused_attention.fuse_attention(torch.nn.Linear(2, 2))
