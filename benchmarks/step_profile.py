@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/step_profile"))
+    ap.add_argument("--check-only", action="store_true", help="only compare the fused path with transformers'")
     ap.add_argument("--smoke", action="store_true", help="2 layers on CPU, eager (checks this script only)")
     args = ap.parse_args(argv)
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -91,6 +92,36 @@ def write_csv(path: str, rows: list[dict]) -> None:
     atomic_write(path, buf.getvalue())
 
 
+def check_fused(model, prompt: torch.Tensor, steps: int = 4) -> dict:
+    """The fused path, and countdown's unfused kernel (the bf16 noise floor), against transformers' SDPA
+    (eager, the same cache contents and tokens): the largest logit difference over ``steps``
+    teacher-forced decode steps relative to the largest logit, and how many steps agree on the argmax."""
+    from transformers import StaticCache
+
+    tokens = torch.randint(0, model.config.vocab_size, (prompt.shape[0], steps),
+                           generator=torch.Generator().manual_seed(2)).to(prompt.device)
+    logits = {}
+    for variant in ("sdpa", "countdown", "fused"):
+        apply_variant(model, variant)
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 8)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            out = []
+            for i in range(steps):
+                pos = torch.tensor([prompt.shape[1] + i], device=prompt.device)
+                out.append(model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True,
+                                 cache_position=pos).logits[:, -1].float())
+        logits[variant] = torch.stack(out)
+        undo_variant(model, variant)
+    a = logits["sdpa"]
+    result = {"steps": a.shape[0] * a.shape[1]}
+    for variant in ("countdown", "fused"):
+        b = logits[variant]
+        result[variant] = {"max_rel_diff": float((a - b).abs().max() / a.abs().max()),
+                           "argmax_agree": int((a.argmax(-1) == b.argmax(-1)).sum())}
+    return result
+
+
 def kv_cache_bytes(model, cache_len: int) -> int:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -126,6 +157,11 @@ def main(argv=None) -> int:
     log(meta)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(device)
+    if "fused" in args.variants.split(",") or args.check_only:
+        meta["fused_check"] = check_fused(model, prompt)
+        log(f"fused path vs transformers' (eager, bf16): {meta['fused_check']}")
+        if args.check_only:
+            return 0
     mode = "compile" if cuda else "eager"
     rows, kernels = [], []
     for variant in args.variants.split(","):

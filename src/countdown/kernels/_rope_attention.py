@@ -86,7 +86,7 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
             keep = tl.load(m_base + pos * sm_t, mask=inside, other=0) != 0
             bias = tl.where(keep, 0.0, float("-inf"))
         else:
-            bias = tl.load(m_base + pos * sm_t, mask=inside, other=float("-inf")).to(tl.float32) * LOG2E
+            bias = tl.load(m_base + pos * sm_t, mask=inside, other=float("-inf")).to(tl.float32) * 1.4426950408889634  # log2(e)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale + bias   # [GP]
         m_new = tl.maximum(m, score)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
