@@ -251,7 +251,7 @@ def _one_compile(args, model, specs, meta) -> int:
         fit_rounds=args.refit_cuts or 1, kept_steps=args.kept_steps, kernel_layers=args.kernel_layers,
         fit_prompts=args.fit_prompts or (2 if args.smoke else 8), fit_tokens=args.fit_tokens or (8 if args.smoke else 32),
         budget_s=args.budget_s - (time.perf_counter() - T0), compile="inductor" if DEVICE == "cuda" else "eager-backend",
-        masks=[m for m in args.masks.split(",") if m.strip()], breakdown=not args.no_breakdown)
+        masks=[m for m in args.masks.split(",") if m.strip()], breakdown=not args.no_breakdown, profile=args.profile)
     rows: list = []
 
     def checkpoint(done: list) -> None:

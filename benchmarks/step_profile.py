@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/step_profile"))
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (a quick check)")
     ap.add_argument("--check-only", action="store_true", help="only compare the fused path with transformers'")
     ap.add_argument("--smoke", action="store_true", help="2 layers on CPU, eager (checks this script only)")
     args = ap.parse_args(argv)
@@ -115,6 +116,17 @@ def check_fused(model, prompt: torch.Tensor, steps: int = 4) -> dict:
         undo_variant(model, variant)
     a = logits["sdpa"]
     result = {"steps": a.shape[0] * a.shape[1]}
+    if prompt.device.type == "cuda":  # greedy tokens: transformers' generate (SDPA) vs the compiled fused step
+        from countdown.decode import generate_fast
+
+        ref = model.generate(prompt, max_new_tokens=32, do_sample=False)[:, prompt.shape[1]:]
+        for variant in ("sdpa", "countdown", "fused"):  # the unfused ones: how far bf16 alone carries
+            for mode in ("eager", "compile"):
+                apply_variant(model, variant)
+                got = generate_fast(model, prompt, 32, compile=mode)[0][:, prompt.shape[1]:]
+                undo_variant(model, variant)
+                same = (ref == got).all(0).long()
+                result[f"tokens_equal_{variant}_{mode}"] = int(same.cumprod(0).sum())
     for variant in ("countdown", "fused"):
         b = logits[variant]
         result[variant] = {"max_rel_diff": float((a - b).abs().max() / a.abs().max()),
@@ -144,11 +156,13 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     overrides = ({"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000} if args.smoke else None)
+                  "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000} if args.smoke else {})
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     model, _ = countdown.load_model(args.config, dtype="bf16" if cuda else "fp32", device=device,
-                                    random_weights=True, config_overrides=overrides)
+                                    random_weights=True, config_overrides=overrides or None)
     model.generation_config.eos_token_id = None
     copy_bps = copy_bandwidth() if cuda else float("nan")
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "date": datetime.date.today().isoformat(),

@@ -48,12 +48,15 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
     ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     n_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from countdown.bench.measure import model_bytes
+    model_bytes_before = model_bytes(model)
 
     assert fused_attention.fuse_attention(model) == []
     assert model.config._attn_implementation == attention.NAME
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == n_param_bytes
+    assert model_bytes(model) == model_bytes_before  # q/k/v views and their buffer: one storage, counted once
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 

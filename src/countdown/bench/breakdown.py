@@ -141,32 +141,44 @@ def step_share(us: float, step_ms: float) -> float:
 def profile_steps(model, n_steps: int = 16) -> dict:
     """Device time per decode step by kernel class (:data:`KERNEL_CLASSES`), from torch.profiler over
     ``n_steps`` calls of the model's cached (compiled or captured) step, after a ``generate_fast`` run
-    made it. Returns ``{"device_ms_per_step", "kernels_per_step", "classes": {class: {"ms_per_step",
-    "kernels_per_step", "top": [(ms, kernel name), ...]}}, "kernels": [{"kernel", "class", "calls_per_step",
-    "us_per_step", "us_per_call"}, ...]}`` (every kernel, slowest first)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    made it. Returns :func:`profile_calls`' dict."""
     from ..decode import _DECODERS, _scope
-    from .timing import free_memory
 
     decoder = _DECODERS[model]
-    device = decoder.device
     # The static cache writes at its own running length: start it afresh so the n_steps + 2 writes fit.
     decoder.cache.reset()
-    token = torch.zeros(decoder.batch, 1, dtype=torch.long, device=device)
+    token = torch.zeros(decoder.batch, 1, dtype=torch.long, device=decoder.device)
     position = torch.full_like(token, n_steps + 2)
+
+    def step():
+        if decoder.mode == "compile":
+            torch.compiler.cudagraph_mark_step_begin()
+        decoder.step(token, position, None, None)
+
     with torch.no_grad(), _scope(model, 0):
-        for _ in range(2):
-            decoder.step(token, position, None, None)
-        free_memory()
-        activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-        with profile(activities=[activity]) as prof:
-            for _ in range(n_steps):
-                if decoder.mode == "compile":
-                    torch.compiler.cudagraph_mark_step_begin()
-                decoder.step(token, position, None, None)
-            free_memory()
+        result = profile_calls(step, n_steps, decoder.device)
     decoder.cache.reset()
+    return result
+
+
+def profile_calls(step, n_steps: int, device) -> dict:
+    """torch.profiler over ``n_steps`` calls of ``step()`` (after 2 unprofiled ones), kernels classed by
+    :data:`KERNEL_CLASSES`. Returns ``{"device_ms_per_step", "kernels_per_step", "classes": {class:
+    {"ms_per_step", "kernels_per_step", "top": [(ms, kernel name), ...]}}, "kernels": [{"kernel",
+    "class", "calls_per_step", "us_per_step", "us_per_call"}, ...]}`` (every kernel, slowest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .timing import free_memory
+
+    device = torch.device(device)
+    for _ in range(2):
+        step()
+    free_memory()
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(n_steps):
+            step()
+        free_memory()
     classes: dict = {}
     every: list[dict] = []
     kernels = 0

@@ -105,14 +105,17 @@ def step_weight_bytes(model, kind: str, kept: float, batch: int = 1, **options) 
 
 
 def model_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers (a patched model's selectors included), shared
-    storage counted once."""
+    """Bytes of the model's parameters and buffers (a patched model's selectors included), each
+    storage counted once: views into one storage (tied weights, fuse_attention's q/k/v) count as
+    their storage, whatever their offsets."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        seen.add(key)
+        total += storage.nbytes()
     return total
 
 

@@ -53,6 +53,7 @@ class OneCompileSettings:
     samples: int = 1
     dense_compiles: int = 2
     breakdown: bool = True  # the per-op breakdown of the dense step (countdown.bench.breakdown), CUDA only
+    profile: bool = False  # torch.profiler over the captured slot step: dense, and each spec at its last k
     fit_prompts: int = 8
     fit_tokens: int = 32
     fit_rounds: int = 1
@@ -289,6 +290,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
             setup = dec.capture(prompt)
         log(f"slots: step compiled and captured in {setup:.1f} s ({harness})")
         time_slots("dense", None, None, (1.0, 1.0), "", setup=setup)
+        _profile_slots(s, dec, meta, "dense", None, log)
         done()
         for spec, art, art_label, kept in prepared:
             if budget.left() < 25:
@@ -307,6 +309,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
                         time_slots(spec.label, spec, k, kept[k], art_label, art=art, setup=setup, kernel_us=us,
                                    kernel_real=real)
                         setup = 0.0
+                    _profile_slots(s, dec, meta, spec.label, s.ks[-1], log)
                 finally:
                     dec.release()
                     unsparsify(slots.holder)
@@ -323,6 +326,28 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
         dec.release()
         slots.restore()
         done()
+
+
+def _profile_slots(s: OneCompileSettings, dec, meta: dict, label: str, k, log) -> None:
+    """With ``s.profile``: the captured step's kernels (torch.profiler over 16 replays) into
+    ``meta["slot_profiles"]``, the classes in the log. The replays write the cache at their own
+    positions; :meth:`CapturedDecoder.run` resets it before the next timing."""
+    if not s.profile or dec.graph is None:
+        return
+    from .breakdown import profile_calls
+
+    try:
+        prof = profile_calls(dec.graph.replay, 16, dec.device)
+    except Exception as error:  # a profile is diagnostics: never lose the run for it
+        log(f"slot profile of {label} failed: {type(error).__name__}: {error}")
+        return
+    finally:
+        dec.cache.reset()
+    prof["kernels"] = prof["kernels"][:40]
+    meta.setdefault("slot_profiles", []).append({"method": label, "k": k, **prof})
+    classes = ", ".join(f"{name} {e['ms_per_step']:.3f} ms ({e['kernels_per_step']:.0f})"
+                        for name, e in sorted(prof["classes"].items(), key=lambda kv: -kv[1]["ms_per_step"]))
+    log(f"  profile {label} k={k}: {prof['device_ms_per_step']:.3f} ms of kernels per step: {classes}")
 
 
 def _stats(new_tokens: int, prefill_s: float, decode_s: float, setup_s: float) -> dict:
