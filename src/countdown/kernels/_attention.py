@@ -56,6 +56,33 @@ def _split_kernel(Q, K, V, MASK, OUT, P, qk_scale, T, split_len,
     dm = di < D
     h = hk * G + gi
     q = tl.load(Q + b * sq_b + h[:, None] * sq_h + di[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+    m, lsum, acc = attend_split(q, K, V, MASK, b, hk, sp, split_len, T, -1, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                                sm_b, sm_t, qk_scale, di, dm, GP, BD, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
+    if DIRECT:  # one split: this is the answer
+        out = tl.where(lsum[:, None] > 0, acc / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
+        tl.store(OUT + b * so_b + h[:, None] * so_h + di[None, :], out.to(OUT.dtype.element_ty),
+                 mask=gm[:, None] & dm[None, :])
+    else:
+        store_partials(P, acc, m, lsum, b, h, gm, sp, n_splits, H, di, BD)
+
+
+@triton.jit
+def store_partials(P, acc, m, lsum, b, h, gm, sp, n_splits, H, di, BD: tl.constexpr):
+    """One split's softmax state of its query rows ``h`` into the partials buffer; shared with
+    kernels/_rope_attention.py."""
+    row = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
+    n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
+    tl.store(P + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
+    tl.store(P + n_rows * BD + row, m, mask=gm)
+    tl.store(P + n_rows * (BD + 1) + row, lsum, mask=gm)
+
+
+@triton.jit
+def attend_split(q, K, V, MASK, b, hk, sp, split_len, T, skip, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
+                 qk_scale, di, dm, GP: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BOOL_MASK: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr):
+    """The softmax state (m, lsum, acc) of the GP query rows ``q`` over split ``sp`` of batch row ``b``'s
+    keys of KV head ``hk`` (every key but ``t == skip``); shared with kernels/_rope_attention.py."""
     k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
     v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
     m_base = MASK + b.to(tl.int64) * sm_b
@@ -64,26 +91,6 @@ def _split_kernel(Q, K, V, MASK, OUT, P, qk_scale, T, split_len,
     m = tl.full([GP], float("-inf"), tl.float32)
     lsum = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BD], dtype=tl.float32)
-    m, lsum, acc = attend_keys(q, k_base, v_base, m_base, start, end, -1, sk_t, sv_t, sm_t, qk_scale, di, dm,
-                               m, lsum, acc, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
-    if DIRECT:  # one split: this is the answer
-        out = tl.where(lsum[:, None] > 0, acc / tl.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
-        tl.store(OUT + b * so_b + h[:, None] * so_h + di[None, :], out.to(OUT.dtype.element_ty),
-                 mask=gm[:, None] & dm[None, :])
-    else:
-        row = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
-        n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
-        tl.store(P + row[:, None] * BD + di[None, :], acc, mask=gm[:, None])
-        tl.store(P + n_rows * BD + row, m, mask=gm)
-        tl.store(P + n_rows * (BD + 1) + row, lsum, mask=gm)
-
-
-@triton.jit
-def attend_keys(q, k_base, v_base, m_base, start, end, skip, sk_t, sv_t, sm_t, qk_scale, di, dm, m, lsum, acc,
-                BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                SKIP_MASKED: tl.constexpr):
-    """Keys ``start <= t < end`` (but not ``t == skip``) folded into the running softmax state (m, lsum,
-    acc) of the GP query rows ``q``; shared with kernels/_rope_attention.py."""
     for t0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         t = t0 + tl.arange(0, BLOCK_N)
         tm = t < end

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _attention, _common
-from ._attention import LOG2E, attend_keys, combine_partials
+from ._attention import LOG2E, attend_split, combine_partials, store_partials
 
 
 @triton.jit
@@ -68,17 +68,12 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
     qm = gm[:, None] & dm[None, :]
     q = _rope(row + h[:, None] * D, di[None, :], pd[None, :], sign[None, :], c[None, :], s[None, :], qm)
     q = q.to(K.dtype.element_ty)
-    k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
-    m_base = MASK + b.to(tl.int64) * sm_b
-    start = sp * split_len
-    end = tl.minimum(start + split_len, T)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    lsum = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, BD], dtype=tl.float32)
-    m, lsum, acc = attend_keys(q, k_base, v_base, m_base, start, end, pos, sk_t, sv_t, sm_t, qk_scale, di, dm,
-                               m, lsum, acc, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
+    m, lsum, acc = attend_split(q, K, V, MASK, b, hk, sp, split_len, T, pos, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                                sm_b, sm_t, qk_scale, di, dm, GP, BD, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
     if sp == 0:  # the new token: from registers, then into the cache
+        k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
+        v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
+        m_base = MASK + b.to(tl.int64) * sm_b
         k_new = _rope(row + (H + hk) * D, di, pd, sign, c, s, dm).to(K.dtype.element_ty)
         v_new = tl.load(row + (H + KVH + hk) * D + di, mask=dm, other=0.0).to(V.dtype.element_ty)
         inside = pos < T
@@ -98,11 +93,7 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
         wm = dm & ((pos + di * 0) < T)  # a vector compare (the interpreter rejects scalar & vector masks)
         tl.store(k_base + pos * sk_t + di, k_new, mask=wm)
         tl.store(v_base + pos * sv_t + di, v_new, mask=wm)
-    prow = (b * H + h) * n_splits + sp  # [GP] partial rows, (batch, head, split) order
-    n_rows = tl.num_programs(2) * H * n_splits  # P: o [n_rows, BD], then m [n_rows], then l [n_rows]
-    tl.store(P + prow[:, None] * BD + di[None, :], acc, mask=gm[:, None])
-    tl.store(P + n_rows * BD + prow, m, mask=gm)
-    tl.store(P + n_rows * (BD + 1) + prow, lsum, mask=gm)
+    store_partials(P, acc, m, lsum, b, h, gm, sp, n_splits, H, di, BD)
 
 
 @triton.jit
