@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth, time_graph
 from countdown.kernels import _pdl, _teal
+from countdown.kernels._common import gap_cut
 
 SHAPES = {"Llama-3.1-8B": (4096, 14336), "tiny": (67, 131)}
 NSETS, NSLOTS = 4, 8
@@ -103,18 +104,6 @@ class Problem:
 
 def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def gap_cut(values: torch.Tensor, k: float, gap: float = 3e-2) -> float:
-    """A cut near the k-quantile of ``values`` in a gap between neighbours at least ``gap`` (relative)
-    wide: the kernel's s (g, u in fp32) and PyTorch's (bf16) cannot then keep different entries."""
-    v = torch.unique(values.double().flatten().cpu())
-    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
-    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
-        lo, hi = v[j - 1].item(), v[j].item()
-        if hi - lo > gap * max(abs(hi), 1e-6):
-            return (lo + hi) / 2
-    raise AssertionError("no gap wide enough")
 
 
 def check(p, fn, k, label, cuts, x=None):

@@ -43,24 +43,12 @@ def _weights(dtype, fused=False):
     return wg_t, wu_t, wd_t
 
 
-def _gap_cut(values: torch.Tensor, k: float, gap: float) -> float:
-    """A cut near the k-quantile of ``values`` in a gap between neighbours at least ``gap`` (relative)
-    wide, so that rounding differences between the kernel and PyTorch cannot flip an entry."""
-    v = torch.unique(values.double().flatten().cpu())
-    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
-    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
-        lo, hi = v[j - 1].item(), v[j].item()
-        if hi - lo > gap * max(abs(hi), 1e-6):
-            return (lo + hi) / 2
-    raise AssertionError("no gap wide enough")
-
-
 def _cuts(x, wg_t, wu_t, act, k):
-    cut_x = _gap_cut(x.float().abs(), k, 1e-3)
+    cut_x = _common.gap_cut(x.float().abs(), k, 1e-3)
     xt = torch.where(x.float().abs() > cut_x, x.double(), 0.0)
     s = (xt @ wu_t.double()) * _common.act_torch(xt @ wg_t.double(), act)
     # half precision rounds g and u differently in the kernel (fp32) and in PyTorch: a wide gap
-    return cut_x, _gap_cut(s.abs(), k, 3e-2 if x.dtype != torch.float32 else 1e-4)
+    return cut_x, _common.gap_cut(s.abs(), k, 3e-2 if x.dtype != torch.float32 else 1e-4)
 
 
 def _check(out, out_torch, ref64):

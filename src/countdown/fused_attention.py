@@ -28,7 +28,9 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
+from .attention import NAME, mask_row, use_decode_attention
 from .kernels import _common
 
 FUSABLE = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # rotate_half rotary, q/k/v/o Linear
@@ -113,8 +115,6 @@ def fuse_attention(model: nn.Module, on: bool = True) -> list[str]:
     fused path reads) and back. Returns the reasons the modules left alone were left alone (empty when
     every module is fused). Call it after moving the model to its device: ``model.to`` would give the
     q/k/v parameters their own storage again (still correct, but the memory is doubled)."""
-    from .attention import use_decode_attention
-
     modules = _attention_modules(model)
     if not on:
         for attn in modules:
@@ -132,7 +132,6 @@ def fuse_attention(model: nn.Module, on: bool = True) -> list[str]:
         elif not is_fused(attn):
             _fuse(attn)
     if len(skipped) < len(modules):
-        from .attention import NAME
         if getattr(model.config, "_attn_implementation", None) != NAME:
             use_decode_attention(model)
             setattr(model, _SWITCHED, True)
@@ -141,10 +140,6 @@ def fuse_attention(model: nn.Module, on: bool = True) -> list[str]:
 
 def _decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
     """The cache layer and mask row when this call can take the fused path, else None."""
-    from transformers.cache_utils import StaticLayer
-
-    from .attention import mask_row
-
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or attention_mask is None or attn.training:
         return None
     if kwargs.get("output_attentions") or not _common.available(hidden_states):

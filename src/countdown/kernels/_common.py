@@ -57,6 +57,19 @@ def act_torch(g: torch.Tensor, activation: str) -> torch.Tensor:
     return torch.nn.functional.gelu(g, approximate="tanh")
 
 
+def gap_cut(values: torch.Tensor, k: float, gap: float = 3e-2) -> float:
+    """A cut near the k-quantile of ``values`` in a gap between neighbours at least ``gap`` (relative)
+    wide, so that rounding differences between a kernel and PyTorch cannot flip an entry (used by the
+    kernel tests and benchmarks to compare two implementations under the same mask)."""
+    v = torch.unique(values.double().flatten().cpu())
+    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
+    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
+        lo, hi = v[j - 1].item(), v[j].item()
+        if hi - lo > gap * max(abs(hi), 1e-6):
+            return (lo + hi) / 2
+    raise AssertionError(f"no gap of relative width {gap} between the values near their {k}-quantile")
+
+
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
