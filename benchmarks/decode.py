@@ -95,6 +95,8 @@ def parse_args(argv=None):
                     help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
                          "(countdown.attention.use_decode_attention), or that kernel with the rotary embedding and "
                          "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
+    ap.add_argument("--decode-gemv", default="", help="comma-separated projections of every row (down, o_proj) on "
+                    "kernels/_linear.py's fixed GEMV in decode steps (countdown.decode_gemv.route_linears); '' = Inductor")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
@@ -206,6 +208,12 @@ def main(argv=None) -> int:
         if skipped:
             log(f"fuse_attention left {len(skipped)} modules alone: {skipped[0]}")
     meta["attention"] = model.config._attn_implementation + ("+fused" if args.attention == "fused" else "")
+    if args.decode_gemv:
+        from countdown.decode_gemv import route_linears
+
+        routed = route_linears(model, tuple(args.decode_gemv.split(",")))
+        log(f"decode GEMV: {routed} projections ({args.decode_gemv}) on kernels/_linear.py")
+    meta["decode_gemv"] = args.decode_gemv
     meta["model_gb"] = model_bytes(model) / 1e9
     log(f"model {meta['model_gb']:.2f} GB; copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     if args.runner == "one-compile":

@@ -11,6 +11,9 @@ bandwidth measured in the same run, and a torch.profiler table of every kernel o
 - ``sdpa``: transformers' SDPA attention (the model as loaded);
 - ``countdown``: countdown's split-KV kernel behind transformers' interface (countdown.attention);
 - ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.fused_attention).
+- ``fused+down`` / ``fused+down+o``: the same with the MLPs' down projections (and the attention output
+  projections) on kernels/_linear.py's fixed GEMV (countdown.decode_gemv.route_linears); ``fused``
+  leaves every projection to Inductor.
 
 Writes ``step_profile.csv`` (one row per variant), ``step_kernels.csv`` (every kernel of every variant),
 ``step_profile.md`` and ``step_profile_meta.json`` under ``--out``; prints the short table last.
@@ -28,7 +31,7 @@ import time
 import torch
 
 T0 = time.perf_counter()
-VARIANTS = ("sdpa", "countdown", "fused")
+VARIANTS = ("sdpa", "countdown", "fused", "fused+down", "fused+down+o")
 
 
 def log(*parts) -> None:
@@ -57,11 +60,15 @@ def parse_args(argv=None):
 def apply_variant(model, variant: str) -> str:
     """Switch ``model`` to ``variant`` (from the loaded state); returns a note (modules left alone)."""
     from countdown.attention import use_decode_attention
+    from countdown.decode_gemv import route_linears
     from countdown.fused_attention import fuse_attention
 
     if variant == "countdown":
         use_decode_attention(model)
-    elif variant == "fused":
+    elif variant.startswith("fused"):
+        targets = {"fused+down": ("down",), "fused+down+o": ("down", "o_proj")}.get(variant, ())
+        if targets:
+            route_linears(model, targets)
         skipped = fuse_attention(model)
         return f"{len(skipped)} modules left alone: {skipped[:1]}" if skipped else ""
     return ""
@@ -72,8 +79,11 @@ def undo_variant(model, variant: str) -> None:
     from countdown.decode import reset_decoders
     from countdown.fused_attention import fuse_attention
 
+    from countdown.decode_gemv import route_linears
+
     reset_decoders(model)
-    if variant == "fused":
+    route_linears(model, (), on=False)
+    if variant.startswith("fused"):
         fuse_attention(model, False)
     use_decode_attention(model, False)
     torch._dynamo.reset()

@@ -1,0 +1,83 @@
+"""Route chosen linear layers of a decode step through a fixed GEMV (kernels/_linear.py).
+
+    from countdown.decode_gemv import route_linears
+    route_linears(model, ("down",))           # every Gated-MLP's down projection
+    route_linears(model, ("down", "o_proj"))  # and the attention blocks' output projections
+    route_linears(model, (), on=False)        # back to nn.Linear's forward
+
+Why (docs/decode.md, "A fixed GEMV for W_down"): under torch.compile with coordinate-descent tuning,
+Inductor fuses act(g) * u into the down projection's reduction, and that kernel re-reads g and u for
+every block of output rows it tunes: on an H200 it took 33 to 56 us per layer over four compiles of
+the same code, where the GEMV alone takes 28.5 us (98 % of copy bandwidth, benchmarks/linear.py).
+A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
+most ``_linear.MAX_TOKENS`` rows and no gradient is wanted; every other call (the prompt, training)
+is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
+method of each routed ``nn.Linear`` instance is replaced.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import _common
+
+TARGETS = ("down", "o_proj")
+_ROUTED = "_countdown_decode_gemv"
+MAX_TOKENS = 8  # kernels/_linear.MAX_TOKENS (not imported here: that module needs Triton)
+
+
+def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+    if 0 < rows <= MAX_TOKENS and not wants_grad and _common.available(x):
+        y = torch.ops.countdown.decode_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, None)
+        return y.view(*x.shape[:-1], self.out_features)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _layers(model: nn.Module, target: str) -> list[nn.Linear]:
+    if target == "down":
+        from .mlp import require_gated_mlps
+
+        found = [getattr(g.module, g.down) for g in require_gated_mlps(model) if g.tp is None]
+    elif target == "o_proj":
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None) or []
+        found = [getattr(layer.self_attn, "o_proj", None) for layer in layers if hasattr(layer, "self_attn")]
+    else:
+        raise ValueError(f"unknown target {target!r}: choose from {TARGETS}")
+    return [lin for lin in found if type(lin) is nn.Linear]
+
+
+def is_routed(layer: nn.Module) -> bool:
+    return getattr(layer, _ROUTED, False)
+
+
+def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
+    """Route the ``targets`` layers of ``model`` through the fixed GEMV (``on=False``: un-route every
+    routed layer, whatever ``targets`` says). Returns how many layers changed."""
+    if not on:
+        changed = 0
+        for module in model.modules():
+            if is_routed(module):
+                del module.forward
+                delattr(module, _ROUTED)
+                changed += 1
+        return changed
+    bad = [t for t in targets if t not in TARGETS]
+    if bad:
+        raise ValueError(f"unknown target(s) {bad}: choose from {TARGETS}")
+    from .kernels import _linear  # noqa: F401  (registers countdown::decode_linear; needs Triton)
+
+    changed = 0
+    for target in targets:
+        for lin in _layers(model, target):
+            if not is_routed(lin):
+                lin.forward = types.MethodType(_decode_forward, lin)
+                setattr(lin, _ROUTED, True)
+                changed += 1
+    return changed

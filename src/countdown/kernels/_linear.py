@@ -1,0 +1,159 @@
+"""Triton kernel: a dense linear layer for a few tokens (decode), y = x W^T (+ bias) (+ residual).
+
+Why: under torch.compile with coordinate-descent tuning, Inductor turns each one-token matrix product
+into a Triton reduction and tunes it per compile. For the wide-and-short products (W_o [4096, 4096]
+of the attention block, W_down [4096, 14336]) the result measured 45-57 % (W_o) and 58-83 % (W_down)
+of copy bandwidth on an H200, varying from compile to compile (docs/decode.md). This kernel has a
+fixed launch configuration per shape and is an opaque custom op to Inductor, so what it reaches does
+not depend on a compile's tuning.
+
+Layout: W row-major [N, K] (nn.Linear's weight), x [T, K] with T <= 8 tokens. Program p owns BN
+output rows and walks K in BK steps, loading a [BN, BK] tile of W and the [T, BK] tile of x, so each
+weight byte is read once for all T tokens; fp32 accumulation, one store per output. With a residual r
+[T, N] the op returns r + x W^T, the sum done in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._glu import _round_to
+
+MAX_TOKENS = 8
+INTERPRETER_BN = 16
+# Launch configurations by the shape's K (the reduction length): the fastest of `benchmarks/linear.py`'s
+# sweep on an H200, 2026-11-23 (benchmarks/results/linear/), one token: W_o [4096, 4096] 9.9 us (80 % of
+# copy bandwidth; Inductor's tuned GEMV alone 9.9-11.9, cuBLAS 12.8-13.4), W_down [4096, 14336] 28.6 us
+# (97 %; Inductor alone 28.4-28.5, cuBLAS 31.9). One row per program: x is re-read per row, from L2.
+CONFIGS = {
+    "short": dict(BN=1, BK=4096, num_warps=8, num_stages=1),  # K <= 8192
+    "long": dict(BN=1, BK=2048, num_warps=4, num_stages=1),
+}
+
+
+def config_for(k: int, config: dict | None = None) -> dict:
+    return {**CONFIGS["short" if k <= 8192 else "long"], **(config or {})}
+
+
+@triton.jit
+def _linear_kernel(X, W, BIAS, RES, Y, n_tok, N, K, stride_x, stride_r, stride_y,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows_c = tl.where(rmask, rows, 0)  # clamped: every load of a partial last block is in bounds
+    t = tl.arange(0, BT)
+    tmask = t < n_tok
+    if BIG:
+        wrow = rows_c.to(tl.int64)[:, None] * K
+    else:
+        wrow = rows_c[:, None] * K
+    acc = tl.zeros([BT, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        kk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            w = tl.load(W + wrow + kk[None, :])
+            xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0)
+        else:
+            w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
+                         other=0.0)
+        wf = w.to(tl.float32)
+        xf = xt.to(tl.float32)
+        for j in tl.static_range(BT):
+            if BT == 1:
+                acc += tl.sum(wf * xf, axis=1)[None, :]
+            else:
+                xj = tl.sum(tl.where(t[:, None] == j, xf, 0.0), axis=0)
+                acc = tl.where(t[:, None] == j, acc + tl.sum(wf * xj[None, :], axis=1)[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rows_c).to(tl.float32)[None, :]
+    omask = tmask[:, None] & rmask[None, :]
+    if HAS_RES:
+        acc += tl.load(RES + t[:, None] * stride_r + rows_c[None, :], mask=omask, other=0.0).to(tl.float32)
+    acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
+    tl.store(Y + t[:, None] * stride_y + rows[None, :], acc.to(Y.dtype.element_ty), mask=omask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, bias, residual) -> None:
+    """Named errors for arguments the kernel cannot take."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"decode_linear takes x [tokens, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the weight expects {weight.shape[1]}")
+    if not 1 <= x.shape[0] <= MAX_TOKENS:
+        raise ValueError(f"decode_linear serves 1 to {MAX_TOKENS} tokens, got {x.shape[0]}: use F.linear")
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must match")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if residual is not None and residual.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}], got {tuple(residual.shape)}")
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """(residual +) x W^T (+ bias) for x [T <= 8, K], W [N, K]: y [T, N] in x's dtype."""
+    check(x, weight, bias, residual)
+    n_tok, k = x.shape
+    n = weight.shape[0]
+    cfg = config_for(k, config)
+    if _common.interpreting() and not config:  # the CPU interpreter pays per program: fewer, larger blocks
+        cfg["BN"] = max(cfg["BN"], INTERPRETER_BN)
+    x = x.contiguous() if x.stride(-1) != 1 else x
+    weight = weight.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    y = _common.new_output((n_tok, n), x.dtype, x.device)
+    bk = min(cfg["BK"], max(16, _pow2(k)))
+    bn = cfg["BN"]
+    _linear_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, residual if residual is not None else y, y,
+        n_tok, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BT=max(1, _pow2(n_tok)), BN=bn, BK=bk,
+        EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    return y
+
+
+@torch.library.custom_op("countdown::decode_linear", mutates_args=())
+def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return decode_linear(x, weight, bias, residual)
+
+
+@_decode_linear_op.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def decode_linear_ref(x, weight, bias=None, residual=None) -> torch.Tensor:
+    """The float64 reference, rounded to x's dtype once."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("countdown::extern_linear", mutates_args=())
+def extern_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear behind an opaque op: under torch.compile it stays cuBLAS's (Inductor cannot rewrite it
+    into a tuned reduction), the baseline route of `benchmarks/linear.py`."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@extern_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

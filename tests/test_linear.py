@@ -1,0 +1,112 @@
+"""The decode GEMV (kernels/_linear.py) against float64 references, under Triton's interpreter on CPU (on a GPU at the Llama-3.1-8B shapes with
+COUNTDOWN_KERNEL_TEST_SHAPES=real). Every output buffer is poisoned with NaN first."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+pytest.importorskip("triton")
+
+from countdown.kernels import _common, _linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    torch.manual_seed(0)
+
+
+SHAPES = [(4096, 4096), (4096, 14336), (6144, 4096)] if REAL else [(40, 96), (33, 700), (64, 512), (19, 1000)]
+CASES = [(t, n, k, dt, bias, res) for (n, k) in SHAPES for t, dt, bias, res in
+         [(1, torch.bfloat16, False, False), (3, torch.float16, True, True), (8, torch.float32, False, True),
+          (2, torch.bfloat16, True, False)]]
+
+
+@pytest.mark.parametrize("t,n,k,dtype,bias,res", CASES,
+                         ids=[f"t{t}-{n}x{k}-{str(d)[6:]}{'-bias' if b else ''}{'-res' if r else ''}"
+                              for t, n, k, d, b, r in CASES])
+def test_decode_linear_matches_float64(t, n, k, dtype, bias, res):
+    """y = residual + x W^T + b within one rounding of the float64 value (fp32 accumulation only
+    adds ~K * 2^-24 relative error, far below one ulp of the output dtype) for partial row blocks,
+    K not a multiple of the block, 1-8 tokens."""
+    x = torch.randn(t, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    r = torch.randn(t, n, device=DEVICE).to(dtype) if res else None
+    for config in ({}, dict(BN=8, BK=128, num_stages=1)):
+        y = _linear.decode_linear(x, w, b, r, config=config)
+        exact = _linear.decode_linear_ref(x, w, b, r).double()  # rounded once
+        ref64 = x.double() @ w.double().t() + (b.double() if bias else 0) + (r.double() if res else 0)
+        assert y.shape == (t, n) and y.dtype == dtype and torch.isfinite(y).all()
+        # at most one ulp of the output from the exact value (the rounded reference is within half)
+        tol = ULP[dtype] * ref64.abs().clamp_min(1.0) + 1e-6
+        assert ((y.double() - ref64).abs() <= tol).all(), (y.double() - ref64).abs().max()
+        assert (y.double() - exact).abs().max() <= 2 * tol.max()
+
+
+def test_decode_linear_op_compiles_and_names_bad_input():
+    x = torch.randn(1, 96, device=DEVICE)
+    w = torch.randn(40, 96, device=DEVICE)
+    fn = torch.compile(lambda a, b: torch.ops.countdown.decode_linear(a, b, None, None), backend="aot_eager",
+                       fullgraph=True)
+    torch.testing.assert_close(fn(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        _linear.decode_linear(torch.randn(9, 96, device=DEVICE), w)
+    with pytest.raises(ValueError, match="features"):
+        _linear.decode_linear(torch.randn(1, 95, device=DEVICE), w)
+    with pytest.raises(ValueError, match="residual"):
+        _linear.decode_linear(x, w, residual=torch.randn(1, 41, device=DEVICE))
+    y = torch.ops.countdown.extern_linear(x, w, None)  # the cuBLAS route: plain F.linear
+    torch.testing.assert_close(y, x @ w.t())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_routed_model_decodes_as_before(arch, monkeypatch):
+    """route_linears: a tiny model with its down (and o_proj) projections on the fixed GEMV decodes
+    the same greedy tokens as before, eager and compiled (the op opaque to Dynamo), with one-step
+    logits within float32 rounding; the kernel serves the decode steps' rows only (the prompt and
+    gradient-wanting calls keep F.linear); the state dict is untouched and un-routing restores it all."""
+    from conftest import tiny_model
+
+    from countdown.decode import generate_fast
+    from countdown.decode_gemv import is_routed, route_linears
+
+    model = tiny_model(arch).to(DEVICE)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref, _ = generate_fast(model, prompt, 5, compile=False)
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    n_layers = model.config.num_hidden_layers
+    assert route_linears(model, ("down", "o_proj")) == 2 * n_layers
+    assert route_linears(model, ("down",)) == 0  # already routed
+    calls = []
+    real = _linear.decode_linear
+    monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    out, _ = generate_fast(model, prompt, 5, compile=False)
+    assert torch.equal(out, ref)
+    assert calls and set(calls) == {2} and len(calls) == 4 * 2 * n_layers  # 4 decode steps, batch 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, ref_logits)  # 18 rows: F.linear, bit for bit
+    prompt_grad = model(prompt[:1, :2]).logits.sum()  # gradients wanted: F.linear
+    prompt_grad.backward()
+    assert model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    if arch == "llama":
+        compiled, _ = generate_fast(model, prompt, 5, compile=True, compile_options={"backend": "aot_eager"})
+        assert torch.equal(compiled, ref)
+    assert model.state_dict().keys() == state.keys()
+    assert route_linears(model, (), on=False) == 2 * n_layers
+    assert not any(is_routed(m) for m in model.modules())
+    calls.clear()
+    again, _ = generate_fast(model, prompt, 5, compile=False)
+    assert torch.equal(again, ref) and calls == []
+    with pytest.raises(ValueError, match="unknown target"):
+        route_linears(model, ("qkv",))
