@@ -63,8 +63,6 @@ def test_decode_linear_op_compiles_and_names_bad_input():
         _linear.decode_linear(torch.randn(1, 95, device=DEVICE), w)
     with pytest.raises(ValueError, match="residual"):
         _linear.decode_linear(x, w, residual=torch.randn(1, 41, device=DEVICE))
-    y = torch.ops.countdown.extern_linear(x, w, None)  # the cuBLAS route: plain F.linear
-    torch.testing.assert_close(y, x @ w.t())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
