@@ -18,7 +18,9 @@ Writes linear.csv (every route and configuration), linear.md and linear_meta.jso
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
+import io
 import itertools
 import json
 import os
@@ -71,8 +73,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(f"One-token GEMV by route ({title})", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     import torch._inductor.config as inductor_config
 
     from countdown.bench import copy_bandwidth, time_graph
-    from countdown.io import atomic_write
+    from countdown.io import atomic_write, write_json
     from countdown.kernels import _linear
 
     inductor_config.coordinate_descent_tuning = True
@@ -144,9 +144,6 @@ def main(argv=None) -> None:
         del ws, xs
         torch.cuda.empty_cache()
 
-    import csv
-    import io
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]))
     w.writeheader()
@@ -167,9 +164,9 @@ def main(argv=None) -> None:
     md = "\n".join(lines) + "\n"
     plot(rows, os.path.join(args.out, "linear.png"), f"{torch.cuda.get_device_name()}, {date}")
     atomic_write(os.path.join(args.out, "linear.md"), md)
-    atomic_write(os.path.join(args.out, "linear_meta.json"), json.dumps(dict(
+    write_json(os.path.join(args.out, "linear_meta.json"), dict(
         device=torch.cuda.get_device_name(), date=date, torch=torch.__version__, copy_gbps=bw / 1e9,
-        command=f"PYTHONPATH=src python benchmarks/linear.py {' '.join(argv or [])}"), indent=1))
+        command=f"PYTHONPATH=src python benchmarks/linear.py {' '.join(argv or [])}"))
     print(md)
 
 

@@ -77,9 +77,8 @@ def apply_variant(model, variant: str) -> str:
 def undo_variant(model, variant: str) -> None:
     from countdown.attention import use_decode_attention
     from countdown.decode import reset_decoders
-    from countdown.fused_attention import fuse_attention
-
     from countdown.decode_gemv import route_linears
+    from countdown.fused_attention import fuse_attention
 
     reset_decoders(model)
     route_linears(model, (), on=False)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._glu import _round_to
+from ._glu import _pow2, _round_to
 
 MAX_TOKENS = 8
 INTERPRETER_BN = 16
@@ -80,10 +80,6 @@ def _linear_kernel(X, W, BIAS, RES, Y, n_tok, N, K, stride_x, stride_r, stride_y
         acc += tl.load(RES + t[:, None] * stride_r + rows_c[None, :], mask=omask, other=0.0).to(tl.float32)
     acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
     tl.store(Y + t[:, None] * stride_y + rows[None, :], acc.to(Y.dtype.element_ty), mask=omask)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, bias, residual) -> None:
