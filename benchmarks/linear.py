@@ -36,6 +36,8 @@ SHAPES = {  # name: (N, K), Llama-3.1-8B
     "gate_or_up": (14336, 4096),
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
+    "pred_a": (512, 4096),  # the low-rank predictor of dual[lowrank] (rank 512): A^T
+    "pred_b": (14336, 512),  # and B^T
 }
 
 
@@ -43,12 +45,15 @@ def log(*parts) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s]", *parts, flush=True)
 
 
-def candidates(quick: bool) -> list[dict]:
+def candidates(quick: bool, k: int) -> list[dict]:
+    """Launch configurations to time for reduction length k (BK past k would repeat a smaller one)."""
+    from countdown.kernels import _linear
+
     if quick:
-        return [dict(BN=16, BK=512, num_warps=4, num_stages=3), dict(BN=8, BK=512, num_warps=4, num_stages=4)]
-    grid = itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096), (2, 4, 8), (1, 2, 4))
+        return [_linear.config_for(k), dict(BN=16, BK=512, num_warps=4, num_stages=3)]
+    grid = itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096), (1, 2, 4, 8), (1, 2, 4))
     return [dict(BN=bn, BK=bk, num_warps=w, num_stages=s) for bn, bk, w, s in grid
-            if 2048 <= bn * bk <= 16384 and bk // (32 * w) >= 4]
+            if 2048 <= bn * bk <= 16384 and bk // (32 * w) >= 4 and bk <= max(512, k)]
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -125,7 +130,7 @@ def main(argv=None) -> None:
             log(f"  {name}: inductor differs from cuBLAS by {(got - ref).abs().max().item():.3g}")
         row("inductor", time_graph([lambda i=i: lin(xs[i % copies], ws[i % copies]) for i in range(calls)]))
         best = None
-        for cfg in candidates(args.quick):
+        for cfg in candidates(args.quick, k):
             if time.perf_counter() - T0 > args.budget_s:
                 log("  budget spent: triton sweep stopped")
                 break

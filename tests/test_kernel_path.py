@@ -95,10 +95,16 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     low-rank predictor (per-row cuts)."""
     from countdown.kernels import _onepass
 
+    from countdown.kernels import _linear
+
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    launches = []
+    monkeypatch.setattr(_onepass, "IND_GEMV", "fixed")  # the indicator's GEMV on kernels/_linear.py
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    launches, gemvs = [], []
     real = _onepass.onepass_partials
     monkeypatch.setattr(_onepass, "onepass_partials", lambda *a, **k: launches.append(a[8]) or real(*a, **k))
+    real_linear = _linear.decode_linear
+    monkeypatch.setattr(_linear, "decode_linear", lambda *a, **k: gemvs.append(1) or real_linear(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(arch)
     art = None
@@ -123,3 +129,5 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[kind]
     assert launches == [mode] * len(countdown.find_gated_mlps(model))
+    # mono / cats: the indicator's GEMV; dual: x A and (x A) B
+    assert len(gemvs) == (2 if kind == "dual" else 1) * len(launches)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _down, _glu, _onepass  # noqa: E402
+from countdown.kernels import _common, _down, _glu, _onepass, _psum  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
@@ -284,6 +284,62 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[op]
     assert _onepass.n_programs(x.device, D_INTER, mode) > 1 or REAL
     _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
+
+
+@pytest.mark.parametrize("rows,d,dtype", [(7, 50, torch.bfloat16), (224, 67, torch.float16), (600, 33, torch.float32)])
+def test_sum_partials_matches_float64(rows, d, dtype):
+    """kernels/_psum.py: the column sums of fp32 partials, rounded once to the model's dtype (600 rows:
+    more than one load per program); the custom op gives the same and names a wrong input."""
+    gen = torch.Generator().manual_seed(rows)
+    p = (torch.randn(rows, d, generator=gen) * torch.logspace(-3, 2, d)[None, :]).to(DEVICE)
+    exact = p.double().sum(0, keepdim=True)
+    got = _psum.sum_partials(p, dtype)
+    assert got.dtype == dtype and got.shape == (1, d)
+    # fp32 accumulation of `rows` terms, then one rounding to dtype (half an ulp)
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[dtype]
+    bound = ulp * exact.abs() + rows * 2.0**-24 * p.double().abs().sum(0, keepdim=True)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert torch.equal(torch.ops.countdown.sum_partials(p, torch.empty(1, dtype=dtype)), got)
+    with pytest.raises(ValueError, match="fp32"):
+        _psum.sum_partials(p.to(torch.bfloat16), dtype)
+
+
+@pytest.mark.parametrize("op", ["mono", "dual"])
+def test_onepass_indicator_on_the_fixed_gemv(op, monkeypatch):
+    """With IND_GEMV "fixed" the one-token indicator (mono's u; dual's x A and (x A) B, A and B held as
+    views of contiguous A^T and B^T) runs on kernels/_linear.py's GEMV, once per GEMV, and the MLP
+    still matches float64; a predictor whose A is a plain contiguous [d_model, r] falls back to x @ A."""
+    from countdown.kernels import _linear
+
+    monkeypatch.setattr(_onepass, "ONEPASS", True)
+    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    monkeypatch.setattr(_onepass, "IND_GEMV", "fixed")
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, "IND": "torch"} for m, c in _onepass.CONFIGS.items()})
+    monkeypatch.setattr(_psum, "ROUTE", "kernel")  # and the partials summed by kernels/_psum.py
+    monkeypatch.setattr(_psum, "OFF_CUDA", True)
+    calls = []
+    real = _linear.decode_linear
+    monkeypatch.setattr(_linear, "decode_linear", lambda x, w, *a, **k: calls.append(tuple(w.shape)) or real(x, w, *a, **k))
+    x, wg, wu, wdt = _mlp(1, torch.bfloat16)
+    if op == "dual":
+        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(torch.bfloat16).t().contiguous().t()
+        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(torch.bfloat16).t()
+        values = K.dual_scores(x, pa, pb).float()[0]
+    else:
+        values = (x @ wu.t()).float().abs()[0]
+    thr = _threshold(values, 0.7, gap=0.05)
+    keep = (values > thr)[None, :]
+    if op == "dual":
+        out, out_torch = (f(x, wg, wu, wdt, pa, pb, thr, "silu") for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+        assert calls == [(16, D_MODEL), (D_INTER, 16)]
+        calls.clear()
+        K.dual_gated_mlp(x, wg, wu, wdt, pa.contiguous(), pb, thr, "silu")  # A not a view of A^T
+        assert calls == [(D_INTER, 16)]
+    else:
+        out, out_torch = (f(x, wg, wu, wdt, thr, "silu") for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
+        assert calls == [(D_INTER, D_MODEL)]
+    _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, "silu"))
 
 
 def test_onepass_really_runs(monkeypatch):

@@ -243,8 +243,9 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
                         res = timed(prompt, s.new_tokens, harness, max(1, s.samples))
                     for n in s.new_tokens:
                         add(spec.label, spec, k, batch, n, res[n], kept[k], art_label, harness, peak.bytes, patched, art)
-                if cuda and s.profile and harness != "eager":
-                    meta.setdefault("profiles", []).append({"method": spec.label, "k": last_k, "batch": batch,
+                if cuda and s.profile and harness != "eager" and last_k is not None:
+                    retarget(model, art, ks[0])  # the sparsest k: where the targets are set
+                    meta.setdefault("profiles", []).append({"method": spec.label, "k": ks[0], "batch": batch,
                                                             **_safe(lambda: profile(model), log)})
             except Exception as error:  # report and go on: the other configurations still run
                 log(f"{spec.label} b={batch} FAILED: {type(error).__name__}: {str(error)[:400]}")

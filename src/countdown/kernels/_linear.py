@@ -31,14 +31,19 @@ INTERPRETER_BN = 16
 # sweep on an H200, 2026-11-23 (benchmarks/results/linear/), one token: W_o [4096, 4096] 9.9 us (80 % of
 # copy bandwidth; Inductor's tuned GEMV alone 9.9-11.9, cuBLAS 12.8-13.4), W_down [4096, 14336] 28.6 us
 # (97 %; Inductor alone 28.4-28.5, cuBLAS 31.9). One row per program: x is re-read per row, from L2.
+# "narrow" (K <= 1024: the low-rank predictor's second factor, B^T [14336, 512]) takes several rows per
+# program, one row being too little work for a program: 5.5 us (62 %; BN 8 with 4 warps 6.8, Inductor
+# 6.3, cuBLAS 6.5), same sweep. The first factor A^T [512, 4096] takes "short": 3.2 us (Inductor 2.9).
 CONFIGS = {
+    "narrow": dict(BN=4, BK=1024, num_warps=1, num_stages=1),  # K <= 1024
     "short": dict(BN=1, BK=4096, num_warps=8, num_stages=1),  # K <= 8192
     "long": dict(BN=1, BK=2048, num_warps=4, num_stages=1),
 }
 
 
 def config_for(k: int, config: dict | None = None) -> dict:
-    return {**CONFIGS["short" if k <= 8192 else "long"], **(config or {})}
+    name = "narrow" if k <= 1024 else "short" if k <= 8192 else "long"
+    return {**CONFIGS[name], **(config or {})}
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _pdl
+from . import _common, _linear, _pdl, _psum  # _linear registers countdown::decode_linear (ind_linear)
 from ._common import act_code
 from ._glu import MODES, _act, _keep, _pow2, _round_to
 from ._pdl import gdc_wait
@@ -77,6 +77,25 @@ def _env_configs() -> None:
 
 _env_configs()
 INTERPRETER_PROGS = 3  # programs under the interpreter: small, so each walks several chunks
+
+# Where a one-token indicator computed before the op runs (mono's u, cats' g, the low-rank predictor's
+# x A and (x A) B): "fixed" = kernels/_linear.py's GEMV, an opaque op with one launch configuration
+# per shape; "inductor" = x @ W^T, which torch.compile fuses with the RMSNorm before it and tunes per
+# compile (mono's norm + W_up kernel took 27 us a layer in one compile of the 8B decode step, 39 us in
+# another, where the GEMV alone takes 28: docs/decode.md). COUNTDOWN_IND_GEMV overrides the default.
+IND_GEMV = os.environ.get("COUNTDOWN_IND_GEMV", "fixed")
+IND_GEMV_OFF_CUDA = False  # the fixed route under the CPU interpreter too (tests only)
+if IND_GEMV not in ("fixed", "inductor"):
+    raise ValueError(f"COUNTDOWN_IND_GEMV must be 'fixed' or 'inductor', got {IND_GEMV!r}")
+
+
+def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
+    """x2 [1, K] @ w_rows [N, K]^T in x2's dtype: on the fixed GEMV (IND_GEMV "fixed", CUDA, a
+    contiguous w_rows of x2's dtype), else a plain matrix product (w_rows may then be any view)."""
+    if IND_GEMV == "fixed" and (x2.is_cuda or IND_GEMV_OFF_CUDA) and w_rows.is_contiguous() \
+            and x2.dtype == w_rows.dtype and 1 <= x2.shape[0] <= _linear.MAX_TOKENS:
+        return torch.ops.countdown.decode_linear(x2, w_rows, None, None)
+    return x2 @ w_rows.t()
 
 
 @triton.jit
@@ -274,7 +293,7 @@ def indicator_outside(mode: str) -> bool:
 def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str) -> torch.Tensor:
     """mono (mode "abs": keep |u| > t) or cats ("abs_act": keep |act(g)| > t) for one token."""
     w_ind = w_up if mode == "abs" else w_gate
-    src = dict(ind=x2 @ w_ind.t()) if indicator_outside(mode) else dict(v=x2, w_ind=w_ind)
+    src = dict(ind=ind_linear(x2, w_ind)) if indicator_outside(mode) else dict(v=x2, w_ind=w_ind)
     return onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                        gate=mode == "abs", up=mode != "abs", **src)
 
@@ -282,8 +301,8 @@ def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activatio
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
                 *, ind=None, v=None, w_ind=None) -> torch.Tensor:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
-    ``w_ind``: the op's partials summed and cast outside the op, where torch.compile fuses them (and
-    the indicator's GEMV) with their neighbours."""
+    ``w_ind``: the op's partials summed and cast by a second small op (_psum.py; or, with
+    COUNTDOWN_PSUM=inductor, by torch.compile, which fuses them with their neighbours)."""
     p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
                                           mode, activation, gate, up)
-    return p.sum(0, keepdim=True).to(x2.dtype)
+    return _psum.reduce(p, x2)

@@ -88,8 +88,9 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         # one token: the predictor's GEMVs here, outside the op (torch.compile turns them into its
         # tuned GEMVs), or x A here and the scores from B^T rows in the kernel; then the whole MLP
         # in one launch
-        latent = x2.to(pred_a.dtype) @ pred_a
-        src = dict(ind=latent @ pred_b) if outside else dict(v=latent, w_ind=pred_b.t())
+        # (on the fixed GEMV where A and B are stored as views of contiguous A^T and B^T)
+        latent = _onepass.ind_linear(x2.to(pred_a.dtype), pred_a.t())
+        src = dict(ind=_onepass.ind_linear(latent, pred_b.t())) if outside else dict(v=latent, w_ind=pred_b.t())
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation,
                                  gate=True, up=True, **src)
         return y.reshape(x.shape)

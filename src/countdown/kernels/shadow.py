@@ -142,6 +142,13 @@ def _onepass_applies(x2) -> bool:
     return _onepass.applies(x2)
 
 
+def _reduce(p: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """y [1, d_model] in x's dtype from one-token fp32 partials (kernels/_psum.py)."""
+    from . import _psum
+
+    return _psum.reduce(p, x2)
+
+
 def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu"):
     """Plain PyTorch: the reference scores (float32), the cut, the masked MLP at x's precision."""
     qg, sg, qu, su = unpack_prepared(prepared, x.shape[-1])
@@ -168,7 +175,7 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
     n_tok = x2.shape[0]
     if n_tok == 1 and ONE_TOKEN_ROUTE == "stream" and _onepass_applies(x2) and _one_token_gemv(x2, q, scale):
         p = torch.ops.countdown.shadow_stream(x2, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation)
-        return p.sum(0, keepdim=True).to(x.dtype).reshape(x.shape)
+        return _reduce(p, x2).reshape(x.shape)
     if n_tok == 1 and ONE_TOKEN_ROUTE in ("onepass", "stream") and _onepass_applies(x2):
         from . import _onepass
 
@@ -183,7 +190,7 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
     if n_tok == 1:
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                 w_gate, w_up, w_down_t, activation)
-        return p.sum(0, keepdim=True).to(x.dtype).reshape(x.shape)
+        return _reduce(p, x2).reshape(x.shape)
     if n_tok <= MAX_FUSED_TOKENS:
         y = torch.ops.countdown.select_gated_mlp(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                  w_gate, w_up, w_down_t, activation)

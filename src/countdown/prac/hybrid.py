@@ -55,8 +55,8 @@ def fit_gate_lowrank(mlp: GatedMLP, X: torch.Tensor, d_rank: int) -> dict[str, t
 
 
 class LowRankFactors(RowSelector):
-    """A selector holding low-rank factors ``A [d_model, r]``, ``Bt = B^T [d_inter, r]`` (contiguous:
-    the layout the kernels read), a float32 ``bias [d_inter]`` and a 0-dim float32 ``cut``;
+    """A selector holding low-rank factors ``A [d_model, r]`` (a view of a contiguous ``A^T``),
+    ``Bt = B^T [d_inter, r]`` (contiguous: the layout the kernels read), a float32 ``bias [d_inter]`` and a 0-dim float32 ``cut``;
     :meth:`to_model_dtype` holds ``A`` and ``Bt`` in a half-precision model's dtype (two bytes a
     weight at decode time), the bias, cut and comparisons stay in float32."""
 
@@ -64,7 +64,9 @@ class LowRankFactors(RowSelector):
         super().__init__()
         self.selection = selection
         self.n_keep = int(n_keep)
-        self.register_buffer("A", tensors["A"].clone())
+        # A is held as the transposed view of a contiguous A^T [r, d_model]: the one-token decode GEMV
+        # (kernels/_linear.py, via dual_gated_mlp) reads A^T's rows; x @ A is the same product
+        self.register_buffer("A", tensors["A"].t().contiguous().t())
         self.register_buffer("Bt", tensors["B"].t().contiguous())
         self.register_buffer("bias", tensors["bias"].float().clone())
         self.register_buffer("cut", tensors["cut"].float().reshape(()).clone())

@@ -1,0 +1,72 @@
+"""Triton kernel: y = P.sum(0) in the model's dtype, for the one-token sparse kernels' fp32 partials.
+
+The one-launch sparse kernel (_onepass.py) leaves one fp32 partial sum per program, P [programs,
+d_model] (224 x 4096 at the Llama-3.1-8B shape), and used to leave their sum to torch.compile. In
+the compiled decode step Inductor split that reduction into two kernels (2.3 + 1.2 us a layer on an
+H200, about 0.11 ms of a 2.9 ms step: `benchmarks/decode.py --profile`, 2026-11-23). Here one launch
+does it: program p owns BD columns and loads the whole [programs, BD] block at once (one round trip
+to L2, where the partials were just written), sums it in fp32 and rounds once to the output dtype.
+Deterministic (a fixed order per column), like the sum it replaces.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._glu import _pow2, _round_to
+
+# "kernel": this file's op; "inductor": P.sum(0).to(dtype), left to torch.compile. COUNTDOWN_PSUM overrides.
+ROUTE = os.environ.get("COUNTDOWN_PSUM", "kernel")
+if ROUTE not in ("kernel", "inductor"):
+    raise ValueError(f"COUNTDOWN_PSUM must be 'kernel' or 'inductor', got {ROUTE!r}")
+BD = 16  # columns per program: 256 programs at d_model 4096, each loading [programs, 16] fp32
+MAX_ELEMS = 8192  # the most values one program loads at once; more rows are summed in steps
+OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
+
+
+@triton.jit
+def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = pid * BD + tl.arange(0, BD)
+    cmask = cols < d
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for r0 in range(0, n_rows, BR):
+        r = r0 + tl.arange(0, BR)
+        tile = tl.load(P + r[:, None] * d + cols[None, :], mask=(r < n_rows)[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
+    tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=cmask)
+
+
+def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, d] = p.sum(0) for fp32 partials p [rows, d], rounded once to ``dtype``."""
+    if p.dim() != 2 or p.dtype != torch.float32:
+        raise ValueError(f"partials must be fp32 [rows, d_model], got {p.dtype} {tuple(p.shape)}")
+    p = p.contiguous()
+    rows, d = p.shape
+    y = _common.new_output((1, d), dtype, p.device)
+    br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
+    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, num_warps=4)
+    return y
+
+
+@torch.library.custom_op("countdown::sum_partials", mutates_args=())
+def _psum_op(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return sum_partials(p, like.dtype)
+
+
+@_psum_op.register_fake
+def _(p, like):
+    return p.new_empty((1, p.shape[1]), dtype=like.dtype)
+
+
+def reduce(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """y [1, d] in ``like``'s dtype: this file's op on CUDA (ROUTE "kernel"), else PyTorch's sum."""
+    if ROUTE == "kernel" and (p.is_cuda or OFF_CUDA):
+        return torch.ops.countdown.sum_partials(p, like)
+    return p.sum(0, keepdim=True).to(like.dtype)
