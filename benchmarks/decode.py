@@ -95,8 +95,9 @@ def parse_args(argv=None):
                     help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
                          "(countdown.attention.use_decode_attention), or that kernel with the rotary embedding and "
                          "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
-    ap.add_argument("--decode-gemv", default="", help="comma-separated projections of every row (down, o_proj) on "
-                    "kernels/_linear.py's fixed GEMV in decode steps (countdown.decode_gemv.route_linears); '' = Inductor")
+    ap.add_argument("--decode-gemv", default="", help="comma-separated projections of every row (down, gate_up, o_proj, "
+                    "qkv: qkv with --attention fused) on kernels/_linear.py's fixed GEMV in decode steps "
+                    "(countdown.decode_gemv.route_linears); '' = Inductor")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,

@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import os
+import sys
 import time
 
 import torch
@@ -156,7 +157,7 @@ def main(argv=None) -> None:
     atomic_write(os.path.join(args.out, "linear.csv"), buf.getvalue())
     date = datetime.date.today().isoformat()
     lines = [f"# One-token linear layers by route ({torch.cuda.get_device_name()}, {date})", "",
-             f"`PYTHONPATH=src python benchmarks/linear.py {' '.join(argv or [])}`; tokens {args.tokens}; "
+             f"`PYTHONPATH=src python benchmarks/linear.py {' '.join(sys.argv[1:] if argv is None else argv)}`; tokens {args.tokens}; "
              f"copy bandwidth {bw / 1e9:.0f} GB/s; share = weight bytes / time / copy bandwidth.", "",
              "| shape | N x K | cublas us (share) | inductor us (share) | triton best us (share) | triton config |",
              "|---|---|---|---|---|---|"]
@@ -171,7 +172,7 @@ def main(argv=None) -> None:
     atomic_write(os.path.join(args.out, "linear.md"), md)
     write_json(os.path.join(args.out, "linear_meta.json"), dict(
         device=torch.cuda.get_device_name(), date=date, torch=torch.__version__, copy_gbps=bw / 1e9,
-        command=f"PYTHONPATH=src python benchmarks/linear.py {' '.join(argv or [])}"))
+        command=f"PYTHONPATH=src python benchmarks/linear.py {' '.join(sys.argv[1:] if argv is None else argv)}"))
     print(md)
 
 

@@ -11,8 +11,9 @@ bandwidth measured in the same run, and a torch.profiler table of every kernel o
 - ``sdpa``: transformers' SDPA attention (the model as loaded);
 - ``countdown``: countdown's split-KV kernel behind transformers' interface (countdown.attention);
 - ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.fused_attention).
-- ``fused+down`` / ``fused+down+o``: the same with the MLPs' down projections (and the attention output
-  projections) on kernels/_linear.py's fixed GEMV (countdown.decode_gemv.route_linears); ``fused``
+- ``fused+down`` / ``fused+down+o`` / ``fused+down+o+qkv``: the same with the MLPs' down projections (and
+  the attention output projections, and the fused QKV GEMV) on kernels/_linear.py's fixed GEMV;
+  ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode_gemv.route_linears); ``fused``
   leaves every projection to Inductor.
 
 Writes ``step_profile.csv`` (one row per variant), ``step_kernels.csv`` (every kernel of every variant),
@@ -31,7 +32,7 @@ import time
 import torch
 
 T0 = time.perf_counter()
-VARIANTS = ("sdpa", "countdown", "fused", "fused+down", "fused+down+o")
+VARIANTS = ("sdpa", "countdown", "fused", "fused+down", "fused+down+o", "fused+down+o+qkv", "fused+all")
 
 
 def log(*parts) -> None:
@@ -66,10 +67,12 @@ def apply_variant(model, variant: str) -> str:
     if variant == "countdown":
         use_decode_attention(model)
     elif variant.startswith("fused"):
-        targets = {"fused+down": ("down",), "fused+down+o": ("down", "o_proj")}.get(variant, ())
+        targets = {"fused+down": ("down",), "fused+down+o": ("down", "o_proj"),
+                   "fused+down+o+qkv": ("down", "o_proj", "qkv"),
+                   "fused+all": ("down", "gate_up", "o_proj", "qkv")}.get(variant, ())
+        skipped = fuse_attention(model)
         if targets:
             route_linears(model, targets)
-        skipped = fuse_attention(model)
         return f"{len(skipped)} modules left alone: {skipped[:1]}" if skipped else ""
     return ""
 

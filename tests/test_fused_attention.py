@@ -93,3 +93,40 @@ def test_other_layouts_are_left_alone_with_the_reason():
     assert not any(fused_attention.is_fused(layer.self_attn) for layer in model.model.layers)
     with pytest.raises(TypeError, match="fuse_attention takes a transformers decoder"):
         fused_attention.fuse_attention(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
+    """route_linears(model, ("qkv",)): the fused attention's QKV GEMV (with Qwen2's bias) on
+    kernels/_linear.py for the decode steps: the same greedy tokens and step logits as the fused
+    path on F.linear, one call per layer per decode step; it needs fuse_attention first (named), and
+    un-routing or unfusing drops it."""
+    from countdown.decode import generate_fast
+    from countdown.decode_gemv import route_linears
+    from countdown.kernels import _linear
+
+    model = tiny_model(arch).to(DEV)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
+    with pytest.raises(ValueError, match="fuse_attention"):
+        route_linears(model, ("qkv",))
+    fused_attention.fuse_attention(model)
+    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
+    ref_logits, _ = _step_logits_and_cache(model, prompt)
+    n_layers = model.config.num_hidden_layers
+    assert route_linears(model, ("qkv",)) == n_layers
+    calls = []
+    real = _linear.decode_linear
+    monkeypatch.setattr(_linear, "decode_linear", lambda x, w, b=None, *a, **k: calls.append((x.shape[0], b is not None))
+                        or real(x, w, b, *a, **k))
+    out, _ = generate_fast(model, prompt, 6, compile=False)
+    assert torch.equal(out, ref_tokens)
+    assert calls == [(2, arch == "qwen2")] * (5 * n_layers)
+    logits, _ = _step_logits_and_cache(model, prompt)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert route_linears(model, (), on=False) == n_layers
+    calls.clear()
+    generate_fast(model, prompt, 2, compile=False)
+    assert calls == []
+    route_linears(model, ("qkv",))
+    fused_attention.fuse_attention(model, False)  # unfusing drops the route with the fused forward
+    assert not any(hasattr(m, fused_attention.QKV_FIXED) for m in model.modules())

@@ -67,7 +67,7 @@ def test_decode_linear_op_compiles_and_names_bad_input():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_routed_model_decodes_as_before(arch, monkeypatch):
-    """route_linears: a tiny model with its down (and o_proj) projections on the fixed GEMV decodes
+    """route_linears: a tiny model with its down, gate, up and o_proj projections on the fixed GEMV decodes
     the same greedy tokens as before, eager and compiled (the op opaque to Dynamo), with one-step
     logits within float32 rounding; the kernel serves the decode steps' rows only (the prompt and
     gradient-wanting calls keep F.linear); the state dict is untouched and un-routing restores it all."""
@@ -83,14 +83,14 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
         ref_logits = model(prompt).logits
     state = {k: v.clone() for k, v in model.state_dict().items()}
     n_layers = model.config.num_hidden_layers
-    assert route_linears(model, ("down", "o_proj")) == 2 * n_layers
+    assert route_linears(model, ("down", "o_proj", "gate_up")) == 4 * n_layers
     assert route_linears(model, ("down",)) == 0  # already routed
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
     out, _ = generate_fast(model, prompt, 5, compile=False)
     assert torch.equal(out, ref)
-    assert calls and set(calls) == {2} and len(calls) == 4 * 2 * n_layers  # 4 decode steps, batch 2
+    assert calls and set(calls) == {2} and len(calls) == 4 * 4 * n_layers  # 4 decode steps, batch 2
     with torch.no_grad():
         torch.testing.assert_close(model(prompt).logits, ref_logits)  # 18 rows: F.linear, bit for bit
     prompt_grad = model(prompt[:1, :2]).logits.sum()  # gradients wanted: F.linear
@@ -101,10 +101,10 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
         compiled, _ = generate_fast(model, prompt, 5, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref)
     assert model.state_dict().keys() == state.keys()
-    assert route_linears(model, (), on=False) == 2 * n_layers
+    assert route_linears(model, (), on=False) == 4 * n_layers
     assert not any(is_routed(m) for m in model.modules())
     calls.clear()
     again, _ = generate_fast(model, prompt, 5, compile=False)
     assert torch.equal(again, ref) and calls == []
     with pytest.raises(ValueError, match="unknown target"):
-        route_linears(model, ("qkv",))
+        route_linears(model, ("gate",))

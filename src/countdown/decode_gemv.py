@@ -3,7 +3,9 @@
     from countdown.decode_gemv import route_linears
     route_linears(model, ("down",))           # every Gated-MLP's down projection
     route_linears(model, ("down", "o_proj"))  # and the attention blocks' output projections
-    route_linears(model, (), on=False)        # back to nn.Linear's forward
+    route_linears(model, ("gate_up",))        # the Gated-MLPs' gate and up projections (dense layers)
+    route_linears(model, ("qkv",))            # fused attention's QKV GEMV (after fuse_attention(model))
+    route_linears(model, (), on=False)        # back to nn.Linear's forward (and F.linear for QKV)
 
 Why (docs/decode.md, "A fixed GEMV for W_down"): under torch.compile with coordinate-descent tuning,
 Inductor fuses act(g) * u into the down projection's reduction, and that kernel re-reads g and u for
@@ -25,7 +27,7 @@ from torch import nn
 
 from .kernels import _common
 
-TARGETS = ("down", "o_proj")
+TARGETS = ("down", "gate_up", "o_proj", "qkv")
 _ROUTED = "_countdown_decode_gemv"
 MAX_TOKENS = 8  # kernels/_linear.MAX_TOKENS (not imported here: that module needs Triton)
 
@@ -44,6 +46,11 @@ def _layers(model: nn.Module, target: str) -> list[nn.Linear]:
         from .mlp import require_gated_mlps
 
         found = [getattr(g.module, g.down) for g in require_gated_mlps(model) if g.tp is None]
+    elif target == "gate_up":
+        from .mlp import require_gated_mlps
+
+        found = [getattr(g.module, name) for g in require_gated_mlps(model) if g.tp is None
+                 for name in ((g.fused,) if g.fused else (g.gate, g.up))]
     elif target == "o_proj":
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None) or []
@@ -60,12 +67,17 @@ def is_routed(layer: nn.Module) -> bool:
 def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
     """Route the ``targets`` layers of ``model`` through the fixed GEMV (``on=False``: un-route every
     routed layer, whatever ``targets`` says). Returns how many layers changed."""
+    from .fused_attention import QKV_FIXED, is_fused
+
     if not on:
         changed = 0
         for module in model.modules():
             if is_routed(module):
                 del module.forward
                 delattr(module, _ROUTED)
+                changed += 1
+            if getattr(module, QKV_FIXED, False):
+                delattr(module, QKV_FIXED)
                 changed += 1
         return changed
     bad = [t for t in targets if t not in TARGETS]
@@ -74,7 +86,16 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
     from .kernels import _linear  # noqa: F401  (registers countdown::decode_linear; needs Triton)
 
     changed = 0
-    for target in targets:
+    if "qkv" in targets:  # not an nn.Linear: the fused attention module's concatenated weight
+        fused = [m for m in model.modules() if is_fused(m)]
+        if not fused:
+            raise ValueError("route_linears(model, ('qkv',)) routes fused attention's QKV GEMV: call "
+                             "countdown.fused_attention.fuse_attention(model) first")
+        for attn in fused:
+            if not getattr(attn, QKV_FIXED, False):
+                setattr(attn, QKV_FIXED, True)
+                changed += 1
+    for target in (t for t in targets if t != "qkv"):
         for lin in _layers(model, target):
             if not is_routed(lin):
                 lin.forward = types.MethodType(_decode_forward, lin)

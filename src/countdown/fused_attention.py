@@ -37,6 +37,7 @@ FUSABLE = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # rotate_hal
 _BEFORE = "_countdown_forward_before"
 _WEIGHT, _BIAS = "_countdown_wqkv", "_countdown_bqkv"
 _SWITCHED = "_countdown_fused_switched_attention"
+QKV_FIXED = "_countdown_qkv_fixed"  # set by countdown.decode_gemv.route_linears(model, ("qkv",))
 
 
 @torch.library.custom_op("countdown::rope_decode_attention", mutates_args=("k_cache", "v_cache", "pos"))
@@ -103,6 +104,8 @@ def _unfuse(attn: nn.Module) -> None:
     del attn._buffers[_WEIGHT], attn._buffers[_BIAS]
     attn.forward = getattr(attn, _BEFORE)
     delattr(attn, _BEFORE)
+    if hasattr(attn, QKV_FIXED):
+        delattr(attn, QKV_FIXED)
 
 
 def is_fused(module: nn.Module) -> bool:
@@ -161,7 +164,11 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         return getattr(self, _BEFORE)(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     layer, row = found
     B = hidden_states.shape[0]
-    qkv = F.linear(hidden_states, getattr(self, _WEIGHT), getattr(self, _BIAS)).view(B, -1)
+    weight, bias = getattr(self, _WEIGHT), getattr(self, _BIAS)
+    if getattr(self, QKV_FIXED, False) and B <= 8 and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+        qkv = torch.ops.countdown.decode_linear(hidden_states.reshape(B, -1), weight, bias, None)
+    else:
+        qkv = F.linear(hidden_states, weight, bias).view(B, -1)
     cos, sin = position_embeddings
     n_heads = self.q_proj.out_features // self.head_dim
     out = torch.ops.countdown.rope_decode_attention(qkv, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),

@@ -1,9 +1,9 @@
 """Triton kernel: a whole sparse Gated-MLP for one token in one launch (the decode step's case).
 
 For the token x [d_model] and its indicator ind [d_inter] (u for mono, g for cats, the predictor's
-scores x A B for dual), either given (``IND="torch"``: computed before the op by cuBLAS, or under
-torch.compile by Inductor's tuned GEMV, which measured faster than the kernel's own) or computed
-here from the indicator's input v (x for mono / cats, the latent x A for dual):
+scores x A B for dual), either given (``IND="torch"``: computed before the op, on kernels/_linear.py's
+fixed GEMV by default, see IND_GEMV; measured faster than this kernel's own) or computed here from
+the indicator's input v (x for mono / cats, the latent x A for dual):
 
     ind[i]  = v . W_ind[i]                  W_ind = W_up (mono), W_gate (cats), B^T (dual)
     keep[i] = |ind| > t, |act(ind)| > t or ind > t[i]       (the MODEs of _glu.py)

@@ -1,10 +1,10 @@
 """Triton kernel: y = P.sum(0) in the model's dtype, for the one-token sparse kernels' fp32 partials.
 
 The one-launch sparse kernel (_onepass.py) leaves one fp32 partial sum per program, P [programs,
-d_model] (224 x 4096 at the Llama-3.1-8B shape), and used to leave their sum to torch.compile. In
-the compiled decode step Inductor split that reduction into two kernels (2.3 + 1.2 us a layer on an
-H200, about 0.11 ms of a 2.9 ms step: `benchmarks/decode.py --profile`, 2026-11-23). Here one launch
-does it: program p owns BD columns and loads the whole [programs, BD] block at once (one round trip
+d_model] (224 x 4096 at the Llama-3.1-8B shape), and leaves their sum to torch.compile by default.
+In the compiled decode step Inductor splits that reduction into two kernels (2.3 + 1.2 us a layer on
+an H200, about 0.11 ms of a 2.9 ms step: `benchmarks/decode.py --profile`, 2026-11-23). Here one
+launch does it (opt-in, see ROUTE): program p owns BD columns and loads the whole [programs, BD] block at once (one round trip
 to L2, where the partials were just written), sums it in fp32 and rounds once to the output dtype.
 Deterministic (a fixed order per column), like the sum it replaces.
 """
@@ -20,8 +20,12 @@ import triton.language as tl
 from . import _common
 from ._glu import _pow2, _round_to
 
-# "kernel": this file's op; "inductor": P.sum(0).to(dtype), left to torch.compile. COUNTDOWN_PSUM overrides.
-ROUTE = os.environ.get("COUNTDOWN_PSUM", "kernel")
+# "kernel": this file's op; "inductor" (the default): P.sum(0).to(dtype), left to torch.compile, which
+# fuses the residual add into it. Measured on an H200 (2026-11-23): the op alone 3.3 us against
+# Inductor's sum + cast 4.0 us (benchmarks/psum.py, [224, 4096]); in the compiled 8B decode step it replaced
+# 3.5 us of two Inductor kernels with 3.0 us, but the residual add then moved into the next RMSNorm
+# kernel and the step did not get measurably faster (docs/decode.md). COUNTDOWN_PSUM=kernel selects it.
+ROUTE = os.environ.get("COUNTDOWN_PSUM", "inductor")
 if ROUTE not in ("kernel", "inductor"):
     raise ValueError(f"COUNTDOWN_PSUM must be 'kernel' or 'inductor', got {ROUTE!r}")
 BD = 16  # columns per program: 256 programs at d_model 4096, each loading [programs, 16] fp32

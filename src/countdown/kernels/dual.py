@@ -1,6 +1,7 @@
 """D-CountDown Gated-MLP with its low-rank predictor included.
 
-    score = (x A) B                 A [d_model, r], B [r, d_inter]: two small cuBLAS GEMVs
+    score = (x A) B                 A [d_model, r], B [r, d_inter]: two small GEMVs (one token:
+                                    kernels/_linear.py's, see _onepass.ind_linear)
     keep[b, i] = score[b, i] > cut  (compared in float32)
     s[b, i] = (x W_up[i]^T) * act(x W_gate[i]^T)   for kept rows only, else 0
     y[b] = sum_i s[b, i] * w_down_t[i, :]
