@@ -12,7 +12,7 @@ Inductor fuses act(g) * u into the down projection's reduction, and that kernel 
 every block of output rows it tunes: on an H200 it took 33 to 56 us per layer over four compiles of
 the same code, where the GEMV alone takes 28.5 us (98 % of copy bandwidth, benchmarks/linear.py).
 A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
-most ``_linear.MAX_TOKENS`` rows and no gradient is wanted; every other call (the prompt, training)
+most ``_common.DECODE_GEMV_MAX_TOKENS`` rows and no gradient is wanted; every other call (the prompt, training)
 is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
 method of each routed ``nn.Linear`` instance is replaced.
 """
@@ -29,14 +29,9 @@ from .kernels import _common
 
 TARGETS = ("down", "gate_up", "o_proj", "qkv")
 _ROUTED = "_countdown_decode_gemv"
-MAX_TOKENS = 8  # kernels/_linear.MAX_TOKENS (not imported here: that module needs Triton)
-
-
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-    if 0 < rows <= MAX_TOKENS and not wants_grad and _common.available(x):
-        y = torch.ops.countdown.decode_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias, None)
+    if _common.decode_gemv_serves(x, self.weight):
+        y = torch.ops.countdown.decode_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, None)
         return y.view(*x.shape[:-1], self.out_features)
     return F.linear(x, self.weight, self.bias)
 

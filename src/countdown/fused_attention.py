@@ -165,7 +165,7 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     layer, row = found
     B = hidden_states.shape[0]
     weight, bias = getattr(self, _WEIGHT), getattr(self, _BIAS)
-    if getattr(self, QKV_FIXED, False) and B <= 8 and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+    if getattr(self, QKV_FIXED, False) and _common.decode_gemv_serves(hidden_states, weight):
         qkv = torch.ops.countdown.decode_linear(hidden_states.reshape(B, -1), weight, bias, None)
     else:
         qkv = F.linear(hidden_states, weight, bias).view(B, -1)

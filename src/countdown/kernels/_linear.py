@@ -25,7 +25,7 @@ import triton.language as tl
 from . import _common
 from ._glu import _pow2, _round_to
 
-MAX_TOKENS = 8
+MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
 INTERPRETER_BN = 16
 # Launch configurations by the shape's K (the reduction length): the fastest of `benchmarks/linear.py`'s
 # sweep on an H200, 2026-11-23 (benchmarks/results/linear/), one token: W_o [4096, 4096] 9.9 us (80 % of
