@@ -242,6 +242,8 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
     ("dual", torch.bfloat16, "silu", {}, False),
     ("dual", torch.bfloat16, "silu", {}, True),
     ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8), True),
+    ("mono", torch.bfloat16, "silu", dict(ROWS="auto", BLOCK_M=4), False),  # 131 rows over 3 programs: 44 a chunk
+    ("dual", torch.float32, "silu", dict(ROWS="auto", BLOCK_M=2), True),
 ]
 
 
@@ -257,6 +259,8 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     ``cut - bias``) give every row its own value."""
     monkeypatch.setattr(_onepass, "ONEPASS", True)
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    if config.get("ROWS") == "auto" and ind == "kernel":
+        pytest.skip("ROWS='auto' takes the indicator given (tested to refuse the other case below)")
     monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, **config, "IND": ind} for m, c in _onepass.CONFIGS.items()})
     x, wg, wu, wdt = _mlp(1, dtype)
     if op == "dual":
@@ -360,6 +364,9 @@ def test_onepass_really_runs(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="one token"):
         real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
+    x = x[:1]
+    with pytest.raises(ValueError, match="ROWS='auto'"):
+        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(ROWS="auto"))
 
 
 VARIANTS = [  # kernel options the benchmark compares; each must be right too

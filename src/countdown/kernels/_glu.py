@@ -66,6 +66,20 @@ def _keep(ind, thr, MODE: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
+    """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (the one-token sparse
+    kernels: _onepass.py, _balanced.py, _stream.py, _select.py)."""
+    if BIG:
+        off = pid.to(tl.int64) * d_model + kd
+    else:
+        off = pid * d_model + kd
+    if EVEN_D:
+        tl.store(P + off, yacc)
+    else:
+        tl.store(P + off, yacc, mask=kd < d_model)
+
+
+@triton.jit
 def _round_to(v, DT: tl.constexpr):
     """fp32 v rounded to DT's precision (round to nearest even), kept in fp32. For bf16 this is done on
     the bits, because the interpreter's fp32 -> bf16 cast truncates."""

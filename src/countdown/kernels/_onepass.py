@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _linear, _pdl, _psum  # _linear registers countdown::decode_linear (ind_linear)
+from . import _balanced, _common, _linear, _pdl, _psum  # _linear registers countdown::decode_linear (ind_linear)
 from ._common import act_code
-from ._glu import MODES, _act, _keep, _pow2, _round_to
+from ._glu import MODES, _act, _keep, _pow2, _round_to, _store_partial
 from ._pdl import gdc_wait
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
@@ -88,6 +88,13 @@ IND_GEMV_OFF_CUDA = False  # the fixed route under the CPU interpreter too (test
 if IND_GEMV not in ("fixed", "inductor"):
     raise ValueError(f"COUNTDOWN_IND_GEMV must be 'fixed' or 'inductor', got {IND_GEMV!r}")
 
+# The sparse phase when the indicator is given: "onepass" (this file's kernel: each program finds the
+# kept rows of its own chunks) or "balanced" (_balanced.py: every program ranks all kept rows and takes
+# an equal share). COUNTDOWN_SPARSE_KERNEL overrides the default.
+SPARSE_KERNEL = os.environ.get("COUNTDOWN_SPARSE_KERNEL", "onepass")
+if SPARSE_KERNEL not in ("onepass", "balanced"):
+    raise ValueError(f"COUNTDOWN_SPARSE_KERNEL must be 'onepass' or 'balanced', got {SPARSE_KERNEL!r}")
+
 
 def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
     """x2 [1, K] @ w_rows [N, K]^T in x2's dtype: on the fixed GEMV (IND_GEMV "fixed", CUDA, a
@@ -111,22 +118,9 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
-    """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (shared with _stream.py and _select.py)."""
-    if BIG:
-        off = pid.to(tl.int64) * d_model + kd
-    else:
-        off = pid * d_model + kd
-    if EVEN_D:
-        tl.store(P + off, yacc)
-    else:
-        tl.store(P + off, yacc, mask=kd < d_model)
-
-
-@triton.jit
 def _onepass_kernel(
     X, V, WI, IND, WG, WU, WD, THR, P,
-    thr_f, d_model, d_inter, k_ind, n_chunks, n_progs,
+    thr_f, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
@@ -158,8 +152,12 @@ def _onepass_kernel(
         wi_n = _rows(WI, pid * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
 
     for c in range(pid, n_chunks, n_progs):
-        r = c * CHUNK + cr
-        rmask = r < d_inter
+        if DENSE:
+            r = c * CHUNK + cr
+            rmask = r < d_inter
+        else:  # rows_per_chunk <= CHUNK rows (ROWS "auto": not a power of two)
+            r = c * rows_per_chunk + cr
+            rmask = (cr < rows_per_chunk) & (r < d_inter)
         if not DENSE:  # the indicator was computed before the launch
             ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
         elif PREFETCH:  # this chunk's rows arrived during the last one; request the next chunk's
@@ -214,11 +212,21 @@ def _onepass_kernel(
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
+def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
+    """(rows per chunk, CHUNK = the power of two that holds them, programs). ROWS "auto" (indicator
+    given only): one chunk per program, d_inter split evenly over PER_SM programs per SM."""
+    most = _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)
+    if cfg.get("ROWS") == "auto":
+        rows = triton.cdiv(d_inter, most)
+        chunk = max(16, _pow2(rows))
+    else:
+        rows = chunk = cfg["CHUNK"]
+    return rows, chunk, max(1, min(triton.cdiv(d_inter, rows), most))
+
+
 def n_programs(device: torch.device, d_inter: int, mode: str, config: dict | None = None) -> int:
     """How many partial sums the kernel writes for this device, shape and mode (the op's output rows)."""
-    cfg = {**CONFIGS[mode], **(config or {})}
-    n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
-    return max(1, min(n_chunks, _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
+    return _chunking(device, d_inter, {**CONFIGS[mode], **(config or {})})[2]
 
 
 def applies(x2: torch.Tensor) -> bool:
@@ -244,6 +252,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
             raise ValueError(f"indicator must be [1, {d_inter}], got {tuple(ind.shape)}")
         ind = ind.contiguous()
         v, w_ind = x, w_gate  # placeholders, never read
+    elif cfg.get("ROWS") == "auto":
+        raise ValueError("ROWS='auto' (one chunk per program) needs the indicator given (IND='torch')")
     elif w_ind.shape[0] != d_inter or v.shape != (1, w_ind.shape[1]):
         raise ValueError(f"indicator input must be v [1, k] and w_ind [{d_inter}, k], got "
                          f"{tuple(v.shape)} and {tuple(w_ind.shape)}")
@@ -253,14 +263,13 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     thr_vec = thr_t is not None and thr_t.dim() == 1
     if thr_vec and thr_t.numel() != d_inter:
         raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
-    chunk = cfg["CHUNK"]
-    progs = n_programs(x.device, d_inter, mode, cfg)
+    rows, chunk, progs = _chunking(x.device, d_inter, cfg)
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
     pdl = _pdl.active(x)
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, chunk), progs,
+        float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
@@ -303,6 +312,10 @@ def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
     ``w_ind``: the op's partials summed and cast by a second small op (_psum.py; or, with
     COUNTDOWN_PSUM=inductor, by torch.compile, which fuses them with their neighbours)."""
-    p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
-                                          mode, activation, gate, up)
+    if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
+        p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
+                                               gate, up)
+    else:
+        p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
+                                              mode, activation, gate, up)
     return _psum.reduce(p, x2)

@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 
 from ._common import persistent_programs
-from ._glu import _act, _pow2, _round_to
-from ._onepass import _store_partial
+from ._glu import _act, _pow2, _round_to, _store_partial
 
 
 @triton.jit

@@ -28,8 +28,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._glu import _act, _pow2, _round_to
-from ._onepass import _store_partial
+from ._glu import _act, _pow2, _round_to, _store_partial
 from ._pdl import gdc_wait
 
 # Launch configuration: BM kept rows per step, PER_SM programs per SM. The fastest of
