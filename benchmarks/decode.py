@@ -6,9 +6,12 @@
 
 A paper-scale shape with random weights (values do not change batch-1 speed; ``--masks`` checks that
 with masks recorded on real models), bf16, a prompt of 64 random tokens, then 512 new tokens, batch 1,
-k = 0.5 ... 0.9, for dense and every method spec (``--methods``: mono, cats, dual[lowrank],
+k = 0.7 / 0.8 / 0.9, for dense and every method spec (``--methods``: mono, cats, dual[lowrank],
 dual[hybrid], dual[shadow4], dejavu, teal; parsed by ``countdown.bench.specs``; a spec this library
-cannot run yet is skipped with the reason printed).
+cannot run yet is skipped with the reason printed). Every row runs the fastest decode step the library
+has: the fused attention block (``--attention fused``) and every projection on the fixed GEMV
+(``--decode-gemv auto``); on an H200 the whole default run takes about five minutes (run AB,
+docs/decode.md).
 
 Runners. ``--runner one-compile`` (default, ``countdown.bench.onecompile``): the compiled dense decoder
 as ``generate_fast`` runs it (full graph, CUDA graphs, coordinate-descent tuning; compiled twice for the
@@ -79,7 +82,7 @@ def parse_args(argv=None):
     ap.add_argument("--config", default="llama-3.1-8b-shape", help="a shape name from countdown.catalogue()")
     ap.add_argument("--methods", default=DEFAULT_METHODS, help="method specs (countdown.bench.specs)")
     ap.add_argument("--runner", choices=("one-compile", "per-compile"), default="one-compile")
-    ap.add_argument("--ks", default="0.5,0.6,0.7,0.8,0.9")
+    ap.add_argument("--ks", default="0.7,0.8,0.9")
     ap.add_argument("--batches", default="1", help="batch sizes (per-compile runner only; one-compile: batch 1)")
     ap.add_argument("--batch-methods", default="", help="specs also timed at batch > 1 (default: all)")
     ap.add_argument("--new-tokens", default="512")
@@ -91,13 +94,14 @@ def parse_args(argv=None):
                     help="dual on the kernel path: predictor inside the fused kernel, or mask in PyTorch + "
                     "masked kernel (countdown.prac.lowrank.IN_KERNEL)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
-    ap.add_argument("--attention", choices=["sdpa", "countdown", "fused"], default="sdpa",
+    ap.add_argument("--attention", choices=["sdpa", "countdown", "fused"], default="fused",
                     help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
                          "(countdown.attention.use_decode_attention), or that kernel with the rotary embedding and "
                          "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
-    ap.add_argument("--decode-gemv", default="", help="comma-separated projections of every row (down, gate_up, o_proj, "
-                    "qkv: qkv with --attention fused) on kernels/_linear.py's fixed GEMV in decode steps "
-                    "(countdown.decode_gemv.route_linears); '' = Inductor")
+    ap.add_argument("--decode-gemv", default="auto", help="comma-separated projections of every row (down, gate_up, "
+                    "o_proj, qkv: qkv with --attention fused) on kernels/_linear.py's fixed GEMV in decode steps "
+                    "(countdown.decode_gemv.route_linears); 'auto' (default) = every one that applies, '' or 'none' "
+                    "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
@@ -209,6 +213,10 @@ def main(argv=None) -> int:
         if skipped:
             log(f"fuse_attention left {len(skipped)} modules alone: {skipped[0]}")
     meta["attention"] = model.config._attn_implementation + ("+fused" if args.attention == "fused" else "")
+    if args.decode_gemv == "auto":
+        args.decode_gemv = "down,gate_up,o_proj" + (",qkv" if args.attention == "fused" else "")
+    elif args.decode_gemv == "none":
+        args.decode_gemv = ""
     if args.decode_gemv:
         from countdown.decode_gemv import route_linears
 

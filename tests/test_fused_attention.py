@@ -99,14 +99,14 @@ def test_other_layouts_are_left_alone_with_the_reason():
 def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
     """route_linears(model, ("qkv",)): the fused attention's QKV GEMV (with Qwen2's bias) on
     kernels/_linear.py for the decode steps: the same greedy tokens and step logits as the fused
-    path on F.linear, one call per layer per decode step; it needs fuse_attention first (named), and
-    un-routing or unfusing drops it."""
+    path on F.linear, one call per layer per batch-1 decode step (batch 2 keeps F.linear); it needs
+    fuse_attention first (named), and un-routing or unfusing drops it."""
     from countdown.decode import generate_fast
     from countdown.decode_gemv import route_linears
     from countdown.kernels import _linear
 
     model = tiny_model(arch).to(DEV)
-    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
     with pytest.raises(ValueError, match="fuse_attention"):
         route_linears(model, ("qkv",))
     fused_attention.fuse_attention(model)
@@ -120,9 +120,12 @@ def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
                         or real(x, w, b, *a, **k))
     out, _ = generate_fast(model, prompt, 6, compile=False)
     assert torch.equal(out, ref_tokens)
-    assert calls == [(2, arch == "qwen2")] * (5 * n_layers)
+    assert calls == [(1, arch == "qwen2")] * (5 * n_layers)
     logits, _ = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    calls.clear()
+    generate_fast(model, torch.cat([prompt, prompt]), 3, compile=False)
+    assert calls == []  # batch 2 keeps F.linear (the routes serve one row)
     assert route_linears(model, (), on=False) == n_layers
     calls.clear()
     generate_fast(model, prompt, 2, compile=False)

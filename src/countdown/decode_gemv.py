@@ -12,7 +12,8 @@ Inductor fuses act(g) * u into the down projection's reduction, and that kernel 
 every block of output rows it tunes: on an H200 it took 33 to 56 us per layer over four compiles of
 the same code, where the GEMV alone takes 28.5 us (98 % of copy bandwidth, benchmarks/linear.py).
 A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
-most ``_common.DECODE_GEMV_MAX_TOKENS`` rows and no gradient is wanted; every other call (the prompt, training)
+most ``_common.DECODE_GEMV_ROUTE_TOKENS`` rows (one: batch-1 decode steps) and no gradient is wanted;
+every other call (batch > 1, the prompt, training)
 is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
 method of each routed ``nn.Linear`` instance is replaced.
 """
