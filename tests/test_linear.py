@@ -111,3 +111,47 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
     assert torch.equal(again, ref1) and calls == []
     with pytest.raises(ValueError, match="unknown target"):
         route_linears(model, ("gate",))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fastest_step_applies_and_undoes(arch, monkeypatch):
+    """decode_gemv.fastest_step: fused attention where fusable (Llama; Gemma-3 is left alone and named),
+    down / gate_up / o_proj on the fixed GEMV, and qkv only where fused; greedy batch-1 decoding gives
+    the same tokens as the plain model, sparsified too; on=False restores every module; and countdown
+    bench's wrapper applies it around the timings only when asked."""
+    from conftest import tiny_model
+
+    from countdown import sparsify, unsparsify
+    from countdown.bench.operating import _FastStep
+    from countdown.decode import generate_fast
+    from countdown.decode_gemv import fastest_step, is_routed
+    from countdown.fused_attention import QKV_FIXED, is_fused
+
+    model = tiny_model(arch).to(DEVICE)
+    n_layers = model.config.num_hidden_layers
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ref, _ = generate_fast(model, prompt, 4, compile=False)
+    sparsify(model, "mono", 0.5)
+    ref_sparse, _ = generate_fast(model, prompt, 4, compile=False)
+    unsparsify(model)
+    skipped = fastest_step(model)
+    fused = sum(is_fused(m) for m in model.modules())
+    assert (fused, len(skipped)) == ((n_layers, 0) if arch == "llama" else (0, n_layers))
+    assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
+    assert sum(bool(getattr(m, QKV_FIXED, False)) for m in model.modules()) == fused
+    calls = []
+    real = _linear.decode_linear
+    monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    out, _ = generate_fast(model, prompt, 4, compile=False)
+    assert torch.equal(out, ref) and calls
+    sparsify(model, "mono", 0.5)
+    out_sparse, _ = generate_fast(model, prompt, 4, compile=False)
+    unsparsify(model)
+    assert torch.equal(out_sparse, ref_sparse)
+    assert fastest_step(model, on=False) == []
+    assert not any(is_routed(m) or is_fused(m) or getattr(m, QKV_FIXED, False) for m in model.modules())
+    with _FastStep(model, True):
+        assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
+    with _FastStep(model, False):
+        assert not any(is_routed(m) for m in model.modules())
+    assert not any(is_routed(m) or is_fused(m) for m in model.modules())

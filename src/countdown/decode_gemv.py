@@ -6,6 +6,7 @@
     route_linears(model, ("gate_up",))        # the Gated-MLPs' gate and up projections (dense layers)
     route_linears(model, ("qkv",))            # fused attention's QKV GEMV (after fuse_attention(model))
     route_linears(model, (), on=False)        # back to nn.Linear's forward (and F.linear for QKV)
+    fastest_step(model)                       # fuse_attention + every target that applies; on=False undoes
 
 Why (docs/decode.md, "A fixed GEMV for W_down"): under torch.compile with coordinate-descent tuning,
 Inductor fuses act(g) * u into the down projection's reduction, and that kernel re-reads g and u for
@@ -98,3 +99,21 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
                 setattr(lin, _ROUTED, True)
                 changed += 1
     return changed
+
+
+def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
+    """The fastest batch-1 decode step the library has (what ``benchmarks/decode.py`` runs by default):
+    the attention blocks fused (:func:`countdown.fused_attention.fuse_attention`, where fusable) and
+    every projection on the fixed GEMV (qkv only where fused). ``on=False`` undoes both. Returns the
+    reasons the attention modules left alone were left alone. Call it after ``sparsify`` or before:
+    the sparse MLPs read the weights directly and ignore a routed layer's forward."""
+    from .fused_attention import fuse_attention, is_fused
+
+    if not on:
+        route_linears(model, (), on=False)
+        fuse_attention(model, False)
+        return []
+    skipped = fuse_attention(model)
+    targets = ("down", "gate_up", "o_proj") + (("qkv",) if any(is_fused(m) for m in model.modules()) else ())
+    route_linears(model, targets)
+    return skipped

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
     parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
     parser.add_argument("--speed-only", action="store_true", help="skip quality; speed-only artifacts")
+    parser.add_argument("--plain-step", action="store_true",
+                        help="CUDA: time transformers' own attention and Inductor's GEMVs instead of the fastest step "
+                             "(countdown.decode_gemv.fastest_step: fused attention, every projection on the fixed GEMV)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -103,7 +106,7 @@ def bench_from_args(args) -> int:
         specs=specs, ks=list(args.sparsity), texts=countdown.load_texts(args.texts) if args.texts else None,
         calib_texts=countdown.load_texts(args.calib_texts) if args.calib_texts else None,
         calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
-        samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only)
+        samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only, fast_step=not args.plain_step)
     skipped: list[str] = []
 
     def log(message: str) -> None:
@@ -114,6 +117,7 @@ def bench_from_args(args) -> int:
     rows = operating_points(model, None if speed_only else tok, settings, model_name=args.model, log=log,
                             progress=not args.no_progress)
     meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
+            "step": "plain" if args.plain_step else "fastest (fused attention, fixed GEMVs) on CUDA",
             "command": _command(args)}
     paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")

@@ -44,6 +44,7 @@ class BenchSettings:
     samples: int = 3
     artifacts_dir: str | None = None
     speed_only: bool = False
+    fast_step: bool = True  # CUDA: time every row on countdown.decode_gemv.fastest_step (undone after)
 
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
@@ -92,6 +93,30 @@ def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
     return sorted(r["tokens_per_s"] for r in runs)[len(runs) // 2]
 
 
+class _FastStep:
+    """``with _FastStep(model, on):`` the fastest decode step around the speed timings only (quality
+    is measured on the model as loaded); nothing when ``on`` is False."""
+
+    def __init__(self, model, on: bool):
+        self.model, self.on = model, on
+
+    def __enter__(self):
+        if self.on:
+            from ..decode_gemv import fastest_step
+
+            fastest_step(self.model)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            from ..decode import reset_decoders
+            from ..decode_gemv import fastest_step
+
+            fastest_step(self.model, on=False)
+            reset_decoders()  # the compiled steps captured the fused modules
+        return False
+
+
 def operating_points(model, tokenizer, settings: BenchSettings, model_name: str = "model", log=print,
                      progress: bool = True) -> list[dict]:
     """One row per configuration (dense first, then each available spec x k) with :data:`COLUMNS`.
@@ -132,7 +157,9 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     bar = tqdm(total=total, desc="countdown bench", disable=not progress)
     base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
             "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL"}
-    dense_tps = _speed(model, prompt, s, harness)
+    fast = cuda and s.fast_step
+    with _FastStep(model, fast):
+        dense_tps = _speed(model, prompt, s, harness)
     reset_decoders()
     dense_ppl = None if held is None else held.dense_ppl
     rows = [{**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0 if dense_ppl else "",
@@ -164,18 +191,20 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
         # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
         sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path=path)
         try:
-            for k in ks:
-                retarget(model, art, k)
-                tps = _speed(model, prompt, s, harness)
-                q = quality[k]
-                rows.append({**base, "method": spec.label, "sparsity": k, "sparsity_real": round(q["sparsity_real"], 4),
-                             "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
-                             "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
-                             "decode_speedup": tps / dense_tps,
-                             "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
-                             "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
-                             "artifacts": art_label})
-                bar.update(1)
+            with _FastStep(model, fast):  # around every k: one compile serves them all
+                for k in ks:
+                    retarget(model, art, k)
+                    tps = _speed(model, prompt, s, harness)
+                    q = quality[k]
+                    rows.append({**base, "method": spec.label, "sparsity": k,
+                                 "sparsity_real": round(q["sparsity_real"], 4),
+                                 "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
+                                 "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
+                                 "decode_speedup": tps / dense_tps,
+                                 "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
+                                 "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
+                                 "artifacts": art_label})
+                    bar.update(1)
         finally:
             reset_decoders()
             unsparsify(model)
