@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._glu import MODES, _act, _keep, _pow2, _round_to, _store_partial
+from ._glu import MODES, _accumulate_rows, _keep, _pow2, _store_partial
 from ._pdl import gdc_wait
 
 # BM kept rows per step, PER_SM programs per SM; an indicator of at most BLOCK_R rows (padded to a power
@@ -113,66 +113,44 @@ def _balanced_kernel(
 
     # 3. stream the rows
     yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    bm = tl.arange(0, BM)
     dmask = kd < d_model
-    if PREFETCH:
-        valid_n = lo + bm < hi
-        rows_n = tl.load(s_ids + bm, mask=valid_n, other=0.0).to(tl.int32)
-        if not (GATE and UP):
-            it_n = tl.load(s_ind + bm, mask=valid_n, other=0.0)
-        roff_n = _offsets(rows_n, kd, d_model, BIG)
-        wmask_n = _wmask(valid_n, dmask, EVEN_D, BM, BLOCK_D)
-        if GATE:
-            wg_n = tl.load(WG + roff_n, mask=wmask_n, other=0.0)
-        if UP:
-            wu_n = tl.load(WU + roff_n, mask=wmask_n, other=0.0)
-        wd_n = tl.load(WD + roff_n, mask=wmask_n, other=0.0)
+    n_mine = hi - lo
+    if PREFETCH:  # the first step's rows
+        valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, 0, n_mine, WG, WU, WD, kd, dmask, d_model,
+                                               GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
     for t in range(lo, hi, BM):
         if PREFETCH:  # this step's rows are in flight; request the next step's
-            valid = valid_n
-            if not (GATE and UP):
-                it = it_n
-            if GATE:
-                wg = wg_n
-            if UP:
-                wu = wu_n
-            wd = wd_n
-            valid_n = t + BM + bm < hi
-            rows_n = tl.load(s_ids + (t + BM - lo) + bm, mask=valid_n, other=0.0).to(tl.int32)
-            if not (GATE and UP):
-                it_n = tl.load(s_ind + (t + BM - lo) + bm, mask=valid_n, other=0.0)
-            roff_n = _offsets(rows_n, kd, d_model, BIG)
-            wmask_n = _wmask(valid_n, dmask, EVEN_D, BM, BLOCK_D)
-            if GATE:
-                wg_n = tl.load(WG + roff_n, mask=wmask_n, other=0.0)
-            if UP:
-                wu_n = tl.load(WU + roff_n, mask=wmask_n, other=0.0)
-            wd_n = tl.load(WD + roff_n, mask=wmask_n, other=0.0)
+            valid, wg, wu, wd = valid_n, wg_n, wu_n, wd_n
+            valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, t + BM - lo, n_mine, WG, WU, WD, kd, dmask,
+                                                   d_model, GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
         else:
-            valid = t + bm < hi
-            rows = tl.load(s_ids + (t - lo) + bm, mask=valid, other=0.0).to(tl.int32)
-            if not (GATE and UP):
-                it = tl.load(s_ind + (t - lo) + bm, mask=valid, other=0.0)
-            roff = _offsets(rows, kd, d_model, BIG)
-            wmask = _wmask(valid, dmask, EVEN_D, BM, BLOCK_D)
-            if GATE:
-                wg = tl.load(WG + roff, mask=wmask, other=0.0)
-            if UP:
-                wu = tl.load(WU + roff, mask=wmask, other=0.0)
-            wd = tl.load(WD + roff, mask=wmask, other=0.0)
-        if GATE:
-            g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-        else:
-            g = it
-        if UP:
-            u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
-        else:
-            u = it
-        s = tl.where(valid, u * _act(g, ACT), 0.0)
-        s = _round_to(s, X.dtype.element_ty)  # s in the model's dtype, as the two-kernel chain
-        yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+            valid, wg, wu, wd = _load_step(s_ids, s_ind, t - lo, n_mine, WG, WU, WD, kd, dmask, d_model,
+                                           GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
+        yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
 
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
+
+
+@triton.jit
+def _load_step(S_IDS, S_IND, j, n_mine, WG, WU, WD, kd, dmask, d_model, GATE: tl.constexpr, UP: tl.constexpr,
+               BM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr):
+    """The program's kept rows j .. j + BM - 1 (of n_mine): validity and the gate / up / W_down^T tiles,
+    all requested together; where GATE (UP) is False the indicator [BM] stands in for the gate (up) tile."""
+    m = j + tl.arange(0, BM)
+    valid = m < n_mine
+    rows = tl.load(S_IDS + m, mask=valid, other=0.0).to(tl.int32)
+    off = _offsets(rows, kd, d_model, BIG)
+    wmask = _wmask(valid, dmask, EVEN_D, BM, BLOCK_D)
+    if GATE:
+        wg = tl.load(WG + off, mask=wmask, other=0.0)
+    else:
+        wg = tl.load(S_IND + m, mask=valid, other=0.0)
+    if UP:
+        wu = tl.load(WU + off, mask=wmask, other=0.0)
+    else:
+        wu = tl.load(S_IND + m, mask=valid, other=0.0)
+    wd = tl.load(WD + off, mask=wmask, other=0.0)
+    return valid, wg, wu, wd
 
 
 @triton.jit

@@ -66,6 +66,25 @@ def _keep(ind, thr, MODE: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
+                     DT: tl.constexpr):
+    """yacc [d] + sum over a tile's kept rows m of s_m wd[m], s = u act(g) rounded to DT: g (u) from the
+    tile's gate (up) rows times x, or, where GATE (UP) is False, ``wg`` (``wu``) is the indicator [BM]
+    itself (mono's u, cats' g). Rows not ``valid`` add nothing (the one-token sparse kernels)."""
+    if GATE:
+        g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+    else:
+        g = wg
+    if UP:
+        u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+    else:
+        u = wu
+    s = tl.where(valid, u * _act(g, ACT), 0.0)
+    s = _round_to(s, DT)  # s in the model's dtype, as the two-kernel chain
+    return yacc + tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+
+
+@triton.jit
 def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
     """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (the one-token sparse
     kernels: _onepass.py, _balanced.py, _stream.py, _select.py)."""

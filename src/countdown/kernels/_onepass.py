@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _balanced, _common, _linear, _pdl, _psum  # _linear registers countdown::decode_linear (ind_linear)
+from . import _balanced, _common, _linear, _pdl, _psum  # _balanced, _linear: their ops (gated_balanced, decode_linear)
 from ._common import act_code
-from ._glu import MODES, _act, _keep, _pow2, _round_to, _store_partial
+from ._glu import MODES, _accumulate_rows, _keep, _pow2, _round_to, _store_partial
 from ._pdl import gdc_wait
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
@@ -194,20 +194,14 @@ def _onepass_kernel(
             # every load of the tile before any arithmetic: one round trip
             if GATE:
                 wg = tl.load(WG + roff, mask=wmask, other=0.0)
+            else:  # the indicator is g itself
+                wg = it
             if UP:
                 wu = tl.load(WU + roff, mask=wmask, other=0.0)
+            else:  # the indicator is u itself
+                wu = it
             wd = tl.load(WD + roff, mask=wmask, other=0.0)
-            if GATE:
-                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-            else:
-                g = it
-            if UP:
-                u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
-            else:
-                u = it
-            s = tl.where(valid, u * _act(g, ACT), 0.0)
-            s = _round_to(s, X.dtype.element_ty)  # s in the model's dtype, as the two-kernel chain
-            yacc += tl.sum(wd.to(tl.float32) * s[:, None], axis=0)
+            yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
 
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
