@@ -47,10 +47,9 @@ SWEEP = [dict(zip(_C, c)) for c in [
 # _onepass.py's own knobs around its default: one chunk per program (ROWS "auto": d_inter split evenly
 # over the programs, not a power of two), larger tiles, fewer partial sums.
 ONEPASS_SWEEP = [
-    dict(ROWS="auto", BLOCK_M=4, num_warps=8, PER_SM=1), dict(ROWS="auto", BLOCK_M=8, num_warps=8, PER_SM=1),
-    dict(ROWS="auto", BLOCK_M=8, num_warps=16, PER_SM=1), dict(ROWS="auto", BLOCK_M=4, num_warps=4, PER_SM=2),
-    dict(ROWS="auto", BLOCK_M=2, num_warps=4, PER_SM=2), dict(CHUNK=128, BLOCK_M=8, num_warps=8, PER_SM=1),
-    dict(CHUNK=32, BLOCK_M=4, num_warps=4, PER_SM=4)]
+    dict(STAGES=2, BLOCK_M=2), dict(STAGES=2, BLOCK_M=4), dict(STAGES=3, BLOCK_M=2), dict(STAGES=3, BLOCK_M=4),
+    dict(ROWS="auto", BLOCK_M=4, num_warps=8, PER_SM=1), dict(ROWS="auto", BLOCK_M=4, num_warps=4, PER_SM=2),
+    dict(CHUNK=128, BLOCK_M=8, num_warps=8, PER_SM=1), dict(CHUNK=128, BLOCK_M=4, num_warps=8, PER_SM=1, STAGES=2)]
 MODES = {"mono": ("abs", True, False), "dual": ("gt", True, True)}  # mode, gate rows, up rows
 T0 = time.time()
 
@@ -271,6 +270,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shape (CPU interpreter): checks this script")
     ap.add_argument("--compile-check", action="store_true", help="no GPU: compile for sm_90, print registers")
     ap.add_argument("--stages", default="check,sweep,ks,compiled", help="comma-separated stages to run")
+    ap.add_argument("--onepass-only", action="store_true", help="sweep _onepass.py's configurations only")
     args = ap.parse_args()
     if args.compile_check:
         return 0 if compile_check() else 1
@@ -289,6 +289,8 @@ def main() -> int:
     global SWEEP
     if smoke:
         SWEEP = SWEEP[:2]
+    if args.onepass_only:
+        SWEEP = []
     best = sweep(p, bw, rows) if "sweep" in stages else {m: dict(onepass=None, balanced=dict(_balanced.CONFIG))
                                                          for m in MODES}
     meta["best"] = best

@@ -244,6 +244,7 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
     ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8), True),
     ("mono", torch.bfloat16, "silu", dict(ROWS="auto", BLOCK_M=4), False),  # 131 rows over 3 programs: 44 a chunk
     ("dual", torch.float32, "silu", dict(ROWS="auto", BLOCK_M=2), True),
+    ("cats", torch.float16, "silu", dict(STAGES=2, BLOCK_M=2), False),  # the tile loop software-pipelined
 ]
 
 

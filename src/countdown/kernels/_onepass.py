@@ -50,11 +50,15 @@ ONEPASS_OFF_CUDA = False
 # it only). Defaults: the fastest of `benchmarks/onepass.py --sweep` on an H200, 2026-11-21, Llama-3.1-8B
 # shape, k = 0.9 (benchmarks/results/onepass/): with IND="torch" mono 49.4 us, dual 36.4 us under
 # torch.compile; KERNEL_IND_CONFIGS, the best with IND="kernel", 51.2 us and 36.4 us.
+# "gt" (dual: the predictor's or the shadows' scores) since 2026-11-23: BLOCK_M 2 with the tile loop
+# software-pipelined 3 deep (STAGES, tl.range's num_stages): x + mlp(x) compiled 46.98 / 38.50 / 29.39 us at
+# k = 0.7 / 0.8 / 0.9 against 49.21 / 40.52 / 30.75 (benchmarks/balanced.py --onepass-only, H200,
+# benchmarks/results/balanced/stages/); mono gains nothing from it (21.4 -> 21.6-27.0 us alone).
 # COUNTDOWN_ONEPASS_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
 CONFIGS = {
     "abs": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
     "abs_act": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
-    "gt": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
+    "gt": dict(IND="torch", CHUNK=64, BLOCK_M=2, num_warps=4, PER_SM=4, PREFETCH=False, STAGES=3),
 }
 KERNEL_IND_CONFIGS = {
     "abs": dict(IND="kernel", CHUNK=8, BLOCK_M=2, num_warps=8, PER_SM=2, PREFETCH=False),
@@ -125,7 +129,7 @@ def _onepass_kernel(
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
     BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     if PDL:  # launched early (_pdl.py): nothing of the previous kernel's output is read before this
@@ -177,7 +181,7 @@ def _onepass_kernel(
         if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
             yacc += tl.sum(tl.where(keep > 0, ind, 0.0), axis=0)  # alone; keeps its loads alive
             cnt = 0
-        for t in range(0, cnt, BLOCK_M):
+        for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):  # STAGES > 1: the pipeliner's prefetch
             m = t + tl.arange(0, BLOCK_M)
             valid = m < cnt
             sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: tile slot -> chunk row
@@ -268,7 +272,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
-        SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl,
+        SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
     return p
