@@ -214,7 +214,9 @@ def main(argv=None) -> int:
             log(f"fuse_attention left {len(skipped)} modules alone: {skipped[0]}")
     meta["attention"] = model.config._attn_implementation + ("+fused" if args.attention == "fused" else "")
     if args.decode_gemv == "auto":
-        args.decode_gemv = "down,gate_up,o_proj" + (",qkv" if args.attention == "fused" else "")
+        from countdown.decode_gemv import step_targets
+
+        args.decode_gemv = ",".join(step_targets(args.attention == "fused"))
     elif args.decode_gemv == "none":
         args.decode_gemv = ""
     if args.decode_gemv:

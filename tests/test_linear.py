@@ -122,7 +122,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     from conftest import tiny_model
 
     from countdown import sparsify, unsparsify
-    from countdown.bench.operating import _FastStep
+    from countdown.bench.operating import _fast_step
     from countdown.decode import generate_fast
     from countdown.decode_gemv import fastest_step, is_routed
     from countdown.fused_attention import QKV_FIXED, is_fused
@@ -150,8 +150,8 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert torch.equal(out_sparse, ref_sparse)
     assert fastest_step(model, on=False) == []
     assert not any(is_routed(m) or is_fused(m) or getattr(m, QKV_FIXED, False) for m in model.modules())
-    with _FastStep(model, True):
+    with _fast_step(model, True):
         assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
-    with _FastStep(model, False):
+    with _fast_step(model, False):
         assert not any(is_routed(m) for m in model.modules())
     assert not any(is_routed(m) or is_fused(m) for m in model.modules())

@@ -14,8 +14,7 @@ every block of output rows it tunes: on an H200 it took 33 to 56 us per layer ov
 the same code, where the GEMV alone takes 28.5 us (98 % of copy bandwidth, benchmarks/linear.py).
 A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
 most ``_common.DECODE_GEMV_ROUTE_TOKENS`` rows (one: batch-1 decode steps) and no gradient is wanted;
-every other call (batch > 1, the prompt, training)
-is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
+every other call (batch > 1, the prompt, training) is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
 method of each routed ``nn.Linear`` instance is replaced.
 """
 
@@ -31,6 +30,13 @@ from .kernels import _common
 
 TARGETS = ("down", "gate_up", "o_proj", "qkv")
 _ROUTED = "_countdown_decode_gemv"
+
+
+def step_targets(fused: bool) -> tuple[str, ...]:
+    """Every target that applies to a decode step: qkv only when the attention is fused."""
+    return TARGETS if fused else tuple(t for t in TARGETS if t != "qkv")
+
+
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _common.decode_gemv_serves(x, self.weight):
         y = torch.ops.countdown.decode_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, None)
@@ -39,13 +45,11 @@ def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _layers(model: nn.Module, target: str) -> list[nn.Linear]:
-    if target == "down":
-        from .mlp import require_gated_mlps
+    from .mlp import require_gated_mlps
 
+    if target == "down":
         found = [getattr(g.module, g.down) for g in require_gated_mlps(model) if g.tp is None]
     elif target == "gate_up":
-        from .mlp import require_gated_mlps
-
         found = [getattr(g.module, name) for g in require_gated_mlps(model) if g.tp is None
                  for name in ((g.fused,) if g.fused else (g.gate, g.up))]
     elif target == "o_proj":
@@ -114,6 +118,5 @@ def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
         fuse_attention(model, False)
         return []
     skipped = fuse_attention(model)
-    targets = ("down", "gate_up", "o_proj") + (("qkv",) if any(is_fused(m) for m in model.modules()) else ())
-    route_linears(model, targets)
+    route_linears(model, step_targets(any(is_fused(m) for m in model.modules())))
     return skipped

@@ -13,6 +13,7 @@ weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
 
@@ -93,28 +94,22 @@ def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
     return sorted(r["tokens_per_s"] for r in runs)[len(runs) // 2]
 
 
-class _FastStep:
-    """``with _FastStep(model, on):`` the fastest decode step around the speed timings only (quality
-    is measured on the model as loaded); nothing when ``on`` is False."""
+@contextlib.contextmanager
+def _fast_step(model, on: bool):
+    """The fastest decode step (countdown.decode_gemv.fastest_step) around the speed timings only;
+    quality is measured on the model as loaded. Nothing when ``on`` is False."""
+    if not on:
+        yield
+        return
+    from ..decode import reset_decoders
+    from ..decode_gemv import fastest_step
 
-    def __init__(self, model, on: bool):
-        self.model, self.on = model, on
-
-    def __enter__(self):
-        if self.on:
-            from ..decode_gemv import fastest_step
-
-            fastest_step(self.model)
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            from ..decode import reset_decoders
-            from ..decode_gemv import fastest_step
-
-            fastest_step(self.model, on=False)
-            reset_decoders()  # the compiled steps captured the fused modules
-        return False
+    fastest_step(model)
+    try:
+        yield
+    finally:
+        fastest_step(model, on=False)
+        reset_decoders()  # the compiled steps captured the fused modules
 
 
 def operating_points(model, tokenizer, settings: BenchSettings, model_name: str = "model", log=print,
@@ -158,7 +153,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
             "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL"}
     fast = cuda and s.fast_step
-    with _FastStep(model, fast):
+    with _fast_step(model, fast):
         dense_tps = _speed(model, prompt, s, harness)
     reset_decoders()
     dense_ppl = None if held is None else held.dense_ppl
@@ -191,7 +186,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
         # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
         sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path=path)
         try:
-            with _FastStep(model, fast):  # around every k: one compile serves them all
+            with _fast_step(model, fast):  # around every k: one compile serves them all
                 for k in ks:
                     retarget(model, art, k)
                     tps = _speed(model, prompt, s, harness)

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._glu import MODES, _accumulate_rows, _keep, _pow2, _store_partial
+from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _row_tiles, _store_partial
 from ._pdl import gdc_wait
 
 # BM kept rows per step, PER_SM programs per SM; an indicator of at most BLOCK_R rows (padded to a power
@@ -66,10 +66,7 @@ def _balanced_kernel(
 ):
     pid = tl.program_id(0)
     kd = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        xv = tl.load(X + kd).to(tl.float32)
-    else:
-        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    xv = _load_vec(X, kd, d_model, EVEN_D)
     if PDL:  # launched early (_pdl.py): the indicator is the previous kernel's output
         gdc_wait()
     if THR_PTR:
@@ -113,34 +110,32 @@ def _balanced_kernel(
 
     # 3. stream the rows
     yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    dmask = kd < d_model
     n_mine = hi - lo
     if PREFETCH:  # the first step's rows
-        valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, 0, n_mine, WG, WU, WD, kd, dmask, d_model,
-                                               GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
+        valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, 0, n_mine, WG, WU, WD, kd, d_model,
+                                               GATE, UP, BM, EVEN_D, BIG)
     for t in range(lo, hi, BM):
         if PREFETCH:  # this step's rows are in flight; request the next step's
             valid, wg, wu, wd = valid_n, wg_n, wu_n, wd_n
-            valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, t + BM - lo, n_mine, WG, WU, WD, kd, dmask,
-                                                   d_model, GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
+            valid_n, wg_n, wu_n, wd_n = _load_step(s_ids, s_ind, t + BM - lo, n_mine, WG, WU, WD, kd,
+                                                   d_model, GATE, UP, BM, EVEN_D, BIG)
         else:
-            valid, wg, wu, wd = _load_step(s_ids, s_ind, t - lo, n_mine, WG, WU, WD, kd, dmask, d_model,
-                                           GATE, UP, BM, BLOCK_D, EVEN_D, BIG)
+            valid, wg, wu, wd = _load_step(s_ids, s_ind, t - lo, n_mine, WG, WU, WD, kd, d_model,
+                                           GATE, UP, BM, EVEN_D, BIG)
         yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
 
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
 @triton.jit
-def _load_step(S_IDS, S_IND, j, n_mine, WG, WU, WD, kd, dmask, d_model, GATE: tl.constexpr, UP: tl.constexpr,
-               BM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr):
+def _load_step(S_IDS, S_IND, j, n_mine, WG, WU, WD, kd, d_model, GATE: tl.constexpr, UP: tl.constexpr,
+               BM: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr):
     """The program's kept rows j .. j + BM - 1 (of n_mine): validity and the gate / up / W_down^T tiles,
     all requested together; where GATE (UP) is False the indicator [BM] stands in for the gate (up) tile."""
     m = j + tl.arange(0, BM)
     valid = m < n_mine
     rows = tl.load(S_IDS + m, mask=valid, other=0.0).to(tl.int32)
-    off = _offsets(rows, kd, d_model, BIG)
-    wmask = _wmask(valid, dmask, EVEN_D, BM, BLOCK_D)
+    off, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
     if GATE:
         wg = tl.load(WG + off, mask=wmask, other=0.0)
     else:
@@ -151,25 +146,6 @@ def _load_step(S_IDS, S_IND, j, n_mine, WG, WU, WD, kd, dmask, d_model, GATE: tl
         wu = tl.load(S_IND + m, mask=valid, other=0.0)
     wd = tl.load(WD + off, mask=wmask, other=0.0)
     return valid, wg, wu, wd
-
-
-@triton.jit
-def _offsets(rows, kd, d_model, BIG: tl.constexpr):
-    if BIG:
-        off = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
-    else:
-        off = rows[:, None] * d_model + kd[None, :]
-    return off
-
-
-@triton.jit
-def _wmask(valid, dmask, EVEN_D: tl.constexpr, BM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BM, BLOCK_D] load mask; with EVEN_D constant along a row (vector loads stay whole)."""
-    if EVEN_D:
-        mask = tl.broadcast_to(valid[:, None], (BM, BLOCK_D))
-    else:
-        mask = valid[:, None] & dmask[None, :]
-    return mask
 
 
 def n_programs(device: torch.device, d_inter: int, config: dict | None = None) -> int:

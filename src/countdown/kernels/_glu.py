@@ -66,6 +66,31 @@ def _keep(ind, thr, MODE: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def _load_vec(X, kd, n, EVEN: tl.constexpr):
+    """X[kd] in fp32, zero past n (EVEN: kd covers exactly n, no mask)."""
+    if EVEN:
+        v = tl.load(X + kd).to(tl.float32)
+    else:
+        v = tl.load(X + kd, mask=kd < n, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _row_tiles(rows, valid, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
+    """Offsets [BM, BLOCK_D] of ``rows`` in a row-major [*, d_model] matrix and their load mask (with
+    EVEN_D one value per row, so vector loads stay whole)."""
+    if BIG:
+        off = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
+    else:
+        off = rows[:, None] * d_model + kd[None, :]
+    if EVEN_D:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & (kd < d_model)[None, :]
+    return off, mask
+
+
+@triton.jit
 def _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
                      DT: tl.constexpr):
     """yacc [d] + sum over a tile's kept rows m of s_m wd[m], s = u act(g) rounded to DT: g (u) from the

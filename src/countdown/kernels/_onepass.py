@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import _balanced, _common, _linear, _pdl, _psum  # _balanced, _linear: their ops (gated_balanced, decode_linear)
 from ._common import act_code
-from ._glu import MODES, _accumulate_rows, _keep, _pow2, _round_to, _store_partial
+from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_wait
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
@@ -101,10 +101,11 @@ if SPARSE_KERNEL not in ("onepass", "balanced"):
 
 
 def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
-    """x2 [1, K] @ w_rows [N, K]^T in x2's dtype: on the fixed GEMV (IND_GEMV "fixed", CUDA, a
-    contiguous w_rows of x2's dtype), else a plain matrix product (w_rows may then be any view)."""
+    """x2 [1, K] @ w_rows [N, K]^T in x2's dtype: on the fixed GEMV (IND_GEMV "fixed", CUDA, one row as
+    the routes serve, a contiguous w_rows of x2's dtype), else a plain matrix product (w_rows may then be
+    any view)."""
     if IND_GEMV == "fixed" and (x2.is_cuda or IND_GEMV_OFF_CUDA) and w_rows.is_contiguous() \
-            and x2.dtype == w_rows.dtype and 1 <= x2.shape[0] <= _linear.MAX_TOKENS:
+            and x2.dtype == w_rows.dtype and 1 <= x2.shape[0] <= _common.DECODE_GEMV_ROUTE_TOKENS:
         return torch.ops.countdown.decode_linear(x2, w_rows, None, None)
     return x2 @ w_rows.t()
 
@@ -136,10 +137,7 @@ def _onepass_kernel(
         gdc_wait()
     kd = tl.arange(0, BLOCK_D)
     ki = tl.arange(0, BLOCK_I)
-    if EVEN_D:
-        xv = tl.load(X + kd).to(tl.float32)
-    else:
-        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    xv = _load_vec(X, kd, d_model, EVEN_D)
     if DENSE:
         if EVEN_I:
             vv = tl.load(V + ki).to(tl.float32)
@@ -187,14 +185,7 @@ def _onepass_kernel(
             sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: tile slot -> chunk row
             rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
             it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
-            if BIG:
-                roff = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
-            else:
-                roff = rows[:, None] * d_model + kd[None, :]
-            if EVEN_D:
-                wmask = valid[:, None]
-            else:
-                wmask = valid[:, None] & (kd < d_model)[None, :]
+            roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
             # every load of the tile before any arithmetic: one round trip
             if GATE:
                 wg = tl.load(WG + roff, mask=wmask, other=0.0)
@@ -308,8 +299,8 @@ def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activatio
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
                 *, ind=None, v=None, w_ind=None) -> torch.Tensor:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
-    ``w_ind``: the op's partials summed and cast by a second small op (_psum.py; or, with
-    COUNTDOWN_PSUM=inductor, by torch.compile, which fuses them with their neighbours)."""
+    ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: by default PyTorch's sum,
+    which torch.compile fuses with its neighbours; with COUNTDOWN_PSUM=kernel, _psum.py's op)."""
     if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
         p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._common import persistent_programs
-from ._glu import _act, _pow2, _round_to, _store_partial
+from ._glu import _act, _load_vec, _pow2, _round_to, _store_partial
 
 
 @triton.jit
@@ -252,10 +252,7 @@ def _select_kernel(
     else:
         cut = cut_f
     if FUSE_DOWN:  # one token: x stays in registers, and so does its output accumulator
-        if EVEN_D:
-            xv = tl.load(X + kd).to(tl.float32)
-        else:
-            xv = tl.load(X + kd, mask=dmask, other=0.0).to(tl.float32)
+        xv = _load_vec(X, kd, d_model, EVEN_D)
         yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
     cr = tl.arange(0, ROWS)
     if NEXT:  # one tile holds whole shadow rows: the first block's, requested before anything else

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._glu import _act, _pow2, _round_to, _store_partial
+from ._glu import _act, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_wait
 
 # Launch configuration: BM kept rows per step, PER_SM programs per SM. The fastest of
@@ -54,14 +54,7 @@ def _kept_rows(LISTS, incl, excl, li, j, total, cap):
 
 @triton.jit
 def _load_rows(WG, WU, WD, rows, valid, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
-    if BIG:
-        off = rows.to(tl.int64)[:, None] * d_model + kd[None, :]
-    else:
-        off = rows[:, None] * d_model + kd[None, :]
-    if EVEN_D:
-        m = valid[:, None]
-    else:
-        m = valid[:, None] & (kd < d_model)[None, :]
+    off, m = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
     return (tl.load(WG + off, mask=m, other=0.0), tl.load(WU + off, mask=m, other=0.0),
             tl.load(WD + off, mask=m, other=0.0))
 
@@ -72,10 +65,7 @@ def _stream_kernel(X, LISTS, COUNTS, WG, WU, WD, P, n_lists, cap, d_model, n_pro
                    EVEN_D: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     kd = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        xv = tl.load(X + kd).to(tl.float32)
-    else:
-        xv = tl.load(X + kd, mask=kd < d_model, other=0.0).to(tl.float32)
+    xv = _load_vec(X, kd, d_model, EVEN_D)
     if PDL:  # launched during the GEMV: its lists are complete and visible after this
         gdc_wait()
     li = tl.arange(0, NL)
