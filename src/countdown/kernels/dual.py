@@ -82,7 +82,7 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         return dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
     cut_t, cut_f = split_threshold(cut)
     x2 = x.reshape(-1, d_model)
-    from . import _onepass
+    from . import _few, _onepass
 
     outside = _onepass.indicator_outside("gt")
     if _onepass.applies(x2) and (outside or _rows_of_bt(pred_b)):
@@ -94,6 +94,10 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         src = dict(ind=_onepass.ind_linear(latent, pred_b.t())) if outside else dict(v=latent, w_ind=pred_b.t())
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation,
                                  gate=True, up=True, **src)
+        return y.reshape(x.shape)
+    if _few.applies(x2) and not per_token:  # 2-8 tokens: the predictor's GEMMs here, then one launch
+        y = _few.few_mlp(x2, dual_scores(x2, pred_a, pred_b), w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
+                         activation, gate=True, up=True)
         return y.reshape(x.shape)
     y = torch.ops.countdown.dual_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            pred_a, pred_b, cut_t, cut_f, activation, per_token)

@@ -60,10 +60,14 @@ def mono_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu
         return mono_gated_mlp_ref(x, w_gate, w_up, w_down_t, threshold, activation)
     thr_t, thr_f = split_threshold(threshold)
     x2 = x.reshape(-1, d_model)
-    from . import _onepass
+    from . import _few, _onepass
 
     if _onepass.applies(x2):  # one token: the whole MLP in one launch
         y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs", activation)
+        return y.reshape(x.shape)
+    if _few.applies(x2) and not per_token:  # 2-8 tokens: the union's rows in one launch
+        y = _few.few_mlp(x2, x2 @ w_up.t(), w_gate, w_up, w_down_t, thr_t, thr_f, "abs", activation,
+                         gate=True, up=False)
         return y.reshape(x.shape)
     y = torch.ops.countdown.mono_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)

@@ -1,0 +1,259 @@
+"""Triton kernel: a whole sparse Gated-MLP for a few tokens (2-8, a batched decode step) in one launch.
+
+For tokens x [T, d_model] and their indicators ind [T, d_inter] (u for mono, g for cats, the
+predictor's or the shadows' scores for dual), each program owns CHUNK consecutive rows r and computes
+
+    keep[t, i] = |ind| > thr, |act(ind)| > thr or ind > thr          (the MODEs of _glu.py)
+    union[i]   = any_t keep[t, i]                                    (rows the batch reads)
+    g, u       = x W_gate[r]^T, x W_up[r]^T                          (the one that is not the
+                                                                      indicator; union rows only)
+    s[t, i]    = u[t, i] * act(g[t, i]) if keep[t, i] else 0          (each token its own rows,
+                                                                      rounded to x's dtype)
+    P[c, t, :] = s[t, r] @ w_down_t[r, :]                            (fp32 partial of chunk c)
+
+and y = P.sum(0) in x's dtype is left to the caller (torch.compile fuses it into the residual add).
+
+Unlike the chained kernels (_glu.py, then _down.py with fp32 atomics and a cast: three launches and
+s written and read back), one launch does it all. A program compacts its chunk's union rows (prefix
+sum, one-hot select) into tiles of TILE kept rows; per tile, phase A runs [16 tokens, BK] @ [BK, TILE]
+tensor-core products over d_model and phase B [16, TILE] @ [TILE, BN] over the columns, both K / N
+loops software-pipelined by Triton (STAGES deep, cp.async into shared memory). A second tile of the
+same program adds to the partial the first one stored (its own row of P: no atomics), so the result
+does not depend on timing.
+
+Measured (H200, 2026-11-24, Llama-3.1-8B MLP, T = 4, k = 0.9; benchmarks/results/few/): 43.6 us alone
+for 28.9 us of kept rows, but 33 us with nothing kept: every tile walks d_model in 48 dependent
+pipelined steps (about 0.7 us each, the latency of a step more than its bytes; the rows masked in a
+tile still pass through shared memory), which is this design's floor. An earlier version without
+compaction (every tile the whole chunk, masked) took 48-50 us at k = 0.9 and 48 us with nothing kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import act_code
+from ._glu import MODES, _act, _keep, _pow2, _round_to
+
+MIN_TOKENS, MAX_TOKENS = 2, 8  # the batches this kernel serves (one token: _onepass.py)
+ENABLED = os.environ.get("COUNTDOWN_FEW", "1") not in ("", "0")  # COUNTDOWN_FEW=0: the chained kernels
+OFF_CUDA = False  # under the CPU interpreter too (tests only)
+
+# Launch configuration: the fastest of `benchmarks/few.py`'s sweep on an H200, 2026-11-24 (T = 4, k = 0.9,
+# dual and mono summed; benchmarks/results/few/). ROWS: rows per program, CHUNK (a power of two) or "auto":
+# d_inter split evenly over PER_SM programs per SM (in a CHUNK of the next power of two, the rest masked);
+# TILE kept rows per tile; BK, BN the K and N blocks of the two phases, pipelined STAGES deep.
+# COUNTDOWN_FEW_CONFIG='{"TILE": 32}' overrides entries, for tuning runs.
+CONFIG = dict(ROWS="auto", PER_SM=1, CHUNK=128, TILE=64, BK=128, BN=256, STAGES=3, num_warps=8)
+INTERPRETER_PROGS = 3  # programs under the interpreter with ROWS "auto"
+
+
+def _env_config() -> None:
+    raw = os.environ.get("COUNTDOWN_FEW_CONFIG")
+    if not raw:
+        return
+    try:
+        extra = json.loads(raw)
+        unknown = set(extra) - set(CONFIG)
+        if unknown:
+            raise KeyError(f"unknown keys {sorted(unknown)}")
+        CONFIG.update(extra)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"COUNTDOWN_FEW_CONFIG must be JSON like '{{\"TILE\": 32}}' with keys "
+                         f"{sorted(CONFIG)}: {error}") from None
+
+
+_env_config()
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32: tensor cores on the inputs' dtype, or exact fp32 products (IEEE)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _few_kernel(
+    X, IND, WG, WU, WD, THR, P,
+    thr_f, n_tok, d_model, d_inter, rows, stride_x, stride_ind,
+    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
+    THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, TP: tl.constexpr, CHUNK: tl.constexpr,
+    TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
+    IEEE: tl.constexpr, STAGES: tl.constexpr, PHASES: tl.constexpr = 3,
+):
+    pid = tl.program_id(0)
+    t = tl.arange(0, TP)
+    tmask = t < n_tok
+    cr = tl.arange(0, CHUNK)
+    r = pid * rows + cr  # this program's rows (rows <= CHUNK: ROWS "auto" splits d_inter evenly)
+    rmask = (cr < rows) & (r < d_inter)
+    m2 = tmask[:, None] & rmask[None, :]
+    ind = tl.load(IND + t[:, None] * stride_ind + r[None, :], mask=m2, other=0.0).to(tl.float32)
+    if THR_VEC:
+        thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    elif THR_PTR:
+        thr = tl.load(THR).to(tl.float32)
+    else:
+        thr = thr_f
+    keep = _keep(ind, thr, MODE, ACT) & m2                      # [TP, CHUNK]: each token's own rows
+    union = tl.max(keep.to(tl.int32), axis=0)                   # [CHUNK]: the rows anybody reads
+    cnt = tl.sum(union, axis=0)
+    pos = tl.where(union > 0, tl.cumsum(union, axis=0) - 1, -1)  # rank of a kept row among them
+    if BIG:
+        pbase = (pid.to(tl.int64) * n_tok + t) * d_model
+    else:
+        pbase = (pid * n_tok + t) * d_model
+    m = tl.arange(0, TILE)
+
+    # the kept rows, TILE at a time (compacted: the tiles hold kept rows only)
+    for j in range(0, tl.maximum(cnt, 1), TILE):
+        sel = pos[None, :] == (j + m)[:, None]                  # [TILE, CHUNK] one-hot: slot -> row
+        valid = (j + m) < cnt
+        tr = tl.sum(tl.where(sel, r[None, :], 0), axis=1)      # the tile's rows (0 where not valid)
+        if BIG:
+            tbase = tr.to(tl.int64) * d_model
+        else:
+            tbase = tr * d_model
+        # phase A: the GEMV(s) that are not the indicator, [TP, BK] @ [BK, TILE] per K block
+        acc_g = tl.zeros([TP, TILE], dtype=tl.float32)
+        acc_u = tl.zeros([TP, TILE], dtype=tl.float32)
+        for k0 in tl.range(0, d_model if PHASES & 1 else 0, BK, num_stages=STAGES):  # PHASES: timing only
+            kk = k0 + tl.arange(0, BK)
+            if EVEN_D:
+                xm = tmask[:, None]
+                wm = valid[:, None]
+            else:
+                xm = tmask[:, None] & (kk < d_model)[None, :]
+                wm = valid[:, None] & (kk < d_model)[None, :]
+            xk = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=xm, other=0.0)
+            if GATE:
+                wg = tl.load(WG + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
+                acc_g += _dot(xk, tl.trans(wg), IEEE)
+            if UP:
+                wu = tl.load(WU + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
+                acc_u += _dot(xk, tl.trans(wu), IEEE)
+        # the tile's indicators and each token's keep, read again at the tile's rows (L2: just read)
+        tm = tmask[:, None] & valid[None, :]
+        ti = tl.load(IND + t[:, None] * stride_ind + tr[None, :], mask=tm, other=0.0).to(tl.float32)
+        if THR_VEC:
+            tthr = tl.load(THR + tr, mask=valid, other=0.0).to(tl.float32)[None, :]
+        else:
+            tthr = thr
+        tk = _keep(ti, tthr, MODE, ACT) & tm                    # [TP, TILE]
+        if GATE:
+            g = acc_g
+        else:  # the indicator is g itself (cats)
+            g = ti
+        if UP:
+            u = acc_u
+        else:  # the indicator is u itself (mono)
+            u = ti
+        sv = tl.where(tk, u * _act(g, ACT), 0.0)
+        sv = _round_to(sv, X.dtype.element_ty)  # s in the model's dtype, as the chained kernels write it
+        if not IEEE:
+            sv = sv.to(X.dtype.element_ty)
+        # phase B: the tile's share of the down projection, [TP, TILE] @ [TILE, BN] per column block,
+        # added to what the earlier tiles of this program left in its partial (none for the first)
+        for n0 in tl.range(0, d_model if PHASES & 2 else 0, BN, num_stages=STAGES):
+            nn = n0 + tl.arange(0, BN)
+            if EVEN_D:
+                dm = valid[:, None]
+                pm = tmask[:, None]
+            else:
+                dm = valid[:, None] & (nn < d_model)[None, :]
+                pm = tmask[:, None] & (nn < d_model)[None, :]
+            wd = tl.load(WD + tbase[:, None] + nn[None, :], mask=dm, other=0.0)
+            y = _dot(sv, wd, IEEE)
+            y += tl.load(P + pbase[:, None] + nn[None, :], mask=pm & (j > 0), other=0.0)
+            tl.store(P + pbase[:, None] + nn[None, :], y, mask=pm)
+
+
+def applies(x2: torch.Tensor) -> bool:
+    """Whether this kernel serves the [n_tok, d_model] input: 2-8 tokens on CUDA (or the interpreter
+    where a test asks), unless switched off (COUNTDOWN_FEW=0)."""
+    return ENABLED and MIN_TOKENS <= x2.shape[0] <= MAX_TOKENS and (x2.is_cuda or OFF_CUDA)
+
+
+def _split(device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
+    """(rows per program, CHUNK = the power of two that holds them, programs)."""
+    if cfg.get("ROWS", "chunk") == "auto":
+        progs = _common.persistent_programs(device, int(cfg.get("PER_SM", 1)), INTERPRETER_PROGS)
+        rows = triton.cdiv(d_inter, max(1, min(progs, d_inter)))
+        chunk = max(16, _pow2(rows))
+    else:
+        rows = chunk = max(16, _pow2(cfg["CHUNK"]))
+    return rows, chunk, triton.cdiv(d_inter, rows)
+
+
+def n_chunks(device, d_inter: int, config: dict | None = None) -> int:
+    """How many partial sums per token the kernel writes (the op's first output dimension)."""
+    return _split(device, d_inter, {**CONFIG, **(config or {})})[2]
+
+
+LAST_KERNEL = None  # the last compiled kernel launched (benchmarks read its registers / spills)
+
+
+def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
+                 gate: bool, up: bool, config: dict | None = None) -> torch.Tensor:
+    """The fp32 partial sums P [n_chunks, n_tok, d_model] for x [n_tok, d_model] (2-8 tokens) and its
+    indicator ind [n_tok, d_inter]; y = P.sum(0)."""
+    global LAST_KERNEL
+    cfg = {**CONFIG, **(config or {})}
+    n_tok, d_model = x.shape
+    d_inter = w_gate.shape[0]
+    if not 1 <= n_tok <= MAX_TOKENS:
+        raise ValueError(f"the few-token kernel takes 1 to {MAX_TOKENS} tokens, got {n_tok}")
+    if ind.shape != (n_tok, d_inter):
+        raise ValueError(f"indicator must be [{n_tok}, {d_inter}], got {tuple(ind.shape)}")
+    thr_vec = thr_t is not None and thr_t.dim() == 1
+    if thr_vec and thr_t.numel() != d_inter:
+        raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
+    x, ind = x.contiguous(), ind.contiguous()
+    w_gate, w_up, w_down_t = w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
+    rows, chunk, grid = _split(x.device, d_inter, cfg)
+    bk = max(16, min(_pow2(cfg["BK"]), _pow2(d_model)))
+    bn = max(16, min(_pow2(cfg["BN"]), _pow2(d_model)))
+    p = _common.new_output((grid, n_tok, d_model), torch.float32, x.device)
+    # fp32 models, and bf16 under the interpreter (its bf16 dot is wrong): fp32 products, exact
+    ieee = x.dtype == torch.float32 or (not x.is_cuda and _common.interpreting())
+    LAST_KERNEL = _few_kernel[(grid,)](
+        x, ind, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
+        float(thr_f), n_tok, d_model, d_inter, rows, x.stride(0), ind.stride(0),
+        MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
+        THR_PTR=thr_t is not None, THR_VEC=thr_vec, TP=max(16, _pow2(n_tok)), CHUNK=chunk,
+        TILE=max(16, min(_pow2(cfg["TILE"]), chunk)),
+        BK=bk, BN=bn, EVEN_D=d_model % bk == 0 and d_model % bn == 0,
+        BIG=(grid * rows + chunk) * max(d_model, n_tok) >= 2**31, IEEE=ieee,
+        STAGES=int(cfg["STAGES"]), PHASES=int(cfg.get("PHASES", 3)), num_warps=int(cfg["num_warps"]),
+    )
+    return p
+
+
+@torch.library.custom_op("countdown::gated_few", mutates_args=())
+def _few_op(x: torch.Tensor, ind: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str, activation: str,
+            gate: bool, up: bool) -> torch.Tensor:
+    return few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up)
+
+
+@_few_op.register_fake
+def _(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+    return x.new_empty((n_chunks(x.device, w_gate.shape[0]), x.shape[0], x.shape[1]), dtype=torch.float32)
+
+
+def few_mlp(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
+            gate: bool, up: bool) -> torch.Tensor:
+    """y [n_tok, d_model] in x's dtype: the op's partials summed and cast outside it (PyTorch's sum,
+    which torch.compile fuses with the residual add)."""
+    p = torch.ops.countdown.gated_few(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
+                                      gate, up)
+    return p.sum(0).to(x2.dtype)
