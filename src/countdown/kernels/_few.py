@@ -46,12 +46,14 @@ MIN_TOKENS, MAX_TOKENS = 2, 8  # the batches this kernel serves (one token: _one
 ENABLED = os.environ.get("COUNTDOWN_FEW", "1") not in ("", "0")  # COUNTDOWN_FEW=0: the chained kernels
 OFF_CUDA = False  # under the CPU interpreter too (tests only)
 
-# Launch configuration: the fastest of `benchmarks/few.py`'s sweep on an H200, 2026-11-24 (T = 4, k = 0.9,
-# dual and mono summed; benchmarks/results/few/). ROWS: rows per program, CHUNK (a power of two) or "auto":
+# Launch configuration: the fastest of `benchmarks/few.py`'s sweep on an H200, 2026-11-25 (T = 4: dual and
+# mono at k = 0.9, dual at k = 0.7, summed; benchmarks/results/few/). ROWS: rows per program, CHUNK (a power of two) or "auto":
 # d_inter split evenly over PER_SM programs per SM (in a CHUNK of the next power of two, the rest masked);
-# TILE kept rows per tile; BK, BN the K and N blocks of the two phases, pipelined STAGES deep.
+# TILE kept rows per tile; BK, BN the K and N blocks of the two phases, pipelined STAGES deep; WIDE_* the
+# same for a program whose chunk keeps more than TILE rows (one tile of the whole chunk).
 # COUNTDOWN_FEW_CONFIG='{"TILE": 32}' overrides entries, for tuning runs.
-CONFIG = dict(ROWS="auto", PER_SM=1, CHUNK=128, TILE=64, BK=128, BN=256, STAGES=3, num_warps=8)
+CONFIG = dict(ROWS="auto", PER_SM=1, CHUNK=128, TILE=64, BK=128, BN=256, STAGES=3, num_warps=4,
+              WIDE_BK=64, WIDE_BN=128, WIDE_STAGES=4)
 INTERPRETER_PROGS = 3  # programs under the interpreter with ROWS "auto"
 
 
@@ -82,13 +84,80 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
+          MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_VEC: tl.constexpr,
+          TP: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, EVEN_D: tl.constexpr,
+          BIG: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr, PHASES: tl.constexpr):
+    """Every kept row of the program (cnt <= TILE of them, compacted to the tile's first slots): phase A,
+    s, phase B into the program's partial."""
+    m = tl.arange(0, TILE)
+    sel = pos[None, :] == m[:, None]                             # [TILE, CHUNK] one-hot: slot -> row
+    valid = m < cnt
+    tr = tl.sum(tl.where(sel, r[None, :], 0), axis=1)           # the tile's rows (0 where not valid)
+    if BIG:
+        tbase = tr.to(tl.int64) * d_model
+    else:
+        tbase = tr * d_model
+    # phase A: the GEMV(s) that are not the indicator, [TP, BK] @ [BK, TILE] per K block
+    acc_g = tl.zeros([TP, TILE], dtype=tl.float32)
+    acc_u = tl.zeros([TP, TILE], dtype=tl.float32)
+    for k0 in tl.range(0, d_model if PHASES & 1 else 0, BK, num_stages=STAGES):  # PHASES: timing only
+        kk = k0 + tl.arange(0, BK)
+        if EVEN_D:
+            xm = tmask[:, None]
+            wm = valid[:, None]
+        else:
+            xm = tmask[:, None] & (kk < d_model)[None, :]
+            wm = valid[:, None] & (kk < d_model)[None, :]
+        xk = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=xm, other=0.0)
+        if GATE:
+            wg = tl.load(WG + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
+            acc_g += _dot(xk, tl.trans(wg), IEEE)
+        if UP:
+            wu = tl.load(WU + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
+            acc_u += _dot(xk, tl.trans(wu), IEEE)
+    # the tile's indicators and each token's keep, read again at the tile's rows (L2: just read)
+    tm = tmask[:, None] & valid[None, :]
+    ti = tl.load(IND + t[:, None] * stride_ind + tr[None, :], mask=tm, other=0.0).to(tl.float32)
+    if THR_VEC:
+        tthr = tl.load(THR + tr, mask=valid, other=0.0).to(tl.float32)[None, :]
+    else:
+        tthr = thr
+    tk = _keep(ti, tthr, MODE, ACT) & tm                         # [TP, TILE]
+    if GATE:
+        g = acc_g
+    else:  # the indicator is g itself (cats)
+        g = ti
+    if UP:
+        u = acc_u
+    else:  # the indicator is u itself (mono)
+        u = ti
+    sv = tl.where(tk, u * _act(g, ACT), 0.0)
+    sv = _round_to(sv, X.dtype.element_ty)  # s in the model's dtype, as the chained kernels write it
+    if not IEEE:
+        sv = sv.to(X.dtype.element_ty)
+    # phase B: the down projection of the kept rows, [TP, TILE] @ [TILE, BN] per column block
+    for n0 in tl.range(0, d_model if PHASES & 2 else 0, BN, num_stages=STAGES):
+        nn = n0 + tl.arange(0, BN)
+        if EVEN_D:
+            dm = valid[:, None]
+            pm = tmask[:, None]
+        else:
+            dm = valid[:, None] & (nn < d_model)[None, :]
+            pm = tmask[:, None] & (nn < d_model)[None, :]
+        wd = tl.load(WD + tbase[:, None] + nn[None, :], mask=dm, other=0.0)
+        tl.store(P + pbase[:, None] + nn[None, :], _dot(sv, wd, IEEE), mask=pm)
+
+
+@triton.jit
 def _few_kernel(
     X, IND, WG, WU, WD, THR, P,
     thr_f, n_tok, d_model, d_inter, rows, stride_x, stride_ind,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, TP: tl.constexpr, CHUNK: tl.constexpr,
-    TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
-    IEEE: tl.constexpr, STAGES: tl.constexpr, PHASES: tl.constexpr = 3,
+    TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+    WIDE_BK: tl.constexpr, WIDE_BN: tl.constexpr, WIDE_STAGES: tl.constexpr,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, IEEE: tl.constexpr, PHASES: tl.constexpr = 3,
 ):
     pid = tl.program_id(0)
     t = tl.arange(0, TP)
@@ -112,69 +181,14 @@ def _few_kernel(
         pbase = (pid.to(tl.int64) * n_tok + t) * d_model
     else:
         pbase = (pid * n_tok + t) * d_model
-    m = tl.arange(0, TILE)
-
-    # the kept rows, TILE at a time (compacted: the tiles hold kept rows only)
-    for j in range(0, tl.maximum(cnt, 1), TILE):
-        sel = pos[None, :] == (j + m)[:, None]                  # [TILE, CHUNK] one-hot: slot -> row
-        valid = (j + m) < cnt
-        tr = tl.sum(tl.where(sel, r[None, :], 0), axis=1)      # the tile's rows (0 where not valid)
-        if BIG:
-            tbase = tr.to(tl.int64) * d_model
-        else:
-            tbase = tr * d_model
-        # phase A: the GEMV(s) that are not the indicator, [TP, BK] @ [BK, TILE] per K block
-        acc_g = tl.zeros([TP, TILE], dtype=tl.float32)
-        acc_u = tl.zeros([TP, TILE], dtype=tl.float32)
-        for k0 in tl.range(0, d_model if PHASES & 1 else 0, BK, num_stages=STAGES):  # PHASES: timing only
-            kk = k0 + tl.arange(0, BK)
-            if EVEN_D:
-                xm = tmask[:, None]
-                wm = valid[:, None]
-            else:
-                xm = tmask[:, None] & (kk < d_model)[None, :]
-                wm = valid[:, None] & (kk < d_model)[None, :]
-            xk = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=xm, other=0.0)
-            if GATE:
-                wg = tl.load(WG + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
-                acc_g += _dot(xk, tl.trans(wg), IEEE)
-            if UP:
-                wu = tl.load(WU + tbase[:, None] + kk[None, :], mask=wm, other=0.0)
-                acc_u += _dot(xk, tl.trans(wu), IEEE)
-        # the tile's indicators and each token's keep, read again at the tile's rows (L2: just read)
-        tm = tmask[:, None] & valid[None, :]
-        ti = tl.load(IND + t[:, None] * stride_ind + tr[None, :], mask=tm, other=0.0).to(tl.float32)
-        if THR_VEC:
-            tthr = tl.load(THR + tr, mask=valid, other=0.0).to(tl.float32)[None, :]
-        else:
-            tthr = thr
-        tk = _keep(ti, tthr, MODE, ACT) & tm                    # [TP, TILE]
-        if GATE:
-            g = acc_g
-        else:  # the indicator is g itself (cats)
-            g = ti
-        if UP:
-            u = acc_u
-        else:  # the indicator is u itself (mono)
-            u = ti
-        sv = tl.where(tk, u * _act(g, ACT), 0.0)
-        sv = _round_to(sv, X.dtype.element_ty)  # s in the model's dtype, as the chained kernels write it
-        if not IEEE:
-            sv = sv.to(X.dtype.element_ty)
-        # phase B: the tile's share of the down projection, [TP, TILE] @ [TILE, BN] per column block,
-        # added to what the earlier tiles of this program left in its partial (none for the first)
-        for n0 in tl.range(0, d_model if PHASES & 2 else 0, BN, num_stages=STAGES):
-            nn = n0 + tl.arange(0, BN)
-            if EVEN_D:
-                dm = valid[:, None]
-                pm = tmask[:, None]
-            else:
-                dm = valid[:, None] & (nn < d_model)[None, :]
-                pm = tmask[:, None] & (nn < d_model)[None, :]
-            wd = tl.load(WD + tbase[:, None] + nn[None, :], mask=dm, other=0.0)
-            y = _dot(sv, wd, IEEE)
-            y += tl.load(P + pbase[:, None] + nn[None, :], mask=pm & (j > 0), other=0.0)
-            tl.store(P + pbase[:, None] + nn[None, :], y, mask=pm)
+    if THR_VEC:  # _tile reads the per-row thresholds again at its rows
+        thr = thr_f
+    if cnt <= TILE:  # the kept rows fit one small tile: every step moves kept rows only
+        _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
+              MODE, GATE, UP, ACT, THR_VEC, TP, TILE, BK, BN, EVEN_D, BIG, IEEE, STAGES, PHASES)
+    else:  # one tile of the whole chunk: never a second pass over d_model (each pass costs its steps)
+        _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
+              MODE, GATE, UP, ACT, THR_VEC, TP, CHUNK, WIDE_BK, WIDE_BN, EVEN_D, BIG, IEEE, WIDE_STAGES, PHASES)
 
 
 def applies(x2: torch.Tensor) -> bool:
@@ -220,8 +234,7 @@ def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activa
     x, ind = x.contiguous(), ind.contiguous()
     w_gate, w_up, w_down_t = w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
     rows, chunk, grid = _split(x.device, d_inter, cfg)
-    bk = max(16, min(_pow2(cfg["BK"]), _pow2(d_model)))
-    bn = max(16, min(_pow2(cfg["BN"]), _pow2(d_model)))
+    blocks = {b: max(16, min(_pow2(cfg[b]), _pow2(d_model))) for b in ("BK", "BN", "WIDE_BK", "WIDE_BN")}
     p = _common.new_output((grid, n_tok, d_model), torch.float32, x.device)
     # fp32 models, and bf16 under the interpreter (its bf16 dot is wrong): fp32 products, exact
     ieee = x.dtype == torch.float32 or (not x.is_cuda and _common.interpreting())
@@ -230,8 +243,8 @@ def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activa
         float(thr_f), n_tok, d_model, d_inter, rows, x.stride(0), ind.stride(0),
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, TP=max(16, _pow2(n_tok)), CHUNK=chunk,
-        TILE=max(16, min(_pow2(cfg["TILE"]), chunk)),
-        BK=bk, BN=bn, EVEN_D=d_model % bk == 0 and d_model % bn == 0,
+        TILE=max(16, min(_pow2(cfg["TILE"]), chunk)), **blocks, WIDE_STAGES=int(cfg["WIDE_STAGES"]),
+        EVEN_D=all(d_model % b == 0 for b in blocks.values()),
         BIG=(grid * rows + chunk) * max(d_model, n_tok) >= 2**31, IEEE=ieee,
         STAGES=int(cfg["STAGES"]), PHASES=int(cfg.get("PHASES", 3)), num_warps=int(cfg["num_warps"]),
     )
