@@ -165,8 +165,7 @@ def sweep(p: Problem, bw, rows) -> dict:
                 add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=_few.LAST_KERNEL)
             if us == us:
                 totals[j] = totals.get(j, 0.0) + us
-    both = {j: t for j, t in totals.items() if j in totals}
-    best = SWEEP[min(both, key=both.get)] if both else dict(_few.CONFIG)
+    best = SWEEP[min(totals, key=totals.get)] if totals else dict(_few.CONFIG)
     log(f"best configuration: {best}")
     return best
 
