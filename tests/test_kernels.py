@@ -309,6 +309,34 @@ def test_sum_partials_matches_float64(rows, d, dtype):
         _psum.sum_partials(p.to(torch.bfloat16), dtype)
 
 
+def test_sum_partials_of_a_few_tokens_and_the_auto_route(monkeypatch):
+    """3-D partials [rows, tokens, d] (the few-token and TEAL kernels') sum to [tokens, d] against float64;
+    the default route takes the op when the call runs eagerly and PyTorch's sum while torch.compile
+    traces it (where Inductor fuses it), and "inductor" / "kernel" force one of them."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(96, 3, 40, generator=gen).to(DEVICE)
+    exact = p.double().sum(0)
+    got = _psum.sum_partials(p, torch.bfloat16)
+    assert got.shape == (3, 40) and got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 96 * 2.0**-24 * p.double().abs().sum(0)).all()
+    like = torch.empty(1, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setattr(_psum, "OFF_CUDA", True)
+    taken = []
+    real = _psum.sum_partials
+    monkeypatch.setattr(_psum, "sum_partials", lambda *a: taken.append(a[0].shape) or real(*a))
+    for route, compiling, want in [("auto", False, True), ("auto", True, False), ("kernel", True, True),
+                                   ("inductor", False, False)]:
+        monkeypatch.setattr(_psum, "ROUTE", route)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+        taken.clear()
+        y = _psum.reduce(p, like)
+        assert bool(taken) == want, (route, compiling)
+        assert y.shape == (3, 40) and torch.equal(y, got if want else p.sum(0).to(torch.bfloat16))
+    monkeypatch.setattr(_psum, "ROUTE", "auto")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert _psum.reduce(p[:, 0], like).shape == (1, 40)  # one token's 2-D partials keep the row dim
+
+
 @pytest.mark.parametrize("op", ["mono", "dual"])
 def test_onepass_indicator_on_the_fixed_gemv(op, monkeypatch):
     """With IND_GEMV "fixed" the one-token indicator (mono's u; dual's x A and (x A) B, A and B held as

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _psum
 from ._common import act_code
 from ._glu import MODES, _act, _keep, _pow2, _round_to
 
@@ -265,8 +265,8 @@ def _(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
 
 def few_mlp(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
             gate: bool, up: bool) -> torch.Tensor:
-    """y [n_tok, d_model] in x's dtype: the op's partials summed and cast outside it (PyTorch's sum,
-    which torch.compile fuses with the residual add)."""
+    """y [n_tok, d_model] in x's dtype: the op's partials summed and cast outside it (_psum.reduce:
+    PyTorch's sum under torch.compile, which fuses it with the residual add; run eagerly, _psum.py's op)."""
     p = torch.ops.countdown.gated_few(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                       gate, up)
-    return p.sum(0).to(x2.dtype)
+    return _psum.reduce(p, x2)

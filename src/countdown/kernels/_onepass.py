@@ -299,8 +299,8 @@ def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activatio
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
                 *, ind=None, v=None, w_ind=None) -> torch.Tensor:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
-    ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: by default PyTorch's sum,
-    which torch.compile fuses with its neighbours; with COUNTDOWN_PSUM=kernel, _psum.py's op)."""
+    ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: PyTorch's sum while
+    torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op)."""
     if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
         p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)

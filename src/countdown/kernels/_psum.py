@@ -1,4 +1,4 @@
-"""Triton kernel: y = P.sum(0) in the model's dtype, for the one-token sparse kernels' fp32 partials.
+"""Triton kernel: y = P.sum(0) in the model's dtype, for the sparse kernels' fp32 partials.
 
 The one-launch sparse kernel (_onepass.py) leaves one fp32 partial sum per program, P [programs,
 d_model] (224 x 4096 at the Llama-3.1-8B shape), and leaves their sum to torch.compile by default.
@@ -20,14 +20,17 @@ import triton.language as tl
 from . import _common
 from ._glu import _pow2, _round_to
 
-# "kernel": this file's op; "inductor" (the default): P.sum(0).to(dtype), left to torch.compile, which
-# fuses the residual add into it. Measured on an H200 (2026-11-23): the op alone 3.3 us against
-# Inductor's sum + cast 4.0 us (benchmarks/psum.py, [224, 4096]); in the compiled 8B decode step it replaced
-# 3.5 us of two Inductor kernels with 3.0 us, but the residual add then moved into the next RMSNorm
-# kernel and the step did not get measurably faster (docs/decode.md). COUNTDOWN_PSUM=kernel selects it.
-ROUTE = os.environ.get("COUNTDOWN_PSUM", "inductor")
-if ROUTE not in ("kernel", "inductor"):
-    raise ValueError(f"COUNTDOWN_PSUM must be 'kernel' or 'inductor', got {ROUTE!r}")
+# Which sum runs (COUNTDOWN_PSUM): "auto" (the default) this file's op when the call runs eagerly and
+# PyTorch's P.sum(0).to(dtype) while torch.compile traces it (Inductor then fuses the sum into the residual
+# add); "kernel" / "inductor" one of them always. Why "auto": where the MLP runs eagerly (a plain eager
+# step, a CUDA graph of one, the one-compile benchmark's opaque slots) PyTorch's sum is a generic reduction
+# plus a cast: 7.0 + 1.1 us a layer on an H200 for [224, 4096] (`benchmarks/decode.py --profile`,
+# 2026-11-25), against 3.3 us for this op alone (benchmarks/psum.py). Under a full-graph compile the op
+# replaced Inductor's two kernels (3.5 us a layer) with 3.0 us, but the residual add then moved into the
+# next RMSNorm kernel and the step did not get measurably faster (docs/decode.md, run Y).
+ROUTE = os.environ.get("COUNTDOWN_PSUM", "auto")
+if ROUTE not in ("auto", "kernel", "inductor"):
+    raise ValueError(f"COUNTDOWN_PSUM must be 'auto', 'kernel' or 'inductor', got {ROUTE!r}")
 BD = 16  # columns per program: 256 programs at d_model 4096, each loading [programs, 16] fp32
 MAX_ELEMS = 8192  # the most values one program loads at once; more rows are summed in steps
 OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
@@ -48,15 +51,22 @@ def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr):
 
 
 def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[1, d] = p.sum(0) for fp32 partials p [rows, d], rounded once to ``dtype``."""
-    if p.dim() != 2 or p.dtype != torch.float32:
-        raise ValueError(f"partials must be fp32 [rows, d_model], got {p.dtype} {tuple(p.shape)}")
-    p = p.contiguous()
+    """p.sum(0) for fp32 partials p [rows, ...] (one token's [rows, d]: y [1, d]; a few tokens'
+    [rows, tokens, d]: y [tokens, d]), rounded once to ``dtype``."""
+    if p.dim() < 2 or p.dtype != torch.float32:
+        raise ValueError(f"partials must be fp32 [rows, d_model] or [rows, tokens, d_model], got {p.dtype} "
+                         f"{tuple(p.shape)}")
+    out_shape = _out_shape(p)
+    p = p.contiguous().reshape(p.shape[0], -1)
     rows, d = p.shape
-    y = _common.new_output((1, d), dtype, p.device)
+    y = _common.new_output(out_shape, dtype, p.device)
     br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
     _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, num_warps=4)
     return y
+
+
+def _out_shape(p: torch.Tensor) -> tuple:
+    return (1, p.shape[1]) if p.dim() == 2 else tuple(p.shape[1:])
 
 
 @torch.library.custom_op("countdown::sum_partials", mutates_args=())
@@ -66,11 +76,18 @@ def _psum_op(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @_psum_op.register_fake
 def _(p, like):
-    return p.new_empty((1, p.shape[1]), dtype=like.dtype)
+    return p.new_empty(_out_shape(p), dtype=like.dtype)
+
+
+def use_kernel(p: torch.Tensor) -> bool:
+    """Whether :func:`reduce` takes this file's op for ``p`` now (see ROUTE)."""
+    if ROUTE == "inductor" or not (p.is_cuda or OFF_CUDA):
+        return False
+    return ROUTE == "kernel" or not torch.compiler.is_compiling()
 
 
 def reduce(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """y [1, d] in ``like``'s dtype: this file's op on CUDA (ROUTE "kernel"), else PyTorch's sum."""
-    if ROUTE == "kernel" and (p.is_cuda or OFF_CUDA):
+    """p.sum(0) in ``like``'s dtype (2-D p: [1, d], kept dim): this file's op or PyTorch's sum (ROUTE)."""
+    if use_kernel(p):
         return torch.ops.countdown.sum_partials(p, like)
-    return p.sum(0, keepdim=True).to(like.dtype)
+    return p.sum(0, keepdim=p.dim() == 2).to(like.dtype)

@@ -98,7 +98,10 @@ def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str 
     w_down_t = w_down_t.contiguous()
     tx_t, tx_f = split_threshold(thr_x)
     ts_t, ts_f = split_threshold(thr_s)
-    # the partials' sum and cast stay outside the op, where torch.compile fuses them with what follows
+    # the partials' sum and cast stay outside the op: torch.compile fuses them with what follows; run
+    # eagerly, kernels/_psum.py's op sums them
     p = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
                                            tx_t, tx_f, ts_t, ts_f, activation)
-    return p.sum(0).to(x.dtype).reshape(x.shape)
+    from . import _psum  # Triton: only where the kernels run
+
+    return _psum.reduce(p, x).reshape(x.shape)
