@@ -5,7 +5,7 @@
 P [224, 4096] fp32 (the Llama-3.1-8B shape's partials at CHUNK 64): the op checked against float64,
 then both routes compiled alone and timed as CUDA-graph replays over 8 partial buffers (median us).
 Measured on an H200, 2026-11-23: 3.29 us (op) against 3.99 us (Inductor); in the decode step the
-difference did not show (docs/decode.md), so the op is opt-in (COUNTDOWN_PSUM=kernel).
+difference did not show (docs/decode.md); the op is the default where the MLP runs eagerly (_psum.ROUTE).
 """
 
 import torch

@@ -13,7 +13,8 @@ bandwidth measured in the same run, and a torch.profiler table of every kernel o
 - ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.fused_attention).
 - ``fused+down`` / ``fused+down+o`` / ``fused+down+o+qkv``: the same with the MLPs' down projections (and
   the attention output projections, and the fused QKV GEMV) on kernels/_linear.py's fixed GEMV;
-  ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode_gemv.route_linears); ``fused``
+  ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode_gemv.route_linears);
+  ``fused+all+norm``: and each layer's input RMSNorm folded into the QKV GEMV (countdown.fused_layer); ``fused``
   leaves every projection to Inductor.
 
 Writes ``step_profile.csv`` (one row per variant), ``step_kernels.csv`` (every kernel of every variant),
@@ -32,7 +33,8 @@ import time
 import torch
 
 T0 = time.perf_counter()
-VARIANTS = ("sdpa", "countdown", "fused", "fused+down", "fused+down+o", "fused+down+o+qkv", "fused+all")
+VARIANTS = ("sdpa", "countdown", "fused", "fused+down", "fused+down+o", "fused+down+o+qkv", "fused+all",
+            "fused+all+norm")
 
 
 def log(*parts) -> None:
@@ -69,7 +71,8 @@ def apply_variant(model, variant: str) -> str:
     elif variant.startswith("fused"):
         targets = {"fused+down": ("down",), "fused+down+o": ("down", "o_proj"),
                    "fused+down+o+qkv": ("down", "o_proj", "qkv"),
-                   "fused+all": ("down", "gate_up", "o_proj", "qkv")}.get(variant, ())
+                   "fused+all": ("down", "gate_up", "o_proj", "qkv"),
+                   "fused+all+norm": ("down", "gate_up", "o_proj", "qkv", "norm")}.get(variant, ())
         skipped = fuse_attention(model)
         if targets:
             route_linears(model, targets)

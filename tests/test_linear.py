@@ -51,6 +51,37 @@ def test_decode_linear_matches_float64(t, n, k, dtype, bias, res):
         assert (y.double() - exact).abs().max() <= 2 * tol.max()
 
 
+NORM_CASES = [(1, 40, 96, torch.bfloat16, False), (3, 33, 700, torch.float16, True), (8, 19, 1000, torch.float32, False)]
+
+
+@pytest.mark.parametrize("t,n,k,dtype,bias", NORM_CASES, ids=[f"t{c[0]}-{c[1]}x{c[2]}" for c in NORM_CASES])
+def test_decode_linear_folds_the_rmsnorm(t, n, k, dtype, bias):
+    """y = RMSNorm(x) W^T (+ b), RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g, against float64 (hand-written
+    here, not the module's reference): one ulp of the output plus fp32 accumulation; the tokens' norms
+    differ (rows scaled by 0.01 to 30), K not a multiple of the block, both the default and a small
+    configuration; the op gives the same and names a wrong norm weight."""
+    scale = torch.logspace(-2, 1.5, t, device=DEVICE)[:, None]
+    x = (torch.randn(t, k, device=DEVICE) * scale).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    g = (1 + 0.5 * torch.randn(k, device=DEVICE)).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    eps = 1e-5
+    xd = x.double()
+    normed = xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) / k + eps) * g.double()
+    ref64 = normed @ w.double().t() + (b.double() if bias else 0)
+    for config in ({}, dict(BN=8, BK=128, num_stages=1)):
+        y = _linear.decode_linear(x, w, b, None, config=config, norm_weight=g, eps=eps)
+        assert y.shape == (t, n) and y.dtype == dtype and torch.isfinite(y).all()
+        tol = ULP[dtype] * ref64.abs().clamp_min(1.0) + 1e-5
+        assert ((y.double() - ref64).abs() <= tol).all(), (y.double() - ref64).abs().max()
+    torch.testing.assert_close(_linear.decode_linear_ref(x, w, b, None, g, eps).double(), ref64, rtol=ULP[dtype],
+                               atol=1e-5)
+    assert torch.equal(torch.ops.countdown.decode_norm_linear(x, g, eps, w, b), _linear.decode_linear(
+        x, w, b, None, norm_weight=g, eps=eps))
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        _linear.decode_linear(x, w, b, None, norm_weight=g[:-1])
+
+
 def test_decode_linear_op_compiles_and_names_bad_input():
     x = torch.randn(1, 96, device=DEVICE)
     w = torch.randn(40, 96, device=DEVICE)
@@ -126,6 +157,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     from countdown.decode import generate_fast
     from countdown.decode_gemv import fastest_step, is_routed
     from countdown.fused_attention import QKV_FIXED, is_fused
+    from countdown.fused_layer import is_folded
 
     model = tiny_model(arch).to(DEVICE)
     n_layers = model.config.num_hidden_layers
@@ -139,6 +171,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert (fused, len(skipped)) == ((n_layers, 0) if arch == "llama" else (0, n_layers))
     assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     assert sum(bool(getattr(m, QKV_FIXED, False)) for m in model.modules()) == fused
+    assert sum(is_folded(m) for m in model.modules()) == fused  # the input norms folded where fused
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
@@ -149,7 +182,8 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
     assert fastest_step(model, on=False) == []
-    assert not any(is_routed(m) or is_fused(m) or getattr(m, QKV_FIXED, False) for m in model.modules())
+    assert not any(is_routed(m) or is_fused(m) or is_folded(m) or getattr(m, QKV_FIXED, False)
+                   for m in model.modules())
     with _fast_step(model, True):
         assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     with _fast_step(model, False):

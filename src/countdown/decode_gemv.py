@@ -5,6 +5,7 @@
     route_linears(model, ("down", "o_proj"))  # and the attention blocks' output projections
     route_linears(model, ("gate_up",))        # the Gated-MLPs' gate and up projections (dense layers)
     route_linears(model, ("qkv",))            # fused attention's QKV GEMV (after fuse_attention(model))
+    route_linears(model, ("qkv", "norm"))     # and each layer's input RMSNorm folded into it (fused_layer.py)
     route_linears(model, (), on=False)        # back to nn.Linear's forward (and F.linear for QKV)
     fastest_step(model)                       # fuse_attention + every target that applies; on=False undoes
 
@@ -28,13 +29,13 @@ from torch import nn
 
 from .kernels import _common
 
-TARGETS = ("down", "gate_up", "o_proj", "qkv")
+TARGETS = ("down", "gate_up", "o_proj", "qkv", "norm")
 _ROUTED = "_countdown_decode_gemv"
 
 
 def step_targets(fused: bool) -> tuple[str, ...]:
-    """Every target that applies to a decode step: qkv only when the attention is fused."""
-    return TARGETS if fused else tuple(t for t in TARGETS if t != "qkv")
+    """Every target that applies to a decode step: qkv and norm only when the attention is fused."""
+    return TARGETS if fused else tuple(t for t in TARGETS if t not in ("qkv", "norm"))
 
 
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +70,12 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
     """Route the ``targets`` layers of ``model`` through the fixed GEMV (``on=False``: un-route every
     routed layer, whatever ``targets`` says). Returns how many layers changed."""
     from .fused_attention import QKV_FIXED, is_fused
+    from .fused_layer import fold_norms, is_folded
 
     if not on:
-        changed = 0
+        changed = sum(is_folded(m) for m in model.modules())
+        if changed:
+            fold_norms(model, False)
         for module in model.modules():
             if is_routed(module):
                 del module.forward
@@ -96,7 +100,16 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
             if not getattr(attn, QKV_FIXED, False):
                 setattr(attn, QKV_FIXED, True)
                 changed += 1
-    for target in (t for t in targets if t != "qkv"):
+    if "norm" in targets:  # after qkv: the fold needs the routed QKV GEMV
+        before = sum(is_folded(m) for m in model.modules())
+        skipped = fold_norms(model)
+        after = sum(is_folded(m) for m in model.modules())
+        if after == 0:
+            raise ValueError("route_linears(model, ('norm',)) folds each layer's input RMSNorm into the routed QKV "
+                             f"GEMV (route 'qkv' too) and no layer could be folded: "
+                             f"{skipped[0] if skipped else 'the model has no decoder layers'}")
+        changed += after - before
+    for target in (t for t in targets if t not in ("qkv", "norm")):
         for lin in _layers(model, target):
             if not is_routed(lin):
                 lin.forward = types.MethodType(_decode_forward, lin)
@@ -108,7 +121,8 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
 def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
     """The fastest batch-1 decode step the library has (what ``benchmarks/decode.py`` runs by default):
     the attention blocks fused (:func:`countdown.fused_attention.fuse_attention`, where fusable) and
-    every projection on the fixed GEMV (qkv only where fused). ``on=False`` undoes both. Returns the
+    every projection on the fixed GEMV (qkv only where fused, each layer's input RMSNorm then folded into
+    it: countdown.fused_layer). ``on=False`` undoes all of it. Returns the
     reasons the attention modules left alone were left alone. Call it after ``sparsify`` or before:
     the sparse MLPs read the weights directly and ignore a routed layer's forward."""
     from .fused_attention import fuse_attention, is_fused

@@ -141,7 +141,7 @@ def fuse_attention(model: nn.Module, on: bool = True) -> list[str]:
     return skipped
 
 
-def _decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
+def decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
     """The cache layer and mask row when this call can take the fused path, else None."""
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or attention_mask is None or attn.training:
         return None
@@ -159,7 +159,7 @@ def _decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
 
 def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
-    found = _decode_layer(self, hidden_states, attention_mask, past_key_values, kwargs)
+    found = decode_layer(self, hidden_states, attention_mask, past_key_values, kwargs)
     if found is None or position_embeddings is None:
         return getattr(self, _BEFORE)(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     layer, row = found
@@ -169,9 +169,19 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         qkv = torch.ops.countdown.decode_linear(hidden_states.reshape(B, -1), weight, bias, None)
     else:
         qkv = F.linear(hidden_states, weight, bias).view(B, -1)
+    return self.o_proj(attend(self, qkv, layer, row, position_embeddings).reshape(B, 1, -1)), None
+
+
+def qkv_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fused attention module's concatenated QKV weight [(H + 2 KVH) D, d_model] and bias (or None)."""
+    return getattr(attn, _WEIGHT), getattr(attn, _BIAS)
+
+
+def attend(attn: nn.Module, qkv: torch.Tensor, layer, row: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The fused decode attention of ``attn`` (rotary embedding, cache write, attention) on the step's
+    QKV projection [B, (H + 2 KVH) D]: [B, H, D]. ``layer`` and ``row`` as :func:`decode_layer` gives them."""
     cos, sin = position_embeddings
-    n_heads = self.q_proj.out_features // self.head_dim
-    out = torch.ops.countdown.rope_decode_attention(qkv, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
-                                                    layer.keys, layer.values, layer.cumulative_length, row,
-                                                    float(self.scaling), n_heads)
-    return self.o_proj(out.reshape(B, 1, -1)), None
+    n_heads = attn.q_proj.out_features // attn.head_dim
+    return torch.ops.countdown.rope_decode_attention(qkv, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
+                                                     layer.keys, layer.values, layer.cumulative_length, row,
+                                                     float(attn.scaling), n_heads)

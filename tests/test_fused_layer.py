@@ -1,0 +1,98 @@
+"""fold_norms (countdown/fused_layer.py): each layer's input RMSNorm folded into the QKV GEMV, the
+attention's residual add into the output projection, for batch-1 decode steps.
+
+Against the same model with the attention fused and the QKV GEMV routed but nothing folded (itself
+tested against transformers in test_fused_attention.py): the same greedy tokens, eager and compiled
+through Dynamo, one decode step's logits and the static cache equal to float32 rounding; the folded
+GEMV called once per layer per batch-1 decode step and never for the prompt or batch 2; a sparsified
+model decodes as before; the prerequisites are named; unfolding, un-routing or unfusing restores the
+layer's own forward.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+from countdown import fused_attention, fused_layer  # noqa: E402
+from countdown.decode import generate_fast  # noqa: E402
+from countdown.decode_gemv import route_linears  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from test_fused_attention import _step_logits_and_cache  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
+    from countdown import sparsify, unsparsify
+
+    model = tiny_model(arch).to(DEV)
+    n_layers = model.config.num_hidden_layers
+    prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEV)
+    fused_attention.fuse_attention(model)
+    with pytest.raises(ValueError, match="route 'qkv' too"):
+        route_linears(model, ("norm",))
+    route_linears(model, ("qkv",))
+    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
+    ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
+    sparsify(model, "mono", 0.5)
+    ref_sparse, _ = generate_fast(model, prompt, 6, compile=False)
+    unsparsify(model)
+
+    assert route_linears(model, ("norm",)) == n_layers
+    assert route_linears(model, ("qkv", "norm")) == 0  # already folded
+    hits = []
+    real = torch.ops.countdown.decode_norm_linear
+    monkeypatch.setattr(torch.ops.countdown, "decode_norm_linear", lambda *a: hits.append(a[0].shape[0]) or real(*a))
+    out, _ = generate_fast(model, prompt, 6, compile=False)
+    assert torch.equal(out, ref_tokens)
+    assert hits == [1] * (5 * n_layers)  # 5 decode steps, one folded QKV GEMV per layer; none for the prompt
+    logits, cache = _step_logits_and_cache(model, prompt)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for (k, v, n), (k0, v0, n0) in zip(cache, ref_cache):
+        assert n == n0
+        torch.testing.assert_close(k, k0, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v0, atol=1e-5, rtol=1e-5)
+    hits.clear()
+    generate_fast(model, torch.cat([prompt, prompt]), 3, compile=False)
+    assert hits == []  # batch 2: the layer's own forward
+    sparsify(model, "mono", 0.5)
+    out_sparse, _ = generate_fast(model, prompt, 6, compile=False)
+    unsparsify(model)
+    assert torch.equal(out_sparse, ref_sparse)
+    monkeypatch.undo()  # Dynamo traces the op itself, not the counting wrapper
+    if arch == "llama":
+        compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
+        assert torch.equal(compiled, ref_tokens)
+    monkeypatch.setattr(torch.ops.countdown, "decode_norm_linear", lambda *a: hits.append(a[0].shape[0]) or real(*a))
+    hits.clear()
+    generate_fast(model, prompt, 2, compile=False)
+    assert hits == [1] * n_layers  # still folded after the compile
+
+    assert route_linears(model, (), on=False) == 2 * n_layers  # the folds and the QKV routes
+    assert not any(fused_layer.is_folded(m) for m in model.modules())
+    hits.clear()
+    out, _ = generate_fast(model, prompt, 3, compile=False)
+    assert hits == [] and torch.equal(out, ref_tokens[:, :out.shape[1]])
+
+
+def test_unfusing_under_a_fold_falls_back_and_other_layers_are_named():
+    model = tiny_model("llama").to(DEV)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2)).to(DEV)
+    ref, _ = generate_fast(model, prompt, 4, compile=False)
+    skipped = fused_layer.fold_norms(model)
+    assert len(skipped) == model.config.num_hidden_layers and "not fused" in skipped[0]
+    fused_attention.fuse_attention(model)
+    assert "not routed" in fused_layer.fold_norms(model)[0]
+    route_linears(model, ("qkv", "norm"))
+    fused_attention.fuse_attention(model, False)  # the fold stays, the attention is transformers' again
+    out, _ = generate_fast(model, prompt, 4, compile=False)
+    assert torch.equal(out, ref)
+    fused_layer.fold_norms(model, False)
+    assert not any(fused_layer.is_folded(m) for m in model.modules())
+    gemma = tiny_model("gemma3").to(DEV)
+    assert "Gemma3DecoderLayer is not one of" in fused_layer.fold_norms(gemma)[0]
