@@ -100,7 +100,7 @@ def parse_args(argv=None):
                          "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
     ap.add_argument("--decode-gemv", default="auto", help="comma-separated projections of every row (down, gate_up, "
                     "o_proj, qkv, norm: qkv and norm with --attention fused; norm folds each input RMSNorm into the QKV "
-                    "GEMV) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode_gemv.route_linears); 'auto' (default) = every one that applies, '' or 'none' "
+                    "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode_gemv.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
                     "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")

@@ -171,7 +171,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert (fused, len(skipped)) == ((n_layers, 0) if arch == "llama" else (0, n_layers))
     assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     assert sum(bool(getattr(m, QKV_FIXED, False)) for m in model.modules()) == fused
-    assert sum(is_folded(m) for m in model.modules()) == fused  # the input norms folded where fused
+    assert not any(is_folded(m) for m in model.modules())  # the norm fold is opt-in (slower on an H200)
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
