@@ -1,5 +1,6 @@
-"""fold_norms (countdown/fused_layer.py): each layer's input RMSNorm folded into the QKV GEMV, the
-attention's residual add into the output projection, for batch-1 decode steps.
+"""fold_norms (countdown/fused_layer.py): each layer's RMSNorms on kernels/_rmsnorm.py (or the input norm
+folded into the QKV GEMV, FOLD_QKV), the attention's residual add into the output projection, for batch-1
+decode steps; and the norm kernel itself against transformers' module and float64.
 
 Against the same model with the attention fused and the QKV GEMV routed but nothing folded (itself
 tested against transformers in test_fused_attention.py): the same greedy tokens, eager and compiled
@@ -26,10 +27,13 @@ from test_fused_attention import _step_logits_and_cache  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
+@pytest.mark.parametrize("arch,fold_qkv", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, monkeypatch):
     from countdown import sparsify, unsparsify
 
+    monkeypatch.setattr(fused_layer, "FOLD_QKV", fold_qkv)
+    op = "decode_norm_linear" if fold_qkv else "decode_rms_norm"
+    per_layer = 1 if fold_qkv else 2  # the folded QKV GEMV, or the two norms
     model = tiny_model(arch).to(DEV)
     n_layers = model.config.num_hidden_layers
     prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEV)
@@ -46,11 +50,11 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
     assert route_linears(model, ("norm",)) == n_layers
     assert route_linears(model, ("qkv", "norm")) == 0  # already folded
     hits = []
-    real = torch.ops.countdown.decode_norm_linear
-    monkeypatch.setattr(torch.ops.countdown, "decode_norm_linear", lambda *a: hits.append(a[0].shape[0]) or real(*a))
+    real = getattr(torch.ops.countdown, op)
+    monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
     out, _ = generate_fast(model, prompt, 6, compile=False)
     assert torch.equal(out, ref_tokens)
-    assert hits == [1] * (5 * n_layers)  # 5 decode steps, one folded QKV GEMV per layer; none for the prompt
+    assert hits == [1] * (5 * n_layers * per_layer)  # 5 decode steps; none for the prompt
     logits, cache = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     for (k, v, n), (k0, v0, n0) in zip(cache, ref_cache):
@@ -64,14 +68,14 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
     out_sparse, _ = generate_fast(model, prompt, 6, compile=False)
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
-    monkeypatch.undo()  # Dynamo traces the op itself, not the counting wrapper
+    monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
     if arch == "llama":
         compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
-    monkeypatch.setattr(torch.ops.countdown, "decode_norm_linear", lambda *a: hits.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
     hits.clear()
     generate_fast(model, prompt, 2, compile=False)
-    assert hits == [1] * n_layers  # still folded after the compile
+    assert hits == [1] * (n_layers * per_layer)  # still folded after the compile
 
     assert route_linears(model, (), on=False) == 2 * n_layers  # the folds and the QKV routes
     assert not any(fused_layer.is_folded(m) for m in model.modules())
@@ -96,3 +100,34 @@ def test_unfusing_under_a_fold_falls_back_and_other_layers_are_named():
     assert not any(fused_layer.is_folded(m) for m in model.modules())
     gemma = tiny_model("gemma3").to(DEV)
     assert "Gemma3DecoderLayer is not one of" in fused_layer.fold_norms(gemma)[0]
+
+
+@pytest.mark.parametrize("t,d,dtype", [(1, 4096, torch.bfloat16), (3, 700, torch.float16), (8, 96, torch.float32)])
+def test_rms_norm_kernel_matches_transformers(t, d, dtype):
+    """kernels/_rmsnorm.py against transformers' LlamaRMSNorm on the same input (its two roundings
+    included: at most one ulp of bf16 / fp16 apart, from the order of the fp32 sum of squares; in fp32
+    a few ulps, rsqrt against 1 / sqrt) and against float64
+    (within the two roundings); rows of very different scale; bad shapes named."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from countdown.kernels import _rmsnorm
+
+    x = (torch.randn(t, d) * torch.logspace(-2, 1.5, t)[:, None]).to(dtype).to(DEV)
+    module = LlamaRMSNorm(d, eps=1e-5).to(DEV).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.5 * torch.randn(d))
+    y = _rmsnorm.rms_norm(x, module.weight.detach(), 1e-5)
+    with torch.no_grad():
+        want = module(x)
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}[dtype]
+    assert y.shape == x.shape and y.dtype == dtype
+    ulps = 8 if dtype == torch.float32 else 1
+    assert ((y.double() - want.double()).abs() <= ulps * ulp * want.double().abs() + 1e-30).all()
+    xd = x.double()
+    exact = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * module.weight.double()
+    assert ((y.double() - exact).abs() <= (ulps + 1) * ulp * exact.abs() + 1e-6).all()
+    assert torch.equal(torch.ops.countdown.decode_rms_norm(x, module.weight.detach(), 1e-5), y)
+    with pytest.raises(ValueError, match="weight must be"):
+        _rmsnorm.rms_norm(x, module.weight.detach()[:-1], 1e-5)
+    with pytest.raises(ValueError, match="tokens"):
+        _rmsnorm.rms_norm(x.reshape(-1), module.weight.detach(), 1e-5)

@@ -5,7 +5,7 @@
     route_linears(model, ("down", "o_proj"))  # and the attention blocks' output projections
     route_linears(model, ("gate_up",))        # the Gated-MLPs' gate and up projections (dense layers)
     route_linears(model, ("qkv",))            # fused attention's QKV GEMV (after fuse_attention(model))
-    route_linears(model, ("qkv", "norm"))     # and each input RMSNorm folded into it (fused_layer.py; opt-in)
+    route_linears(model, ("qkv", "norm"))     # and the layers' norms on a fixed kernel (fused_layer.py; opt-in)
     route_linears(model, (), on=False)        # back to nn.Linear's forward (and F.linear for QKV)
     fastest_step(model)                       # fuse_attention + every target that applies; on=False undoes
 

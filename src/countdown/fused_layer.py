@@ -1,26 +1,29 @@
-"""A decode step's decoder layer with its input RMSNorm folded into the QKV GEMV and the attention's
-residual add folded into the output projection.
+"""A decode step's decoder layer with its RMSNorms on a fixed kernel and the attention's residual add
+folded into the output projection.
 
     from countdown.fused_layer import fold_norms
     fold_norms(model)          # after fuse_attention(model) and route_linears(model, ("qkv",))
     fold_norms(model, False)   # back to transformers' layer forward
 
-Why (docs/decode.md, "The norms folded"): in a compiled batch-1 decode step each layer's two RMSNorms
-are Inductor reductions of their own, fused with the residual adds before them: 3.5-4.3 us each on an
-H200 for 16 KB of data, about 0.45 ms of a 2.5-4.3 ms step (`benchmarks/decode.py --profile`,
-2026-11-25), while the GEMV that follows each one reads its whole input anyway. Here a decode step
-of a folded layer (one token per row, the fused attention path available, the fixed GEMV serving) is
+Why (docs/decode.md, session 13): in a compiled batch-1 decode step each layer's two RMSNorms are
+Inductor reductions of their own, fused with the residual adds before them and tuned per compile: 1.9
+to 5.5 us a call on an H200 for 16 KB of data, about 0.4 ms of a 2.4-4.3 ms step (`benchmarks/decode.py
+--profile`, 2026-11-25). A decode step of a folded layer (one token per row, the fused attention path
+available, the fixed GEMV serving) is
 
-    qkv = RMSNorm_in(h) W_qkv^T            one launch: kernels/_linear.py with the norm folded in
+    x   = RMSNorm_in(h)                    kernels/_rmsnorm.py (or, FOLD_QKV, folded into the next GEMV)
+    qkv = x W_qkv^T                        kernels/_linear.py
     a   = attention(qkv)                   kernels/_rope_attention.py (rotary, cache write, attention)
-    h'  = h + a W_o^T                      one launch: the fixed GEMV with the residual
-    out = h' + mlp(RMSNorm_post(h'))       as transformers computes it (Inductor: the norm, the add)
+    h'  = h + a W_o^T                      kernels/_linear.py with the residual: no add of its own
+    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add Inductor's
 
-so the input norm has no kernel of its own and the attention's residual add none either. Every other
-call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the layer's own
-forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): the norm before the
-attention must be the weight-times-normalised RMSNorm and nothing else may run between it and the
-attention; :func:`why_not_foldable` names what stops a layer.
+Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the
+layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
+must be the weight-times-normalised RMSNorm; :func:`why_not_foldable` names what stops a layer.
+
+FOLD_QKV folds the input norm into the QKV GEMV instead (kernels/_linear.py's norm_weight: the sum of
+squares in the GEMV's own K loop): measured slower on an H200 (the QKV GEMV 15.4-16.1 us against 15.8 for
+a norm kernel plus the plain GEMV; in the step +96-114 us of GEMV for -54 us of norms), so off.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .kernels import _common
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
             "MistralDecoderLayer": "MistralRMSNorm"}
 _BEFORE = "_countdown_layer_forward_before"
+FOLD_QKV = False
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -55,12 +59,14 @@ def why_not_foldable(layer: nn.Module) -> str | None:
         return f"{name}'s attention is not fused (countdown.fused_attention.fuse_attention first)"
     if not getattr(attn, QKV_FIXED, False):
         return f"{name}'s QKV GEMV is not routed (countdown.decode_gemv.route_linears(model, ('qkv',)) first)"
-    norm = getattr(layer, "input_layernorm", None)
-    if type(norm).__name__ != FOLDABLE[name] or not hasattr(norm, "variance_epsilon"):
-        return f"{name}.input_layernorm is {type(norm).__name__}, not {FOLDABLE[name]}"
     weight, _ = qkv_weights(attn)
-    if norm.weight.shape != (weight.shape[1],) or norm.weight.device != weight.device:
-        return f"{name}.input_layernorm's weight does not match the QKV weight's input"
+    for which in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, which, None)
+        if type(norm).__name__ != FOLDABLE[name] or not hasattr(norm, "variance_epsilon"):
+            return f"{name}.{which} is {type(norm).__name__}, not {FOLDABLE[name]}"
+        if norm.weight.shape != (weight.shape[1],) or norm.weight.dtype != weight.dtype \
+                or norm.weight.device != weight.device:
+            return f"{name}.{which}'s weight does not match the QKV weight's input, dtype or device"
     if type(attn.o_proj) is not nn.Linear:
         return f"{name}.self_attn.o_proj is not a plain nn.Linear"
     return None
@@ -73,6 +79,8 @@ def is_folded(layer: nn.Module) -> bool:
 def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     """Fold (or, ``on=False``, unfold) every foldable decoder layer of ``model``; returns the reasons the
     layers left alone were left alone (empty when every layer is folded)."""
+    if on:
+        from .kernels import _linear, _rmsnorm  # noqa: F401  (register the ops the folded forward calls; Triton)
     skipped = []
     for i, layer in enumerate(_layers(model)):
         if not on:
@@ -104,9 +112,14 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     layer, row = found
     B = hidden_states.shape[0]
     h = hidden_states.reshape(B, -1)
-    norm = self.input_layernorm
-    qkv = torch.ops.countdown.decode_norm_linear(h, norm.weight, float(norm.variance_epsilon), weight, bias)
+    norm, post = self.input_layernorm, self.post_attention_layernorm
+    if FOLD_QKV:
+        qkv = torch.ops.countdown.decode_norm_linear(h, norm.weight, float(norm.variance_epsilon), weight, bias)
+    else:
+        x = torch.ops.countdown.decode_rms_norm(h, norm.weight, float(norm.variance_epsilon))
+        qkv = torch.ops.countdown.decode_linear(x, weight, bias, None)
     a = attend(attn, qkv, layer, row, position_embeddings)
     o = attn.o_proj
-    h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h).view_as(hidden_states)
-    return h + self.mlp(self.post_attention_layernorm(h))
+    h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
+    x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
+    return h.view_as(hidden_states) + self.mlp(x.view_as(hidden_states))

@@ -1,0 +1,74 @@
+"""Triton kernel: transformers' RMSNorm of a few decode tokens, one launch with a fixed configuration.
+
+    y = g * round(x / sqrt(mean(x^2) + eps))       (computed in fp32, rounded as transformers rounds)
+
+Why: in a compiled batch-1 decode step Inductor emits each layer's RMSNorm as a reduction of its own and
+tunes it per compile; on an H200 the same norm came out at 1.9 to 5.5 us a call in one step
+(`benchmarks/decode.py --profile`, 2026-11-25), about 0.4 ms of a 2.4-4.3 ms step. This op is opaque to
+Inductor (countdown.fused_layer calls it), one program per token row holding the whole row in registers.
+
+Rounding as transformers' LlamaRMSNorm: x / rms in fp32, rounded to x's dtype, then times the weight
+(the product rounded to x's dtype again), so on the same input it gives the eager module's output up to
+the order of the fp32 sum of squares.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._glu import _pow2, _round_to
+
+MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
+
+
+@triton.jit
+def _rmsnorm_kernel(X, G, Y, eps, d, stride_x, stride_y, BD: tl.constexpr, EVEN: tl.constexpr):
+    t = tl.program_id(0)
+    k = tl.arange(0, BD)
+    if EVEN:
+        x = tl.load(X + t * stride_x + k).to(tl.float32)
+        g = tl.load(G + k).to(tl.float32)
+    else:
+        x = tl.load(X + t * stride_x + k, mask=k < d, other=0.0).to(tl.float32)
+        g = tl.load(G + k, mask=k < d, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+    y = _round_to(g * _round_to(x * r, Y.dtype.element_ty), Y.dtype.element_ty)
+    if EVEN:
+        tl.store(Y + t * stride_y + k, y.to(Y.dtype.element_ty))
+    else:
+        tl.store(Y + t * stride_y + k, y.to(Y.dtype.element_ty), mask=k < d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T <= 8, d] with weight [d] (same dtype and device): [T, d] in x's dtype."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
+        raise ValueError(f"rms_norm takes x [tokens <= {MAX_TOKENS}, d], got {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight must be [{x.shape[1]}] of x's dtype and device ({x.dtype}, {x.device}), got "
+                         f"{tuple(weight.shape)} {weight.dtype} {weight.device}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n, d = x.shape
+    y = _common.new_output((n, d), x.dtype, x.device)
+    bd = max(16, _pow2(d))
+    _rmsnorm_kernel[(n,)](x, weight.contiguous(), y, float(eps), d, x.stride(0), y.stride(0), BD=bd, EVEN=bd == d,
+                          num_warps=8 if bd >= 4096 else 4)
+    return y
+
+
+@torch.library.custom_op("countdown::decode_rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in PyTorch (the module's own arithmetic)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
