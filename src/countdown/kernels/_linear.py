@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._glu import _pow2, _round_to
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
 INTERPRETER_BN = 16
@@ -59,7 +60,8 @@ def config_for(k: int, config: dict | None = None, norm: bool = False) -> dict:
 @triton.jit
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -72,13 +74,30 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
         wrow = rows_c[:, None] * K
     acc = tl.zeros([BT, BN], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)  # sum(x^2) per token, for the norm fold
+    if PDL:  # launched early (_pdl.py): the weights do not depend on the previous kernel, x may
+        gdc_launch_dependents()
+        k_first = tl.arange(0, BK)
+        w_first = tl.load(W + wrow + k_first[None, :], mask=(k_first < K)[None, :], other=0.0)
+        gdc_wait()
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BK)
         if EVEN_K:
-            w = tl.load(W + wrow + kk[None, :])
+            if PDL:
+                if k0 == 0:
+                    w = w_first
+                else:
+                    w = tl.load(W + wrow + kk[None, :])
+            else:
+                w = tl.load(W + wrow + kk[None, :])
             xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0)
         else:
-            w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            if PDL:
+                if k0 == 0:
+                    w = w_first
+                else:
+                    w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            else:
+                w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
             xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
                          other=0.0)
         wf = w.to(tl.float32)
@@ -145,12 +164,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _common.new_output((n_tok, n), x.dtype, x.device)
     bk = min(cfg["BK"], max(16, _pow2(k)))
     bn = cfg["BN"]
+    pdl = _pdl.active(x)
     _linear_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else y, y,
         norm_weight if norm_weight is not None else weight, float(eps),
         n_tok, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None, BT=max(1, _pow2(n_tok)), BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+        EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl, num_warps=cfg["num_warps"],
+        **_pdl.launch_kwargs(pdl))
     return y
 
 

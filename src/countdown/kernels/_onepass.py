@@ -38,7 +38,7 @@ import triton.language as tl
 from . import _balanced, _common, _linear, _pdl, _psum  # _balanced, _linear: their ops (gated_balanced, decode_linear)
 from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
-from ._pdl import gdc_wait
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
 # it, since the in-kernel indicator may differ from torch's in the last bit at a threshold tie.
@@ -134,6 +134,7 @@ def _onepass_kernel(
 ):
     pid = tl.program_id(0)
     if PDL:  # launched early (_pdl.py): nothing of the previous kernel's output is read before this
+        gdc_launch_dependents()  # the partials' sum may launch now; it waits for this grid
         gdc_wait()
     kd = tl.arange(0, BLOCK_D)
     ki = tl.arange(0, BLOCK_I)

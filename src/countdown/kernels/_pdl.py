@@ -1,4 +1,9 @@
-"""Programmatic dependent launch (Hopper and later) between the shadow GEMV and the sparse kernel.
+"""Programmatic dependent launch (Hopper and later) between consecutive kernels of a decode step.
+
+First between the shadow GEMV and the sparse kernel (below); since session 13 also the fixed GEMV
+(kernels/_linear.py: it loads its first weight tile before the wait, weights never being the previous
+kernel's output), the fused attention's two kernels and the partials' sum: each lets the next grid
+launch at its start and waits for the previous grid before it reads that grid's output.
 
 With PDL the sparse kernel (_onepass.py or _stream.py) is launched while the shadow GEMV (_gemv.py)
 still runs: the GEMV's programs signal at their start that the next grid may launch

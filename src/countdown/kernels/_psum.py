@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._glu import _pow2, _round_to
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 # Which sum runs (COUNTDOWN_PSUM): "auto" (the default) this file's op when the call runs eagerly and
 # PyTorch's P.sum(0).to(dtype) while torch.compile traces it (Inductor then fuses the sum into the residual
@@ -37,8 +38,11 @@ OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
 
 
 @triton.jit
-def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr):
+def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    if PDL:  # launched early (_pdl.py): the partials are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     cols = pid * BD + tl.arange(0, BD)
     cmask = cols < d
     acc = tl.zeros([BD], dtype=tl.float32)
@@ -61,7 +65,8 @@ def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, d = p.shape
     y = _common.new_output(out_shape, dtype, p.device)
     br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
-    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, num_warps=4)
+    pdl = _pdl.active(p)
+    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
     return y
 
 

@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _attention, _common
+from . import _attention, _common, _pdl
 from ._attention import LOG2E, attend_split, combine_partials, store_partials
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -46,7 +47,10 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
                        s_qkv, s_cos, s_sin, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
                        G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr):
+                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (_pdl.py): qkv is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     sp = tl.program_id(0)  # split of the keys
     hk = tl.program_id(1)  # KV head
     b = tl.program_id(2)   # batch row
@@ -98,7 +102,10 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
 
 @triton.jit
 def _rope_combine_kernel(P, OUT, POS, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr,
-                         CB: tl.constexpr):
+                         CB: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (_pdl.py): the partials are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D, BD, CB)
     if tl.program_id(0) == 0:
         tl.store(POS, tl.load(POS) + 1)
@@ -154,14 +161,16 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     out = _common.new_output((B, H, D), k_cache.dtype, qkv.device)
     n_rows = B * H * n_splits
     part = _common.new_output((n_rows * (BD + 2),), torch.float32, qkv.device)
+    pdl = _pdl.active(qkv)
     _rope_split_kernel[(n_splits, KVH, B)](
         qkv, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T, split_len,
         qkv.stride(0), s_cos, s_sin, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), mask.stride(1),
         G=G, D=D, BD=BD, GP=max(16, _attention._pow2(G)), BLOCK_N=cfg["BLOCK_N"],
         BOOL_MASK=mask.dtype == torch.uint8, IEEE=k_cache.dtype == torch.float32 or _common.interpreting(),
-        NUM_STAGES=cfg["num_stages"], SKIP_MASKED=bool(cfg["SKIP_MASKED"]), num_warps=cfg["num_warps"])
+        NUM_STAGES=cfg["num_stages"], SKIP_MASKED=bool(cfg["SKIP_MASKED"]), PDL=pdl, num_warps=cfg["num_warps"],
+        **_pdl.launch_kwargs(pdl))
     cb = max(2, _attention._pow2(n_splits))
     _rope_combine_kernel[(B * H,)](part, out, pos, n_splits, out.stride(0), out.stride(1), H, n_rows, D=D, BD=BD,
-                                   CB=cb, num_warps=4 if cb <= 32 else 8)
+                                   CB=cb, PDL=pdl, num_warps=4 if cb <= 32 else 8, **_pdl.launch_kwargs(pdl))
     return out
