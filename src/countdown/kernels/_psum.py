@@ -1,10 +1,10 @@
 """Triton kernel: y = P.sum(0) in the model's dtype, for the sparse kernels' fp32 partials.
 
 The one-launch sparse kernel (_onepass.py) leaves one fp32 partial sum per program, P [programs,
-d_model] (224 x 4096 at the Llama-3.1-8B shape), and leaves their sum to torch.compile by default.
-In the compiled decode step Inductor splits that reduction into two kernels (2.3 + 1.2 us a layer on
-an H200, about 0.11 ms of a 2.9 ms step: `benchmarks/decode.py --profile`, 2026-11-23). Here one
-launch does it (opt-in, see ROUTE): program p owns BD columns and loads the whole [programs, BD] block at once (one round trip
+d_model] (224 x 4096 at the Llama-3.1-8B shape); the few-token, TEAL and hybrid kernels [programs,
+tokens, d_model]. In a compiled decode step Inductor splits that reduction into two kernels (2.3 + 1.2 us
+a layer on an H200, `benchmarks/decode.py --profile`, 2026-11-23); run eagerly, PyTorch's sum and cast took
+8.1 us. Here one launch does it (the default where the MLP runs eagerly, see ROUTE): program p owns BD columns and loads the whole [programs, BD] block at once (one round trip
 to L2, where the partials were just written), sums it in fp32 and rounds once to the output dtype.
 Deterministic (a fixed order per column), like the sum it replaces.
 """
