@@ -157,11 +157,20 @@ def decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
     return None if row is None else (layer, row)
 
 
+def cache_of(past_key_values, kwargs):
+    """The step's KV cache whichever name the caller gave it: ``past_key_values`` (transformers < 5.24) or
+    ``cache`` (5.24 renamed it; the old name stays accepted until 5.40)."""
+    return past_key_values if past_key_values is not None else kwargs.get("cache")
+
+
 def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
-    found = decode_layer(self, hidden_states, attention_mask, past_key_values, kwargs)
+    found = decode_layer(self, hidden_states, attention_mask, cache_of(past_key_values, kwargs), kwargs)
     if found is None or position_embeddings is None:
-        return getattr(self, _BEFORE)(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        if past_key_values is not None:  # handed on under the name it came with
+            kwargs["past_key_values"] = past_key_values
+        return getattr(self, _BEFORE)(hidden_states, position_embeddings=position_embeddings,
+                                      attention_mask=attention_mask, **kwargs)
     layer, row = found
     B = hidden_states.shape[0]
     weight, bias = getattr(self, _WEIGHT), getattr(self, _BIAS)

@@ -33,7 +33,7 @@ import types
 import torch
 from torch import nn
 
-from .fused_attention import QKV_FIXED, attend, decode_layer, is_fused, qkv_weights
+from .fused_attention import QKV_FIXED, attend, cache_of, decode_layer, is_fused, qkv_weights
 from .kernels import _common
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
@@ -104,11 +104,13 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     attn = self.self_attn
     routed = is_fused(attn) and getattr(attn, QKV_FIXED, False)  # unfused or un-routed since: the layer's own
     weight, bias = qkv_weights(attn) if routed else (None, None)
-    found = decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs) if routed else None
+    cache = cache_of(past_key_values, kwargs)
+    found = decode_layer(attn, hidden_states, attention_mask, cache, kwargs) if routed else None
     if found is None or position_embeddings is None or not _common.decode_gemv_serves(hidden_states, weight):
+        if past_key_values is not None:  # handed on under the name it came with (transformers 5.24: cache)
+            kwargs["past_key_values"] = past_key_values
         return getattr(self, _BEFORE)(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                      past_key_values=past_key_values, use_cache=use_cache,
-                                      position_embeddings=position_embeddings, **kwargs)
+                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     layer, row = found
     B = hidden_states.shape[0]
     h = hidden_states.reshape(B, -1)

@@ -77,7 +77,8 @@ def mark_prompt_pass(state: SparsityState):
     def hook(module, args, kwargs):
         if state.dense_prefix is not None:  # positions are set explicitly: no need to read the cache
             return
-        state.prompt_pass = _cache_is_empty(kwargs.get("past_key_values"))
+        cache = kwargs.get("past_key_values")
+        state.prompt_pass = _cache_is_empty(cache if cache is not None else kwargs.get("cache"))  # 5.24: "cache"
 
     return hook
 
