@@ -26,13 +26,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _step_logits_and_cache(model, prompt):
     from transformers import StaticCache
 
+    from countdown.hf_cache import cache_kwargs
+
     with torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=32)
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **cache_kwargs(cache), use_cache=True)
         out = None
         for i in range(3):  # three decode steps: positions 9, 10, 11
             pos = prompt.shape[1] + i
-            out = model(prompt[:, -1 - i:prompt.shape[1] - i], past_key_values=cache, use_cache=True,
+            out = model(prompt[:, -1 - i:prompt.shape[1] - i], **cache_kwargs(cache), use_cache=True,
                         cache_position=torch.tensor([pos], device=DEV))
         return out.logits.float().cpu(), [(layer.keys.cpu(), layer.values.cpu(), int(layer.cumulative_length))
                                           for layer in cache.layers]

@@ -69,7 +69,7 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, monkeypatch):
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
     monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
-    if arch == "llama":
+    if arch == "llama" and not fold_qkv:  # one compile is enough to show Dynamo takes the folded forward
         compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
     monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))

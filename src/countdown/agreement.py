@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .hf_cache import cache_kwargs, output_cache
 from .sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
 PROMPTS_FILE = "agreement_prompts.json"
@@ -87,7 +88,7 @@ def greedy_continuation(model, prompt_ids: torch.Tensor, max_new_tokens: int, st
         if token in stop_ids or step == max_new_tokens - 1:
             break
         ids = torch.tensor([[token]], device=prompt_ids.device)
-        out = model(input_ids=ids, past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(output_cache(out)), use_cache=True)
     return tokens
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .hf_cache import cache_kwargs
+
 MODES = ("eager", "compile", "cudagraph")
 # What compile=True means on CUDA: CUDA graphs (all that mode="reduce-overhead" sets) plus Inductor's
 # coordinate-descent tuning, gpt-fast's setting, which turns each matrix-vector product into a tuned
@@ -139,7 +141,7 @@ class Decoder:
         position_ids = torch.arange(n, device=input_ids.device)[None].expand(input_ids.shape[0], n)
         kwargs = {"logits_to_keep": 1} if self._keep_one else {}
         with _scope(self.model, n):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **cache_kwargs(self.cache),
                              use_cache=True, **kwargs)
         return out.logits[:, -1, :]
 
@@ -150,7 +152,7 @@ class Decoder:
         Calls ``model.forward`` directly: see the module docstring (the sparse scope is set by the
         caller with dense_prefix, and sparsify's pre-hook would read the cache length on the device).
         """
-        out = self.model.forward(input_ids=token, position_ids=position, past_key_values=self.cache,
+        out = self.model.forward(input_ids=token, position_ids=position, **cache_kwargs(self.cache),
                                  use_cache=True)
         return sample_tokens(out.logits[:, -1, :], noise, inv_temperature, self.top_k)[:, None]
 

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .hf_cache import cache_kwargs, output_cache
 from .sparse import dense_prefix, sparsify, state_of, unsparsify
 
 
@@ -119,9 +120,9 @@ def _prompt_pass(model, prompts: list[tuple], device, pad_id: int, budget: int, 
         # a cache without the config keeps every position of sliding-window layers too (the window
         # is applied by the attention mask), so each prompt's full KV can be cut out of the batch
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                    past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+                    **cache_kwargs(DynamicCache()), use_cache=True, logits_to_keep=1)
         logp = F.log_softmax(out.logits[:, -1], dim=-1, dtype=softmax_dtype)
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        kv = [(layer.keys, layer.values) for layer in output_cache(out).layers]
         for r, p in enumerate(batch):
             first[p] = logp[r]
             layers[p] = [(k[r:r + 1, :, longest - len(p):], v[r:r + 1, :, longest - len(p):]) for k, v in kv]
@@ -288,7 +289,7 @@ class _ContinuationBatch:
         for i, (k, v) in enumerate(self.kv):
             cache.update(k, v, i)
         kwargs = dict(input_ids=self.ids, attention_mask=self.mask, position_ids=self.positions,
-                      past_key_values=cache, use_cache=True)
+                      **cache_kwargs(cache), use_cache=True)
         if sparse:
             with dense_prefix(self.model, torch.zeros_like(self.lengths), self.lengths):
                 logits = self.model(**kwargs).logits

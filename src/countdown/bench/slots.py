@@ -28,6 +28,8 @@ import time
 import torch
 from torch import nn
 
+from ..hf_cache import cache_kwargs
+
 SLOTS: dict[int, nn.Module] = {}
 _NEXT = itertools.count()
 
@@ -133,7 +135,7 @@ class CapturedDecoder:
         self.device = next(model.parameters()).device
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        out = self.model.forward(input_ids=token, position_ids=position, past_key_values=self.cache, use_cache=True)
+        out = self.model.forward(input_ids=token, position_ids=position, **cache_kwargs(self.cache), use_cache=True)
         return out.logits[:, -1, :].argmax(dim=-1)[:, None]
 
     @torch.no_grad()
@@ -143,7 +145,7 @@ class CapturedDecoder:
         n = input_ids.shape[1]
         position_ids = torch.arange(n, device=input_ids.device)[None].expand(input_ids.shape[0], n)
         with _sparse_scope(self.holder, n):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **cache_kwargs(self.cache), use_cache=True)
         return out.logits[:, -1, :].argmax(dim=-1)[:, None]
 
     @torch.no_grad()
