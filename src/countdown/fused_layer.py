@@ -21,6 +21,11 @@ Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROU
 layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
 must be the weight-times-normalised RMSNorm; :func:`why_not_foldable` names what stops a layer.
 
+Measured (H200, 2026-11-25, benchmarks/results/decode_runs/SESSION13.md): no faster than Inductor's own
+norms in that compile (dual[lowrank]'s kernels 2.287 against 2.244 ms a step; Inductor's norm kernels came
+out at 2.4 us there, 1.9-5.5 us across compiles), so it is opt-in: route target "norm", not in
+``decode_gemv.fastest_step``.
+
 FOLD_QKV folds the input norm into the QKV GEMV instead (kernels/_linear.py's norm_weight: the sum of
 squares in the GEMV's own K loop): measured slower on an H200 (the QKV GEMV 15.4-16.1 us against 15.8 for
 a norm kernel plus the plain GEMV; in the step +96-114 us of GEMV for -54 us of norms), so off.
