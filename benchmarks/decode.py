@@ -69,6 +69,13 @@ def pdl_on() -> bool:
     return bool(_pdl.ENABLED)
 
 
+def psum_route() -> str:
+    """Where the sparse kernels' fp32 partials are summed this run (COUNTDOWN_PSUM: auto, kernel, inductor)."""
+    from countdown.kernels import _psum
+
+    return _psum.ROUTE
+
+
 def log(*parts) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s]", *parts, flush=True)
 
@@ -180,6 +187,7 @@ def main(argv=None) -> int:
             "config": args.config, "prompt": args.prompt, "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
             "predictor_route": args.predictor_route, "shadow_route": shadow_route(), "pdl": pdl_on(),
+            "psum_route": psum_route(),
             "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
             "command": "PYTHONPATH=src python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     log(json.dumps(meta))
