@@ -71,12 +71,16 @@ def why_not_fusable(module: nn.Module) -> str | None:
     return None
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+def decoder_layers(model: nn.Module, caller: str) -> list[nn.Module]:
+    """``model.model.layers`` of a transformers decoder; a TypeError naming ``caller`` for anything else."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise TypeError(f"fuse_attention takes a transformers decoder (model.model.layers), got {type(model).__name__}")
-    return [layer.self_attn for layer in layers if hasattr(layer, "self_attn")]
+        raise TypeError(f"{caller} takes a transformers decoder (model.model.layers), got {type(model).__name__}")
+    return list(layers)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn for layer in decoder_layers(model, "fuse_attention") if hasattr(layer, "self_attn")]
 
 
 def _fuse(attn: nn.Module) -> None:

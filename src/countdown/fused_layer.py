@@ -38,20 +38,13 @@ import types
 import torch
 from torch import nn
 
-from .fused_attention import QKV_FIXED, attend, cache_of, decode_layer, is_fused, qkv_weights
+from .fused_attention import QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, is_fused, qkv_weights
 from .kernels import _common
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
             "MistralDecoderLayer": "MistralRMSNorm"}
 _BEFORE = "_countdown_layer_forward_before"
 FOLD_QKV = False
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"fold_norms takes a transformers decoder (model.model.layers), got {type(model).__name__}")
-    return list(layers)
 
 
 def why_not_foldable(layer: nn.Module) -> str | None:
@@ -87,7 +80,7 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     if on:
         from .kernels import _linear, _rmsnorm  # noqa: F401  (register the ops the folded forward calls; Triton)
     skipped = []
-    for i, layer in enumerate(_layers(model)):
+    for i, layer in enumerate(decoder_layers(model, "fold_norms")):
         if not on:
             if is_folded(layer):
                 layer.forward = getattr(layer, _BEFORE)

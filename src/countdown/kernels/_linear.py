@@ -58,6 +58,14 @@ def config_for(k: int, config: dict | None = None, norm: bool = False) -> dict:
 
 
 @triton.jit
+def _w_tile(W, wrow, kk, K, EVEN_K: tl.constexpr):
+    """The [BN, BK] weight tile at columns kk (past K: zeros)."""
+    if EVEN_K:
+        return tl.load(W + wrow + kk[None, :])
+    return tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -76,28 +84,20 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
     ssq = tl.zeros([BT], dtype=tl.float32)  # sum(x^2) per token, for the norm fold
     if PDL:  # launched early (_pdl.py): the weights do not depend on the previous kernel, x may
         gdc_launch_dependents()
-        k_first = tl.arange(0, BK)
-        w_first = tl.load(W + wrow + k_first[None, :], mask=(k_first < K)[None, :], other=0.0)
+        w_first = _w_tile(W, wrow, tl.arange(0, BK), K, EVEN_K)
         gdc_wait()
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            if PDL:
-                if k0 == 0:
-                    w = w_first
-                else:
-                    w = tl.load(W + wrow + kk[None, :])
+        if PDL:
+            if k0 == 0:
+                w = w_first
             else:
-                w = tl.load(W + wrow + kk[None, :])
+                w = _w_tile(W, wrow, kk, K, EVEN_K)
+        else:
+            w = _w_tile(W, wrow, kk, K, EVEN_K)
+        if EVEN_K:
             xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0)
         else:
-            if PDL:
-                if k0 == 0:
-                    w = w_first
-                else:
-                    w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-            else:
-                w = tl.load(W + wrow + kk[None, :], mask=(kk < K)[None, :], other=0.0)
             xt = tl.load(X + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
                          other=0.0)
         wf = w.to(tl.float32)
