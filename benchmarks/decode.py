@@ -69,6 +69,13 @@ def pdl_on() -> bool:
     return bool(_pdl.ENABLED)
 
 
+def pdl_settings() -> dict:
+    """Where PDL's signal sits, when the fixed GEMV loads its first tile, which kernels take part."""
+    from countdown.kernels import _pdl
+
+    return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS)}
+
+
 def psum_route() -> str:
     """Where the sparse kernels' fp32 partials are summed this run (COUNTDOWN_PSUM: auto, kernel, inductor)."""
     from countdown.kernels import _psum
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
             "run": datetime.datetime.now().strftime("%Y%m%dT%H%M%S"), "date": datetime.date.today().isoformat(),
             "config": args.config, "prompt": args.prompt, "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
-            "predictor_route": args.predictor_route, "shadow_route": shadow_route(), "pdl": pdl_on(),
+            "predictor_route": args.predictor_route, "shadow_route": shadow_route(), "pdl": pdl_on(), "pdl_settings": pdl_settings(),
             "psum_route": psum_route(),
             "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
             "command": "PYTHONPATH=src python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}

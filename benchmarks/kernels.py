@@ -569,8 +569,11 @@ class Compile:
 
             cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
             opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            kw.pop("launch_pdl", None)  # a launch attribute, not a kernel argument
             params = inspect.signature(self.jit.fn).parameters
-            bound = inspect.signature(self.jit.fn).bind(*args, **kw).arguments
+            binding = inspect.signature(self.jit.fn).bind(*args, **kw)
+            binding.apply_defaults()
+            bound = binding.arguments
             sig, const, attrs = {}, {}, {}
             for i, (name, prm) in enumerate(params.items()):
                 v = bound[name]

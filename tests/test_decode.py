@@ -172,3 +172,19 @@ def test_bad_input_is_rejected_clearly():
         generate_fast(model, ids, 4, compile="cudagraph")
     with pytest.raises(ValueError, match="compile"):
         generate_fast(model, ids, 4, compile="fast")
+
+
+def test_cache_kwargs_trace_in_one_graph():
+    """The decode step calls cache_kwargs inside torch.compile(fullgraph=True): it must not break the graph
+    (run AN, 2026-11-25: an import inside it did, and every compiled decode failed)."""
+    import torch._dynamo
+
+    from countdown.hf_cache import cache_kwargs, renamed
+
+    def step(x, cache):
+        (name, value), = cache_kwargs(cache).items()
+        return x + value if name == ("cache" if renamed() else "past_key_values") else x - value
+
+    torch._dynamo.reset()
+    x, cache = torch.zeros(3), torch.arange(3.0)
+    assert torch.equal(torch.compile(step, fullgraph=True, backend="eager")(x, cache), cache)

@@ -154,6 +154,36 @@ def test_pdl_is_off_unless_asked_and_never_under_the_interpreter(monkeypatch):
     if not torch.cuda.is_available():  # CPU / TRITON_INTERPRET: the grid-dependency ops do not exist there
         assert not _pdl.active(x)
     assert _pdl.launch_kwargs(True) == {"launch_pdl": True}
+    monkeypatch.setattr(_pdl, "active", lambda t: True)
+    for trigger, code in (("start", 1), ("end", 2)):
+        monkeypatch.setattr(_pdl, "TRIGGER", trigger)
+        assert _pdl.mode(x, "linear") == code
+    monkeypatch.setattr(_pdl, "KERNELS", frozenset({"onepass"}))  # COUNTDOWN_PDL_KERNELS=onepass
+    assert _pdl.mode(x, "onepass") == 2 and _pdl.mode(x, "linear") == 0
+    with pytest.raises(ValueError, match="unknown kernel 'lienar'"):
+        _pdl.mode(x, "lienar")
+    monkeypatch.setattr(_pdl, "TRIGGER", "middle")
+    with pytest.raises(ValueError, match="'start' or 'end'"):
+        _pdl.mode(x, "onepass")
+
+
+def test_weights_early_only_for_grids_that_fit_at_once(monkeypatch):
+    """W_EARLY "auto": the fixed GEMV loads its first weight tile before the wait only when all its programs
+    are resident at once: 132 SMs x min(32, 64 // warps) programs (8 warps: 1056; 1 warp: 4224)."""
+    from types import SimpleNamespace
+
+    from countdown.kernels import _common, _pdl
+
+    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
+    t = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(_pdl, "W_EARLY", "auto")
+    assert _pdl.weights_early(t, 1056, 8) and not _pdl.weights_early(t, 1057, 8)
+    assert _pdl.weights_early(t, 4224, 1) and not _pdl.weights_early(t, 4225, 1)
+    assert not _pdl.weights_early(t, 6144, 8)  # Llama-3.1-8B's QKV GEMV: many waves
+    assert _pdl.weights_early(t, 512, 8) and _pdl.weights_early(t, 3584, 1)  # the predictor's x A, (x A) B
+    for forced in (True, False):
+        monkeypatch.setattr(_pdl, "W_EARLY", forced)
+        assert _pdl.weights_early(t, 6144, 8) is forced and _pdl.weights_early(t, 1, 1) is forced
 
 
 @pytest.mark.parametrize("value, expect", [("stream", "stream"), ("", "onepass"), ("bogus", None)])

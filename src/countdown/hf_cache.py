@@ -8,16 +8,17 @@ the rename; the patched forwards (fused_attention, fused_layer) accept either na
 
 from __future__ import annotations
 
-import functools
+import transformers
+from packaging.version import Version
+
+# Read once, at import: torch.compile traces cache_kwargs inside the decode step, and an import or a
+# version parse there would break its graph (run AN on an H200, 2026-11-25: "graph break" at the import).
+RENAMED = Version(transformers.__version__).release >= (5, 24)
 
 
-@functools.lru_cache(maxsize=None)
 def renamed() -> bool:
     """Whether the installed transformers calls the KV cache ``cache`` (5.24 and later)."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__).release >= (5, 24)
+    return RENAMED
 
 
 def cache_kwargs(cache) -> dict:

@@ -179,7 +179,7 @@ def balanced_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, a
     block_r = max(16, _pow2(d_inter) if one_block else cfg["LOOP_R"])
     p = _common.new_output((progs, d_model), torch.float32, x.device)
     scratch = torch.empty((progs, 2 * s_cap), dtype=torch.float32, device=x.device)
-    pdl = _pdl.active(x)
+    pdl = _pdl.mode(x, "balanced")
     LAST_KERNEL = _balanced_kernel[(progs,)](
         x, ind, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, scratch,
         float(thr_f), d_model, d_inter, progs, s_cap,

@@ -227,9 +227,9 @@ def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, 
                  WPG: tl.constexpr, XL: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr,
                  LIST: tl.constexpr, CUT_PTR: tl.constexpr,
                  PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
-    if PDL:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
+    if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
         gdc_launch_dependents()
     if LIST:  # the kept rows of the blocks this program visits, in visit order, at OUT[pid * cap ...]
         if CUT_PTR:
@@ -321,6 +321,8 @@ def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, 
         else:
             tl.store(OUT + rows, u, mask=rm)
             tl.store(OUT + n_rows + rows, g, mask=rm)
+    if PDL == 2:
+        gdc_launch_dependents()
     if LIST:
         tl.store(CNT + pid, n_kept)
 
@@ -389,5 +391,5 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
         XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, LIST=cut is not None,
         CUT_PTR=cut_t is not None, PREFETCH=bool(cfg["PREFETCH"]),
         AHEAD=int(cfg.get("AHEAD", 1)), PIN=bool(cfg.get("PIN", False)),
-        BIG=n_rows * 2 * n_words >= 2**31, PDL=_pdl.active(x), num_warps=cfg["num_warps"], num_stages=1)
+        BIG=n_rows * 2 * n_words >= 2**31, PDL=_pdl.mode(x, "gemv"), num_warps=cfg["num_warps"], num_stages=1)
     return (out, counts) if cut is not None else out

@@ -69,7 +69,7 @@ def _w_tile(W, wrow, kk, K, EVEN_K: tl.constexpr):
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -82,13 +82,15 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
         wrow = rows_c[:, None] * K
     acc = tl.zeros([BT, BN], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)  # sum(x^2) per token, for the norm fold
-    if PDL:  # launched early (_pdl.py): the weights do not depend on the previous kernel, x may
+    if PDL == 1:  # launched early (_pdl.py), the next grid may launch now (TRIGGER "start")
         gdc_launch_dependents()
-        w_first = _w_tile(W, wrow, tl.arange(0, BK), K, EVEN_K)
+    if PDL:  # the weights do not depend on the previous kernel (W_EARLY: first tile before the wait), x may
+        if W_EARLY:
+            w_first = _w_tile(W, wrow, tl.arange(0, BK), K, EVEN_K)
         gdc_wait()
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BK)
-        if PDL:
+        if PDL and W_EARLY:
             if k0 == 0:
                 w = w_first
             else:
@@ -115,6 +117,8 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
             else:
                 xj = tl.sum(tl.where(t[:, None] == j, xf, 0.0), axis=0)
                 acc = tl.where(t[:, None] == j, acc + tl.sum(wf * xj[None, :], axis=1)[None, :], acc)
+    if PDL == 2:  # TRIGGER "end": the next grid launches once every program is past its weights
+        gdc_launch_dependents()
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
     if HAS_BIAS:
@@ -164,14 +168,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _common.new_output((n_tok, n), x.dtype, x.device)
     bk = min(cfg["BK"], max(16, _pow2(k)))
     bn = cfg["BN"]
-    pdl = _pdl.active(x)
-    _linear_kernel[(triton.cdiv(n, bn),)](
+    pdl = _pdl.mode(x, "linear")
+    grid = triton.cdiv(n, bn)
+    _linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else y, y,
         norm_weight if norm_weight is not None else weight, float(eps),
         n_tok, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None, BT=max(1, _pow2(n_tok)), BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl, num_warps=cfg["num_warps"],
-        **_pdl.launch_kwargs(pdl))
+        EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl,
+        W_EARLY=bool(pdl) and _pdl.weights_early(x, grid, cfg["num_warps"]),
+        num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
     return y
 
 

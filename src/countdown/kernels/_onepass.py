@@ -130,11 +130,12 @@ def _onepass_kernel(
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
     BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
-    PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
-    if PDL:  # launched early (_pdl.py): nothing of the previous kernel's output is read before this
-        gdc_launch_dependents()  # the partials' sum may launch now; it waits for this grid
+    if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
+        gdc_launch_dependents()
+    if PDL:  # nothing of the previous kernel's output is read before this
         gdc_wait()
     kd = tl.arange(0, BLOCK_D)
     ki = tl.arange(0, BLOCK_I)
@@ -199,6 +200,8 @@ def _onepass_kernel(
             wd = tl.load(WD + roff, mask=wmask, other=0.0)
             yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
 
+    if PDL == 2:
+        gdc_launch_dependents()
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
@@ -256,7 +259,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     rows, chunk, progs = _chunking(x.device, d_inter, cfg)
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
-    pdl = _pdl.active(x)
+    pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
         float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,

@@ -13,6 +13,17 @@ the kept-row lists. The wait makes it correct wherever the signal is placed; wha
 the launch gap and the sparse kernel's prologue, part of the 9-11 us per MLP that the sparse phase
 costs with nothing kept (docs/kernels_shadow.md). Off by default until measured:
 ``COUNTDOWN_PDL=1`` or ``_pdl.ENABLED = True`` turns it on (benchmarks/stream.py --pdl times both).
+
+Where a grid signals (TRIGGER, ``COUNTDOWN_PDL_TRIGGER``): "start" (each program at its start, as first
+built) or "end" (each program after its main loop, before its epilogue). The next grid launches once every
+program of this one has signalled or exited, so with "start" a grid of many waves lets its dependents
+launch when its last wave begins; their programs then hold SM slots while they wait.
+W_EARLY (``COUNTDOWN_PDL_W_EARLY``: "auto", "1" or "0"; the fixed GEMV only): load the first weight tile
+before the wait; "auto" does it for grids that fit in one wave of the device (the predictor's GEMVs), not
+for the step's big projections. Measured (benchmarks/pdl.py, H200, 2026-11-25, us a layer, PDL off -> on):
+the first tile early in every grid made the projections 10 % slower (108.5 -> 119.7; run AM's 6-9 % slower
+dense step), after the wait 2 % faster (106.3); dual's MLP chain 16.2 -> 13.7 with it early, 14.9 without.
+Where the signal sits mattered less, and "end" lost dual's gain (16.9): TRIGGER stays "start".
 """
 
 from __future__ import annotations
@@ -22,6 +33,19 @@ import os
 import torch
 
 ENABLED = os.environ.get("COUNTDOWN_PDL", "0") not in ("", "0")
+TRIGGER = os.environ.get("COUNTDOWN_PDL_TRIGGER", "start")
+if TRIGGER not in ("start", "end"):
+    raise ValueError(f"COUNTDOWN_PDL_TRIGGER must be 'start' or 'end', got {TRIGGER!r}")
+W_EARLY = {"auto": "auto", "1": True, "0": False}.get(os.environ.get("COUNTDOWN_PDL_W_EARLY", "auto"))
+if W_EARLY is None:
+    raise ValueError(f"COUNTDOWN_PDL_W_EARLY must be 'auto', '1' or '0', got "
+                     f"{os.environ['COUNTDOWN_PDL_W_EARLY']!r}")
+# Which of our kernels launch with PDL when it is on (COUNTDOWN_PDL_KERNELS, comma-separated): for A/B runs.
+KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced")
+KERNELS = frozenset(k for k in os.environ.get("COUNTDOWN_PDL_KERNELS", ",".join(KERNEL_NAMES)).split(",") if k)
+if not KERNELS <= set(KERNEL_NAMES):
+    raise ValueError(f"COUNTDOWN_PDL_KERNELS names kernels of {KERNEL_NAMES}, got {sorted(KERNELS)}")
+MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 64, 32  # Hopper's limits per SM
 
 try:  # Triton >= 3.3 (the device image has 3.6)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -41,6 +65,30 @@ def active(t: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def launch_kwargs(on: bool) -> dict:
+def mode(t: torch.Tensor, kernel: str) -> int:
+    """The PDL constexpr of ``kernel`` (one of KERNEL_NAMES): 0 off, 1 on with the signal at each program's
+    start, 2 at its end."""
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}: one of {KERNEL_NAMES}")
+    if not active(t) or kernel not in KERNELS:
+        return 0
+    if TRIGGER not in ("start", "end"):
+        raise ValueError(f"_pdl.TRIGGER must be 'start' or 'end', got {TRIGGER!r}")
+    return 1 if TRIGGER == "start" else 2
+
+
+def weights_early(t: torch.Tensor, programs: int, num_warps: int) -> bool:
+    """Whether a PDL launch of the fixed GEMV loads its first weight tile before it waits (W_EARLY): "auto"
+    when its ``programs`` of ``num_warps`` warps fit on the device's SMs at once (by warps and programs per
+    SM; registers may allow fewer)."""
+    if W_EARLY != "auto":
+        return bool(W_EARLY)
+    from ._common import persistent_programs
+
+    per_sm = min(MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // max(1, num_warps))
+    return programs <= persistent_programs(t.device, per_sm, 0)
+
+
+def launch_kwargs(on) -> dict:
     """Extra keyword arguments of a dependent kernel's launch."""
     return {"launch_pdl": True} if on else {}

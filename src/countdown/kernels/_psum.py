@@ -38,10 +38,11 @@ OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
 
 
 @triton.jit
-def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
-    if PDL:  # launched early (_pdl.py): the partials are the previous kernel's output
+    if PDL == 1:  # launched early (_pdl.py); the next grid may launch now
         gdc_launch_dependents()
+    if PDL:  # the partials are the previous kernel's output
         gdc_wait()
     cols = pid * BD + tl.arange(0, BD)
     cmask = cols < d
@@ -50,6 +51,8 @@ def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.co
         r = r0 + tl.arange(0, BR)
         tile = tl.load(P + r[:, None] * d + cols[None, :], mask=(r < n_rows)[:, None] & cmask[None, :], other=0.0)
         acc += tl.sum(tile, axis=0)
+    if PDL == 2:
+        gdc_launch_dependents()
     acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
     tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=cmask)
 
@@ -65,7 +68,7 @@ def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, d = p.shape
     y = _common.new_output(out_shape, dtype, p.device)
     br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
-    pdl = _pdl.active(p)
+    pdl = _pdl.mode(p, "psum")
     _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
     return y
 

@@ -47,9 +47,10 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
                        s_qkv, s_cos, s_sin, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
                        G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_pdl.py): qkv is the previous kernel's output
+                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL == 1:  # launched early (_pdl.py); the combine may launch now
         gdc_launch_dependents()
+    if PDL:  # qkv is the previous kernel's output
         gdc_wait()
     sp = tl.program_id(0)  # split of the keys
     hk = tl.program_id(1)  # KV head
@@ -74,6 +75,8 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
     q = q.to(K.dtype.element_ty)
     m, lsum, acc = attend_split(q, K, V, MASK, b, hk, sp, split_len, T, pos, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                                 sm_b, sm_t, qk_scale, di, dm, GP, BD, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
+    if PDL == 2:
+        gdc_launch_dependents()
     if sp == 0:  # the new token: from registers, then into the cache
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
@@ -102,11 +105,14 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
 
 @triton.jit
 def _rope_combine_kernel(P, OUT, POS, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr,
-                         CB: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched early (_pdl.py): the partials are the previous kernel's output
+                         CB: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL == 1:  # launched early (_pdl.py); the next grid may launch now
         gdc_launch_dependents()
+    if PDL:  # the partials are the previous kernel's output
         gdc_wait()
     combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D, BD, CB)
+    if PDL == 2:
+        gdc_launch_dependents()
     if tl.program_id(0) == 0:
         tl.store(POS, tl.load(POS) + 1)
 
@@ -161,7 +167,7 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     out = _common.new_output((B, H, D), k_cache.dtype, qkv.device)
     n_rows = B * H * n_splits
     part = _common.new_output((n_rows * (BD + 2),), torch.float32, qkv.device)
-    pdl = _pdl.active(qkv)
+    pdl = _pdl.mode(qkv, "attention")
     _rope_split_kernel[(n_splits, KVH, B)](
         qkv, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T, split_len,
         qkv.stride(0), s_cos, s_sin, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -118,7 +118,7 @@ def stream_partials(x, lists, counts, cap: int, w_gate, w_up, w_down_t, activati
     progs = n_programs(x.device, cfg)
     block_d = max(16, _pow2(d_model))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
-    pdl = _pdl.active(x)
+    pdl = _pdl.mode(x, "stream")
     LAST_KERNEL = _stream_kernel[(progs,)](
         x, lists, counts, w_gate, w_up, w_down_t, p, counts.numel(), cap, d_model, progs,
         ACT=act_code(activation), BM=cfg["BM"], NL=max(16, _pow2(counts.numel())), BLOCK_D=block_d,

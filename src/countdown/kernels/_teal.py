@@ -80,8 +80,9 @@ def _teal_gateup_kernel(
     THR_PTR: tl.constexpr, BP: tl.constexpr, BPD: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # x may come from the kernel before; the (small) finish kernel may launch now
+    if PDL:  # x may come from the kernel before
         gdc_wait()
+    if PDL == 1:  # the (small) finish kernel may launch now (_pdl.TRIGGER "start")
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -126,6 +127,8 @@ def _teal_gateup_kernel(
         acc_g = _acc_tile(acc_g, xt, wg, BP, DOT_PREC)
         acc_u = _acc_tile(acc_u, xt, wu, BP, DOT_PREC)
         rows, xt = rows_n, xt_n
+    if PDL == 2:
+        gdc_launch_dependents()
     if BP == 1:
         g = tl.sum(acc_g, axis=0)[None, :]
         u = tl.sum(acc_u, axis=0)[None, :]
@@ -285,7 +288,7 @@ def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, ac
     nb = triton.cdiv(d_inter, fb)
     cpu_bf16 = dev.type == "cpu" and x.dtype != torch.float32 and _common.interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or cpu_bf16) else "default"
-    pdl = _pdl.active(x)  # COUNTDOWN_PDL=1: each launch overlaps the previous kernel's tail
+    pdl = _pdl.mode(x, "teal")  # COUNTDOWN_PDL=1: each launch overlaps the previous kernel's tail
     grid1 = (triton.cdiv(d_inter, bn), splits)
     scr_i = torch.empty((grid1[0] * splits * ks,), dtype=torch.int32, device=dev)
     scr_x = torch.empty((grid1[0] * splits * ks * bpd,), dtype=torch.float32, device=dev)
