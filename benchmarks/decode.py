@@ -66,14 +66,17 @@ def pdl_on() -> bool:
     """Whether programmatic dependent launch is switched on for this run (COUNTDOWN_PDL)."""
     from countdown.kernels import _pdl
 
-    return bool(_pdl.ENABLED)
+    return _pdl.switched_on()
 
 
 def pdl_settings() -> dict:
     """Where PDL's signal sits, when the fixed GEMV loads its first tile, which kernels take part."""
     from countdown.kernels import _pdl
 
-    return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS)}
+    from countdown import fused_layer
+
+    return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS),
+            "fold_add": fused_layer.OWN_ADD}
 
 
 def psum_route() -> str:

@@ -131,7 +131,7 @@ def compile_check() -> bool:
     from unittest import mock
 
     from kernels import Compile  # benchmarks/kernels.py
-    from countdown.kernels import _common, _onepass, _psum
+    from countdown.kernels import _common, _onepass, _psum, _rmsnorm
 
     failures = []
     e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
@@ -141,6 +141,8 @@ def compile_check() -> bool:
         _linear._linear_kernel = Compile(_linear._linear_kernel, failures)
         _onepass._onepass_kernel = Compile(_onepass._onepass_kernel, failures)
         _psum._psum_kernel = Compile(_psum._psum_kernel, failures)
+        _rmsnorm._rmsnorm_kernel = Compile(_rmsnorm._rmsnorm_kernel, failures)
+        _rmsnorm._add_kernel = Compile(_rmsnorm._add_kernel, failures)
         for trigger in ("start", "end"):
             for early in (True, False):
                 _pdl.TRIGGER, _pdl.W_EARLY = trigger, early
@@ -150,6 +152,8 @@ def compile_check() -> bool:
             _onepass.onepass_partials(e(1, D_MODEL), None, None, e(D_INTER, D_MODEL), e(D_INTER, D_MODEL),
                                       e(D_INTER, D_MODEL), None, 0.5, "gt", "silu", True, True, ind=ind)
             _psum.sum_partials(e(224, D_MODEL, dt=torch.float32), torch.bfloat16)
+            _rmsnorm.rms_norm(e(1, D_MODEL), e(D_MODEL), 1e-5)
+            _rmsnorm.decode_add(e(1, D_MODEL), e(1, D_MODEL))
     print(f"compile check: {len(failures)} failures")
     return not failures
 

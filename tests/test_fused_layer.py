@@ -27,11 +27,18 @@ from test_fused_attention import _step_logits_and_cache  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("arch,fold_qkv", [("llama", False), ("qwen2", False), ("llama", True)])
-def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, monkeypatch):
+@pytest.mark.parametrize("arch,fold_qkv,own_add", [("llama", False, False), ("qwen2", False, False),
+                                                   ("llama", True, False), ("llama", False, True)])
+def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monkeypatch):
     from countdown import sparsify, unsparsify
 
     monkeypatch.setattr(fused_layer, "FOLD_QKV", fold_qkv)
+    monkeypatch.setattr(fused_layer, "OWN_ADD", own_add)
+    from countdown.kernels import _rmsnorm  # noqa: F401  (registers countdown::decode_add)
+
+    adds = []
+    real_add = torch.ops.countdown.decode_add
+    monkeypatch.setattr(torch.ops.countdown, "decode_add", lambda *a: adds.append(a[0].shape) or real_add(*a))
     op = "decode_norm_linear" if fold_qkv else "decode_rms_norm"
     per_layer = 1 if fold_qkv else 2  # the folded QKV GEMV, or the two norms
     model = tiny_model(arch).to(DEV)
@@ -55,6 +62,7 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, monkeypatch):
     out, _ = generate_fast(model, prompt, 6, compile=False)
     assert torch.equal(out, ref_tokens)
     assert hits == [1] * (5 * n_layers * per_layer)  # 5 decode steps; none for the prompt
+    assert len(adds) == (5 * n_layers if own_add else 0)  # the MLP's residual on our add, when asked
     logits, cache = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     for (k, v, n), (k0, v0, n0) in zip(cache, ref_cache):
@@ -69,7 +77,8 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, monkeypatch):
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
     monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
-    if arch == "llama" and not fold_qkv:  # one compile is enough to show Dynamo takes the folded forward
+    monkeypatch.setattr(torch.ops.countdown, "decode_add", real_add)
+    if arch == "llama" and not fold_qkv:  # Dynamo takes the folded forward (and our add, when asked)
         compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
     monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
@@ -131,3 +140,25 @@ def test_rms_norm_kernel_matches_transformers(t, d, dtype):
         _rmsnorm.rms_norm(x, module.weight.detach()[:-1], 1e-5)
     with pytest.raises(ValueError, match="tokens"):
         _rmsnorm.rms_norm(x.reshape(-1), module.weight.detach(), 1e-5)
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 4096), torch.bfloat16), ((3, 1, 700), torch.float16), ((2, 96), torch.float32)])
+def test_decode_add_rounds_once_as_pytorch_adds(shape, dtype):
+    """kernels/_rmsnorm.py's decode_add: h + m in fp32 rounded once to the dtype, which is what PyTorch's
+    add of two tensors of that dtype gives (bit for bit), and within half an ulp of the float64 sum; a
+    mismatch of shapes or dtypes named."""
+    from countdown.kernels import _rmsnorm
+
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(shape, generator=g) * 10).to(dtype).to(DEV)
+    m = (torch.randn(shape, generator=g) * 0.1).to(dtype).to(DEV)
+    y = _rmsnorm.decode_add(h, m)
+    assert y.shape == h.shape and y.dtype == dtype and torch.equal(y, h + m)
+    exact = h.double() + m.double()
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[dtype]  # half an ulp
+    assert ((y.double() - exact).abs() <= ulp * exact.abs() * 1.0001 + 1e-30).all()
+    assert torch.equal(torch.ops.countdown.decode_add(h, m), y)
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        _rmsnorm.decode_add(h, m[..., :-1])
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        _rmsnorm.decode_add(h, m.double())

@@ -171,7 +171,12 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert (fused, len(skipped)) == ((n_layers, 0) if arch == "llama" else (0, n_layers))
     assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     assert sum(bool(getattr(m, QKV_FIXED, False)) for m in model.modules()) == fused
-    assert not any(is_folded(m) for m in model.modules())  # the norm fold is opt-in (slower on an H200)
+    assert sum(is_folded(m) for m in model.modules()) == fused  # each fused layer folded (fused_layer)
+    from countdown.kernels import _pdl
+
+    assert sum(m in _pdl.folded for m in model.modules()) == fused
+    if _pdl.ENABLED == "auto" and fused:
+        assert _pdl.switched_on()  # PDL on while layers are folded
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
@@ -184,6 +189,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert fastest_step(model, on=False) == []
     assert not any(is_routed(m) or is_fused(m) or is_folded(m) or getattr(m, QKV_FIXED, False)
                    for m in model.modules())
+    assert not any(m in _pdl.folded for m in model.modules())  # PDL "auto" no longer counts this model
     with _fast_step(model, True):
         assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     with _fast_step(model, False):

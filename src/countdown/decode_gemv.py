@@ -5,7 +5,7 @@
     route_linears(model, ("down", "o_proj"))  # and the attention blocks' output projections
     route_linears(model, ("gate_up",))        # the Gated-MLPs' gate and up projections (dense layers)
     route_linears(model, ("qkv",))            # fused attention's QKV GEMV (after fuse_attention(model))
-    route_linears(model, ("qkv", "norm"))     # and the layers' norms on a fixed kernel (fused_layer.py; opt-in)
+    route_linears(model, ("qkv", "norm"))     # and each decoder layer folded: its norms and adds ours (fused_layer.py)
     route_linears(model, (), on=False)        # back to nn.Linear's forward (and F.linear for QKV)
     fastest_step(model)                       # fuse_attention + every target that applies; on=False undoes
 
@@ -34,10 +34,11 @@ _ROUTED = "_countdown_decode_gemv"
 
 
 def step_targets(fused: bool) -> tuple[str, ...]:
-    """The targets the fastest decode step routes: qkv only when the attention is fused. Not "norm": folding
-    the input RMSNorm into the QKV GEMV made that GEMV slower by more than the norm kernel it removed
-    (countdown.fused_layer, measured on an H200 2026-11-25); it stays opt-in."""
-    return tuple(t for t in TARGETS if t != "norm" and (fused or t != "qkv"))
+    """The targets the fastest decode step routes: qkv and norm (the layer folded, countdown.fused_layer)
+    only when the attention is fused. The fold with its MLP residual on our add makes each layer a chain of
+    our kernels, and programmatic dependent launch (on while layers are folded) then made the compiled step
+    4-7 % faster on an H200 (2026-11-25, runs AS-AU; the fold alone, session 13, was not faster)."""
+    return tuple(t for t in TARGETS if fused or t not in ("qkv", "norm"))
 
 
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +124,8 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
 def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
     """The fastest batch-1 decode step the library has (what ``benchmarks/decode.py`` runs by default):
     the attention blocks fused (:func:`countdown.fused_attention.fuse_attention`, where fusable) and
-    every projection on the fixed GEMV (qkv only where fused). ``on=False`` undoes both (and a fold of
-    the norms, countdown.fused_layer, if one was routed). Returns the
+    every projection on the fixed GEMV and the decoder layers folded (countdown.fused_layer: norms and
+    residual adds on our kernels; qkv and the fold only where fused). ``on=False`` undoes all. Returns the
     reasons the attention modules left alone were left alone. Call it after ``sparsify`` or before:
     the sparse MLPs read the weights directly and ignore a routed layer's forward."""
     from .fused_attention import fuse_attention, is_fused

@@ -15,16 +15,18 @@ available, the fixed GEMV serving) is
     qkv = x W_qkv^T                        kernels/_linear.py
     a   = attention(qkv)                   kernels/_rope_attention.py (rotary, cache write, attention)
     h'  = h + a W_o^T                      kernels/_linear.py with the residual: no add of its own
-    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add Inductor's
+    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add its decode_add (OWN_ADD)
 
 Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the
 layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
 must be the weight-times-normalised RMSNorm; :func:`why_not_foldable` names what stops a layer.
 
-Measured (H200, 2026-11-25, benchmarks/results/decode_runs/SESSION13.md): no faster than Inductor's own
-norms in that compile (dual[lowrank]'s kernels 2.287 against 2.244 ms a step; Inductor's norm kernels came
-out at 2.4 us there, 1.9-5.5 us across compiles), so it is opt-in: route target "norm", not in
-``decode_gemv.fastest_step``.
+Measured (H200, 2026-11-25): alone, no faster than Inductor's own norms (session 13: dual[lowrank]'s kernels
+2.287 against 2.244 ms a step; Inductor's norm kernels 1.9-5.5 us across compiles). With the MLP's residual
+add on our kernel too (OWN_ADD), every kernel of a folded layer's step is ours, and programmatic dependent
+launch (kernels/_pdl.py, on while layers are folded) overlaps each with the one before: the compiled dense
+step 4 % faster, the sparse ones 4-7 % (means of 4-5 runs each; session 14, runs AS-AU,
+benchmarks/results/decode_runs/SESSION14.md). So the fold is part of ``decode_gemv.fastest_step`` since.
 
 FOLD_QKV folds the input norm into the QKV GEMV instead (kernels/_linear.py's norm_weight: the sum of
 squares in the GEMV's own K loop): measured slower on an H200 (the QKV GEMV 15.4-16.1 us against 15.8 for
@@ -33,6 +35,7 @@ a norm kernel plus the plain GEMV; in the step +96-114 us of GEMV for -54 us of 
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -45,6 +48,10 @@ FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSN
             "MistralDecoderLayer": "MistralRMSNorm"}
 _BEFORE = "_countdown_layer_forward_before"
 FOLD_QKV = False
+# The MLP's residual add on kernels/_rmsnorm.py's decode_add instead of Inductor's (COUNTDOWN_FOLD_ADD=0:
+# Inductor's): every kernel of a folded layer's step is then ours, so programmatic dependent launch
+# (kernels/_pdl.py, on while layers are folded) reaches across the whole layer (docs/decode.md, session 14).
+OWN_ADD = os.environ.get("COUNTDOWN_FOLD_ADD", "1") not in ("", "0")
 
 
 def why_not_foldable(layer: nn.Module) -> str | None:
@@ -77,6 +84,8 @@ def is_folded(layer: nn.Module) -> bool:
 def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     """Fold (or, ``on=False``, unfold) every foldable decoder layer of ``model``; returns the reasons the
     layers left alone were left alone (empty when every layer is folded)."""
+    from .kernels import _pdl
+
     if on:
         from .kernels import _linear, _rmsnorm  # noqa: F401  (register the ops the folded forward calls; Triton)
     skipped = []
@@ -85,6 +94,7 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
             if is_folded(layer):
                 layer.forward = getattr(layer, _BEFORE)
                 delattr(layer, _BEFORE)
+                _pdl.folded.discard(layer)
             continue
         if is_folded(layer):
             continue
@@ -94,6 +104,7 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
             continue
         setattr(layer, _BEFORE, layer.forward)
         layer.forward = types.MethodType(_folded_forward, layer)
+        _pdl.folded.add(layer)
     return skipped
 
 
@@ -122,4 +133,7 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
     x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
-    return h.view_as(hidden_states) + self.mlp(x.view_as(hidden_states))
+    m = self.mlp(x.view_as(hidden_states))
+    if OWN_ADD and m.dtype == h.dtype:
+        return torch.ops.countdown.decode_add(h.view_as(hidden_states), m)
+    return h.view_as(hidden_states) + m

@@ -11,8 +11,15 @@ still runs: the GEMV's programs signal at their start that the next grid may lau
 GEMV's grid to finish and its writes to be visible (``gdc_wait``) before reading the indicator or
 the kept-row lists. The wait makes it correct wherever the signal is placed; what it can save is
 the launch gap and the sparse kernel's prologue, part of the 9-11 us per MLP that the sparse phase
-costs with nothing kept (docs/kernels_shadow.md). Off by default until measured:
-``COUNTDOWN_PDL=1`` or ``_pdl.ENABLED = True`` turns it on (benchmarks/stream.py --pdl times both).
+costs with nothing kept (docs/kernels_shadow.md).
+
+When it is on (ENABLED, ``COUNTDOWN_PDL``): "auto" (the default) while some model's decoder layers are
+folded (countdown.fused_layer.fold_norms, part of decode_gemv.fastest_step since session 14), where each
+layer's decode step is a chain of our kernels only; "1" always; "0" never. Measured on an H200, 2026-11-25
+(benchmarks/results/decode_runs/SESSION14.md): with the layers folded, PDL on made the compiled dense step
+4 % faster and the sparse ones 4-7 % (runs AS-AU, means of 4-5 runs); without the fold (each MLP's first kernel
+behind an Inductor kernel that never signals) it gained nothing beyond the spread and made teal 4-9 %
+slower (runs AO-AQ).
 
 Where a grid signals (TRIGGER, ``COUNTDOWN_PDL_TRIGGER``): "start" (each program at its start, as first
 built) or "end" (each program after its main loop, before its epilogue). The next grid launches once every
@@ -29,10 +36,14 @@ Where the signal sits mattered less, and "end" lost dual's gain (16.9): TRIGGER 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
-ENABLED = os.environ.get("COUNTDOWN_PDL", "0") not in ("", "0")
+ENABLED = {"auto": "auto", "1": True, "0": False, "": False}.get(os.environ.get("COUNTDOWN_PDL", "auto"))
+if ENABLED is None:
+    raise ValueError(f"COUNTDOWN_PDL must be 'auto', '1' or '0', got {os.environ['COUNTDOWN_PDL']!r}")
+folded = weakref.WeakSet()  # decoder layers folded now (countdown.fused_layer keeps it): "auto" reads it
 TRIGGER = os.environ.get("COUNTDOWN_PDL_TRIGGER", "start")
 if TRIGGER not in ("start", "end"):
     raise ValueError(f"COUNTDOWN_PDL_TRIGGER must be 'start' or 'end', got {TRIGGER!r}")
@@ -41,7 +52,7 @@ if W_EARLY is None:
     raise ValueError(f"COUNTDOWN_PDL_W_EARLY must be 'auto', '1' or '0', got "
                      f"{os.environ['COUNTDOWN_PDL_W_EARLY']!r}")
 # Which of our kernels launch with PDL when it is on (COUNTDOWN_PDL_KERNELS, comma-separated): for A/B runs.
-KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced")
+KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced", "norm")
 KERNELS = frozenset(k for k in os.environ.get("COUNTDOWN_PDL_KERNELS", ",".join(KERNEL_NAMES)).split(",") if k)
 if not KERNELS <= set(KERNEL_NAMES):
     raise ValueError(f"COUNTDOWN_PDL_KERNELS names kernels of {KERNEL_NAMES}, got {sorted(KERNELS)}")
@@ -55,12 +66,19 @@ except ImportError:  # pragma: no cover - older Triton
     HAVE_GDC = False
 
 
+def switched_on() -> bool:
+    """ENABLED as it stands now: True, False, or "auto" with at least one folded layer."""
+    if ENABLED == "auto":
+        return len(folded) > 0
+    return bool(ENABLED)
+
+
 def active(t: torch.Tensor) -> bool:
     """Whether launches on ``t``'s device use PDL now: switched on, a CUDA device of compute
     capability 9.0 or more, Triton with grid-dependency control, not the interpreter."""
     from ._common import interpreting
 
-    if not (ENABLED and HAVE_GDC and t.is_cuda) or interpreting():
+    if not (HAVE_GDC and t.is_cuda and switched_on()) or interpreting():
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 

@@ -10,6 +10,10 @@ Inductor (countdown.fused_layer calls it), one program per token row holding the
 Rounding as transformers' LlamaRMSNorm: x / rms in fp32, rounded to x's dtype, then times the weight
 (the product rounded to x's dtype again), so on the same input it gives the eager module's output up to
 the order of the fp32 sum of squares.
+
+``decode_add`` (h + m, rounded once, as PyTorch adds two bf16 tensors) is the folded layer's MLP residual on
+a kernel of ours, opt-in (countdown.fused_layer.OWN_ADD): with programmatic dependent launch on, a layer of
+folded norms is then a chain of our kernels only, each able to launch while the one before finishes.
 """
 
 from __future__ import annotations
@@ -18,14 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _pdl
 from ._glu import _pow2, _round_to
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
 
 
 @triton.jit
-def _rmsnorm_kernel(X, G, Y, eps, d, stride_x, stride_y, BD: tl.constexpr, EVEN: tl.constexpr):
+def _rmsnorm_kernel(X, G, Y, eps, d, stride_x, stride_y, BD: tl.constexpr, EVEN: tl.constexpr,
+                    PDL: tl.constexpr = 0):
+    if PDL:  # launched early (_pdl.py): x is the previous kernel's output; one small grid, signal at once
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0)
     k = tl.arange(0, BD)
     if EVEN:
@@ -53,9 +62,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n, d = x.shape
     y = _common.new_output((n, d), x.dtype, x.device)
     bd = max(16, _pow2(d))
+    pdl = _pdl.mode(x, "norm")
     _rmsnorm_kernel[(n,)](x, weight.contiguous(), y, float(eps), d, x.stride(0), y.stride(0), BD=bd, EVEN=bd == d,
-                          num_warps=8 if bd >= 4096 else 4)
+                          PDL=pdl, num_warps=8 if bd >= 4096 else 4, **_pdl.launch_kwargs(pdl))
     return y
+
+
+ADD_BLOCK = 1024
+
+
+@triton.jit
+def _add_kernel(H, M, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL:  # m is the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + tl.load(M + i, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(Y + i, _round_to(s, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=i < n)
+
+
+def decode_add(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """h + m for two tensors of one shape, dtype and device (a decode step's residual add): in h's dtype,
+    the fp32 sum rounded once to nearest, as PyTorch's add of two bf16 / fp16 tensors."""
+    if h.shape != m.shape or h.dtype != m.dtype or h.device != m.device:
+        raise ValueError(f"decode_add takes two tensors of one shape, dtype and device, got {tuple(h.shape)} "
+                         f"{h.dtype} {h.device} and {tuple(m.shape)} {m.dtype} {m.device}")
+    h, m = h.contiguous(), m.contiguous()
+    y = _common.new_output(tuple(h.shape), h.dtype, h.device)
+    n = h.numel()
+    pdl = _pdl.mode(h, "norm")
+    _add_kernel[(triton.cdiv(n, ADD_BLOCK),)](h, m, y, n, BLOCK=ADD_BLOCK, PDL=pdl, num_warps=4,
+                                              **_pdl.launch_kwargs(pdl))
+    return y
+
+
+@torch.library.custom_op("countdown::decode_add", mutates_args=())
+def _decode_add_op(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return decode_add(h, m)
+
+
+@_decode_add_op.register_fake
+def _(h, m):
+    return torch.empty_like(h)
 
 
 @torch.library.custom_op("countdown::decode_rms_norm", mutates_args=())
