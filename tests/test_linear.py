@@ -195,3 +195,34 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     with _fast_step(model, False):
         assert not any(is_routed(m) for m in model.modules())
     assert not any(is_routed(m) or is_fused(m) for m in model.modules())
+
+
+def test_fastest_step_leaves_unfoldable_layers_alone():
+    """A fused model whose layers cannot be folded (here every post-attention norm is a subclass of
+    LlamaRMSNorm, which the fold does not take) still gets the fastest step: no error, no layer folded,
+    the same tokens; route_linears(model, ("norm",)) asked for explicitly names the reason instead."""
+    from conftest import tiny_model
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from countdown.decode import generate_fast
+    from countdown.decode_gemv import fastest_step, route_linears
+    from countdown.fused_layer import is_folded
+
+    class OtherNorm(LlamaRMSNorm):
+        pass
+
+    model = tiny_model("llama").to(DEVICE)
+    for layer in model.model.layers:
+        old = layer.post_attention_layernorm
+        new = OtherNorm(old.weight.shape[0], eps=old.variance_epsilon).to(old.weight.device, old.weight.dtype)
+        new.load_state_dict(old.state_dict())
+        layer.post_attention_layernorm = new
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ref, _ = generate_fast(model, prompt, 4, compile=False)
+    assert fastest_step(model) == []
+    assert not any(is_folded(m) for m in model.modules())
+    out, _ = generate_fast(model, prompt, 4, compile=False)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="OtherNorm"):
+        route_linears(model, ("norm",))
+    fastest_step(model, on=False)

@@ -134,6 +134,11 @@ def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
         route_linears(model, (), on=False)
         fuse_attention(model, False)
         return []
+    from .fused_layer import fold_norms
+
     skipped = fuse_attention(model)
-    route_linears(model, step_targets(any(is_fused(m) for m in model.modules())))
+    targets = step_targets(any(is_fused(m) for m in model.modules()))
+    route_linears(model, tuple(t for t in targets if t != "norm"))
+    if "norm" in targets:
+        fold_norms(model)  # where a layer cannot be folded it keeps its own forward (no error, unlike route "norm")
     return skipped
