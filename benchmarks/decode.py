@@ -71,9 +71,8 @@ def pdl_on() -> bool:
 
 def pdl_settings() -> dict:
     """Where PDL's signal sits, when the fixed GEMV loads its first tile, which kernels take part."""
-    from countdown.kernels import _pdl
-
     from countdown import fused_layer
+    from countdown.kernels import _pdl
 
     return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS),
             "fold_add": fused_layer.OWN_ADD}

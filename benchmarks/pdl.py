@@ -3,21 +3,20 @@
     PYTHONPATH=src python benchmarks/pdl.py --out OUT            # on the GPU (about a minute)
     PYTHONPATH=src python benchmarks/pdl.py --compile-check      # here: every PDL variant compiles for sm_90
 
-Three chains of 32 layers (Llama-3.1-8B shapes, bf16, one token, random weights, a weight set per layer so
+Four chains of 32 layers (Llama-3.1-8B shapes, bf16, one token, random weights, a weight set per layer so
 nothing is found in L2), each captured in ONE CUDA graph so that consecutive kernels are PDL neighbours:
 
 - ``projections``: the fixed GEMV (kernels/_linear.py) for QKV, O (+ residual), gate, up, down: the
   dense step's big grids, back to back;
 - ``dual``: dual[lowrank] at k = 0.9: x A, (x A) B, the one-launch sparse kernel, the partials' sum;
-- ``mono``: mono at k = 0.9: u on the fixed GEMV, the sparse kernel, the sum.
-
+- ``mono``: mono at k = 0.9: u on the fixed GEMV, the sparse kernel, the sum;
 - ``teal``: TEAL at 10 % of x's entries and 10 % of s's: its gate/up, finish and down kernels, the sum.
 
 Each chain runs with PDL off, and on with the signal at each program's start ("start") or after its main loop
 ("end"), the fixed GEMV's first weight tile loaded before the wait (W early), after it, or "auto" (early
-only in grids that fit on the SMs at once: _pdl.weights_early).
-Outputs are checked bit for bit against PDL off (PDL changes when a grid launches, not what it computes). Prints a table of us
-per layer and the ratio to off; writes pdl.csv / pdl.md under --out.
+only in grids that fit on the SMs at once: _pdl.weights_early). Outputs are checked bit for bit against
+PDL off (PDL changes when a grid launches, not what it computes). Prints a table of us per layer and the
+ratio to off; writes pdl.csv / pdl.md under --out.
 """
 
 from __future__ import annotations

@@ -40,17 +40,21 @@ import weakref
 
 import torch
 
-ENABLED = {"auto": "auto", "1": True, "0": False, "": False}.get(os.environ.get("COUNTDOWN_PDL", "auto"))
-if ENABLED is None:
-    raise ValueError(f"COUNTDOWN_PDL must be 'auto', '1' or '0', got {os.environ['COUNTDOWN_PDL']!r}")
+
+def _auto_switch(var: str) -> bool | str:
+    """An environment switch of "auto" (the default), "1" or "0" ("" reads as "0")."""
+    value = os.environ.get(var, "auto")
+    if value not in ("auto", "1", "0", ""):
+        raise ValueError(f"{var} must be 'auto', '1' or '0', got {value!r}")
+    return "auto" if value == "auto" else value == "1"
+
+
+ENABLED = _auto_switch("COUNTDOWN_PDL")
 folded = weakref.WeakSet()  # decoder layers folded now (countdown.fused_layer keeps it): "auto" reads it
 TRIGGER = os.environ.get("COUNTDOWN_PDL_TRIGGER", "start")
 if TRIGGER not in ("start", "end"):
     raise ValueError(f"COUNTDOWN_PDL_TRIGGER must be 'start' or 'end', got {TRIGGER!r}")
-W_EARLY = {"auto": "auto", "1": True, "0": False}.get(os.environ.get("COUNTDOWN_PDL_W_EARLY", "auto"))
-if W_EARLY is None:
-    raise ValueError(f"COUNTDOWN_PDL_W_EARLY must be 'auto', '1' or '0', got "
-                     f"{os.environ['COUNTDOWN_PDL_W_EARLY']!r}")
+W_EARLY = _auto_switch("COUNTDOWN_PDL_W_EARLY")
 # Which of our kernels launch with PDL when it is on (COUNTDOWN_PDL_KERNELS, comma-separated): for A/B runs.
 KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced", "norm")
 KERNELS = frozenset(k for k in os.environ.get("COUNTDOWN_PDL_KERNELS", ",".join(KERNEL_NAMES)).split(",") if k)
