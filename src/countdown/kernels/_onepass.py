@@ -39,6 +39,7 @@ from . import _balanced, _common, _linear, _pdl, _psum  # _balanced, _linear: th
 from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
+from ._psum import _sum_tail
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
 # it, since the in-kernel indicator may differ from torch's in the last bit at a threshold tie.
@@ -124,13 +125,14 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _onepass_kernel(
-    X, V, WI, IND, WG, WU, WD, THR, P,
+    X, V, WI, IND, WG, WU, WD, THR, P, Y, T,
     thr_f, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
     BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
+    REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -203,6 +205,8 @@ def _onepass_kernel(
     if PDL == 2:
         gdc_launch_dependents()
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
+    if REDUCERS > 0:  # _psum.py's tail route: the last programs to finish sum the partials into Y
+        _sum_tail(P, Y, T, n_progs, d_model, REDUCERS, BC, BR)
 
 
 def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
@@ -231,9 +235,11 @@ LAST_KERNEL = None
 
 
 def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
-                     gate: bool, up: bool, config: dict | None = None, ind=None) -> torch.Tensor:
+                     gate: bool, up: bool, config: dict | None = None, ind=None, tail: bool = False) -> torch.Tensor:
     """The fp32 partial sums P [n_programs, d_model] for x [1, d_model]; y = P.sum(0). The indicator
-    is ``ind`` [1, d_inter] if given, else computed in the kernel as v [1, k] . w_ind [d_inter, k] rows."""
+    is ``ind`` [1, d_inter] if given, else computed in the kernel as v [1, k] . w_ind [d_inter, k] rows.
+    With ``tail`` the kernel sums them itself (_psum.py's tail) and y [1, d_model] in x's dtype is returned
+    (the partials and their sum' launch where no counters can be had: inside a first CUDA-graph capture)."""
     global LAST_KERNEL
     cfg = {**CONFIGS[mode], **(config or {})}
     n_tok, d_model = x.shape
@@ -259,17 +265,22 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     rows, chunk, progs = _chunking(x.device, d_inter, cfg)
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
+    counter = _psum.counters(x.device) if tail else None
+    reducers, bc, br = _psum.tail_shape(x.device, progs, d_model) if counter is not None else (0, 16, 16)
+    y = _common.new_output((1, d_model), x.dtype, x.device) if counter is not None else p
     pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
+        y, counter if counter is not None else p, float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
-        num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
+        REDUCERS=reducers, BC=bc, BR=br, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
+    if tail:
+        return y if counter is not None else _psum.sum_partials(p, x.dtype)
     return p
 
 
@@ -285,6 +296,20 @@ def _onepass_op(x: torch.Tensor, v: Optional[torch.Tensor], w_ind: Optional[torc
 @_onepass_op.register_fake
 def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
     return x.new_empty((n_programs(x.device, w_gate.shape[0], mode), x.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("countdown::gated_onepass_sum", mutates_args=())
+def _onepass_sum_op(x: torch.Tensor, v: Optional[torch.Tensor], w_ind: Optional[torch.Tensor],
+                    ind: Optional[torch.Tensor], w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+                    thr_t: Optional[torch.Tensor], thr_f: float, mode: str, activation: str, gate: bool,
+                    up: bool) -> torch.Tensor:
+    return onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up,
+                            ind=ind, tail=True)
+
+
+@_onepass_sum_op.register_fake
+def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+    return torch.empty_like(x)
 
 
 def indicator_outside(mode: str) -> bool:
@@ -308,6 +333,9 @@ def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation:
     if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
         p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)
+    elif _psum.use_tail(x2):  # the kernel sums its own partials: no launch for the sum
+        return torch.ops.countdown.gated_onepass_sum(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
+                                                     mode, activation, gate, up)
     else:
         p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
                                               mode, activation, gate, up)

@@ -29,8 +29,9 @@ W_EARLY (``COUNTDOWN_PDL_W_EARLY``: "auto", "1" or "0"; the fixed GEMV only): lo
 before the wait; "auto" does it for grids that fit in one wave of the device (the predictor's GEMVs), not
 for the step's big projections. Measured (benchmarks/pdl.py, H200, 2026-11-25, us a layer, PDL off -> on):
 the first tile early in every grid made the projections 10 % slower (108.5 -> 119.7; run AM's 6-9 % slower
-dense step), after the wait 2 % faster (106.3); dual's MLP chain 16.2 -> 13.7 with it early, 14.9 without.
-Where the signal sits mattered less, and "end" lost dual's gain (16.9): TRIGGER stays "start".
+dense step), after the wait 2 % faster (106.3); dual's MLP chain 28.6 -> 25.2 with it early, 27.8 without
+(session 15's rerun, the chains keeping 10 % of their rows; session 14's 16.2 -> 13.7 kept 2-3 %). Where the
+signal sits mattered less, and "end" lost dual's gain (29.0): TRIGGER stays "start".
 """
 
 from __future__ import annotations

@@ -29,9 +29,15 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # 2026-11-25), against 3.3 us for this op alone (benchmarks/psum.py). Under a full-graph compile the op
 # replaced Inductor's two kernels (3.5 us a layer) with 3.0 us, but the residual add then moved into the
 # next RMSNorm kernel and the step did not get measurably faster (docs/decode.md, run Y).
+#
+# "tail" (opt-in): the one-token sparse kernel (_onepass.py) sums its own partials after its main loop
+# (:func:`_sum_tail`), so no launch of its own is left for the sum, eager or compiled; elsewhere as "auto".
+# Measured on an H200, 2026-11-25 (benchmarks/psum_tail.py, benchmarks/results/psum_tail/): 32-layer chains
+# at k = 0.9 mono 7 % faster, dual[lowrank] 9-12 % slower; in the decode step no gain (mono 349.2 against
+# 350.9 tokens/s, dual 418.7 against 424.0; runs AW). So not the default.
 ROUTE = os.environ.get("COUNTDOWN_PSUM", "auto")
-if ROUTE not in ("auto", "kernel", "inductor"):
-    raise ValueError(f"COUNTDOWN_PSUM must be 'auto', 'kernel' or 'inductor', got {ROUTE!r}")
+if ROUTE not in ("auto", "kernel", "inductor", "tail"):
+    raise ValueError(f"COUNTDOWN_PSUM must be 'auto', 'kernel', 'inductor' or 'tail', got {ROUTE!r}")
 BD = 16  # columns per program: 256 programs at d_model 4096, each loading [programs, 16] fp32
 MAX_ELEMS = 8192  # the most values one program loads at once; more rows are summed in steps
 OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
@@ -92,6 +98,79 @@ def use_kernel(p: torch.Tensor) -> bool:
     if ROUTE == "inductor" or not (p.is_cuda or OFF_CUDA):
         return False
     return ROUTE == "kernel" or not torch.compiler.is_compiling()
+
+
+# --- The tail route: the sparse kernel's last programs sum the partials themselves ---------------------
+#
+# After a program has stored its partial row it takes a ticket (an atomic counter: its place in the order
+# the programs finish). The last REDUCERS programs to finish each own BC columns: each waits until every
+# program has a ticket (all partials stored and visible), sums its columns over all rows in a fixed order
+# (deterministic, whoever finishes last) and rounds once to the output dtype; the last reducer done sets
+# the counters back to zero for the next launch. Only REDUCERS programs ever wait, fewer than the GPU's SMs,
+# so every other program of the grid always finds a place to run: no deadlock whatever the grid's size or
+# the SMs' occupancy. Under the CPU interpreter programs run one after another, so there REDUCERS is 1 (the
+# last program sums everything; it never waits). The counters assume one such kernel at a time per device
+# (a decode step's layers run in order).
+TAIL_REDUCERS = 64  # the most reducers (each sums [programs, d / REDUCERS] fp32 from L2)
+_COUNTERS: dict = {}
+
+
+@triton.jit
+def _sum_tail(P, Y, T, n_rows, d, REDUCERS: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+    """Called by every program after storing its row of P [n_rows, d]: the last REDUCERS to arrive write
+    Y [d] = P.sum(0) rounded to Y's dtype; T: two int32 counters, zero on entry and on exit."""
+    tl.debug_barrier()  # every thread's share of this program's partial is stored before the ticket
+    ticket = tl.atomic_add(T, 1, sem="acq_rel", scope="gpu")
+    first = n_rows - REDUCERS
+    if ticket >= first:
+        while tl.atomic_add(T, 0, sem="acquire", scope="gpu") < n_rows:
+            pass
+        cols = (ticket - first) * BC + tl.arange(0, BC)
+        cmask = cols < d
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for r0 in range(0, n_rows, BR):
+            r = r0 + tl.arange(0, BR)
+            tile = tl.load(P + r[:, None] * d + cols[None, :], mask=(r < n_rows)[:, None] & cmask[None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc += tl.sum(tile, axis=0)
+        acc = _round_to(acc, Y.dtype.element_ty)
+        tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=cmask)
+        done = tl.atomic_add(T + 1, 1, sem="acq_rel", scope="gpu")
+        if done == REDUCERS - 1:  # every reducer is past its wait: nobody reads the ticket counter again
+            tl.atomic_xchg(T, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(T + 1, 0, sem="relaxed", scope="gpu")
+
+
+def tail_shape(device, n_rows: int, d: int) -> tuple[int, int, int]:
+    """(REDUCERS, BC, BR) for a kernel of ``n_rows`` programs: at most TAIL_REDUCERS reducers, fewer than
+    half the SMs (so that waiting ones never hold every SM), one under the interpreter; BC columns each
+    (a power of two, REDUCERS * BC >= d); BR rows a load."""
+    device = torch.device(device)
+    if device.type == "cuda" and not _common.interpreting():
+        most = max(1, min(TAIL_REDUCERS, n_rows, _common.persistent_programs(device, 1, 1) // 2))
+    else:
+        most = 1
+    bc = max(16, _pow2(triton.cdiv(d, most)))
+    return triton.cdiv(d, bc), bc, max(1, min(_pow2(n_rows), MAX_ELEMS // bc))
+
+
+def counters(device) -> torch.Tensor | None:
+    """The tail's two int32 counters on ``device`` (zeroed once, then kept at zero by the kernel), or None
+    while a CUDA graph is being captured and none exist yet (an allocation there would belong to the graph)."""
+    device = torch.device(device)
+    key = (device.type, device.index if device.index is not None or device.type != "cuda"
+           else torch.cuda.current_device())
+    found = _COUNTERS.get(key)
+    if found is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        found = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return found
+
+
+def use_tail(x: torch.Tensor) -> bool:
+    """Whether the one-token sparse kernel sums its own partials for this input now (ROUTE "tail")."""
+    return ROUTE == "tail" and (x.is_cuda or OFF_CUDA)
 
 
 def reduce(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
