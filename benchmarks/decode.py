@@ -185,6 +185,10 @@ def main(argv=None) -> int:
     from countdown.bench.runner import DecodeSettings, decode_sweep
 
     countdown.prac.lowrank.IN_KERNEL = args.predictor_route == "fused"
+    if DEVICE == "cuda" and psum_route() == "tail":  # its counters, made before anything is compiled
+        from countdown.kernels import _psum
+
+        _psum.prepare_tail(torch.device("cuda", torch.cuda.current_device()))
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "dynamo.log"))
     torch._logging.set_logs(graph_breaks=True, recompiles=True)

@@ -66,6 +66,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/psum_tail.py times CUDA graphs: run it on a GPU machine")
     t0 = time.time()
+    _psum.prepare_tail(torch.device("cuda", torch.cuda.current_device()))
     set_mode("off")
     L = Layers(args.layers)
     fns = chains(L)

@@ -74,7 +74,7 @@ def test_tail_sums_the_partials(op, dtype, act, monkeypatch):
     got = _run(op, x, wg, wu, wdt, thr, act, pa, pb)
     assert launched == [True], "the tail route must launch the kernel once, summing its own partials"
     assert got.dtype == dtype and got.shape == (1, D_MODEL) and not torch.isnan(got).any()
-    assert torch.equal(_psum.counters(x.device), torch.zeros(2, dtype=torch.int32)), "counters not reset"
+    assert torch.equal(_psum.counters(x.device).cpu(), torch.zeros(2, dtype=torch.int32)), "counters not reset"
     # both round the same fp32 column sums once: at most one unit in the last place apart, and as close to
     # float64 as the partials' route (fp32 sums of a few hundred terms)
     ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
@@ -108,3 +108,15 @@ def test_tail_shape(sms, rows, d, monkeypatch):
     monkeypatch.setattr(_common, "interpreting", lambda: True)
     assert _psum.tail_shape(torch.device("cuda", 0), rows, d)[0] == 1
     assert _psum.tail_shape(torch.device("cpu"), rows, d)[0] == 1
+
+
+def test_cuda_counters_only_when_prepared(monkeypatch):
+    """On CUDA the counters are never made on first use (inside a compiled step's CUDA-graph pool that is an
+    allocation torch.compile rejects): before prepare_tail the kernel keeps its partials' route."""
+    monkeypatch.setattr(_psum, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _psum.counters(torch.device("cuda", 0)) is None
+    made = torch.zeros(2, dtype=torch.int32)
+    _psum._COUNTERS[("cuda", 0)] = made  # what prepare_tail(cuda:0) would keep
+    assert _psum.counters(torch.device("cuda", 0)) is made and _psum.counters("cuda") is made
+    assert _psum.counters("cpu") is _psum.counters("cpu")  # off CUDA: made once on first use

@@ -154,18 +154,29 @@ def tail_shape(device, n_rows: int, d: int) -> tuple[int, int, int]:
     return triton.cdiv(d, bc), bc, max(1, min(_pow2(n_rows), MAX_ELEMS // bc))
 
 
-def counters(device) -> torch.Tensor | None:
-    """The tail's two int32 counters on ``device`` (zeroed once, then kept at zero by the kernel), or None
-    while a CUDA graph is being captured and none exist yet (an allocation there would belong to the graph)."""
+def _key(device: torch.device) -> tuple:
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    return device.type, index
+
+
+def prepare_tail(device) -> torch.Tensor:
+    """Make the tail's two int32 counters on ``device`` (zeroed once, then kept at zero by the kernel). On
+    CUDA call it once, eagerly, before a step is compiled or captured: an allocation made inside a compiled
+    step's CUDA-graph pool is one torch.compile rejects (seen with the attention's counters, 2026-11-25)."""
     device = torch.device(device)
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
-    found = _COUNTERS.get(key)
+    found = _COUNTERS.get(_key(device))
     if found is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        found = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        found = _COUNTERS[_key(device)] = torch.zeros(2, dtype=torch.int32, device=device)
     return found
+
+
+def counters(device) -> torch.Tensor | None:
+    """The tail's counters on ``device``: made on first use off CUDA (the interpreter), on CUDA only by
+    :func:`prepare_tail` (None before: the kernel then writes its partials and a launch sums them)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return prepare_tail(device)
+    return _COUNTERS.get(_key(device))
 
 
 def use_tail(x: torch.Tensor) -> bool:
