@@ -79,7 +79,8 @@ class Layers:
 
 
 def chains(L: Layers) -> dict:
-    """Per chain: a function running layer i on the previous output, and the inputs fed to it."""
+    """Per chain: a function running layer i on the previous output. Fits the sparse chains' cuts on their
+    own inputs first (``L.cuts``, the kept shares in ``L.kept``)."""
     lin = _linear.decode_linear
 
     def proj(i, x):
@@ -132,12 +133,12 @@ def chains(L: Layers) -> dict:
                 cuts[name].append(cut)
                 shares.append(share)
             kept[name] = sum(shares) / len(shares)
-    L.kept = {**kept, "projections": 1.0}
+    L.kept, L.cuts = {**kept, "projections": 1.0}, cuts
 
     def chain(name):
         return lambda i, x: apply(name, x, L.w[i], cuts[name][i])
 
-    return {"projections": proj, "dual": chain("dual"), "mono": chain("mono"), "teal": chain("teal"), "_cuts": cuts}
+    return {"projections": proj, "dual": chain("dual"), "mono": chain("mono"), "teal": chain("teal")}
 
 
 def run_chain(layer_fn, n: int, x0: torch.Tensor):
@@ -149,6 +150,18 @@ def run_chain(layer_fn, n: int, x0: torch.Tensor):
 
     us = time_graph([lambda i=i: step(i) for i in range(n)])
     return us, state[n - 1].clone()
+
+
+def write_table(out: str, stem: str, rows: list[dict], lines: list[str]) -> None:
+    """``rows`` as OUT/STEM.csv and the Markdown ``lines`` as OUT/STEM.md; prints the Markdown."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def compile_check() -> bool:
@@ -200,7 +213,6 @@ def main() -> None:
     t0 = time.time()
     L = Layers(args.layers)
     fns, rows, ok = chains(L), [], True
-    fns.pop("_cuts")
     nbytes = L.bytes_per_layer()  # after chains(L): it fits the cuts and records the kept shares
     for chain, fn in fns.items():
         ref = None
@@ -219,11 +231,6 @@ def main() -> None:
         off = next(o for o in rows if o["chain"] == r["chain"] and o["mode"] == "off")
         r["ratio_vs_off"] = round(r["us_per_layer"] / off["us_per_layer"], 4)
         r["x_roofline"] = round(r["us_per_layer"] * 1e-6 * copy / r["bytes_per_layer"], 3)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pdl.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     lines = [f"# PDL placement, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}", "",
              f"`PYTHONPATH=src python benchmarks/pdl.py --out ...` ({time.time() - t0:.0f} s; torch "
              f"{torch.__version__}); us per layer, median of CUDA-graph replays of {args.layers} layers; kept: the "
@@ -234,9 +241,7 @@ def main() -> None:
     lines += [f"| {r['chain']} | {r['mode']} | {r['kept']:.3f} | {r['bytes_per_layer'] / 1e6:.1f} | "
               f"{r['us_per_layer']:.2f} | {r['x_roofline']:.2f} | {r['ratio_vs_off']:.3f} | {r['identical_to_off']} |"
               for r in rows]
-    with open(os.path.join(args.out, "pdl.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "pdl", rows, lines)
     if not ok:
         raise SystemExit("PDL changed an output: see identical_to_off")
 

@@ -14,7 +14,6 @@ psum_tail.csv / psum_tail.md under --out; prints the table last.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pdl import Layers, chains, run_chain, set_mode  # noqa: E402  (benchmarks/pdl.py)
+from pdl import Layers, chains, run_chain, set_mode, write_table  # noqa: E402  (benchmarks/pdl.py)
 
 from countdown.bench import copy_bandwidth  # noqa: E402
 from countdown.kernels import _psum  # noqa: E402
@@ -39,9 +38,9 @@ def check_layer0(L: Layers, fns: dict) -> list[dict]:
     w, x = L.w[0], L.x0
     for name in ("dual", "mono"):
         if name == "dual":
-            keep = ((x @ w["at"].t()) @ w["bt"].t()).float() > fns["cuts"][name][0]
+            keep = ((x @ w["at"].t()) @ w["bt"].t()).float() > L.cuts[name][0]
         else:
-            keep = (x @ w["u"].t()).float().abs() > fns["cuts"][name][0]
+            keep = (x @ w["u"].t()).float().abs() > L.cuts[name][0]
         ref = gated_mlp_masked_ref(*(t.double() for t in (x, w["g"], w["u"], w["dt_" + name])), keep, "silu")
         out = {}
         for route in ROUTES:
@@ -70,7 +69,6 @@ def main() -> None:
     set_mode("off")
     L = Layers(args.layers)
     fns = chains(L)
-    fns["cuts"] = fns.pop("_cuts")
     checks = check_layer0(L, fns)
     for c in checks:
         print(f"check {c['chain']}: kept {c['kept']}, rel err kernel {c['rel_err_kernel']:.2e} tail "
@@ -93,11 +91,6 @@ def main() -> None:
         base = next(o for o in rows if o["chain"] == r["chain"] and o["pdl"] == r["pdl"] and o["route"] == "kernel")
         r["vs_kernel_route"] = round(r["us_per_layer"] / base["us_per_layer"], 4)
         r["x_roofline"] = round(r["us_per_layer"] * 1e-6 * copy / r["bytes_per_layer"], 3)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "psum_tail.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     lines = [f"# The sparse kernel summing its own partials, {torch.cuda.get_device_name()}, "
              f"{time.strftime('%Y-%m-%d')}", "",
              f"`PYTHONPATH=src python benchmarks/psum_tail.py --out ...` ({time.time() - t0:.0f} s; torch "
@@ -112,9 +105,7 @@ def main() -> None:
         f"{c['chain']} kept {c['kept']}, max error / max |y| {c['rel_err_kernel']:.2e} (launch) vs "
         f"{c['rel_err_tail']:.2e} (tail), bit-identical {c['identical']}, counters after {c['counters_after']}"
         for c in checks)]
-    with open(os.path.join(args.out, "psum_tail.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "psum_tail", rows, lines)
     if not all(c["ok"] for c in checks):
         raise SystemExit("a check failed: see the Checks line")
 
