@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _balanced, _common, _linear, _pdl, _psum  # _balanced, _linear: their ops (gated_balanced, decode_linear)
+from . import _balanced, _common, _linear, _pdl, _psum, _split  # _balanced, _linear, _split: their ops
 from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
@@ -94,11 +94,13 @@ if IND_GEMV not in ("fixed", "inductor"):
     raise ValueError(f"COUNTDOWN_IND_GEMV must be 'fixed' or 'inductor', got {IND_GEMV!r}")
 
 # The sparse phase when the indicator is given: "onepass" (this file's kernel: each program finds the
-# kept rows of its own chunks) or "balanced" (_balanced.py: every program ranks all kept rows and takes
-# an equal share). COUNTDOWN_SPARSE_KERNEL overrides the default.
+# kept rows of its own chunks), "balanced" (_balanced.py: every program ranks all kept rows and takes
+# an equal share) or "split" (_split.py: the kept rows' coefficients, then the down projection split by
+# output columns; no partial sums). COUNTDOWN_SPARSE_KERNEL overrides the default.
+SPARSE_KERNELS = ("onepass", "balanced", "split")
 SPARSE_KERNEL = os.environ.get("COUNTDOWN_SPARSE_KERNEL", "onepass")
-if SPARSE_KERNEL not in ("onepass", "balanced"):
-    raise ValueError(f"COUNTDOWN_SPARSE_KERNEL must be 'onepass' or 'balanced', got {SPARSE_KERNEL!r}")
+if SPARSE_KERNEL not in SPARSE_KERNELS:
+    raise ValueError(f"COUNTDOWN_SPARSE_KERNEL must be one of {SPARSE_KERNELS}, got {SPARSE_KERNEL!r}")
 
 
 def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
@@ -330,6 +332,9 @@ def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
     ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: PyTorch's sum while
     torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op)."""
+    if ind is not None and SPARSE_KERNEL == "split":  # two launches, y itself: nothing to sum
+        return torch.ops.countdown.gated_split(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
+                                               gate, up)
     if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
         p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)

@@ -57,7 +57,7 @@ if TRIGGER not in ("start", "end"):
     raise ValueError(f"COUNTDOWN_PDL_TRIGGER must be 'start' or 'end', got {TRIGGER!r}")
 W_EARLY = _auto_switch("COUNTDOWN_PDL_W_EARLY")
 # Which of our kernels launch with PDL when it is on (COUNTDOWN_PDL_KERNELS, comma-separated): for A/B runs.
-KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced", "norm")
+KERNEL_NAMES = ("linear", "attention", "onepass", "psum", "teal", "gemv", "stream", "balanced", "norm", "split")
 KERNELS = frozenset(k for k in os.environ.get("COUNTDOWN_PDL_KERNELS", ",".join(KERNEL_NAMES)).split(",") if k)
 if not KERNELS <= set(KERNEL_NAMES):
     raise ValueError(f"COUNTDOWN_PDL_KERNELS names kernels of {KERNEL_NAMES}, got {sorted(KERNELS)}")
