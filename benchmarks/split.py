@@ -12,8 +12,9 @@ Stages (results written after each; later stages are skipped once --budget secon
 1. check: at the real shape, k = 0.9 and 0.5, the split route's y against the float64 MLP on the kept rows.
 2. sweep: k = 0.9, the sparse phase alone; _split.py's knobs one at a time from its default, each knob's
    fastest value kept before the next (coordinate descent), against _onepass.py's default (op + sum).
-3. ks: both from nothing kept (k = 1, the fixed cost) to k = 0.7.
-4. compiled: x + mlp(x) under torch.compile with the indicator GEMVs on the fixed GEMV as in a decode step
+3. parts: k = 1 and 0.9, each launch alone (split's two; onepass's op and its partials' sum).
+4. ks: both from nothing kept (k = 1, the fixed cost) to k = 0.7.
+5. compiled: x + mlp(x) under torch.compile with the indicator GEMVs on the fixed GEMV as in a decode step
    (mono: u; dual: the rank-512 predictor), each route, k = 0.7 / 0.8 / 0.9.
 """
 
@@ -36,8 +37,8 @@ from countdown.kernels import _onepass, _split
 from balanced import ACT, MODES, RANK, _cell, add, indicator, kept_fraction, sparse_kernel, threshold  # noqa: E402
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
-KNOBS = [("BN", (16, 64)), ("BT", (64, 256)), ("D_STAGES", (2, 4)), ("D_WARPS", (8,)), ("BLOCK_M", (2, 4, 8)),
-         ("STAGES", (2,)), ("PER_SM", (2, 8)), ("CHUNK", (32, 128)), ("BLOCK_C", (1024, 4096)), ("num_warps", (8,))]
+KNOBS = [("BLOCK_C", (8192, 16384)), ("BT", (128, 512)), ("BN", (8, 32)), ("D_STAGES", (2, 3, 4, 5)),
+         ("D_WARPS", (2, 8)), ("BLOCK_M", (2, 4, 8)), ("STAGES", (1, 2, 3)), ("PER_SM", (1, 4)), ("num_warps", (8,))]
 T0 = time.time()
 
 
@@ -114,6 +115,29 @@ def sweep(p: Problem, bw, rows, smoke: bool) -> dict:
     return best
 
 
+def parts(p: Problem, bw, rows, best, ks) -> None:
+    """Each launch alone: split's coefficient kernel, its down kernel on a list made beforehand, onepass's
+    op without its sum, and the sum of onepass's partials alone."""
+    for method in MODES:
+        mode, gate, up = MODES[method]
+        cfg = {**_split.CONFIGS[mode], **best[method]}
+        for k in ks:
+            thr = threshold(p, method, k)
+            kept = kept_fraction(p, method, thr)
+            n = len(p.xs)
+            coef = lambda i: _split.coefficients(p.xs[i], indicator(p, method, i), p.w(i)["wg"], p.w(i)["wu"], None,  # noqa: E731
+                                                  thr, mode, ACT, gate, up, cfg)
+            lists = [coef(i) for i in range(n)]
+            down = lambda i: _split.down_by_columns(*lists[i], p.w(i)["wdt"], p.xs[i].dtype, cfg)  # noqa: E731
+            part = lambda i: _onepass.onepass_partials(p.xs[i], None, None, p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"],  # noqa: E731
+                                                       None, thr, mode, ACT, gate, up, ind=indicator(p, method, i))
+            sums = [part(i) for i in range(n)]
+            psum = lambda i: sums[i].sum(0, keepdim=True).to(p.xs[i].dtype)  # noqa: E731
+            for name, fn in (("split-coef", coef), ("split-down", down), ("onepass-op", part), ("onepass-sum", psum)):
+                us = safe_time(f"parts {method} {name} {k}", [lambda i=i: fn(i) for i in range(n)])
+                add(rows, "parts", method, k, name, us, kept, bw, p, cfg if name.startswith("split") else None)
+
+
 def over_ks(p: Problem, bw, rows, best, ks) -> None:
     for method in MODES:
         for k in ks:
@@ -177,7 +201,7 @@ def main() -> int:
     ap.add_argument("--out", default="results/split")
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--smoke", action="store_true", help="tiny shape (CPU interpreter): checks this script")
-    ap.add_argument("--stages", default="check,sweep,ks,compiled", help="comma-separated stages to run")
+    ap.add_argument("--stages", default="check,sweep,parts,ks,compiled", help="comma-separated stages to run")
     ARGS = ap.parse_args()
     smoke = ARGS.smoke or not torch.cuda.is_available()
     d_model, d_inter = (64, 200) if smoke else (4096, 14336)
@@ -194,6 +218,9 @@ def main() -> int:
     best = sweep(p, bw, rows, smoke) if "sweep" in stages else {m: dict(_split.CONFIGS[MODES[m][0]]) for m in MODES}
     meta["best"] = best
     write(ARGS.out, rows, meta)
+    if time.time() - T0 < ARGS.budget and "parts" in stages:
+        parts(p, bw, rows, best, (1.0, 0.9))
+        write(ARGS.out, rows, meta)
     if time.time() - T0 < ARGS.budget and "ks" in stages:
         over_ks(p, bw, rows, best, (1.0, 0.9, 0.7) if not smoke else (1.0, 0.9))
         write(ARGS.out, rows, meta)

@@ -40,12 +40,14 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # PER_SM programs per SM, BLOCK_C indicator entries per step of the count before a chunk (C_STAGES deep).
 # _down_kernel: BN columns per program, BT list entries per step, D_STAGES deep, D_WARPS warps.
 # COUNTDOWN_SPLIT_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
-_BASE = dict(CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, STAGES=1, BLOCK_C=2048, C_STAGES=2,
-             BN=32, BT=128, D_STAGES=3, D_WARPS=4)
+# Defaults: the fastest of `benchmarks/split.py`'s sweep (H200, 2026-11-25, Llama-3.1-8B shape, k = 0.9,
+# benchmarks/results/split/).
+_BASE = dict(CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=2, STAGES=2, BLOCK_C=4096, C_STAGES=2,
+             BN=16, BT=256, D_STAGES=3, D_WARPS=4)
 CONFIGS = {
-    "abs": dict(_BASE, BLOCK_M=8),
-    "abs_act": dict(_BASE, BLOCK_M=8),
-    "gt": dict(_BASE, BLOCK_M=4),
+    "abs": dict(_BASE),
+    "abs_act": dict(_BASE),
+    "gt": dict(_BASE, BLOCK_M=8, STAGES=1, D_STAGES=4),
 }
 INTERPRETER_PROGS = 3
 LAST_KERNELS: tuple = ()
@@ -193,26 +195,48 @@ def split_mlp(x, ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.Tensor], thr
     if cfg["CHUNK"] & (cfg["CHUNK"] - 1) or cfg["BN"] & (cfg["BN"] - 1) or cfg["BT"] & (cfg["BT"] - 1):
         raise ValueError(f"CHUNK, BN and BT must be powers of two, got {cfg}")
     x, ind = x.contiguous(), ind.contiguous()
-    w_gate, w_up, w_down_t = w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
+    rows, s, total = coefficients(x, ind, w_gate.contiguous(), w_up.contiguous(), thr_t, thr_f, mode, activation,
+                                  gate, up, cfg)
+    y = down_by_columns(rows, s, total, w_down_t.contiguous(), x.dtype, cfg)
+    LAST_KERNELS = (COEF_LAST, DOWN_LAST)
+    return y
+
+
+COEF_LAST = DOWN_LAST = None
+
+
+def coefficients(x, ind, w_gate, w_up, thr_t, thr_f, mode, activation, gate, up, cfg):
+    """The first launch (contiguous inputs, checked by split_mlp): (ROWS int32 [d_inter], S fp32 [d_inter],
+    TOTAL int32 [1]); only the first TOTAL entries of the list are written."""
+    global COEF_LAST
+    d_inter, d_model = w_gate.shape
+    thr_vec = thr_t is not None and thr_t.dim() == 1
     progs = n_programs(x.device, d_inter, mode, cfg)
     block_d = max(16, _pow2(d_model))
-    rows = torch.empty(d_inter, dtype=torch.int32, device=x.device)  # only the first TOTAL entries are read
+    rows = torch.empty(d_inter, dtype=torch.int32, device=x.device)
     s = torch.empty(d_inter, dtype=torch.float32, device=x.device)
     total = torch.empty(1, dtype=torch.int32, device=x.device)
-    y = _common.new_output((1, d_model), x.dtype, x.device)
-    big = d_inter * d_model >= 2**31
     pdl = _pdl.mode(x, "split")
-    coef = _coef_kernel[(progs,)](
+    COEF_LAST = _coef_kernel[(progs,)](
         x, ind, w_gate, w_up, thr_t if thr_t is not None else s, rows, s, total, float(thr_f), d_model, d_inter,
         triton.cdiv(d_inter, cfg["CHUNK"]), progs,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None, THR_VEC=thr_vec,
-        CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model, BIG=big,
-        BLOCK_C=cfg["BLOCK_C"], C_STAGES=cfg["C_STAGES"], STAGES=cfg["STAGES"], PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
-    down = _down_kernel[(triton.cdiv(d_model, cfg["BN"]),)](
-        rows, s, total, w_down_t, y, d_model, BN=cfg["BN"], BT=cfg["BT"], BIG=big, EVEN_N=d_model % cfg["BN"] == 0,
-        D_STAGES=cfg["D_STAGES"], PDL=pdl, num_warps=cfg["D_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
-    LAST_KERNELS = (coef, down)
+        CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
+        BIG=d_inter * d_model >= 2**31, BLOCK_C=cfg["BLOCK_C"], C_STAGES=cfg["C_STAGES"], STAGES=cfg["STAGES"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+    return rows, s, total
+
+
+def down_by_columns(rows, s, total, w_down_t, dtype, cfg) -> torch.Tensor:
+    """The second launch: y [1, d_model] in ``dtype`` from the list (contiguous w_down_t)."""
+    global DOWN_LAST
+    d_inter, d_model = w_down_t.shape
+    y = _common.new_output((1, d_model), dtype, w_down_t.device)
+    pdl = _pdl.mode(w_down_t, "split")
+    DOWN_LAST = _down_kernel[(triton.cdiv(d_model, cfg["BN"]),)](
+        rows, s, total, w_down_t, y, d_model, BN=cfg["BN"], BT=cfg["BT"], BIG=d_inter * d_model >= 2**31,
+        EVEN_N=d_model % cfg["BN"] == 0, D_STAGES=cfg["D_STAGES"], PDL=pdl, num_warps=cfg["D_WARPS"],
+        num_stages=1, **_pdl.launch_kwargs(pdl))
     return y
 
 
