@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import _common, _residual
+from .kernels import _common
 
 TARGETS = ("down", "gate_up", "o_proj", "qkv", "norm")
 _ROUTED = "_countdown_decode_gemv"
@@ -44,20 +44,6 @@ def step_targets(fused: bool) -> tuple[str, ...]:
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _common.decode_gemv_serves(x, self.weight):
         y = torch.ops.countdown.decode_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, None)
-        return y.view(*x.shape[:-1], self.out_features)
-    return F.linear(x, self.weight, self.bias)
-
-
-def _decode_down_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """_decode_forward for a Gated-MLP's down projection, a dense MLP's last kernel: where a folded layer has
-    handed it its residual (kernels/_residual.py) and no hook sees this layer's output, it adds it in fp32
-    before its one rounding."""
-    if _common.decode_gemv_serves(x, self.weight):
-        x2 = x.reshape(-1, x.shape[-1])
-        h = None
-        if _residual.ENABLED and not (self._forward_hooks or self._forward_pre_hooks):
-            h = _residual.take(x2.shape[0], self.out_features, x.dtype, x.device)
-        y = torch.ops.countdown.decode_linear(x2, self.weight, self.bias, h)
         return y.view(*x.shape[:-1], self.out_features)
     return F.linear(x, self.weight, self.bias)
 
@@ -129,7 +115,7 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
     for target in (t for t in targets if t not in ("qkv", "norm")):
         for lin in _layers(model, target):
             if not is_routed(lin):
-                lin.forward = types.MethodType(_decode_down_forward if target == "down" else _decode_forward, lin)
+                lin.forward = types.MethodType(_decode_forward, lin)
                 setattr(lin, _ROUTED, True)
                 changed += 1
     return changed

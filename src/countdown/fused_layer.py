@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .fused_attention import QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, is_fused, qkv_weights
-from .kernels import _common, _residual
+from .kernels import _common
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
             "MistralDecoderLayer": "MistralRMSNorm"}
@@ -75,18 +75,6 @@ def why_not_foldable(layer: nn.Module) -> str | None:
     if type(attn.o_proj) is not nn.Linear:
         return f"{name}.self_attn.o_proj is not a plain nn.Linear"
     return None
-
-
-def _no_hooks(module: nn.Module) -> bool:
-    """Whether nothing but ``module``'s forward sees its output: no hooks of its own, none global, and not
-    a tensor-parallel MLP (whose output is summed over ranks after its last kernel)."""
-    from torch.nn.modules import module as torch_module
-
-    patched = getattr(module, "countdown_sparse", None)
-    if patched is not None and patched.mlp.tp is not None:
-        return False
-    return not (module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks)
 
 
 def is_folded(layer: nn.Module) -> bool:
@@ -145,16 +133,7 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
     x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
-    if OWN_ADD and _residual.ENABLED and _no_hooks(self.mlp):  # the MLP's last kernel may add h (_residual.py)
-        slot = _residual.open_slot(h)
-        try:
-            m = self.mlp(x.view_as(hidden_states))
-        finally:
-            _residual.close_slot(slot)
-        if slot.used:
-            return m
-    else:
-        m = self.mlp(x.view_as(hidden_states))
+    m = self.mlp(x.view_as(hidden_states))
     if OWN_ADD and m.dtype == h.dtype:
         return torch.ops.countdown.decode_add(h.view_as(hidden_states), m)
     return h.view_as(hidden_states) + m

@@ -45,41 +45,14 @@ def _(x, slot):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("countdown_bench::mlp_slot_add", mutates_args=())
-def mlp_slot_add(x: torch.Tensor, h: torch.Tensor, slot: int) -> torch.Tensor:
-    """h + the module in ``SLOTS[slot]`` applied to ``x``: a folded layer's residual add, done by the module's
-    last kernel where one takes it (countdown.kernels._residual), else by the add kernel the layer would use."""
-    from ..kernels import _residual
-
-    held = _residual.open_slot(h)
-    try:
-        y = SLOTS[slot](x)
-    finally:
-        _residual.close_slot(held)
-    if held.used:
-        return y
-    return torch.ops.countdown.decode_add(h, y) if y.dtype == h.dtype else h + y
-
-
-@mlp_slot_add.register_fake
-def _(x, h, slot):
-    return torch.empty_like(h)
-
-
 class SlotMLP(nn.Module):
-    """Stands where a Gated-MLP module stood; its forward is the opaque slot op (with a folded layer's
-    residual, kernels/_residual.py, the op that adds it: the layer then adds nothing)."""
+    """Stands where a Gated-MLP module stood; its forward is the opaque slot op."""
 
     def __init__(self, slot: int):
         super().__init__()
         self.slot = slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels import _residual
-
-        h = _residual.take(x.numel() // x.shape[-1], x.shape[-1], x.dtype, x.device) if _residual.ENABLED else None
-        if h is not None:
-            return torch.ops.countdown_bench.mlp_slot_add(x, h.view_as(x), self.slot)
         return torch.ops.countdown_bench.mlp_slot(x, self.slot)
 
 

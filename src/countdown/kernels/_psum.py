@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _pdl, _residual
+from . import _common, _pdl
 from ._glu import _pow2, _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -44,8 +44,7 @@ OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
 
 
 @triton.jit
-def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = 0, H=None,
-                 HAS_H: tl.constexpr = False):
+def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the next grid may launch now
         gdc_launch_dependents()
@@ -61,29 +60,22 @@ def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.co
     if PDL == 2:
         gdc_launch_dependents()
     acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
-    if HAS_H:  # the residual add after it, rounded once more: h + y as PyTorch adds two tensors of Y's dtype
-        acc = _round_to(acc + tl.load(H + cols, mask=cmask, other=0.0).to(tl.float32), Y.dtype.element_ty)
     tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=cmask)
 
 
-def sum_partials(p: torch.Tensor, dtype: torch.dtype, h: torch.Tensor | None = None) -> torch.Tensor:
+def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """p.sum(0) for fp32 partials p [rows, ...] (one token's [rows, d]: y [1, d]; a few tokens'
-    [rows, tokens, d]: y [tokens, d]), rounded once to ``dtype``; with ``h`` (the output's shape, ``dtype``)
-    h + that sum, rounded once more (a decoder layer's residual add, kernels/_residual.py)."""
+    [rows, tokens, d]: y [tokens, d]), rounded once to ``dtype``."""
     if p.dim() < 2 or p.dtype != torch.float32:
         raise ValueError(f"partials must be fp32 [rows, d_model] or [rows, tokens, d_model], got {p.dtype} "
                          f"{tuple(p.shape)}")
     out_shape = _out_shape(p)
-    if h is not None and (tuple(h.shape) != out_shape or h.dtype != dtype or h.device != p.device):
-        raise ValueError(f"the residual must be {out_shape} {dtype} on {p.device}, got {tuple(h.shape)} {h.dtype} "
-                         f"on {h.device}")
     p = p.contiguous().reshape(p.shape[0], -1)
     rows, d = p.shape
     y = _common.new_output(out_shape, dtype, p.device)
     br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
     pdl = _pdl.mode(p, "psum")
-    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, PDL=pdl, H=h.contiguous() if h is not None else y,
-                                        HAS_H=h is not None, num_warps=4, **_pdl.launch_kwargs(pdl))
+    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
     return y
 
 
@@ -99,16 +91,6 @@ def _psum_op(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 @_psum_op.register_fake
 def _(p, like):
     return p.new_empty(_out_shape(p), dtype=like.dtype)
-
-
-@torch.library.custom_op("countdown::sum_partials_add", mutates_args=())
-def _psum_add_op(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return sum_partials(p, h.dtype, h)
-
-
-@_psum_add_op.register_fake
-def _(p, h):
-    return torch.empty_like(h)
 
 
 def use_kernel(p: torch.Tensor) -> bool:
@@ -203,13 +185,7 @@ def use_tail(x: torch.Tensor) -> bool:
 
 
 def reduce(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """p.sum(0) in ``like``'s dtype (2-D p: [1, d], kept dim): this file's op or PyTorch's sum (ROUTE). Where
-    a decoder layer has handed its residual h to the MLP's last kernel (kernels/_residual.py) and this op
-    serves p (CUDA, or OFF_CUDA), h + that sum in one launch."""
-    if _residual.ENABLED and (p.is_cuda or OFF_CUDA):
-        h = _residual.take(*_out_shape(p), like.dtype, p.device) if p.dim() == 2 else None
-        if h is not None:
-            return torch.ops.countdown.sum_partials_add(p, h)
+    """p.sum(0) in ``like``'s dtype (2-D p: [1, d], kept dim): this file's op or PyTorch's sum (ROUTE)."""
     if use_kernel(p):
         return torch.ops.countdown.sum_partials(p, like)
     return p.sum(0, keepdim=p.dim() == 2).to(like.dtype)
