@@ -189,6 +189,12 @@ def main(argv=None) -> int:
         from countdown.kernels import _psum
 
         _psum.prepare_tail(torch.device("cuda", torch.cuda.current_device()))
+    from countdown.kernels import _onepass
+
+    if DEVICE == "cuda" and _onepass.SPARSE_KERNEL == "overlap":  # its chunk counters, likewise
+        from countdown.kernels import _overlap
+
+        _overlap.prepare(torch.device("cuda", torch.cuda.current_device()))
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "dynamo.log"))
     torch._logging.set_logs(graph_breaks=True, recompiles=True)

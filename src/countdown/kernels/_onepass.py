@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _balanced, _common, _linear, _pdl, _psum, _split  # _balanced, _linear, _split: their ops
+from . import _balanced, _common, _linear, _overlap, _pdl, _psum, _split  # _balanced, _linear, _split: their ops
 from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
@@ -96,8 +96,9 @@ if IND_GEMV not in ("fixed", "inductor"):
 # The sparse phase when the indicator is given: "onepass" (this file's kernel: each program finds the
 # kept rows of its own chunks), "balanced" (_balanced.py: every program ranks all kept rows and takes
 # an equal share) or "split" (_split.py: the kept rows' coefficients, then the down projection split by
-# output columns; no partial sums). COUNTDOWN_SPARSE_KERNEL overrides the default.
-SPARSE_KERNELS = ("onepass", "balanced", "split")
+# output columns; no partial sums) or "overlap" (_overlap.py: the indicator's GEMV in the same grid, each
+# chunk's kept rows loaded as soon as its indicators exist). COUNTDOWN_SPARSE_KERNEL overrides the default.
+SPARSE_KERNELS = ("onepass", "balanced", "split", "overlap")
 SPARSE_KERNEL = os.environ.get("COUNTDOWN_SPARSE_KERNEL", "onepass")
 if SPARSE_KERNEL not in SPARSE_KERNELS:
     raise ValueError(f"COUNTDOWN_SPARSE_KERNEL must be one of {SPARSE_KERNELS}, got {SPARSE_KERNEL!r}")
@@ -315,8 +316,9 @@ def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, 
 
 
 def indicator_outside(mode: str) -> bool:
-    """Whether the ops compute the indicator in PyTorch before the launch (CONFIGS[mode]["IND"])."""
-    return CONFIGS[mode].get("IND", "torch") == "torch"
+    """Whether the ops compute the indicator in PyTorch before the launch (CONFIGS[mode]["IND"]; never for
+    the "overlap" sparse kernel, which computes it in its own grid)."""
+    return SPARSE_KERNEL != "overlap" and CONFIGS[mode].get("IND", "torch") == "torch"
 
 
 def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str) -> torch.Tensor:
@@ -332,6 +334,12 @@ def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
     ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: PyTorch's sum while
     torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op)."""
+    if ind is None and SPARSE_KERNEL == "overlap":  # the indicator's GEMV and the sparse rows in one grid
+        if _overlap.counters(x2.device) is not None:
+            p = torch.ops.countdown.gated_overlap(x2, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode,
+                                                  activation, gate, up)
+            return _psum.reduce(p, x2)
+        ind = ind_linear(v, w_ind)  # its counters not made (_overlap.prepare): the default route
     if ind is not None and SPARSE_KERNEL == "split":  # two launches, y itself: nothing to sum
         return torch.ops.countdown.gated_split(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)

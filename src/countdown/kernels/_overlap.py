@@ -1,0 +1,213 @@
+"""Triton kernel: one token's sparse Gated-MLP with its indicator GEMV in the same grid, the sparse rows
+loaded while the GEMV still streams.
+
+In a decode step the indicator (mono's u = x W_up^T, cats' g, dual's scores (x A) B) is a dense GEMV and
+the sparse phase (_onepass.py) starts only when that whole grid has finished: its per-chunk chain
+(indicators, compaction, kept rows, partial) then runs alone, 13-15 us a layer for 5-8 us of bytes on an
+H200 (docs/kernels.md, item 6). Here the grid has two kinds of programs:
+
+* producers (the first PROD): sweep the indicator's rows in order, RB rows a step, program p taking rows
+  [(i PROD + p) RB, + RB) at step i, store ind = v . W_ind[row] (rounded to v's dtype) and add the rows
+  done to their chunk's counter (an atomic with release semantics);
+* consumers (the rest): take chunks c = q, q + CONS, ... of CHUNK rows; for each, wait until its counter
+  holds all its rows (acquire), set it back to zero, and run _onepass.py's chunk: keep, compact, load the
+  kept rows of W_gate / W_up / W_down^T, add s W_down rows into the program's fp32 partial.
+
+So a chunk's sparse work runs as soon as its indicators exist, under the GEMV's stream. The partials
+P [CONS, d_model] are written whole and summed by the caller, as _onepass.py's (deterministic: every chunk
+is summed by one program in a fixed order). No deadlock: at most two programs per SM of 4 warps each (a
+program's registers never exceed half an SM's), so the whole grid is resident at once and producers never
+wait. The counters live in one buffer per device, zero between launches (each consumer resets its own);
+like _psum.py's tail, one such kernel at a time per device (a decode step's layers run in order), and on
+CUDA the buffer is made eagerly by :func:`prepare` before a step is compiled or captured.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common, _pdl
+from ._common import act_code
+from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
+from ._pdl import gdc_launch_dependents, gdc_wait
+
+# PROD / CONS programs per SM (at most 2 in all: see the docstring), RB indicator rows per producer step
+# (PSTAGES deep), CHUNK rows per consumer chunk (a multiple of RB), BLOCK_M kept rows per consumer step.
+CONFIG = dict(PROD=1, CONS=1, RB=4, PSTAGES=2, CHUNK=64, BLOCK_M=4, STAGES=1)
+INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter (programs run one after another)
+MAX_CHUNKS = 1 << 16
+_COUNTERS: dict = {}
+LAST_KERNEL = None
+
+
+@triton.jit
+def _overlap_kernel(
+    X, V, WI, IND, CNT, WG, WU, WD, THR, P, thr_f, d_model, d_inter, k_ind, n_chunks, n_prod, n_cons,
+    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
+    THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr,
+    PSTAGES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    pid = tl.program_id(0)
+    if PDL:  # the partials' sum may launch now (it waits for this grid); x / v are the last grids'
+        gdc_launch_dependents()
+        gdc_wait()
+    if pid < n_prod:  # producer: the indicator GEMV, rows in order
+        ki = tl.arange(0, BLOCK_I)
+        if EVEN_I:
+            vv = tl.load(V + ki).to(tl.float32)
+        else:
+            vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
+        rb = tl.arange(0, RB)
+        for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
+            r = r0 + rb
+            rmask = r < d_inter
+            if BIG:
+                off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
+            else:
+                off = r[:, None] * k_ind + ki[None, :]
+            if EVEN_I:
+                w = tl.load(WI + off, mask=rmask[:, None], other=0.0)
+            else:
+                w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+            ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
+            tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
+            tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
+            tl.atomic_add(CNT + r0 // CHUNK, tl.sum(rmask.to(tl.int32), axis=0), sem="release", scope="gpu")
+    else:  # consumer: the sparse chunks, each once its indicators are in
+        q = pid - n_prod
+        kd = tl.arange(0, BLOCK_D)
+        xv = _load_vec(X, kd, d_model, EVEN_D)
+        if THR_PTR:
+            thr_s = tl.load(THR).to(tl.float32)
+        else:
+            thr_s = thr_f
+        yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        cr = tl.arange(0, CHUNK)
+        for c in range(q, n_chunks, n_cons):
+            r = c * CHUNK + cr
+            rmask = r < d_inter
+            need = tl.minimum(d_inter - c * CHUNK, CHUNK)
+            while tl.atomic_add(CNT + c, 0, sem="acquire", scope="gpu") < need:
+                pass
+            tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
+            ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if THR_VEC:
+                thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
+            else:
+                thr = thr_s
+            keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
+            cnt = tl.sum(keep, axis=0)
+            pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+            for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):
+                m = t + tl.arange(0, BLOCK_M)
+                valid = m < cnt
+                sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: step slot -> chunk row
+                rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
+                it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
+                roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
+                if GATE:
+                    wg = tl.load(WG + roff, mask=wmask, other=0.0)
+                else:  # the indicator is g itself (cats)
+                    wg = it
+                if UP:
+                    wu = tl.load(WU + roff, mask=wmask, other=0.0)
+                else:  # the indicator is u itself (mono)
+                    wu = it
+                wd = tl.load(WD + roff, mask=wmask, other=0.0)
+                yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
+        _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)
+
+
+def _key(device: torch.device) -> tuple:
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    return device.type, index
+
+
+def prepare(device) -> torch.Tensor:
+    """The chunk counters on ``device`` (int32, zeroed once, then kept at zero by the kernel). On CUDA call it
+    once, eagerly, before a step is compiled or captured (an allocation inside a compiled step's CUDA-graph
+    pool is one torch.compile rejects)."""
+    device = torch.device(device)
+    found = _COUNTERS.get(_key(device))
+    if found is None:
+        found = _COUNTERS[_key(device)] = torch.zeros(MAX_CHUNKS, dtype=torch.int32, device=device)
+    return found
+
+
+def counters(device) -> torch.Tensor | None:
+    """The counters on ``device``: made on first use off CUDA, on CUDA only by :func:`prepare` (else None)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return prepare(device)
+    return _COUNTERS.get(_key(device))
+
+
+def programs(device, config: dict | None = None) -> tuple[int, int]:
+    """(producers, consumers) on ``device``; the consumers are the partials' rows."""
+    cfg = {**CONFIG, **(config or {})}
+    if torch.device(device).type != "cuda" or _common.interpreting():
+        return INTERPRETER_PROGS
+    if cfg["PROD"] + cfg["CONS"] > 2:
+        raise ValueError(f"at most two programs per SM (PROD + CONS <= 2), got {cfg}: more could leave "
+                         "consumers waiting for producers that never get an SM")
+    return (_common.persistent_programs(device, cfg["PROD"], 1), _common.persistent_programs(device, cfg["CONS"], 1))
+
+
+def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
+                     activation: str, gate: bool, up: bool, config: dict | None = None) -> torch.Tensor:
+    """fp32 partials P [consumers, d_model] for x [1, d_model] (y = P.sum(0)), the indicator computed here as
+    v [1, k] . w_ind [d_inter, k] rows (mono: x, W_up; cats: x, W_gate; dual: x A, B^T)."""
+    global LAST_KERNEL
+    cfg = {**CONFIG, **(config or {})}
+    n_tok, d_model = x.shape
+    d_inter = w_gate.shape[0]
+    if n_tok != 1:
+        raise ValueError(f"the overlapped kernel takes one token, got {n_tok}")
+    if w_ind.shape[0] != d_inter or v.shape != (1, w_ind.shape[1]):
+        raise ValueError(f"indicator input must be v [1, k] and w_ind [{d_inter}, k], got {tuple(v.shape)} and "
+                         f"{tuple(w_ind.shape)}")
+    if cfg["CHUNK"] % cfg["RB"] or cfg["CHUNK"] & (cfg["CHUNK"] - 1):
+        raise ValueError(f"CHUNK must be a power of two and a multiple of RB, got {cfg}")
+    n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
+    cnt = counters(x.device)
+    if cnt is None:
+        raise RuntimeError("the overlapped kernel's counters are not made on this device: call "
+                           "countdown.kernels._overlap.prepare(device) once before compiling or capturing")
+    if n_chunks > cnt.numel():
+        raise ValueError(f"{n_chunks} chunks: more than the {cnt.numel()} counters; raise CHUNK")
+    thr_vec = thr_t is not None and thr_t.dim() == 1
+    if thr_vec and thr_t.numel() != d_inter:
+        raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
+    x, v, w_ind = x.contiguous(), v.contiguous(), w_ind.contiguous()
+    w_gate, w_up, w_down_t = w_gate.contiguous(), w_up.contiguous(), w_down_t.contiguous()
+    k_ind = w_ind.shape[1]
+    n_prod, n_cons = programs(x.device, cfg)
+    block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
+    ind = torch.empty(d_inter, dtype=v.dtype, device=x.device)
+    p = _common.new_output((n_cons, d_model), torch.float32, x.device)
+    pdl = _pdl.mode(x, "onepass")
+    LAST_KERNEL = _overlap_kernel[(n_prod + n_cons,)](
+        x, v, w_ind, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f),
+        d_model, d_inter, k_ind, n_chunks, n_prod, n_cons,
+        MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None, THR_VEC=thr_vec,
+        CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model,
+        EVEN_I=block_i == k_ind, BIG=d_inter * max(d_model, k_ind) >= 2**31, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"],
+        STAGES=cfg["STAGES"], PDL=pdl, num_warps=4, num_stages=1, **_pdl.launch_kwargs(pdl))
+    return p
+
+
+@torch.library.custom_op("countdown::gated_overlap", mutates_args=())
+def _overlap_op(x: torch.Tensor, v: torch.Tensor, w_ind: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str, activation: str,
+                gate: bool, up: bool) -> torch.Tensor:
+    return overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up)
+
+
+@_overlap_op.register_fake
+def _(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+    return x.new_empty((programs(x.device)[1], x.shape[1]), dtype=torch.float32)
