@@ -36,7 +36,11 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("RB", (2, 8)), ("PSTAGES", (1, 3)), ("CHUNK", (32, 128)), ("BLOCK_M", (2, 8)), ("STAGES", (2,))]
+_SHAPES = [(2, 1, 4), (3, 1, 4), (2, 2, 4), (4, 2, 4), (6, 2, 4), (1, 1, 8), (2, 1, 8), (3, 1, 8)]
+KNOBS = [("PROD/CONS/warps", [dict(PROD=a, CONS=b, num_warps=w) for a, b, w in _SHAPES]),
+         ("RB", [dict(RB=r) for r in (4, 16)]), ("PSTAGES", [dict(PSTAGES=n) for n in (2, 3)]),
+         ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
+         ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()
 
 
@@ -112,9 +116,9 @@ def sweep(p: Problem, bw, rows, smoke: bool) -> dict:
         cur_us = time_route(p, method, thr, "overlap", cur)
         add(rows, "sweep", method, 0.9, "overlap", cur_us, kept, bw, p, cur)
         want = mlp(p, method, thr, "onepass")(0).float()
-        for knob, values in KNOBS[:1] if smoke else KNOBS:
+        for knob, values in KNOBS[1:2] if smoke else KNOBS:
             for val in values:
-                cfg = {**cur, knob: val}
+                cfg = {**cur, **val}
                 try:
                     got = mlp(p, method, thr, "overlap", cfg)(0).float()
                 except Exception as e:  # noqa: BLE001

@@ -118,7 +118,8 @@ def test_overlap_names_bad_input(monkeypatch):
         _overlap.overlap_partials(x, x[:, :8], wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
     with pytest.raises(ValueError, match="multiple of RB"):
         _overlap.overlap_partials(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=3))
-    monkeypatch.setattr(_common, "interpreting", lambda: False)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="two programs per SM"):
-            _overlap.programs(torch.device("cuda"), dict(PROD=2, CONS=1))
+    if torch.cuda.is_available():  # 32 programs of 8 warps cannot share an SM
+        xc, wgc, wuc, wdc = (t.cuda() for t in (x, wg, wu, wdt))
+        with pytest.raises(ValueError, match="do not fit at once"):
+            _overlap.overlap_partials(xc, xc, wuc, wgc, wuc, wdc, None, 0.5, "abs", "silu", True, False,
+                                      config=dict(PROD=16, CONS=16, num_warps=8))

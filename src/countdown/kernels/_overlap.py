@@ -15,9 +15,9 @@ H200 (docs/kernels.md, item 6). Here the grid has two kinds of programs:
 
 So a chunk's sparse work runs as soon as its indicators exist, under the GEMV's stream. The partials
 P [CONS, d_model] are written whole and summed by the caller, as _onepass.py's (deterministic: every chunk
-is summed by one program in a fixed order). No deadlock: at most two programs per SM of 4 warps each (a
-program's registers never exceed half an SM's), so the whole grid is resident at once and producers never
-wait. The counters live in one buffer per device, zero between launches (each consumer resets its own);
+is summed by one program in a fixed order). No deadlock: the whole grid is resident at once and producers
+never wait (checked: PROD + CONS programs per SM must fit at once by the compiled kernel's registers, warps and
+shared memory, or the call raises). The counters live in one buffer per device, zero between launches (each consumer resets its own);
 like _psum.py's tail, one such kernel at a time per device (a decode step's layers run in order), and on
 CUDA the buffer is made eagerly by :func:`prepare` before a step is compiled or captured.
 """
@@ -35,9 +35,12 @@ from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 
-# PROD / CONS programs per SM (at most 2 in all: see the docstring), RB indicator rows per producer step
+# PROD / CONS programs per SM of num_warps warps (all must fit on the SMs at once: checked against the
+# compiled kernel's registers and shared memory before the first launch), RB indicator rows per producer step
 # (PSTAGES deep), CHUNK rows per consumer chunk (a multiple of RB), BLOCK_M kept rows per consumer step.
-CONFIG = dict(PROD=1, CONS=1, RB=4, PSTAGES=2, CHUNK=64, BLOCK_M=4, STAGES=1)
+CONFIG = dict(PROD=1, CONS=1, num_warps=4, RB=8, PSTAGES=1, CHUNK=32, BLOCK_M=4, STAGES=1)
+SM_REGS, SM_WARPS, SM_PROGRAMS, SM_SHARED = 65536, 64, 32, 227 * 1024  # Hopper's limits per SM
+_FITS: dict = {}
 INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter (programs run one after another)
 MAX_CHUNKS = 1 << 16
 _COUNTERS: dict = {}
@@ -152,9 +155,6 @@ def programs(device, config: dict | None = None) -> tuple[int, int]:
     cfg = {**CONFIG, **(config or {})}
     if torch.device(device).type != "cuda" or _common.interpreting():
         return INTERPRETER_PROGS
-    if cfg["PROD"] + cfg["CONS"] > 2:
-        raise ValueError(f"at most two programs per SM (PROD + CONS <= 2), got {cfg}: more could leave "
-                         "consumers waiting for producers that never get an SM")
     return (_common.persistent_programs(device, cfg["PROD"], 1), _common.persistent_programs(device, cfg["CONS"], 1))
 
 
@@ -191,14 +191,33 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     ind = torch.empty(d_inter, dtype=v.dtype, device=x.device)
     p = _common.new_output((n_cons, d_model), torch.float32, x.device)
     pdl = _pdl.mode(x, "onepass")
-    LAST_KERNEL = _overlap_kernel[(n_prod + n_cons,)](
-        x, v, w_ind, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f),
-        d_model, d_inter, k_ind, n_chunks, n_prod, n_cons,
-        MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None, THR_VEC=thr_vec,
-        CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model,
-        EVEN_I=block_i == k_ind, BIG=d_inter * max(d_model, k_ind) >= 2**31, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"],
-        STAGES=cfg["STAGES"], PDL=pdl, num_warps=4, num_stages=1, **_pdl.launch_kwargs(pdl))
+    args = (x, v, w_ind, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f),
+            d_model, d_inter, k_ind, n_chunks, n_prod, n_cons)
+    kw = dict(MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None, THR_VEC=thr_vec,
+              CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model,
+              EVEN_I=block_i == k_ind, BIG=d_inter * max(d_model, k_ind) >= 2**31, RB=cfg["RB"],
+              PSTAGES=cfg["PSTAGES"], STAGES=cfg["STAGES"], PDL=pdl, num_warps=cfg["num_warps"], num_stages=1)
+    if x.is_cuda and not _common.interpreting():
+        _check_resident(args, kw, cfg, x.device)
+    LAST_KERNEL = _overlap_kernel[(n_prod + n_cons,)](*args, **kw, **_pdl.launch_kwargs(pdl))
     return p
+
+
+def _check_resident(args, kw, cfg, device) -> None:
+    """Raise unless PROD + CONS programs per SM of the compiled kernel fit on an SM at once (by registers,
+    warps, programs and shared memory): else consumers could hold the SMs while producers wait to start."""
+    key = (tuple(sorted(kw.items())), tuple(sorted(cfg.items())), tuple(a.dtype for a in args if torch.is_tensor(a)))
+    fits = _FITS.get(key)
+    if fits is None:
+        compiled = _overlap_kernel.warmup(*args, grid=(1,), **kw)
+        warps = kw["num_warps"]
+        shared = max(1, int(getattr(compiled.metadata, "shared", 0) or 0))
+        per_sm = min(SM_PROGRAMS, SM_WARPS // warps, SM_REGS // max(1, compiled.n_regs * 32 * warps), SM_SHARED // shared)
+        fits = _FITS[key] = (per_sm >= cfg["PROD"] + cfg["CONS"], per_sm, compiled.n_regs, shared)
+    if not fits[0]:
+        raise ValueError(f"{cfg['PROD']} + {cfg['CONS']} programs per SM do not fit at once ({fits[1]} do: {fits[2]} "
+                         f"registers, {fits[3]} bytes of shared memory, {kw['num_warps']} warps): consumers could hold "
+                         "the SMs while producers wait; lower PROD / CONS, num_warps or RB")
 
 
 @torch.library.custom_op("countdown::gated_overlap", mutates_args=())
