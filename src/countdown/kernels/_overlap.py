@@ -210,6 +210,8 @@ def _check_resident(args, kw, cfg, device) -> None:
     fits = _FITS.get(key)
     if fits is None:
         compiled = _overlap_kernel.warmup(*args, grid=(1,), **kw)
+        if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
+            compiled._init_handles()  # Triton 3.x sets n_regs when it loads the module
         warps = kw["num_warps"]
         shared = max(1, int(getattr(compiled.metadata, "shared", 0) or 0))
         per_sm = min(SM_PROGRAMS, SM_WARPS // warps, SM_REGS // max(1, compiled.n_regs * 32 * warps), SM_SHARED // shared)
