@@ -1,4 +1,4 @@
-"""The overlapped sparse MLP (kernels/_overlap.py: the indicator's GEMV and the sparse rows in one grid)
+"""The overlapped sparse MLP (kernels/_overlap.py: the sparse rows loaded while the indicator's GEMV streams)
 against the default one-token route (the indicator on the fixed GEMV, then _onepass.py), whole MLPs.
 
     cd benchmarks && PYTHONPATH=../src:. python overlap.py --out DIR [--budget SECONDS]
@@ -36,9 +36,9 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-_SHAPES = [(2, 1, 4), (3, 1, 4), (2, 2, 4), (4, 2, 4), (6, 2, 4), (1, 1, 8), (2, 1, 8), (3, 1, 8)]
-KNOBS = [("PROD/CONS/warps", [dict(PROD=a, CONS=b, num_warps=w) for a, b, w in _SHAPES]),
-         ("RB", [dict(RB=r) for r in (4, 16)]), ("PSTAGES", [dict(PSTAGES=n) for n in (2, 3)]),
+KNOBS = [("PROD/P_WARPS", [dict(PROD=a, P_WARPS=w) for a, w in ((2, 8), (4, 8), (4, 4), (6, 4), (8, 4))]),
+         ("RB", [dict(RB=r) for r in (1, 4)]), ("PSTAGES", [dict(PSTAGES=n) for n in (1, 3)]),
+         ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=8)]),
          ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
          ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()

@@ -1,25 +1,26 @@
-"""Triton kernel: one token's sparse Gated-MLP with its indicator GEMV in the same grid, the sparse rows
-loaded while the GEMV still streams.
+"""Triton kernels: one token's sparse Gated-MLP whose sparse rows load while the indicator's GEMV still streams.
 
 In a decode step the indicator (mono's u = x W_up^T, cats' g, dual's scores (x A) B) is a dense GEMV and
 the sparse phase (_onepass.py) starts only when that whole grid has finished: its per-chunk chain
 (indicators, compaction, kept rows, partial) then runs alone, 13-15 us a layer for 5-8 us of bytes on an
-H200 (docs/kernels.md, item 6). Here the grid has two kinds of programs:
+H200 (docs/kernels.md, item 6). Here two grids run at once:
 
-* producers (the first PROD): sweep the indicator's rows in order, RB rows a step, program p taking rows
-  [(i PROD + p) RB, + RB) at step i, store ind = v . W_ind[row] (rounded to v's dtype) and add the rows
-  done to their chunk's counter (an atomic with release semantics);
-* consumers (the rest): take chunks c = q, q + CONS, ... of CHUNK rows; for each, wait until its counter
-  holds all its rows (acquire), set it back to zero, and run _onepass.py's chunk: keep, compact, load the
-  kept rows of W_gate / W_up / W_down^T, add s W_down rows into the program's fp32 partial.
+* ``_produce_kernel``, PROD programs per SM (one wave, persistent): sweeps the indicator's rows in order, RB
+  rows a step (program p takes rows [(i PROGS + p) RB, + RB) at step i), stores ind = v . W_ind[row]
+  (rounded to v's dtype) and adds the rows done to their chunk's counter (an atomic, release semantics);
+* ``_consume_kernel``, CONS programs per SM: takes chunks c = q, q + CONS_PROGS, ... of CHUNK rows; for
+  each waits until its counter holds all its rows (acquire), sets it back to zero and runs _onepass.py's
+  chunk: keep, compact, load the kept rows of W_gate / W_up / W_down^T, add s W_down rows into its partial.
 
-So a chunk's sparse work runs as soon as its indicators exist, under the GEMV's stream. The partials
-P [CONS, d_model] are written whole and summed by the caller, as _onepass.py's (deterministic: every chunk
-is summed by one program in a fixed order). No deadlock: the whole grid is resident at once and producers
-never wait (checked: PROD + CONS programs per SM must fit at once by the compiled kernel's registers, warps and
-shared memory, or the call raises). The counters live in one buffer per device, zero between launches (each consumer resets its own);
-like _psum.py's tail, one such kernel at a time per device (a decode step's layers run in order), and on
-CUDA the buffer is made eagerly by :func:`prepare` before a step is compiled or captured.
+The consumer grid is launched with programmatic dependent launch (_pdl.py) and never waits for the producer
+grid to finish, only for its counters: every producer program signals at its start, and a dependent grid
+launches only once every program of the grid before it has signalled, so every producer is already running
+when a consumer starts waiting (no deadlock, whatever the SMs hold). Without PDL (off, or the interpreter)
+the consumers simply run after the producers. The partials P [consumers, d_model] are written whole and
+summed by the caller, as _onepass.py's (deterministic: each chunk is summed by one program, in order). The
+counters live in one buffer per device, zero between launches (each consumer resets its own); like _psum.py's
+tail, one such MLP at a time per device (a decode step's layers run in order), and on CUDA the buffer is
+made eagerly by :func:`prepare` before a step is compiled or captured.
 """
 
 from __future__ import annotations
@@ -35,95 +36,104 @@ from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 
-# PROD / CONS programs per SM of num_warps warps (all must fit on the SMs at once: checked against the
-# compiled kernel's registers and shared memory before the first launch), RB indicator rows per producer step
-# (PSTAGES deep), CHUNK rows per consumer chunk (a multiple of RB), BLOCK_M kept rows per consumer step.
-CONFIG = dict(PROD=1, CONS=1, num_warps=4, RB=8, PSTAGES=1, CHUNK=32, BLOCK_M=4, STAGES=1)
-SM_REGS, SM_WARPS, SM_PROGRAMS, SM_SHARED = 65536, 64, 32, 227 * 1024  # Hopper's limits per SM
-_FITS: dict = {}
-INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter (programs run one after another)
+# PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
+# programs per SM of C_WARPS warps, CHUNK rows a chunk (a multiple of RB), BLOCK_M kept rows a step (STAGES).
+CONFIG = dict(PROD=3, P_WARPS=8, RB=2, PSTAGES=2, CONS=1, C_WARPS=4, CHUNK=32, BLOCK_M=4, STAGES=1)
+INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter
 MAX_CHUNKS = 1 << 16
 _COUNTERS: dict = {}
-LAST_KERNEL = None
+LAST_KERNELS: tuple = ()
 
 
 @triton.jit
-def _overlap_kernel(
-    X, V, WI, IND, CNT, WG, WU, WD, THR, P, thr_f, d_model, d_inter, k_ind, n_chunks, n_prod, n_cons,
-    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
-    THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr,
-    PSTAGES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-):
+def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr, BLOCK_I: tl.constexpr,
+                    EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr, PSTAGES: tl.constexpr,
+                    PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
-    if PDL:  # the partials' sum may launch now (it waits for this grid); x / v are the last grids'
+    if PDL:  # the consumers may launch now (they wait on the counters only); v is the last grid's output
         gdc_launch_dependents()
         gdc_wait()
-    if pid < n_prod:  # producer: the indicator GEMV, rows in order
-        ki = tl.arange(0, BLOCK_I)
+    ki = tl.arange(0, BLOCK_I)
+    if EVEN_I:
+        vv = tl.load(V + ki).to(tl.float32)
+    else:
+        vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
+    rb = tl.arange(0, RB)
+    for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
+        r = r0 + rb
+        rmask = r < d_inter
+        if BIG:
+            off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
+        else:
+            off = r[:, None] * k_ind + ki[None, :]
         if EVEN_I:
-            vv = tl.load(V + ki).to(tl.float32)
+            w = tl.load(WI + off, mask=rmask[:, None], other=0.0)
         else:
-            vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
-        rb = tl.arange(0, RB)
-        for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
-            r = r0 + rb
-            rmask = r < d_inter
-            if BIG:
-                off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
-            else:
-                off = r[:, None] * k_ind + ki[None, :]
-            if EVEN_I:
-                w = tl.load(WI + off, mask=rmask[:, None], other=0.0)
-            else:
-                w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
-            ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
-            tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
-            tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
-            tl.atomic_add(CNT + r0 // CHUNK, tl.sum(rmask.to(tl.int32), axis=0), sem="release", scope="gpu")
-    else:  # consumer: the sparse chunks, each once its indicators are in
-        q = pid - n_prod
-        kd = tl.arange(0, BLOCK_D)
-        xv = _load_vec(X, kd, d_model, EVEN_D)
-        if THR_PTR:
-            thr_s = tl.load(THR).to(tl.float32)
+            w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+        ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
+        tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
+        tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
+        tl.atomic_add(CNT + r0 // CHUNK, tl.sum(rmask.to(tl.int32), axis=0), sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_chunk(CNT, c, d_inter, CHUNK: tl.constexpr):
+    need = tl.minimum(d_inter - c * CHUNK, CHUNK)
+    while tl.atomic_add(CNT + c, 0, sem="acquire", scope="gpu") < need:
+        pass
+
+
+@triton.jit
+def _consume_kernel(
+    X, IND, CNT, WG, WU, WD, THR, P, thr_f, d_model, d_inter, n_chunks, n_cons,
+    MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
+    THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    q = tl.program_id(0)
+    if PDL:  # the partials' sum may launch now (it waits for this grid); no wait for the producers' grid
+        gdc_launch_dependents()
+    kd = tl.arange(0, BLOCK_D)
+    if q < n_chunks:  # x was written before the producers passed their own wait, so after any count
+        _wait_chunk(CNT, q, d_inter, CHUNK)
+    xv = _load_vec(X, kd, d_model, EVEN_D)
+    if THR_PTR:
+        thr_s = tl.load(THR).to(tl.float32)
+    else:
+        thr_s = thr_f
+    yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    cr = tl.arange(0, CHUNK)
+    for c in range(q, n_chunks, n_cons):
+        r = c * CHUNK + cr
+        rmask = r < d_inter
+        _wait_chunk(CNT, c, d_inter, CHUNK)
+        tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
+        ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if THR_VEC:
+            thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
         else:
-            thr_s = thr_f
-        yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        cr = tl.arange(0, CHUNK)
-        for c in range(q, n_chunks, n_cons):
-            r = c * CHUNK + cr
-            rmask = r < d_inter
-            need = tl.minimum(d_inter - c * CHUNK, CHUNK)
-            while tl.atomic_add(CNT + c, 0, sem="acquire", scope="gpu") < need:
-                pass
-            tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
-            ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if THR_VEC:
-                thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
-            else:
-                thr = thr_s
-            keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
-            cnt = tl.sum(keep, axis=0)
-            pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
-            for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):
-                m = t + tl.arange(0, BLOCK_M)
-                valid = m < cnt
-                sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: step slot -> chunk row
-                rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
-                it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
-                roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
-                if GATE:
-                    wg = tl.load(WG + roff, mask=wmask, other=0.0)
-                else:  # the indicator is g itself (cats)
-                    wg = it
-                if UP:
-                    wu = tl.load(WU + roff, mask=wmask, other=0.0)
-                else:  # the indicator is u itself (mono)
-                    wu = it
-                wd = tl.load(WD + roff, mask=wmask, other=0.0)
-                yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
-        _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)
+            thr = thr_s
+        keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
+        cnt = tl.sum(keep, axis=0)
+        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+        for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):
+            m = t + tl.arange(0, BLOCK_M)
+            valid = m < cnt
+            sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: step slot -> chunk row
+            rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
+            it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
+            roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
+            if GATE:
+                wg = tl.load(WG + roff, mask=wmask, other=0.0)
+            else:  # the indicator is g itself (cats)
+                wg = it
+            if UP:
+                wu = tl.load(WU + roff, mask=wmask, other=0.0)
+            else:  # the indicator is u itself (mono)
+                wu = it
+            wd = tl.load(WD + roff, mask=wmask, other=0.0)
+            yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
+    _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)
 
 
 def _key(device: torch.device) -> tuple:
@@ -162,7 +172,7 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
                      activation: str, gate: bool, up: bool, config: dict | None = None) -> torch.Tensor:
     """fp32 partials P [consumers, d_model] for x [1, d_model] (y = P.sum(0)), the indicator computed here as
     v [1, k] . w_ind [d_inter, k] rows (mono: x, W_up; cats: x, W_gate; dual: x A, B^T)."""
-    global LAST_KERNEL
+    global LAST_KERNELS
     cfg = {**CONFIG, **(config or {})}
     n_tok, d_model = x.shape
     d_inter = w_gate.shape[0]
@@ -191,35 +201,18 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     ind = torch.empty(d_inter, dtype=v.dtype, device=x.device)
     p = _common.new_output((n_cons, d_model), torch.float32, x.device)
     pdl = _pdl.mode(x, "onepass")
-    args = (x, v, w_ind, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f),
-            d_model, d_inter, k_ind, n_chunks, n_prod, n_cons)
-    kw = dict(MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None, THR_VEC=thr_vec,
-              CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model,
-              EVEN_I=block_i == k_ind, BIG=d_inter * max(d_model, k_ind) >= 2**31, RB=cfg["RB"],
-              PSTAGES=cfg["PSTAGES"], STAGES=cfg["STAGES"], PDL=pdl, num_warps=cfg["num_warps"], num_stages=1)
-    if x.is_cuda and not _common.interpreting():
-        _check_resident(args, kw, cfg, x.device)
-    LAST_KERNEL = _overlap_kernel[(n_prod + n_cons,)](*args, **kw, **_pdl.launch_kwargs(pdl))
+    big = d_inter * max(d_model, k_ind) >= 2**31
+    prod = _produce_kernel[(n_prod,)](
+        v, w_ind, ind, cnt, d_inter, k_ind, n_prod, CHUNK=cfg["CHUNK"], BLOCK_I=block_i, EVEN_I=block_i == k_ind,
+        BIG=big, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"], PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1,
+        **_pdl.launch_kwargs(pdl))
+    cons = _consume_kernel[(n_cons,)](
+        x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
+        n_chunks, n_cons, MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
+        THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
+        BIG=big, STAGES=cfg["STAGES"], PDL=pdl, num_warps=cfg["C_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+    LAST_KERNELS = (prod, cons)
     return p
-
-
-def _check_resident(args, kw, cfg, device) -> None:
-    """Raise unless PROD + CONS programs per SM of the compiled kernel fit on an SM at once (by registers,
-    warps, programs and shared memory): else consumers could hold the SMs while producers wait to start."""
-    key = (tuple(sorted(kw.items())), tuple(sorted(cfg.items())), tuple(a.dtype for a in args if torch.is_tensor(a)))
-    fits = _FITS.get(key)
-    if fits is None:
-        compiled = _overlap_kernel.warmup(*args, grid=(1,), **kw)
-        if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
-            compiled._init_handles()  # Triton 3.x sets n_regs when it loads the module
-        warps = kw["num_warps"]
-        shared = max(1, int(getattr(compiled.metadata, "shared", 0) or 0))
-        per_sm = min(SM_PROGRAMS, SM_WARPS // warps, SM_REGS // max(1, compiled.n_regs * 32 * warps), SM_SHARED // shared)
-        fits = _FITS[key] = (per_sm >= cfg["PROD"] + cfg["CONS"], per_sm, compiled.n_regs, shared)
-    if not fits[0]:
-        raise ValueError(f"{cfg['PROD']} + {cfg['CONS']} programs per SM do not fit at once ({fits[1]} do: {fits[2]} "
-                         f"registers, {fits[3]} bytes of shared memory, {kw['num_warps']} warps): consumers could hold "
-                         "the SMs while producers wait; lower PROD / CONS, num_warps or RB")
 
 
 @torch.library.custom_op("countdown::gated_overlap", mutates_args=())
