@@ -36,7 +36,9 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("PROD/P_WARPS", [dict(PROD=a, P_WARPS=w) for a, w in ((2, 8), (4, 8), (4, 4), (6, 4), (8, 4))]),
+KNOBS = [("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PSTAGES=2, CHUNK=32),
+                      dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8, CHUNK=32)]),
+         ("PROD/P_WARPS", [dict(PROD=a, P_WARPS=w) for a, w in ((2, 8), (3, 8), (6, 4), (8, 4))]),
          ("RB", [dict(RB=r) for r in (1, 4)]), ("PSTAGES", [dict(PSTAGES=n) for n in (1, 3)]),
          ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=8)]),
          ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),

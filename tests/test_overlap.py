@@ -44,6 +44,8 @@ CASES = [  # (method, dtype, act, k, d_model, d_inter, config)
     ("cats", torch.float16, "silu", 0.7, 67, 131, dict(RB=2, CHUNK=32, STAGES=2)),
     ("dual", torch.bfloat16, "silu", 0.8, 67, 131, dict(RB=1, CHUNK=8, PSTAGES=1)),
     ("dual", torch.float32, "gelu_tanh", 0.3, 33, 97, dict(CHUNK=8, BLOCK_M=8)),
+    ("mono", torch.bfloat16, "silu", 0.8, 67, 131, dict(PUBLISH="chunk", CHUNK=32, RB=8, PSTAGES=2)),
+    ("dual", torch.float16, "silu", 0.6, 40, 70, dict(PUBLISH="chunk", CHUNK=16, RB=2)),
 ]
 
 

@@ -38,7 +38,9 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 # PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
 # programs per SM of C_WARPS warps, CHUNK rows a chunk (a multiple of RB), BLOCK_M kept rows a step (STAGES).
-CONFIG = dict(PROD=3, P_WARPS=8, RB=2, PSTAGES=2, CONS=1, C_WARPS=4, CHUNK=32, BLOCK_M=4, STAGES=1)
+# PUBLISH: "step" (every producer step counted as it is stored) or "chunk" (producers take whole chunks and
+# count each once, one release fence a chunk instead of a step).
+CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=1, CONS=1, C_WARPS=4, CHUNK=16, BLOCK_M=4, STAGES=1, PUBLISH="step")
 INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter
 MAX_CHUNKS = 1 << 16
 _COUNTERS: dict = {}
@@ -48,7 +50,7 @@ LAST_KERNELS: tuple = ()
 @triton.jit
 def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr, BLOCK_I: tl.constexpr,
                     EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr, PSTAGES: tl.constexpr,
-                    PDL: tl.constexpr = 0):
+                    BY_CHUNK: tl.constexpr = False, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     if PDL:  # the consumers may launch now (they wait on the counters only); v is the last grid's output
         gdc_launch_dependents()
@@ -59,21 +61,34 @@ def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr
     else:
         vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
     rb = tl.arange(0, RB)
-    for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
-        r = r0 + rb
-        rmask = r < d_inter
-        if BIG:
-            off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
-        else:
-            off = r[:, None] * k_ind + ki[None, :]
-        if EVEN_I:
-            w = tl.load(WI + off, mask=rmask[:, None], other=0.0)
-        else:
-            w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
-        ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
-        tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
-        tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
-        tl.atomic_add(CNT + r0 // CHUNK, tl.sum(rmask.to(tl.int32), axis=0), sem="release", scope="gpu")
+    if BY_CHUNK:  # whole chunks in order (c = pid, pid + n_prod, ...), published once each
+        for c in range(pid, tl.cdiv(d_inter, CHUNK), n_prod):
+            for r0 in tl.range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, d_inter), RB, num_stages=PSTAGES):
+                _produce_rows(V, WI, IND, vv, r0 + rb, ki, d_inter, k_ind, EVEN_I, BIG)
+            tl.debug_barrier()  # every thread's stores of this chunk before the count that publishes them
+            tl.atomic_add(CNT + c, tl.minimum(d_inter - c * CHUNK, CHUNK), sem="release", scope="gpu")
+    else:  # RB rows a step, all producers sweeping the rows in order, each step published
+        for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
+            r = r0 + rb
+            _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I, BIG)
+            tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
+            tl.atomic_add(CNT + r0 // CHUNK, tl.sum((r < d_inter).to(tl.int32), axis=0), sem="release", scope="gpu")
+
+
+@triton.jit
+def _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I: tl.constexpr, BIG: tl.constexpr):
+    """ind[r] = v . W_ind[r] for the rows ``r`` [RB], rounded to v's dtype and stored."""
+    rmask = r < d_inter
+    if BIG:
+        off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
+    else:
+        off = r[:, None] * k_ind + ki[None, :]
+    if EVEN_I:
+        w = tl.load(WI + off, mask=rmask[:, None], other=0.0)
+    else:
+        w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+    ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
+    tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -183,6 +198,8 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
                          f"{tuple(w_ind.shape)}")
     if cfg["CHUNK"] % cfg["RB"] or cfg["CHUNK"] & (cfg["CHUNK"] - 1):
         raise ValueError(f"CHUNK must be a power of two and a multiple of RB, got {cfg}")
+    if cfg["PUBLISH"] not in ("step", "chunk"):
+        raise ValueError(f"PUBLISH must be 'step' or 'chunk', got {cfg['PUBLISH']!r}")
     n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
     cnt = counters(x.device)
     if cnt is None:
@@ -204,7 +221,8 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     big = d_inter * max(d_model, k_ind) >= 2**31
     prod = _produce_kernel[(n_prod,)](
         v, w_ind, ind, cnt, d_inter, k_ind, n_prod, CHUNK=cfg["CHUNK"], BLOCK_I=block_i, EVEN_I=block_i == k_ind,
-        BIG=big, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"], PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1,
+        BIG=big, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"], BY_CHUNK=cfg["PUBLISH"] == "chunk", PDL=pdl,
+        num_warps=cfg["P_WARPS"], num_stages=1,
         **_pdl.launch_kwargs(pdl))
     cons = _consume_kernel[(n_cons,)](
         x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
