@@ -12,8 +12,10 @@ rank-512 predictor's scores (x A) B > t, x A on the fixed GEMV in both routes. S
 1. check: at the real shape, k = 0.9 and 0.5, both routes' y against the float64 MLP on the rows the
    route's own indicator keeps (their indicators may differ by a rounding at a tie: counted, not failed).
 2. sweep: k = 0.9, the overlapped kernel's knobs one at a time from its default (coordinate descent).
-3. ks: both routes at k = 1 (nothing kept), 0.9, 0.8, 0.7.
-4. compiled: x + mlp(x) under torch.compile (fixed GEMV for the indicators) with each route, k = 0.7-0.9.
+3. producer (only when asked): the indicator GEMV alone, the fixed GEMV against the persistent producers
+   with and without their counting.
+4. ks: both routes at k = 1 (nothing kept), 0.9, 0.8, 0.7.
+5. compiled: x + mlp(x) under torch.compile (fixed GEMV for the indicators) with each route, k = 0.7-0.9.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ KNOBS = [("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PS
          ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
          ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()
+BW = 1e12
 
 
 def mlp(p: Problem, method: str, thr: float, route: str, cfg: dict | None = None):
@@ -138,6 +141,38 @@ def sweep(p: Problem, bw, rows, smoke: bool) -> dict:
     return best
 
 
+PRODUCERS = [dict(PROD=a, P_WARPS=w, RB=r, PSTAGES=n) for a, w, r, n in
+             ((4, 4, 4, 1), (4, 4, 4, 3), (8, 4, 2, 1), (8, 4, 4, 2), (2, 8, 4, 2), (4, 8, 2, 2), (8, 8, 1, 1),
+              (16, 4, 1, 1), (16, 2, 2, 1))]
+
+
+def producer(p: Problem, rows) -> None:
+    """The indicator GEMV alone: the fixed GEMV (the default route's) against the persistent producers, counting
+    each step (as the consumers need) or not (the GEMV's own speed), into a scratch counter buffer."""
+    cnt = torch.zeros(_overlap.MAX_CHUNKS, dtype=torch.int32, device=p.xs[0].device)
+    for method in MODES:
+        def v_w(i):
+            x, w = p.xs[i], p.w(i)
+            return (x, w["wu"]) if method == "mono" else (latents[i], w["pbt"])
+        latents = [_onepass.ind_linear(x, p.w(i)["pat"]) for i, x in enumerate(p.xs)]
+        n = len(p.xs)
+        w_bytes = p.d_inter * (p.d_model if method == "mono" else p.rank) * E
+        fixed = safe_time(f"fixed {method}", [lambda i=i: _onepass.ind_linear(*v_w(i)) for i in range(n)])
+        rows.append(dict(stage="producer", method=method, k="", route="fixed-gemv", us=fixed, kept=0.0,
+                         roofline_us=w_bytes / BW * 1e6, x_roofline=fixed / (w_bytes / BW * 1e6), config=""))
+        log(f"producer {method} fixed GEMV {fixed:.2f} us")
+        for cfg in PRODUCERS:
+            full = {**_overlap.CONFIG, **cfg}
+            for count in (False, True):
+                ind = torch.empty(p.d_inter, dtype=p.xs[0].dtype, device=p.xs[0].device)
+                us = safe_time(f"producer {method} {cfg} {count}",
+                               [lambda i=i: _overlap.produce(*v_w(i), ind, cnt, full, 0, count) for i in range(n)])
+                rows.append(dict(stage="producer", method=method, k="", route="counted" if count else "uncounted", us=us,
+                                 kept=0.0, roofline_us=w_bytes / BW * 1e6, x_roofline=us / (w_bytes / BW * 1e6),
+                                 config=json.dumps(cfg, sort_keys=True)))
+                log(f"producer {method} {'counted' if count else 'uncounted'} {cfg} {us:.2f} us")
+
+
 def over_ks(p: Problem, bw, rows, best, ks) -> None:
     for method in MODES:
         for k in ks:
@@ -219,6 +254,11 @@ def main() -> int:
     best = sweep(p, bw, rows, smoke) if "sweep" in stages else {m: dict(_overlap.CONFIG) for m in MODES}
     meta["best"] = best
     write(args.out, rows, meta)
+    global BW
+    BW = bw
+    if "producer" in stages:
+        producer(p, rows)
+        write(args.out, rows, meta)
     if time.time() - T0 < args.budget and "ks" in stages:
         over_ks(p, bw, rows, best, (1.0, 0.9, 0.8, 0.7) if not smoke else (1.0, 0.9))
         write(args.out, rows, meta)

@@ -40,14 +40,17 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # PER_SM programs per SM, BLOCK_C indicator entries per step of the count before a chunk (C_STAGES deep).
 # _down_kernel: BN columns per program, BT list entries per step, D_STAGES deep, D_WARPS warps.
 # COUNTDOWN_SPLIT_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
-# Defaults: the fastest of `benchmarks/split.py`'s sweep (H200, 2026-11-25, Llama-3.1-8B shape, k = 0.9,
-# benchmarks/results/split/).
-_BASE = dict(CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=2, STAGES=2, BLOCK_C=4096, C_STAGES=2,
-             BN=16, BT=256, D_STAGES=3, D_WARPS=4)
+# Defaults: the fastest of `benchmarks/split.py`'s second sweep (H200, 2026-11-25, Llama-3.1-8B shape, k = 0.9,
+# benchmarks/results/split/). Measured there: the sparse phase alone mono 19.8 us against onepass's 21.5
+# (op + sum), dual 25.1 against 24.4; with nothing kept 7.4 / 6.8 against 10.2 / 11.2 (no partials); but in
+# the decode step mono's MLP took 50.7 us against 44.3 (run BA, 1.40x against 1.47x): the coefficient kernel
+# keeps onepass's per-chunk chain, and the down kernel costs more than the partials' sum it replaces. Opt-in.
+_BASE = dict(CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=2, STAGES=2, BLOCK_C=8192, C_STAGES=2,
+             BN=32, BT=256, D_STAGES=4, D_WARPS=4)
 CONFIGS = {
     "abs": dict(_BASE),
     "abs_act": dict(_BASE),
-    "gt": dict(_BASE, BLOCK_M=8, STAGES=1, D_STAGES=4),
+    "gt": dict(_BASE, BLOCK_M=8, STAGES=1, BLOCK_C=4096, BN=16, BT=128, D_WARPS=2),
 }
 INTERPRETER_PROGS = 3
 LAST_KERNELS: tuple = ()
