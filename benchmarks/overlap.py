@@ -38,10 +38,11 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PSTAGES=2, CHUNK=32),
-                      dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8, CHUNK=32)]),
-         ("PROD/P_WARPS", [dict(PROD=a, P_WARPS=w) for a, w in ((2, 8), (3, 8), (6, 4), (8, 4))]),
-         ("RB", [dict(RB=r) for r in (1, 4)]), ("PSTAGES", [dict(PSTAGES=n) for n in (1, 3)]),
+KNOBS = [("producer", [dict(PROD=a, RB=r, PSTAGES=1, EVERY=e) for a, r, e in
+                       ((4, 2, 2), (4, 2, 4), (4, 4, 2), (6, 2, 2), (6, 2, 4), (8, 2, 2), (8, 2, 4))]),
+         ("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8,
+                                                                CHUNK=32)]),
+         ("PSTAGES", [dict(PSTAGES=n) for n in (2, 3)]),
          ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=8)]),
          ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
          ("STAGES", [dict(STAGES=2)])]
@@ -141,9 +142,9 @@ def sweep(p: Problem, bw, rows, smoke: bool) -> dict:
     return best
 
 
-PRODUCERS = [dict(PROD=a, P_WARPS=w, RB=r, PSTAGES=n) for a, w, r, n in
-             ((4, 4, 4, 1), (4, 4, 4, 3), (8, 4, 2, 1), (8, 4, 4, 2), (2, 8, 4, 2), (4, 8, 2, 2), (8, 8, 1, 1),
-              (16, 4, 1, 1), (16, 2, 2, 1))]
+PRODUCERS = [dict(PROD=a, P_WARPS=w, RB=r, PSTAGES=n, EVERY=e) for a, w, r, n, e in
+             ((8, 4, 2, 1, 1), (8, 4, 2, 1, 2), (8, 4, 2, 1, 4), (4, 4, 2, 1, 1), (4, 4, 2, 1, 2), (4, 4, 2, 1, 4),
+              (4, 4, 4, 1, 2), (4, 4, 4, 2, 2), (6, 4, 2, 1, 2), (6, 4, 2, 1, 4), (16, 2, 2, 1, 2))]
 
 
 def producer(p: Problem, rows) -> None:

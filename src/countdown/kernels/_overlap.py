@@ -39,13 +39,15 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
 # programs per SM of C_WARPS warps, CHUNK rows a chunk (a multiple of RB), BLOCK_M kept rows a step (STAGES).
 # PUBLISH: "step" (every producer step counted as it is stored) or "chunk" (producers take whole chunks and
-# count each once, one release fence a chunk instead of a step). Default: mono's fastest in `benchmarks/overlap.py`
+# count each once, one release fence a chunk instead of a step); EVERY ("step"): steps stored before their
+# counts are published together (one barrier for EVERY steps). Default: mono's fastest in `benchmarks/overlap.py`
 # (H200, 2026-11-25, PDL on, benchmarks/results/overlap/); dual's was PUBLISH "chunk", PROD 2 of 8 warps, RB 8,
 # CHUNK 32, C_WARPS 8. Measured there (whole MLPs, k = 0.9): mono 51.3 us against the default route's 49.6,
 # dual 39.3 against 33.2; the kept rows cost less on top of the GEMV (mono +5.7 us from k = 1 to 0.9, against
 # +10.4) but the persistent producer streams W_up 6.5 us slower than the fixed GEMV (45.7 against 39.2 us with
 # nothing kept). Opt-in (COUNTDOWN_SPARSE_KERNEL=overlap; needs prepare(device) on CUDA).
-CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=3, CONS=1, C_WARPS=8, CHUNK=16, BLOCK_M=4, STAGES=1, PUBLISH="step")
+CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=3, CONS=1, C_WARPS=8, CHUNK=16, BLOCK_M=4, STAGES=1, PUBLISH="step",
+              EVERY=1)
 INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter
 MAX_CHUNKS = 1 << 16
 _COUNTERS: dict = {}
@@ -55,7 +57,8 @@ LAST_KERNELS: tuple = ()
 @triton.jit
 def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr, BLOCK_I: tl.constexpr,
                     EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr, PSTAGES: tl.constexpr,
-                    BY_CHUNK: tl.constexpr = False, COUNT: tl.constexpr = True, PDL: tl.constexpr = 0):
+                    BY_CHUNK: tl.constexpr = False, COUNT: tl.constexpr = True, EVERY: tl.constexpr = 1,
+                    PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     if PDL:  # the consumers may launch now (they wait on the counters only); v is the last grid's output
         gdc_launch_dependents()
@@ -73,14 +76,18 @@ def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr
             if COUNT:  # (False: timing the GEMV alone, benchmarks/overlap.py)
                 tl.debug_barrier()  # every thread's stores of this chunk before the count that publishes them
                 tl.atomic_add(CNT + c, tl.minimum(d_inter - c * CHUNK, CHUNK), sem="release", scope="gpu")
-    else:  # RB rows a step, all producers sweeping the rows in order, each step published
-        for r0 in tl.range(pid * RB, d_inter, n_prod * RB, num_stages=PSTAGES):
-            r = r0 + rb
-            _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I, BIG)
+    else:  # RB rows a step, all producers sweeping the rows in order, EVERY steps published at once
+        stride = n_prod * RB
+        for g0 in tl.range(pid * RB, d_inter, stride * EVERY, num_stages=PSTAGES):
+            for j in tl.static_range(EVERY):
+                _produce_rows(V, WI, IND, vv, g0 + j * stride + rb, ki, d_inter, k_ind, EVEN_I, BIG)
             if COUNT:
-                tl.debug_barrier()  # every thread's stores of this step before the count that publishes them
-                tl.atomic_add(CNT + r0 // CHUNK, tl.sum((r < d_inter).to(tl.int32), axis=0), sem="release",
-                              scope="gpu")
+                tl.debug_barrier()  # every thread's stores of these steps before the counts that publish them
+                for j in tl.static_range(EVERY):
+                    r = g0 + j * stride + rb
+                    done = tl.sum((r < d_inter).to(tl.int32), axis=0)
+                    if done > 0:
+                        tl.atomic_add(CNT + (g0 + j * stride) // CHUNK, done, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -246,7 +253,7 @@ def produce(v, w_ind, ind, cnt, cfg: dict, pdl: int = 0, count: bool = True):
     return _produce_kernel[(n_prod,)](
         v, w_ind, ind, cnt, d_inter, k_ind, n_prod, CHUNK=cfg["CHUNK"], BLOCK_I=block_i, EVEN_I=block_i == k_ind,
         BIG=d_inter * k_ind >= 2**31, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"], BY_CHUNK=cfg["PUBLISH"] == "chunk",
-        COUNT=count, PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        COUNT=count, EVERY=cfg["EVERY"], PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
 
 
 @torch.library.custom_op("countdown::gated_overlap", mutates_args=())
