@@ -42,11 +42,11 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # count each once, one release fence a chunk instead of a step); EVERY ("step"): steps stored before their
 # counts are published together (one barrier for EVERY steps). Default: mono's fastest in `benchmarks/overlap.py`
 # (H200, 2026-11-25, PDL on, benchmarks/results/overlap/); dual's was PUBLISH "chunk", PROD 2 of 8 warps, RB 8,
-# CHUNK 32, C_WARPS 8. Measured there (whole MLPs, k = 0.9): mono 51.3 us against the default route's 49.6,
-# dual 39.3 against 33.2; the kept rows cost less on top of the GEMV (mono +5.7 us from k = 1 to 0.9, against
-# +10.4) but the persistent producer streams W_up 6.5 us slower than the fixed GEMV (45.7 against 39.2 us with
-# nothing kept). Opt-in (COUNTDOWN_SPARSE_KERNEL=overlap; needs prepare(device) on CUDA).
-CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=3, CONS=1, C_WARPS=8, CHUNK=16, BLOCK_M=4, STAGES=1, PUBLISH="step",
+# CHUNK 32, CONS 2 of 4 warps. Measured there (whole MLPs, k = 0.9): mono 51.7 us against the default route's
+# 49.8, dual 37.3 against 31.5; the kept rows cost less on top of the GEMV (mono +5.8 us from k = 1 to 0.9,
+# against +10.5) but the producer side is 6.4 us slower than the fixed GEMV with nothing kept (45.8 against 39.4):
+# the release fence per published step. Opt-in (COUNTDOWN_SPARSE_KERNEL=overlap; needs prepare(device) on CUDA).
+CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=2, CONS=1, C_WARPS=8, CHUNK=16, BLOCK_M=4, STAGES=1, PUBLISH="step",
               EVERY=1)
 INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter
 MAX_CHUNKS = 1 << 16
