@@ -38,12 +38,14 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("PUBLISH tag", [dict(PUBLISH="tag", PROD=a, P_WARPS=w, RB=r, PSTAGES=n) for a, w, r, n in
-                          ((4, 4, 4, 2), (4, 4, 4, 3), (8, 4, 2, 1), (8, 4, 4, 2), (6, 4, 2, 1), (4, 8, 2, 2),
-                           (2, 8, 4, 2), (16, 2, 2, 1))]),
-         ("PUBLISH chunk", [dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8, CHUNK=32)]),
-         ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=4)]),
-         ("CHUNK", [dict(CHUNK=c) for c in (32, 64)]), ("BLOCK_M", [dict(BLOCK_M=2)])]
+KNOBS = [("producer", [dict(PROD=a, RB=r, PSTAGES=1, EVERY=e) for a, r, e in
+                       ((4, 2, 2), (4, 2, 4), (4, 4, 2), (6, 2, 2), (6, 2, 4), (8, 2, 2), (8, 2, 4))]),
+         ("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8,
+                                                                CHUNK=32)]),
+         ("PSTAGES", [dict(PSTAGES=n) for n in (2, 3)]),
+         ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=8)]),
+         ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
+         ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()
 BW = 1e12
 
@@ -140,8 +142,9 @@ def sweep(p: Problem, bw, rows, smoke: bool) -> dict:
     return best
 
 
-PRODUCERS = [dict(PROD=a, P_WARPS=w, RB=r, PSTAGES=n, PUBLISH=pub) for a, w, r, n in
-             ((8, 4, 2, 1), (4, 4, 4, 2), (4, 4, 4, 3), (16, 2, 2, 1)) for pub in ("step", "tag")]
+PRODUCERS = [dict(PROD=a, P_WARPS=w, RB=r, PSTAGES=n, EVERY=e) for a, w, r, n, e in
+             ((8, 4, 2, 1, 1), (8, 4, 2, 1, 2), (8, 4, 2, 1, 4), (4, 4, 2, 1, 1), (4, 4, 2, 1, 2), (4, 4, 2, 1, 4),
+              (4, 4, 4, 1, 2), (4, 4, 4, 2, 2), (6, 4, 2, 1, 2), (6, 4, 2, 1, 4), (16, 2, 2, 1, 2))]
 
 
 def producer(p: Problem, rows) -> None:
@@ -161,16 +164,14 @@ def producer(p: Problem, rows) -> None:
         log(f"producer {method} fixed GEMV {fixed:.2f} us")
         for cfg in PRODUCERS:
             full = {**_overlap.CONFIG, **cfg}
-            for count in ((False, True) if full["PUBLISH"] != "tag" else (True,)):
-                ind = torch.zeros(p.d_inter, dtype=torch.int64 if full["PUBLISH"] == "tag" else p.xs[0].dtype,
-                                  device=p.xs[0].device)  # scratch: no consumer reads these
+            for count in (False, True):
+                ind = torch.empty(p.d_inter, dtype=p.xs[0].dtype, device=p.xs[0].device)
                 us = safe_time(f"producer {method} {cfg} {count}",
                                [lambda i=i: _overlap.produce(*v_w(i), ind, cnt, full, 0, count) for i in range(n)])
-                route = "tagged" if full["PUBLISH"] == "tag" else "counted" if count else "uncounted"
-                rows.append(dict(stage="producer", method=method, k="", route=route, us=us,
+                rows.append(dict(stage="producer", method=method, k="", route="counted" if count else "uncounted", us=us,
                                  kept=0.0, roofline_us=w_bytes / BW * 1e6, x_roofline=us / (w_bytes / BW * 1e6),
                                  config=json.dumps(cfg, sort_keys=True)))
-                log(f"producer {method} {route} {cfg} {us:.2f} us")
+                log(f"producer {method} {'counted' if count else 'uncounted'} {cfg} {us:.2f} us")
 
 
 def over_ks(p: Problem, bw, rows, best, ks) -> None:

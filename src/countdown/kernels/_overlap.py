@@ -50,9 +50,7 @@ CONFIG = dict(PROD=4, P_WARPS=4, RB=4, PSTAGES=2, CONS=1, C_WARPS=8, CHUNK=16, B
               EVERY=1)
 INTERPRETER_PROGS = (2, 3)  # producers, consumers under the interpreter
 MAX_CHUNKS = 1 << 16
-MAX_ROWS = 1 << 18  # PUBLISH "tag": the most indicator rows (d_inter)
 _COUNTERS: dict = {}
-_WORDS: dict = {}
 LAST_KERNELS: tuple = ()
 
 
@@ -60,7 +58,7 @@ LAST_KERNELS: tuple = ()
 def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr, BLOCK_I: tl.constexpr,
                     EVEN_I: tl.constexpr, BIG: tl.constexpr, RB: tl.constexpr, PSTAGES: tl.constexpr,
                     BY_CHUNK: tl.constexpr = False, COUNT: tl.constexpr = True, EVERY: tl.constexpr = 1,
-                    TAG: tl.constexpr = False, PDL: tl.constexpr = 0):
+                    PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     if PDL:  # the consumers may launch now (they wait on the counters only); v is the last grid's output
         gdc_launch_dependents()
@@ -74,7 +72,7 @@ def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr
     if BY_CHUNK:  # whole chunks in order (c = pid, pid + n_prod, ...), published once each
         for c in range(pid, tl.cdiv(d_inter, CHUNK), n_prod):
             for r0 in tl.range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, d_inter), RB, num_stages=PSTAGES):
-                _produce_rows(V, WI, IND, vv, r0 + rb, ki, d_inter, k_ind, EVEN_I, BIG, TAG)
+                _produce_rows(V, WI, IND, vv, r0 + rb, ki, d_inter, k_ind, EVEN_I, BIG)
             if COUNT:  # (False: timing the GEMV alone, benchmarks/overlap.py)
                 tl.debug_barrier()  # every thread's stores of this chunk before the count that publishes them
                 tl.atomic_add(CNT + c, tl.minimum(d_inter - c * CHUNK, CHUNK), sem="release", scope="gpu")
@@ -82,7 +80,7 @@ def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr
         stride = n_prod * RB
         for g0 in tl.range(pid * RB, d_inter, stride * EVERY, num_stages=PSTAGES):
             for j in tl.static_range(EVERY):
-                _produce_rows(V, WI, IND, vv, g0 + j * stride + rb, ki, d_inter, k_ind, EVEN_I, BIG, TAG)
+                _produce_rows(V, WI, IND, vv, g0 + j * stride + rb, ki, d_inter, k_ind, EVEN_I, BIG)
             if COUNT:
                 tl.debug_barrier()  # every thread's stores of these steps before the counts that publish them
                 for j in tl.static_range(EVERY):
@@ -93,10 +91,8 @@ def _produce_kernel(V, WI, IND, CNT, d_inter, k_ind, n_prod, CHUNK: tl.constexpr
 
 
 @triton.jit
-def _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I: tl.constexpr, BIG: tl.constexpr,
-                  TAG: tl.constexpr = False):
-    """ind[r] = v . W_ind[r] for the rows ``r`` [RB], rounded to v's dtype and stored (TAG: as int64 words, the
-    fp32 value's bits below a tag of 1 above, each word its own publication: no fence, no count)."""
+def _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I: tl.constexpr, BIG: tl.constexpr):
+    """ind[r] = v . W_ind[r] for the rows ``r`` [RB], rounded to v's dtype and stored."""
     rmask = r < d_inter
     if BIG:
         off = r.to(tl.int64)[:, None] * k_ind + ki[None, :]
@@ -107,11 +103,7 @@ def _produce_rows(V, WI, IND, vv, r, ki, d_inter, k_ind, EVEN_I: tl.constexpr, B
     else:
         w = tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
     ind = _round_to(tl.sum(w.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
-    if TAG:
-        bits = ind.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        tl.store(IND + r, bits | 0x100000000, mask=rmask)
-    else:
-        tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
+    tl.store(IND + r, ind.to(IND.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -122,31 +114,18 @@ def _wait_chunk(CNT, c, d_inter, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _wait_words(W, r, rmask):
-    """The tagged words W[r], once every one of them carries the tag (rows past the end count as tagged)."""
-    w = tl.load(W + r, mask=rmask, other=0x100000000, volatile=True)
-    while tl.min((w >> 32).to(tl.int32), axis=0) == 0:
-        w = tl.load(W + r, mask=rmask, other=0x100000000, volatile=True)
-    return w
-
-
-@triton.jit
 def _consume_kernel(
     X, IND, CNT, WG, WU, WD, THR, P, thr_f, d_model, d_inter, n_chunks, n_cons,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
     THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr, TAG: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     q = tl.program_id(0)
     if PDL:  # the partials' sum may launch now (it waits for this grid); no wait for the producers' grid
         gdc_launch_dependents()
     kd = tl.arange(0, BLOCK_D)
     if q < n_chunks:  # x was written before the producers passed their own wait, so after any count
-        if TAG:
-            _wait_words(IND, q * CHUNK + tl.arange(0, CHUNK), q * CHUNK + tl.arange(0, CHUNK) < d_inter)
-        else:
-            _wait_chunk(CNT, q, d_inter, CHUNK)
+        _wait_chunk(CNT, q, d_inter, CHUNK)
     xv = _load_vec(X, kd, d_model, EVEN_D)
     if THR_PTR:
         thr_s = tl.load(THR).to(tl.float32)
@@ -157,14 +136,9 @@ def _consume_kernel(
     for c in range(q, n_chunks, n_cons):
         r = c * CHUNK + cr
         rmask = r < d_inter
-        if TAG:
-            got = _wait_words(IND, r, rmask)
-            ind = (got & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            tl.store(IND + r, tl.zeros_like(got), mask=rmask)  # untagged for the next launch: only we read them
-        else:
-            _wait_chunk(CNT, c, d_inter, CHUNK)
-            tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
-            ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _wait_chunk(CNT, c, d_inter, CHUNK)
+        tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
+        ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         if THR_VEC:
             thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
         else:
@@ -205,17 +179,7 @@ def prepare(device) -> torch.Tensor:
     found = _COUNTERS.get(_key(device))
     if found is None:
         found = _COUNTERS[_key(device)] = torch.zeros(MAX_CHUNKS, dtype=torch.int32, device=device)
-        _WORDS[_key(device)] = torch.zeros(MAX_ROWS, dtype=torch.int64, device=device)
     return found
-
-
-def words(device) -> torch.Tensor | None:
-    """PUBLISH "tag"'s indicator words on ``device`` (int64, untagged between launches: each consumer clears the
-    rows it read): made with the counters by :func:`prepare` (off CUDA on first use)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        prepare(device)
-    return _WORDS.get(_key(device))
 
 
 def counters(device) -> torch.Tensor | None:
@@ -249,10 +213,8 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
                          f"{tuple(w_ind.shape)}")
     if cfg["CHUNK"] % cfg["RB"] or cfg["CHUNK"] & (cfg["CHUNK"] - 1):
         raise ValueError(f"CHUNK must be a power of two and a multiple of RB, got {cfg}")
-    if cfg["PUBLISH"] not in ("step", "chunk", "tag"):
-        raise ValueError(f"PUBLISH must be 'step', 'chunk' or 'tag', got {cfg['PUBLISH']!r}")
-    if cfg["PUBLISH"] == "tag" and d_inter > MAX_ROWS:
-        raise ValueError(f"PUBLISH 'tag' holds at most {MAX_ROWS} indicator rows, got d_inter={d_inter}")
+    if cfg["PUBLISH"] not in ("step", "chunk"):
+        raise ValueError(f"PUBLISH must be 'step' or 'chunk', got {cfg['PUBLISH']!r}")
     n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
     cnt = counters(x.device)
     if cnt is None:
@@ -268,8 +230,7 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     k_ind = w_ind.shape[1]
     n_prod, n_cons = programs(x.device, cfg)
     block_d = max(16, _pow2(d_model))
-    tag = cfg["PUBLISH"] == "tag"
-    ind = words(x.device) if tag else torch.empty(d_inter, dtype=v.dtype, device=x.device)
+    ind = torch.empty(d_inter, dtype=v.dtype, device=x.device)
     p = _common.new_output((n_cons, d_model), torch.float32, x.device)
     pdl = _pdl.mode(x, "onepass")
     big = d_inter * max(d_model, k_ind) >= 2**31
@@ -278,8 +239,7 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
         x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
         n_chunks, n_cons, MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
         THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
-        BIG=big, STAGES=cfg["STAGES"], TAG=tag, PDL=pdl, num_warps=cfg["C_WARPS"], num_stages=1,
-        **_pdl.launch_kwargs(pdl))
+        BIG=big, STAGES=cfg["STAGES"], PDL=pdl, num_warps=cfg["C_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     LAST_KERNELS = (prod, cons)
     return p
 
@@ -293,7 +253,7 @@ def produce(v, w_ind, ind, cnt, cfg: dict, pdl: int = 0, count: bool = True):
     return _produce_kernel[(n_prod,)](
         v, w_ind, ind, cnt, d_inter, k_ind, n_prod, CHUNK=cfg["CHUNK"], BLOCK_I=block_i, EVEN_I=block_i == k_ind,
         BIG=d_inter * k_ind >= 2**31, RB=cfg["RB"], PSTAGES=cfg["PSTAGES"], BY_CHUNK=cfg["PUBLISH"] == "chunk",
-        COUNT=count and cfg["PUBLISH"] != "tag", EVERY=cfg["EVERY"], TAG=cfg["PUBLISH"] == "tag", PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        COUNT=count, EVERY=cfg["EVERY"], PDL=pdl, num_warps=cfg["P_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
 
 
 @torch.library.custom_op("countdown::gated_overlap", mutates_args=())
