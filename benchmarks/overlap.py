@@ -38,8 +38,9 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("PUBLISH gemv", [dict(PUBLISH="gemv", CHUNK=c, CONS=1, C_WARPS=w) for c, w in ((16, 4), (32, 4), (16, 8))]),
-         ("BLOCK_M", [dict(BLOCK_M=2)])]
+KNOBS = [("PUBLISH gemv", [dict(PUBLISH="gemv", CHUNK=c, CONS=1, C_WARPS=w) for c, w in
+                           ((16, 4), (16, 8), (32, 4), (64, 4))]),
+         ("CONS", [dict(CONS=2)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]), ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()
 BW = 1e12
 

@@ -194,13 +194,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def counted_linear(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cnt: torch.Tensor, chunk: int, tk=None,
-                   n_cons: int = 0, after_consumers: bool = False, warm: bool = False):
+                   n_cons: int = 0, after_consumers: bool = False):
     """y [1, N] = x W^T for one token on this GEMV (its launch configuration), each program then adding its rows to
     cnt[row // chunk] with release semantics: the producer of _overlap.py's "gemv" route. With ``tk`` (two int32,
     zero) and ``n_cons``, the last program to finish waits until tk[1] reaches n_cons (the consumers' count) and
     zeroes both. ``after_consumers``: launched (with PDL) after a consumer grid that waited for x's producer, so it
-    does not wait itself (it would wait for the consumers, which wait for it). ``warm``: compile only and return
-    the compiled kernel (its registers, for a residency check), launching nothing."""
+    does not wait itself (it would wait for the consumers, which wait for it)."""
     n_tok, k = x.shape
     n = weight.shape[0]
     cfg = config_for(k)
@@ -212,14 +211,12 @@ def counted_linear(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cnt: 
         raise ValueError(f"y must be a contiguous [{n_tok}, {n}] {x.dtype} tensor, got {tuple(y.shape)} {y.dtype}")
     bk = min(cfg["BK"], max(16, _pow2(k)))
     pdl = _pdl.mode(x, "linear") if after_consumers else 0
-    args = (x, weight, weight, y, y, weight, 0.0, n_tok, n, k, x.stride(0), 0, y.stride(0))
-    kw = dict(HAS_BIAS=False, HAS_RES=False, NORM=False, BT=max(1, _pow2(n_tok)), BN=cfg["BN"], BK=bk,
-              EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl, W_EARLY=False, CNT=cnt,
-              TK=tk if tk is not None else cnt, n_cons=n_cons if tk is not None else 0, COUNT=chunk, NO_WAIT=bool(pdl),
-              num_warps=cfg["num_warps"])
-    if warm:
-        return _linear_kernel.warmup(*args, grid=(1,), **kw)
-    return _linear_kernel[(triton.cdiv(n, cfg["BN"]),)](*args, **kw, **_pdl.launch_kwargs(pdl))
+    return _linear_kernel[(triton.cdiv(n, cfg["BN"]),)](
+        x, weight, weight, y, y, weight, 0.0, n_tok, n, k, x.stride(0), 0, y.stride(0),
+        HAS_BIAS=False, HAS_RES=False, NORM=False, BT=max(1, _pow2(n_tok)), BN=cfg["BN"], BK=bk, EVEN_K=k % bk == 0,
+        BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl, W_EARLY=False, CNT=cnt,
+        TK=tk if tk is not None else cnt, n_cons=n_cons if tk is not None else 0, COUNT=chunk, NO_WAIT=bool(pdl),
+        num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
 
 
 @torch.library.custom_op("countdown::decode_linear", mutates_args=())

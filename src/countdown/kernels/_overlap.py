@@ -246,24 +246,13 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     first = gemv and bool(pdl)  # the consumers first, the fixed GEMV launched while they wait (PDL only)
     tk = cnt[-2:]
 
-    def consume(first: bool, warm: bool = False):
-        args = (x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model,
-                d_inter, n_chunks, n_cons)
-        kw = dict(MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
-                  THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
-                  BIG=big, STAGES=cfg["STAGES"], PDL=pdl, TK=tk, FIRST=first, num_warps=cfg["C_WARPS"], num_stages=1)
-        if warm:
-            return _consume_kernel.warmup(*args, grid=(1,), **kw)
-        return _consume_kernel[(n_cons,)](*args, **kw, **_pdl.launch_kwargs(pdl))
-
-    if first:  # only where a GEMV program always finds room beside the resident consumers (else no progress)
-        first = _room_for_gemv(consume(True, warm=True), _linear.counted_linear(
-            v, w_ind, ind.view(1, d_inter), cnt, cfg["CHUNK"], tk, n_cons, after_consumers=True, warm=True),
-            n_cons, cfg["C_WARPS"], x.device)
-    consume_ = consume
-
     def consume():
-        return consume_(first)
+        return _consume_kernel[(n_cons,)](
+            x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
+            n_chunks, n_cons, MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
+            THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
+            BIG=big, STAGES=cfg["STAGES"], PDL=pdl, TK=tk, FIRST=first, num_warps=cfg["C_WARPS"], num_stages=1,
+            **_pdl.launch_kwargs(pdl))
 
     if first:
         cons = consume()
@@ -276,29 +265,6 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
         cons = consume()
     LAST_KERNELS = (prod, cons)
     return p
-
-
-_ROOM: dict = {}
-SM_REGS, SM_WARPS = 65536, 64  # Hopper's limits per SM
-
-
-def _regs(compiled) -> int:
-    if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
-        compiled._init_handles()  # Triton 3.x sets n_regs when it loads the module
-    return int(compiled.n_regs)
-
-
-def _room_for_gemv(consumer, gemv, n_cons: int, c_warps: int, device) -> bool:
-    """Whether one program of the GEMV fits on an SM beside its share of the consumers (spread evenly, as the
-    first wave of a grid is), by registers and warps: the consumers launched first wait for the GEMV's rows."""
-    key = (consumer.hash if hasattr(consumer, "hash") else id(consumer), gemv.hash if hasattr(gemv, "hash") else id(gemv),
-           n_cons)
-    if key not in _ROOM:
-        per_sm = -(-n_cons // _common.persistent_programs(device, 1, 1))
-        g_warps = gemv.metadata.num_warps
-        regs = per_sm * _regs(consumer) * 32 * c_warps + _regs(gemv) * 32 * g_warps
-        _ROOM[key] = regs <= SM_REGS and per_sm * c_warps + g_warps <= SM_WARPS
-    return _ROOM[key]
 
 
 def produce(v, w_ind, ind, cnt, cfg: dict, pdl: int = 0, count: bool = True):
