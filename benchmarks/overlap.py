@@ -38,9 +38,14 @@ from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: 
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
-KNOBS = [("PUBLISH gemv", [dict(PUBLISH="gemv", CHUNK=c, CONS=1, C_WARPS=w) for c, w in
-                           ((16, 4), (16, 8), (32, 4), (64, 4))]),
-         ("CONS", [dict(CONS=2)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]), ("STAGES", [dict(STAGES=2)])]
+KNOBS = [("producer", [dict(PROD=a, RB=r, PSTAGES=1, EVERY=e) for a, r, e in
+                       ((4, 2, 2), (4, 2, 4), (4, 4, 2), (6, 2, 2), (6, 2, 4), (8, 2, 2), (8, 2, 4))]),
+         ("PUBLISH", [dict(PUBLISH="chunk", PSTAGES=2), dict(PUBLISH="chunk", PSTAGES=2, PROD=2, P_WARPS=8, RB=8,
+                                                                CHUNK=32)]),
+         ("PSTAGES", [dict(PSTAGES=n) for n in (2, 3)]),
+         ("CONS/C_WARPS", [dict(CONS=2, C_WARPS=4), dict(CONS=1, C_WARPS=8)]),
+         ("CHUNK", [dict(CHUNK=c) for c in (16, 64)]), ("BLOCK_M", [dict(BLOCK_M=b) for b in (2, 8)]),
+         ("STAGES", [dict(STAGES=2)])]
 T0 = time.time()
 BW = 1e12
 

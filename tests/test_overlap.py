@@ -47,8 +47,6 @@ CASES = [  # (method, dtype, act, k, d_model, d_inter, config)
     ("mono", torch.bfloat16, "silu", 0.8, 67, 131, dict(PUBLISH="chunk", CHUNK=32, RB=8, PSTAGES=2)),
     ("dual", torch.float16, "silu", 0.6, 40, 70, dict(PUBLISH="chunk", CHUNK=16, RB=2)),
     ("mono", torch.float32, "silu", 0.7, 40, 150, dict(EVERY=3, RB=2, CHUNK=8)),  # a last group cut short
-    ("mono", torch.bfloat16, "silu", 0.9, 67, 131, dict(PUBLISH="gemv")),  # the fixed GEMV counting its rows
-    ("dual", torch.float16, "gelu_tanh", 0.6, 40, 70, dict(PUBLISH="gemv", CHUNK=16)),
 ]
 
 

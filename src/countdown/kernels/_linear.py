@@ -69,8 +69,7 @@ def _w_tile(W, wrow, kk, K, EVEN_K: tl.constexpr):
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True, CNT=None, TK=None, n_cons=0,
-                   COUNT: tl.constexpr = 0, NO_WAIT: tl.constexpr = False):
+                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -88,8 +87,7 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
     if PDL:  # the weights do not depend on the previous kernel (W_EARLY: first tile before the wait), x may
         if W_EARLY:
             w_first = _w_tile(W, wrow, tl.arange(0, BK), K, EVEN_K)
-        if not NO_WAIT:  # (NO_WAIT: launched after grids that waited for x's producer: _overlap.py)
-            gdc_wait()
+        gdc_wait()
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BK)
         if PDL and W_EARLY:
@@ -130,16 +128,6 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
         acc += tl.load(RES + t[:, None] * stride_r + rows_c[None, :], mask=omask, other=0.0).to(tl.float32)
     acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
     tl.store(Y + t[:, None] * stride_y + rows[None, :], acc.to(Y.dtype.element_ty), mask=omask)
-    if COUNT > 0:  # the overlapped sparse MLP's producer (_overlap.py): publish these rows to their chunk
-        tl.debug_barrier()  # every thread's stores before the count
-        tl.atomic_add(CNT + (pid * BN) // COUNT, tl.sum(rmask.to(tl.int32), axis=0), sem="release", scope="gpu")
-        if n_cons > 0:  # the last program to finish waits for the consumers' grid (so this grid ends after it)
-            ticket = tl.atomic_add(TK, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(0) - 1:
-                while tl.atomic_add(TK + 1, 0, sem="acquire", scope="gpu") < n_cons:
-                    pass
-                tl.atomic_xchg(TK + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(TK, 0, sem="relaxed", scope="gpu")
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=None) -> None:
@@ -191,32 +179,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         W_EARLY=bool(pdl) and _pdl.weights_early(x, grid, cfg["num_warps"]),
         num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
     return y
-
-
-def counted_linear(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cnt: torch.Tensor, chunk: int, tk=None,
-                   n_cons: int = 0, after_consumers: bool = False):
-    """y [1, N] = x W^T for one token on this GEMV (its launch configuration), each program then adding its rows to
-    cnt[row // chunk] with release semantics: the producer of _overlap.py's "gemv" route. With ``tk`` (two int32,
-    zero) and ``n_cons``, the last program to finish waits until tk[1] reaches n_cons (the consumers' count) and
-    zeroes both. ``after_consumers``: launched (with PDL) after a consumer grid that waited for x's producer, so it
-    does not wait itself (it would wait for the consumers, which wait for it)."""
-    n_tok, k = x.shape
-    n = weight.shape[0]
-    cfg = config_for(k)
-    if _common.interpreting():
-        cfg["BN"] = max(cfg["BN"], INTERPRETER_BN)
-    if chunk % cfg["BN"]:
-        raise ValueError(f"the chunk ({chunk} rows) must be a multiple of the GEMV's {cfg['BN']} rows a program")
-    if y.shape != (n_tok, n) or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"y must be a contiguous [{n_tok}, {n}] {x.dtype} tensor, got {tuple(y.shape)} {y.dtype}")
-    bk = min(cfg["BK"], max(16, _pow2(k)))
-    pdl = _pdl.mode(x, "linear") if after_consumers else 0
-    return _linear_kernel[(triton.cdiv(n, cfg["BN"]),)](
-        x, weight, weight, y, y, weight, 0.0, n_tok, n, k, x.stride(0), 0, y.stride(0),
-        HAS_BIAS=False, HAS_RES=False, NORM=False, BT=max(1, _pow2(n_tok)), BN=cfg["BN"], BK=bk, EVEN_K=k % bk == 0,
-        BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl, W_EARLY=False, CNT=cnt,
-        TK=tk if tk is not None else cnt, n_cons=n_cons if tk is not None else 0, COUNT=chunk, NO_WAIT=bool(pdl),
-        num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
 
 
 @torch.library.custom_op("countdown::decode_linear", mutates_args=())

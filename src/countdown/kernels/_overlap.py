@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _linear, _pdl
+from . import _common, _pdl
 from ._common import act_code
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
@@ -39,10 +39,8 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
 # programs per SM of C_WARPS warps, CHUNK rows a chunk (a multiple of RB), BLOCK_M kept rows a step (STAGES).
 # PUBLISH: "step" (every producer step counted as it is stored) or "chunk" (producers take whole chunks and
-# count each once, one release fence a chunk instead of a step) or "gemv" (the producer is kernels/_linear.py's
-# fixed GEMV, one row a program, each program counting its row; with PDL the consumers launch first and the GEMV
-# while they wait, its last program holding its grid open until every consumer is done); EVERY ("step"): steps
-# stored before their counts are published together (one barrier for EVERY steps). Default: mono's fastest in `benchmarks/overlap.py`
+# count each once, one release fence a chunk instead of a step); EVERY ("step"): steps stored before their
+# counts are published together (one barrier for EVERY steps). Default: mono's fastest in `benchmarks/overlap.py`
 # (H200, 2026-11-25, PDL on, benchmarks/results/overlap/); dual's was PUBLISH "chunk", PROD 2 of 8 warps, RB 8,
 # CHUNK 32, CONS 2 of 4 warps. Measured there (whole MLPs, k = 0.9): mono 51.7 us against the default route's
 # 49.8, dual 37.3 against 31.5; the kept rows cost less on top of the GEMV (mono +5.8 us from k = 1 to 0.9,
@@ -120,14 +118,11 @@ def _consume_kernel(
     X, IND, CNT, WG, WU, WD, THR, P, thr_f, d_model, d_inter, n_chunks, n_cons,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
     THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0, TK=None,
-    FIRST: tl.constexpr = False,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     q = tl.program_id(0)
-    if PDL:
-        if FIRST:  # launched before the producers (PUBLISH "gemv"): x is ready once the grid before is done, and
-            gdc_wait()  # only then may the producers launch (they read x without waiting themselves)
-        gdc_launch_dependents()  # the next grid may launch now; never a wait for the producers' grid
+    if PDL:  # the partials' sum may launch now (it waits for this grid); no wait for the producers' grid
+        gdc_launch_dependents()
     kd = tl.arange(0, BLOCK_D)
     if q < n_chunks:  # x was written before the producers passed their own wait, so after any count
         _wait_chunk(CNT, q, d_inter, CHUNK)
@@ -169,9 +164,6 @@ def _consume_kernel(
             wd = tl.load(WD + roff, mask=wmask, other=0.0)
             yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
     _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)
-    if FIRST:  # count this program done: the producers' last program waits for all of them
-        tl.debug_barrier()
-        tl.atomic_add(TK + 1, 1, sem="release", scope="gpu")
 
 
 def _key(device: torch.device) -> tuple:
@@ -221,14 +213,14 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
                          f"{tuple(w_ind.shape)}")
     if cfg["CHUNK"] % cfg["RB"] or cfg["CHUNK"] & (cfg["CHUNK"] - 1):
         raise ValueError(f"CHUNK must be a power of two and a multiple of RB, got {cfg}")
-    if cfg["PUBLISH"] not in ("step", "chunk", "gemv"):
-        raise ValueError(f"PUBLISH must be 'step', 'chunk' or 'gemv', got {cfg['PUBLISH']!r}")
+    if cfg["PUBLISH"] not in ("step", "chunk"):
+        raise ValueError(f"PUBLISH must be 'step' or 'chunk', got {cfg['PUBLISH']!r}")
     n_chunks = triton.cdiv(d_inter, cfg["CHUNK"])
     cnt = counters(x.device)
     if cnt is None:
         raise RuntimeError("the overlapped kernel's counters are not made on this device: call "
                            "countdown.kernels._overlap.prepare(device) once before compiling or capturing")
-    if n_chunks > cnt.numel() - 2:  # the last two: the "gemv" route's ticket and done counts
+    if n_chunks > cnt.numel():
         raise ValueError(f"{n_chunks} chunks: more than the {cnt.numel()} counters; raise CHUNK")
     thr_vec = thr_t is not None and thr_t.dim() == 1
     if thr_vec and thr_t.numel() != d_inter:
@@ -242,27 +234,12 @@ def overlap_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t: Optional[torch.
     p = _common.new_output((n_cons, d_model), torch.float32, x.device)
     pdl = _pdl.mode(x, "onepass")
     big = d_inter * max(d_model, k_ind) >= 2**31
-    gemv = cfg["PUBLISH"] == "gemv"
-    first = gemv and bool(pdl)  # the consumers first, the fixed GEMV launched while they wait (PDL only)
-    tk = cnt[-2:]
-
-    def consume():
-        return _consume_kernel[(n_cons,)](
-            x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
-            n_chunks, n_cons, MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
-            THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
-            BIG=big, STAGES=cfg["STAGES"], PDL=pdl, TK=tk, FIRST=first, num_warps=cfg["C_WARPS"], num_stages=1,
-            **_pdl.launch_kwargs(pdl))
-
-    if first:
-        cons = consume()
-        prod = _linear.counted_linear(v, w_ind, ind.view(1, d_inter), cnt, cfg["CHUNK"], tk, n_cons, after_consumers=True)
-    else:
-        if gemv:
-            prod = _linear.counted_linear(v, w_ind, ind.view(1, d_inter), cnt, cfg["CHUNK"])
-        else:
-            prod = produce(v, w_ind, ind, cnt, cfg, pdl)
-        cons = consume()
+    prod = produce(v, w_ind, ind, cnt, cfg, pdl)
+    cons = _consume_kernel[(n_cons,)](
+        x, ind, cnt, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, float(thr_f), d_model, d_inter,
+        n_chunks, n_cons, MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation), THR_PTR=thr_t is not None,
+        THR_VEC=thr_vec, CHUNK=cfg["CHUNK"], BLOCK_M=cfg["BLOCK_M"], BLOCK_D=block_d, EVEN_D=block_d == d_model,
+        BIG=big, STAGES=cfg["STAGES"], PDL=pdl, num_warps=cfg["C_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     LAST_KERNELS = (prod, cons)
     return p
 
