@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels import _common, _onepass, _overlap  # noqa: E402
+from test_balanced import _weights  # noqa: E402  (one token's random MLP)
 from test_kernels import _check, _threshold  # noqa: E402  (the shared float64 rule)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,14 +29,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
     torch.manual_seed(0)
-
-
-def _weights(d_model, d_inter, dtype):
-    x = torch.randn(1, d_model, device=DEVICE).to(dtype)
-    wg = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
-    wu = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
-    wdt = (torch.randn(d_inter, d_model, device=DEVICE) / d_inter**0.5).to(dtype)
-    return x, wg, wu, wdt
 
 
 CASES = [  # (method, dtype, act, k, d_model, d_inter, config)

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels import _common, _onepass, _split  # noqa: E402
+from test_balanced import _weights  # noqa: E402  (one token's random MLP)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -26,14 +27,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
     torch.manual_seed(0)
-
-
-def _weights(d_model, d_inter, dtype):
-    x = torch.randn(1, d_model, device=DEVICE).to(dtype)
-    wg = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
-    wu = (torch.randn(d_inter, d_model, device=DEVICE) / d_model**0.5).to(dtype)
-    wdt = (torch.randn(d_inter, d_model, device=DEVICE) / d_inter**0.5).to(dtype)
-    return x, wg, wu, wdt
 
 
 def _expected(x, wg, wu, wdt, ind, keep, act, mode):

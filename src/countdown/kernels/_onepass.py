@@ -37,7 +37,8 @@ import triton.language as tl
 
 from . import _balanced, _common, _linear, _overlap, _pdl, _psum, _split  # _balanced, _linear, _split: their ops
 from ._common import act_code
-from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
+from ._chunk import _add_kept_rows
+from ._glu import MODES, _keep, _load_vec, _pow2, _round_to, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._psum import _sum_tail
 
@@ -186,24 +187,8 @@ def _onepass_kernel(
         if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
             yacc += tl.sum(tl.where(keep > 0, ind, 0.0), axis=0)  # alone; keeps its loads alive
             cnt = 0
-        for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):  # STAGES > 1: the pipeliner's prefetch
-            m = t + tl.arange(0, BLOCK_M)
-            valid = m < cnt
-            sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: tile slot -> chunk row
-            rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
-            it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
-            roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
-            # every load of the tile before any arithmetic: one round trip
-            if GATE:
-                wg = tl.load(WG + roff, mask=wmask, other=0.0)
-            else:  # the indicator is g itself
-                wg = it
-            if UP:
-                wu = tl.load(WU + roff, mask=wmask, other=0.0)
-            else:  # the indicator is u itself
-                wu = it
-            wd = tl.load(WD + roff, mask=wmask, other=0.0)
-            yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
+        yacc = _add_kept_rows(yacc, pos, cnt, r, ind, xv, kd, WG, WU, WD, d_model, GATE, UP, ACT, BLOCK_M, STAGES,
+                              BIG, EVEN_D, X.dtype.element_ty)
 
     if PDL == 2:
         gdc_launch_dependents()

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
+from ._chunk import _add_kept_rows
+from ._glu import MODES, _keep, _load_vec, _pow2, _round_to, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 # PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
@@ -146,23 +147,8 @@ def _consume_kernel(
         keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
         cnt = tl.sum(keep, axis=0)
         pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
-        for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):
-            m = t + tl.arange(0, BLOCK_M)
-            valid = m < cnt
-            sel = pos[None, :] == m[:, None]  # [BLOCK_M, CHUNK] one-hot: step slot -> chunk row
-            rows = tl.sum(tl.where(sel, r[None, :], 0), axis=1)
-            it = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
-            roff, wmask = _row_tiles(rows, valid, kd, d_model, BIG, EVEN_D)
-            if GATE:
-                wg = tl.load(WG + roff, mask=wmask, other=0.0)
-            else:  # the indicator is g itself (cats)
-                wg = it
-            if UP:
-                wu = tl.load(WU + roff, mask=wmask, other=0.0)
-            else:  # the indicator is u itself (mono)
-                wu = it
-            wd = tl.load(WD + roff, mask=wmask, other=0.0)
-            yacc = _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE, UP, ACT, X.dtype.element_ty)
+        yacc = _add_kept_rows(yacc, pos, cnt, r, ind, xv, kd, WG, WU, WD, d_model, GATE, UP, ACT, BLOCK_M, STAGES,
+                              BIG, EVEN_D, X.dtype.element_ty)
     _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)
 
 
