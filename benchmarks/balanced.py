@@ -225,19 +225,26 @@ def compiled(p: Problem, bw, rows, best, ks) -> None:
     torch._dynamo.reset()
 
 
-def write(out: str, rows: list, meta: dict) -> None:
+def write_results(out: str, stem: str, title: str, rows: list, meta: dict, cols: list[str], md_rows=None) -> None:
+    """OUT/STEM.json (meta and rows), .csv (``cols``) and .md (the meta's device, date, bandwidth, command, check
+    and best, then a table of ``md_rows``, by default every row): the one-token sparse benchmarks' results."""
     os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, "balanced.json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
-    cols = ["stage", "method", "k", "kernel", "us", "kept", "roofline_us", "x_roofline", "config", "regs", "spills"]
+    atomic_write(os.path.join(out, stem + ".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]
-    atomic_write(os.path.join(out, "balanced.csv"), "\n".join(lines) + "\n")
-    md = [f"# Balanced vs onepass sparse phase, one token ({meta['shape']})", "",
+    atomic_write(os.path.join(out, stem + ".csv"), "\n".join(lines) + "\n")
+    shown = [c for c in cols if c not in ("kept", "regs", "spills")]
+    md = [f"# {title} ({meta['shape']})", "",
           f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s",
           f"- command: `{meta['command']}`", f"- check: {meta.get('check')}", f"- best: {meta.get('best')}", "",
-          "| stage | method | k | kernel | us | roofline us | x roofline | config |", "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['stage']} | {r['method']} | {r['k']} | {r['kernel']} | {r['us']:.2f} | {r['roofline_us']:.2f} | "
-           f"{r['x_roofline']:.2f} | {r['config']} |" for r in rows]
-    atomic_write(os.path.join(out, "balanced.md"), "\n".join(md) + "\n")
+          "| " + " | ".join(c.replace("_", " ") for c in shown) + " |", "|" + "---|" * len(shown)]
+    md += ["| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in shown) + " |"
+           for r in (rows if md_rows is None else md_rows)]
+    atomic_write(os.path.join(out, stem + ".md"), "\n".join(md) + "\n")
+
+
+def write(out: str, rows: list, meta: dict) -> None:
+    write_results(out, "balanced", "Balanced vs onepass sparse phase, one token", rows, meta,
+                  ["stage", "method", "k", "kernel", "us", "kept", "roofline_us", "x_roofline", "config", "regs", "spills"])
 
 
 def _cell(v) -> str:

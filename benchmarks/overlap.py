@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 
@@ -31,10 +30,9 @@ import torch
 
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth
-from countdown.io import atomic_write
 from countdown.kernels import _onepass, _overlap
 
-from balanced import ACT, MODES, RANK, _cell, sparse_kernel, threshold  # noqa: E402
+from balanced import ACT, MODES, RANK, sparse_kernel, threshold, write_results  # noqa: E402
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
@@ -215,18 +213,9 @@ def compiled(p: Problem, bw, rows, best, ks) -> None:
 
 
 def write(out: str, rows: list, meta: dict) -> None:
-    os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, "overlap.json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
-    cols = ["stage", "method", "k", "route", "us", "kept", "roofline_us", "x_roofline", "config"]
-    atomic_write(os.path.join(out, "overlap.csv"),
-                 "\n".join([",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]) + "\n")
-    md = [f"# Overlapped vs default one-token sparse MLP ({meta['shape']})", "",
-          f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s",
-          f"- command: `{meta['command']}`", f"- check: {meta.get('check')}", f"- best: {meta.get('best')}", "",
-          "| stage | method | k | route | us | roofline us | x roofline | config |", "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['stage']} | {r['method']} | {r['k']} | {r['route']} | {r['us']:.2f} | {r['roofline_us']:.2f} | "
-           f"{r['x_roofline']:.2f} | {r['config']} |" for r in rows if r["stage"] != "sweep"]
-    atomic_write(os.path.join(out, "overlap.md"), "\n".join(md) + "\n")
+    write_results(out, "overlap", "Overlapped vs default one-token sparse MLP", rows, meta,
+                  ["stage", "method", "k", "route", "us", "kept", "roofline_us", "x_roofline", "config"],
+                  md_rows=[r for r in rows if r["stage"] != "sweep"])
 
 
 def main() -> int:

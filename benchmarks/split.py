@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 
@@ -31,10 +30,10 @@ import torch
 
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth
-from countdown.io import atomic_write
 from countdown.kernels import _onepass, _split
 
-from balanced import ACT, MODES, RANK, _cell, add, indicator, kept_fraction, sparse_kernel, threshold  # noqa: E402
+from balanced import (ACT, MODES, RANK, add, indicator, kept_fraction, sparse_kernel, threshold,  # noqa: E402
+                      write_results)
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 KNOBS = [("BLOCK_C", (8192, 16384)), ("BT", (128, 512)), ("BN", (8, 32)), ("D_STAGES", (2, 3, 4, 5)),
@@ -181,18 +180,8 @@ def compiled(p: Problem, bw, rows, best, ks) -> None:
 
 
 def write(out: str, rows: list, meta: dict) -> None:
-    os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, "split.json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
-    cols = ["stage", "method", "k", "kernel", "us", "kept", "roofline_us", "x_roofline", "config"]
-    lines = [",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]
-    atomic_write(os.path.join(out, "split.csv"), "\n".join(lines) + "\n")
-    md = [f"# Split vs onepass sparse phase, one token ({meta['shape']})", "",
-          f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s",
-          f"- command: `{meta['command']}`", f"- check: {meta.get('check')}", f"- best: {meta.get('best')}", "",
-          "| stage | method | k | kernel | us | roofline us | x roofline | config |", "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['stage']} | {r['method']} | {r['k']} | {r['kernel']} | {r['us']:.2f} | {r['roofline_us']:.2f} | "
-           f"{r['x_roofline']:.2f} | {r['config']} |" for r in rows]
-    atomic_write(os.path.join(out, "split.md"), "\n".join(md) + "\n")
+    write_results(out, "split", "Split vs onepass sparse phase, one token", rows, meta,
+                  ["stage", "method", "k", "kernel", "us", "kept", "roofline_us", "x_roofline", "config"])
 
 
 def main() -> int:
