@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import json
 import os
@@ -98,26 +97,42 @@ def phase(p: Problem, method: str, thr: float, kernel: str, cfg: dict | None = N
     return call
 
 
-def check(p: Problem) -> dict:
+def check_routes(p: Problem, routes: dict, keep_of, ks=(0.9, 0.5)) -> dict:
+    """Each route's y against the float64 MLP on the rows ``keep_of(method, i, thr)`` keeps, inputs 0 and 1 of
+    ``p`` at each k: ``routes`` maps a name to ``route(method, thr) -> (i -> y [1, d_model])``. The bound: twice
+    PyTorch's own error at the model's dtype plus 1 % of the output's largest entry."""
     res = dict(ok=True, worst=0.0)
     for method in MODES:
-        for k in (0.9, 0.5):
+        for k in ks:
             thr = threshold(p, method, k)
             for i in range(2):
-                x, w, ind = p.xs[i], p.w(i), indicator(p, method, i)
-                keep = (ind.float().abs() if method == "mono" else ind.float()) > thr
+                x, w = p.xs[i], p.w(i)
+                keep = keep_of(method, i, thr)
                 ref64 = K.gated_mlp_masked_ref(*[t.double() for t in (x, w["wg"], w["wu"], w["wdt"])], keep, ACT)
                 ref_t = K.gated_mlp_masked_ref(x, w["wg"], w["wu"], w["wdt"], keep, ACT)
-                for kernel in ("onepass", "balanced"):
-                    with sparse_kernel("onepass"):
-                        y = phase(p, method, thr, kernel)(i)
+                for name, route in routes.items():
+                    y = route(method, thr)(i)
                     err = (y.double() - ref64).abs()
                     margin = (err - 2 * (ref_t.double() - ref64).abs() - 1e-2 * ref64.abs().max()).max().item()
                     res["worst"] = max(res["worst"], err.max().item())
                     res["ok"] &= margin <= 0
-                    log(f"check {method} k={k} input {i} {kernel}: max err {err.max().item():.3e} "
+                    log(f"check {method} k={k} input {i} {name}: max err {err.max().item():.3e} "
                         f"({'ok' if margin <= 0 else 'FAILED'})")
     return res
+
+
+def given_keep(p: Problem):
+    """keep_of for check_routes: the given indicator (mono's |u|, dual's scores) above the threshold."""
+    def keep_of(method, i, thr):
+        ind = indicator(p, method, i)
+        return (ind.float().abs() if method == "mono" else ind.float()) > thr
+    return keep_of
+
+
+def check(p: Problem) -> dict:
+    with sparse_kernel("onepass"):
+        return check_routes(p, {kernel: (lambda method, thr, kernel=kernel: phase(p, method, thr, kernel))
+                                for kernel in ("onepass", "balanced")}, given_keep(p))
 
 
 def add(rows, stage, method, k, kernel, us, kept, bw, p, cfg=None, regs=None, spills=None):
@@ -185,15 +200,42 @@ def over_ks(p: Problem, bw, rows, best, ks) -> None:
                 add(rows, "ks", method, k, kernel, us, kept, bw, p, cfg)
 
 
-def compiled(p: Problem, bw, rows, best, ks) -> None:
-    """x + mlp(x) under torch.compile with the one-token route of a decode step."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.force_disable_caches = True  # a configuration changes the op's output rows
-    n = len(p.xs)
-    for s in p.sets:  # the predictor as LowRankFactors holds it: A and B views of contiguous A^T and B^T
+def predictor_views(p: Problem) -> None:
+    """The predictor as LowRankFactors holds it: A and B views of contiguous A^T and B^T (sets' pa_v, pb_v)."""
+    for s in p.sets:
         s["pa_v"] = s["pa"].t().contiguous().t()
         s["pb_v"] = s["pbt"].t()
+
+
+def time_compiled(p: Problem, method: str, label: str, ks) -> list:
+    """[(k, thr, us)] of x + mlp(x) under torch.compile with the one-token route of a decode step, whatever the
+    routes' switches say now (call predictor_views(p) first)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.force_disable_caches = True  # a configuration may change an op's output rows
+    torch._dynamo.reset()
+    if method == "mono":
+        fn = torch.compile(lambda x, w, t: x + K.mono_gated_mlp(x, w["wg"], w["wu"], w["wdt"], t, ACT))
+    else:
+        fn = torch.compile(lambda x, w, t: x + K.dual_gated_mlp(x, w["wg"], w["wu"], w["wdt"], w["pa_v"], w["pb_v"],
+                                                                t, ACT))
+    out = []
+    for k in ks:
+        thr = threshold(p, method, k)
+        try:  # a failure's whole message (safe_time logs its last line only)
+            fn(p.xs[0], p.w(0), thr)
+        except Exception as e:  # noqa: BLE001
+            log(f"compiled {method} {label} k={k} FAILED: {type(e).__name__}: {str(e)[:1500]}")
+            continue
+        out.append((k, thr, safe_time(f"compiled {method} {label} {k}",
+                                       [lambda i=i: fn(p.xs[i], p.w(i), thr) for i in range(len(p.xs))])))
+    torch._dynamo.reset()
+    return out
+
+
+def compiled(p: Problem, bw, rows, best, ks) -> None:
+    """x + mlp(x) under torch.compile with the one-token route of a decode step."""
+    predictor_views(p)
     for method in MODES:
         mode = MODES[method][0]
         for kernel, cfg in variants(best, method):
@@ -201,28 +243,12 @@ def compiled(p: Problem, bw, rows, best, ks) -> None:
             (_balanced.CONFIG if kernel == "balanced" else _onepass.CONFIGS[mode]).update(cfg or {})
             try:
                 with sparse_kernel(kernel):
-                    torch._dynamo.reset()
-                    if method == "mono":
-                        fn = torch.compile(lambda x, w, t: x + K.mono_gated_mlp(x, w["wg"], w["wu"], w["wdt"], t, ACT))
-                    else:
-                        fn = torch.compile(lambda x, w, t: x + K.dual_gated_mlp(x, w["wg"], w["wu"], w["wdt"], w["pa_v"],
-                                                                                w["pb_v"], t, ACT))
-                    for k in ks:
-                        thr = threshold(p, method, k)
-                        kept = kept_fraction(p, method, thr)
-                        try:  # a failure's whole message (safe_time logs its last line only)
-                            fn(p.xs[0], p.w(0), thr)
-                        except Exception as e:  # noqa: BLE001
-                            log(f"compiled {method} {kernel} k={k} FAILED: {type(e).__name__}: {str(e)[:1500]}")
-                            continue
-                        us = safe_time(f"compiled {method} {kernel} {k}",
-                                       [lambda i=i: fn(p.xs[i], p.w(i), thr) for i in range(n)])
-                        add(rows, "compiled", method, k, kernel, us, kept, bw, p, cfg)
+                    for k, thr, us in time_compiled(p, method, kernel, ks):
+                        add(rows, "compiled", method, k, kernel, us, kept_fraction(p, method, thr), bw, p, cfg)
             finally:
                 _balanced.CONFIG.clear()
                 _balanced.CONFIG.update(old_b)
                 _onepass.CONFIGS[mode] = old_o
-    torch._dynamo.reset()
 
 
 def write_results(out: str, stem: str, title: str, rows: list, meta: dict, cols: list[str], md_rows=None) -> None:

@@ -32,7 +32,8 @@ import countdown.kernels as K
 from countdown.bench import copy_bandwidth
 from countdown.kernels import _onepass, _overlap
 
-from balanced import ACT, MODES, RANK, sparse_kernel, threshold, write_results  # noqa: E402
+from balanced import (ACT, MODES, RANK, check_routes, predictor_views, sparse_kernel, threshold,  # noqa: E402
+                      time_compiled, write_results)
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 E = 2
@@ -88,22 +89,10 @@ def add(rows, stage, method, k, route, us, kept, bw, p, cfg=None):
 
 
 def check(p: Problem) -> dict:
-    res = dict(ok=True, worst=0.0, flips=0)
-    for method in MODES:
-        for k in (0.9, 0.5):
-            thr = threshold(p, method, k)
-            for i in range(2):
-                x, w = p.xs[i], p.w(i)
-                keep = indicator(p, method, i) > thr
-                ref64 = K.gated_mlp_masked_ref(*[t.double() for t in (x, w["wg"], w["wu"], w["wdt"])], keep, ACT)
-                for route in ("onepass", "overlap"):
-                    y = mlp(p, method, thr, route)(i)
-                    err = (y.double() - ref64).abs().max().item()
-                    ok = err <= 2e-2 * max(1.0, ref64.abs().max().item())
-                    res["worst"] = max(res["worst"], err)
-                    res["ok"] &= ok
-                    log(f"check {method} k={k} input {i} {route}: max err {err:.3e} ({'ok' if ok else 'FAILED'})")
-    return res
+    """Both routes against float64 on the rows their indicator keeps (mono's |u|, dual's scores above thr)."""
+    return check_routes(p, {route: (lambda method, thr, route=route: mlp(p, method, thr, route))
+                            for route in ("onepass", "overlap")},
+                        lambda method, i, thr: indicator(p, method, i) > thr)
 
 
 def time_route(p, method, thr, route, cfg=None):
@@ -182,34 +171,20 @@ def over_ks(p: Problem, bw, rows, best, ks) -> None:
 
 
 def compiled(p: Problem, bw, rows, best, ks) -> None:
-    import torch._inductor.config as inductor_config
-
-    inductor_config.force_disable_caches = True
-    for s in p.sets:
-        s["pa_v"] = s["pa"].t().contiguous().t()
-        s["pb_v"] = s["pbt"].t()
+    """x + mlp(x) under torch.compile with the one-token route of a decode step, each route."""
+    predictor_views(p)
     for method in MODES:
         for route in ("onepass", "overlap"):
             old = dict(_overlap.CONFIG)
             _overlap.CONFIG.update(best[method] if route == "overlap" else {})
             try:
                 with sparse_kernel(route):
-                    torch._dynamo.reset()
-                    if method == "mono":
-                        fn = torch.compile(lambda x, w, t: x + K.mono_gated_mlp(x, w["wg"], w["wu"], w["wdt"], t, ACT))
-                    else:
-                        fn = torch.compile(lambda x, w, t: x + K.dual_gated_mlp(x, w["wg"], w["wu"], w["wdt"], w["pa_v"],
-                                                                                w["pb_v"], t, ACT))
-                    for k in ks:
-                        thr = threshold(p, method, k)
-                        us = safe_time(f"compiled {method} {route} {k}",
-                                       [lambda i=i: fn(p.xs[i], p.w(i), thr) for i in range(len(p.xs))])
+                    for k, thr, us in time_compiled(p, method, route, ks):
                         add(rows, "compiled", method, k, route, us, kept_fraction(p, method, thr), bw, p,
                             best[method] if route == "overlap" else None)
             finally:
                 _overlap.CONFIG.clear()
                 _overlap.CONFIG.update(old)
-    torch._dynamo.reset()
 
 
 def write(out: str, rows: list, meta: dict) -> None:

@@ -28,12 +28,11 @@ import time
 
 import torch
 
-import countdown.kernels as K
 from countdown.bench import copy_bandwidth
 from countdown.kernels import _onepass, _split
 
-from balanced import (ACT, MODES, RANK, add, indicator, kept_fraction, sparse_kernel, threshold,  # noqa: E402
-                      write_results)
+from balanced import (ACT, MODES, RANK, add, check_routes, given_keep, indicator, kept_fraction,  # noqa: E402
+                      predictor_views, sparse_kernel, threshold, time_compiled, write_results)
 from kernels import Problem, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 KNOBS = [("BLOCK_C", (8192, 16384)), ("BT", (128, 512)), ("BN", (8, 32)), ("D_STAGES", (2, 3, 4, 5)),
@@ -56,24 +55,8 @@ def phase(p: Problem, method: str, thr: float, kernel: str, cfg: dict | None = N
 
 
 def check(p: Problem) -> dict:
-    res = dict(ok=True, worst=0.0)
-    for method in MODES:
-        for k in (0.9, 0.5):
-            thr = threshold(p, method, k)
-            for i in range(2):
-                x, w, ind = p.xs[i], p.w(i), indicator(p, method, i)
-                keep = (ind.float().abs() if method == "mono" else ind.float()) > thr
-                ref64 = K.gated_mlp_masked_ref(*[t.double() for t in (x, w["wg"], w["wu"], w["wdt"])], keep, ACT)
-                ref_t = K.gated_mlp_masked_ref(x, w["wg"], w["wu"], w["wdt"], keep, ACT)
-                for kernel in ("onepass", "split"):
-                    y = phase(p, method, thr, kernel)(i)
-                    err = (y.double() - ref64).abs()
-                    margin = (err - 2 * (ref_t.double() - ref64).abs() - 1e-2 * ref64.abs().max()).max().item()
-                    res["worst"] = max(res["worst"], err.max().item())
-                    res["ok"] &= margin <= 0
-                    log(f"check {method} k={k} input {i} {kernel}: max err {err.max().item():.3e} "
-                        f"({'ok' if margin <= 0 else 'FAILED'})")
-    return res
+    return check_routes(p, {kernel: (lambda method, thr, kernel=kernel: phase(p, method, thr, kernel))
+                            for kernel in ("onepass", "split")}, given_keep(p))
 
 
 def _time(p, method, thr, kernel, cfg, label):
@@ -147,13 +130,8 @@ def over_ks(p: Problem, bw, rows, best, ks) -> None:
 
 
 def compiled(p: Problem, bw, rows, best, ks) -> None:
-    """x + mlp(x) under torch.compile with the one-token route of a decode step."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.force_disable_caches = True
-    for s in p.sets:  # the predictor as LowRankFactors holds it: A and B views of contiguous A^T and B^T
-        s["pa_v"] = s["pa"].t().contiguous().t()
-        s["pb_v"] = s["pbt"].t()
+    """x + mlp(x) under torch.compile with the one-token route of a decode step, each sparse kernel."""
+    predictor_views(p)
     for method in MODES:
         mode = MODES[method][0]
         for kernel in ("onepass", "split"):
@@ -162,21 +140,11 @@ def compiled(p: Problem, bw, rows, best, ks) -> None:
                 _split.CONFIGS[mode] = dict(best[method])
             try:
                 with sparse_kernel(kernel):
-                    torch._dynamo.reset()
-                    if method == "mono":
-                        fn = torch.compile(lambda x, w, t: x + K.mono_gated_mlp(x, w["wg"], w["wu"], w["wdt"], t, ACT))
-                    else:
-                        fn = torch.compile(lambda x, w, t: x + K.dual_gated_mlp(x, w["wg"], w["wu"], w["wdt"], w["pa_v"],
-                                                                                w["pb_v"], t, ACT))
-                    for k in ks:
-                        thr = threshold(p, method, k)
-                        us = safe_time(f"compiled {method} {kernel} {k}",
-                                       [lambda i=i: fn(p.xs[i], p.w(i), thr) for i in range(len(p.xs))])
+                    for k, thr, us in time_compiled(p, method, kernel, ks):
                         add(rows, "compiled", method, k, kernel, us, kept_fraction(p, method, thr), bw, p,
                             best[method] if kernel == "split" else None)
             finally:
                 _split.CONFIGS[mode] = old
-    torch._dynamo.reset()
 
 
 def write(out: str, rows: list, meta: dict) -> None:
