@@ -21,6 +21,14 @@ def _rows(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _save(fig, path: str) -> str:
+    """The figure as PATH with .png for its extension; returns that path."""
+    out = os.path.splitext(path)[0] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def plot_overlap(path: str) -> str:
     rows = [r for r in _rows(path) if r["stage"] in ("ks", "compiled")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
@@ -37,10 +45,7 @@ def plot_overlap(path: str) -> str:
         ax.set_xlabel("k (share of rows skipped)")
         ax.set_ylabel("us")
         ax.legend(fontsize=7)
-    out = os.path.splitext(path)[0] + ".png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, path)
 
 
 def plot_split(path: str) -> str:
@@ -64,10 +69,7 @@ def plot_split(path: str) -> str:
         ax.set_title(f"{method}: sparse phase, each launch alone")
         ax.set_ylabel("us")
         ax.legend(fontsize=7)
-    out = os.path.splitext(path)[0] + ".png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, path)
 
 
 def main() -> int:

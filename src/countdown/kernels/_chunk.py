@@ -1,6 +1,8 @@
-"""Triton helper: one chunk's kept rows added into a one-token sparse kernel's partial sum.
+"""Triton helpers: one chunk of a one-token sparse kernel, from its indicators to its kept rows' sum.
 
-Shared by _onepass.py (each program's own chunks) and _overlap.py (the consumers' chunks). Given a chunk's
+``_row_thresholds`` and ``_kept_places`` are shared by _onepass.py, _overlap.py and _split.py: the chunk's
+thresholds (its rows' own or one for all) and, from the keep rule, each kept row's place among the chunk's
+kept rows. ``_add_kept_rows`` (_onepass.py's own chunks, _overlap.py's consumers' chunks): given a chunk's
 rows ``r`` [CHUNK], its indicator ``ind`` and the kept rows' places ``pos`` (-1 where not kept; 0 .. cnt-1 in
 row order, from a prefix sum of the keep mask), the kept rows are taken BLOCK_M at a time: a one-hot select
 puts them in a tile's slots, every load of the tile (gate / up rows where GATE / UP, W_down^T rows) is issued
@@ -13,7 +15,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._glu import _accumulate_rows, _row_tiles
+from ._glu import _accumulate_rows, _keep, _row_tiles
+
+
+@triton.jit
+def _row_thresholds(THR, r, rmask, thr_s, THR_VEC: tl.constexpr):
+    """Rows ``r``'s thresholds: their own (THR_VEC: THR holds one per row, fp32) or ``thr_s`` for all."""
+    if THR_VEC:
+        return tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
+    return thr_s
+
+
+@triton.jit
+def _kept_places(ind, thr, rmask, MODE: tl.constexpr, ACT: tl.constexpr):
+    """(pos, cnt): each row's place among the chunk's kept rows in row order (-1 where not kept, or past
+    ``rmask``) and how many are kept (the MODEs of _glu._keep)."""
+    keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
+    return tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1), tl.sum(keep, axis=0)
 
 
 @triton.jit

@@ -37,8 +37,8 @@ import triton.language as tl
 
 from . import _balanced, _common, _linear, _overlap, _pdl, _psum, _split  # _balanced, _linear, _split: their ops
 from ._common import act_code
-from ._chunk import _add_kept_rows
-from ._glu import MODES, _keep, _load_vec, _pow2, _round_to, _store_partial
+from ._chunk import _add_kept_rows, _kept_places, _row_thresholds
+from ._glu import MODES, _load_vec, _pow2, _round_to, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._psum import _sum_tail
 
@@ -177,15 +177,9 @@ def _onepass_kernel(
             wi = _rows(WI, r, ki, k_ind, d_inter, BIG, EVEN_I)
         if DENSE:  # the indicator, rounded to v's dtype as a dense GEMV would return it
             ind = _round_to(tl.sum(wi.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
-        if THR_VEC:
-            thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
-        else:
-            thr = thr_s
-        keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
-        cnt = tl.sum(keep, axis=0)
-        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+        pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
         if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
-            yacc += tl.sum(tl.where(keep > 0, ind, 0.0), axis=0)  # alone; keeps its loads alive
+            yacc += tl.sum(tl.where(pos >= 0, ind, 0.0), axis=0)  # alone; keeps its loads alive
             cnt = 0
         yacc = _add_kept_rows(yacc, pos, cnt, r, ind, xv, kd, WG, WU, WD, d_model, GATE, UP, ACT, BLOCK_M, STAGES,
                               BIG, EVEN_D, X.dtype.element_ty)

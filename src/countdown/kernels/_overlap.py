@@ -33,8 +33,8 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
-from ._chunk import _add_kept_rows
-from ._glu import MODES, _keep, _load_vec, _pow2, _round_to, _store_partial
+from ._chunk import _add_kept_rows, _kept_places, _row_thresholds
+from ._glu import MODES, _load_vec, _pow2, _round_to, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 # PROD producer programs per SM of P_WARPS warps, RB indicator rows a step (PSTAGES deep); CONS consumer
@@ -140,13 +140,7 @@ def _consume_kernel(
         _wait_chunk(CNT, c, d_inter, CHUNK)
         tl.atomic_xchg(CNT + c, 0, sem="relaxed", scope="gpu")  # zero for the next launch: only we read it
         ind = tl.load(IND + r, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if THR_VEC:
-            thr = tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
-        else:
-            thr = thr_s
-        keep = (_keep(ind, thr, MODE, ACT) & rmask).to(tl.int32)
-        cnt = tl.sum(keep, axis=0)
-        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+        pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
         yacc = _add_kept_rows(yacc, pos, cnt, r, ind, xv, kd, WG, WU, WD, d_model, GATE, UP, ACT, BLOCK_M, STAGES,
                               BIG, EVEN_D, X.dtype.element_ty)
     _store_partial(P, q, yacc, kd, d_model, BIG, EVEN_D)

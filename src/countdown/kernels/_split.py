@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
+from ._chunk import _kept_places, _row_thresholds
 from ._glu import MODES, _act, _keep, _load_vec, _pow2, _round_to, _row_tiles
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -75,13 +76,6 @@ _env_configs()
 
 
 @triton.jit
-def _threshold(THR, r, rmask, thr_s, THR_VEC: tl.constexpr):
-    if THR_VEC:
-        return tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
-    return thr_s
-
-
-@triton.jit
 def _coef_kernel(
     X, IND, WG, WU, THR, ROWS, S, TOTAL, thr_f, d_model, d_inter, n_chunks, n_progs,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
@@ -108,14 +102,12 @@ def _coef_kernel(
             rb = b + cb
             mb = rb < r0
             vb = tl.load(IND + rb, mask=mb, other=0.0)
-            before += tl.sum((_keep(vb, _threshold(THR, rb, mb, thr_s, THR_VEC), MODE, ACT) & mb).to(tl.int32),
+            before += tl.sum((_keep(vb, _row_thresholds(THR, rb, mb, thr_s, THR_VEC), MODE, ACT) & mb).to(tl.int32),
                              axis=0)
         r = r0 + cr
         rmask = r < d_inter
         ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
-        keep = (_keep(ind, _threshold(THR, r, rmask, thr_s, THR_VEC), MODE, ACT) & rmask).to(tl.int32)
-        cnt = tl.sum(keep, axis=0)
-        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
+        pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
         if c == n_chunks - 1:
             tl.store(TOTAL, before + cnt)
         for t in tl.range(0, cnt, BLOCK_M, num_stages=STAGES):
