@@ -45,9 +45,13 @@ if ONE_TOKEN_ROUTE not in ("fused", "onepass", "stream"):
     raise ValueError(f"COUNTDOWN_SHADOW_ROUTE={ONE_TOKEN_ROUTE!r}: expected fused, onepass or stream "
                      "(unset it for the default, onepass)")
 # The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
-# made with one integer op, x kept in registers; the default), or "fp32", _select.py's SCORES kernel
-# (the earlier one, fp32 per value). benchmarks/shadow_gemv.py times both.
-ONE_TOKEN_GEMV = "fp16x2"
+# made with one integer op, x kept in registers; the default), "int8", _gemv_i8.py's (x rounded to int8
+# per weight group, integer dot products: benchmarks/shadow_dp4a.py), or "fp32", _select.py's SCORES
+# kernel (the earlier one, fp32 per value). benchmarks/shadow_gemv.py times fp16x2 and fp32.
+ONE_TOKEN_GEMV = os.environ.get("COUNTDOWN_SHADOW_GEMV") or "fp16x2"
+if ONE_TOKEN_GEMV not in ("fp16x2", "int8", "fp32"):
+    raise ValueError(f"COUNTDOWN_SHADOW_GEMV={ONE_TOKEN_GEMV!r}: expected fp16x2, int8 or fp32 "
+                     "(unset it for the default, fp16x2)")
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -106,13 +110,19 @@ def _fast(x, q) -> bool:
 
 
 def _one_token_gemv(x2, q, scale) -> bool:
-    """Whether _gemv.py's kernel takes these shadow GEMVs (one token, 4 or 8 bits)."""
-    if ONE_TOKEN_GEMV != "fp16x2" or x2.shape[0] != 1:
+    """Whether _gemv.py's (or _gemv_i8.py's) kernel takes these shadow GEMVs (one token, 4 or 8 bits)."""
+    if ONE_TOKEN_GEMV not in ("fp16x2", "int8") or x2.shape[0] != 1:
         return False
     d_model = x2.shape[1]
     bits = 32 * q.shape[2] // d_model
     return bits in (4, 8) and q.shape[2] * 32 == d_model * bits and q.shape[2] % scale.shape[2] == 0 \
         and _pow2_ok(q.shape[2] // scale.shape[2])
+
+
+def _gemv_call(x2, q, scale, activation: str, score: bool) -> torch.Tensor:
+    """The one-token shadow GEMV op that ONE_TOKEN_GEMV names ("fp16x2" or "int8")."""
+    op = torch.ops.countdown.shadow_gemv_i8 if ONE_TOKEN_GEMV == "int8" else torch.ops.countdown.shadow_gemv
+    return op(x2, q, scale, activation, score)
 
 
 def _pow2_ok(n: int) -> bool:
@@ -129,7 +139,7 @@ def shadow_scores(x, prepared) -> tuple[torch.Tensor, torch.Tensor]:
         return shadow_scores_ref(x, qg, sg, qu, su)
     x2 = x.reshape(-1, x.shape[-1])
     if _one_token_gemv(x2, q, scale):
-        o = torch.ops.countdown.shadow_gemv(x2, q, scale, "silu", False)
+        o = _gemv_call(x2, q, scale, "silu", False)
     else:
         o = torch.ops.countdown.shadow_scores(x2, q, scale)
     lead = x.shape[:-1]
@@ -180,7 +190,7 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         from . import _onepass
 
         if _one_token_gemv(x2, q, scale):  # the indicator |u~ act(g~)| straight from the GEMV kernel
-            ind = torch.ops.countdown.shadow_gemv(x2, q, scale, activation, True)
+            ind = _gemv_call(x2, q, scale, activation, True)
         else:
             u_t, g_t = shadow_scores(x2, prepared)
             ind = shadow_score(u_t, g_t, activation)
@@ -222,6 +232,20 @@ def _gemv_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: 
 
 
 @_gemv_op.register_fake
+def _(x, q, scale, activation, score):
+    shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
+    return x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("countdown::shadow_gemv_i8", mutates_args=())
+def _gemv_i8_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str, score: bool) -> torch.Tensor:
+    """As countdown::shadow_gemv, with x rounded to int8 per weight group (kernels/_gemv_i8.py)."""
+    from . import _gemv_i8
+
+    return _gemv_i8.launch(x, q, scale, activation if score else None)
+
+
+@_gemv_i8_op.register_fake
 def _(x, q, scale, activation, score):
     shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
     return x.new_empty(shape, dtype=torch.float32)

@@ -1,0 +1,268 @@
+"""Triton kernel: the two shadow GEMVs of one token with integer dot products (x in int8, dp4a).
+
+The same problem and outputs as _gemv.py (prepared shadows of ``shadow.prepare_shadow``, 4 or 8 bits,
+int32 words, fp16 group scales; out (u~, g~) as [2, 1, d_inter] or |u~ act(g~)| as [1, d_inter]),
+computed another way. _gemv.py turns each word into fp16 pairs and multiplies in fp16: about 22
+instructions a word, which keeps it at 56 % of the copy bandwidth on an H200 (instruction-bound,
+docs/kernels_shadow.md). Here x is rounded once per program to int8 per weight group and each word
+costs two masks, a shift and two integer dot products of four bytes (``dp4a``):
+
+    xs_g  = max_{j in g} |x_j| / 127,   xq_j = round(x_j / xs_g) in [-127, 127]   (per group g)
+    4 bits, word c = nibbles n_0..n_7 (n_j = q_j + 8 at bits 4j, ``quant.pack_bits``):
+        lo = c & 0x0F0F0F0F            bytes (n_0, n_2, n_4, n_6)
+        hi = (c >> 4) & 0x0F0F0F0F     bytes (n_1, n_3, n_5, n_7)
+        d  = dp4a(hi, (xq_1, xq_3, xq_5, xq_7), dp4a(lo, (xq_0, xq_2, xq_4, xq_6), 0))
+    8 bits, word c = bytes n_0..n_3 (n_j = q_j + 128):  d = dp4a(c, (xq_0, .., xq_3), 0)
+    D_g   = sum_{words of g} d - OFF * sum_{j in g} xq_j       (= sum_j q_j xq_j, exact int32)
+    u~    = sum_g scale_g * xs_g * D_g                          fp32
+
+Every integer step is exact, so the only error is x's rounding to int8 (the fp32 products and sums
+add about d_model 2**-24 of the sum of |terms|):
+
+    |u~ - x w~^T| <= sum_g (xs_g / 2) sum_{j in g} |w~_j|  (+ fp32 sums)
+
+i.e. at most 1/254 of the group's largest |x| per weight, against the 4-bit shadow's own rounding of
+up to 1/14 of the group's largest |w|: the shadow's error dominates, and ranking rows needs no more.
+
+ASM=True (CUDA) issues and / shr / dp4a through ``tl.inline_asm_elementwise``; ASM=False computes
+the same integers with plain Triton operations (each value extracted and multiplied) and runs under
+TRITON_INTERPRET=1. Both give bit-identical outputs (tests/test_shadow_gemv_i8.py against float64 and
+each other; benchmarks/shadow_dp4a.py on the GPU). Grid and prefetch as _gemv.py: PER_SM persistent
+programs walk blocks of R rows, the next block's words requested before this block's arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._gemv import _tile
+from ._glu import _act, _pow2
+from ._pdl import gdc_launch_dependents, gdc_wait
+
+# Launch configuration, one token (benchmarks/shadow_dp4a.py sweeps it on the GPU).
+CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, ASM=True)
+INTERPRETER_PROGS = 3
+LAST_KERNEL = None
+
+
+@triton.jit
+def _dot_asm(w, xa, xb, BITS: tl.constexpr):
+    """Per word: the integer dot product of its unsigned values with x's int8 values (packed)."""
+    if BITS == 4:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, d;
+            and.b32 lo, $1, 0x0F0F0F0F;
+            shr.u32 hi, $1, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            dp4a.u32.s32 d, lo, $2, 0;
+            dp4a.u32.s32 $0, hi, $3, d;
+            }""",
+            constraints="=r,r,r,r", args=[w, xa, xb], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="dp4a.u32.s32 $0, $1, $2, 0;", constraints="=r,r,r,r", args=[w, xa, xb],
+            dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot_portable(w, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr):
+    """The same integers as _dot_asm with plain operations (q_j: x's int8 value j of each word)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    d = (w & MASK) * q0 + ((w >> BITS) & MASK) * q1 + ((w >> 2 * BITS) & MASK) * q2 + ((w >> 3 * BITS) & MASK) * q3
+    if BITS == 4:
+        d += ((w >> 16) & MASK) * q4 + ((w >> 20) & MASK) * q5 + ((w >> 24) & MASK) * q6 + ((w >> 28) & MASK) * q7
+    return d
+
+
+@triton.jit
+def _xq(X, wcol, wm, J: tl.constexpr, VPW: tl.constexpr, inv):
+    """x's value J of each word [G, WPG], rounded to int8 with its group's 1 / xs (half away from 0)."""
+    if J < VPW:
+        v = tl.load(X + wcol * VPW + J, mask=wm, other=0.0).to(tl.float32) * inv[:, None]
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        return tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+    else:
+        return tl.zeros(wcol.shape, dtype=tl.int32)
+
+
+@triton.jit
+def _xamax(X, wcol, wm, J: tl.constexpr, VPW: tl.constexpr):
+    if J < VPW:
+        return tl.max(tl.abs(tl.load(X + wcol * VPW + J, mask=wm, other=0.0).to(tl.float32)), axis=1)
+    else:
+        return tl.zeros([wcol.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _pack4(a, b, c, d):
+    """Four int8 values (as int32) -> one int32 of four bytes, a in the lowest."""
+    return (a & 0xFF) | ((b & 0xFF) << 8) | ((c & 0xFF) << 16) | ((d & 0xFF) << 24)
+
+
+@triton.jit
+def _row_dot(w, s, xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr, ASM: tl.constexpr):
+    """fp32 x~ . w~ for words w [R, G, WPG] and scales s [R, G]."""
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    if ASM:
+        d = _dot_asm(w, xa, xb, BITS)
+    else:
+        d = _dot_portable(w, q0, q1, q2, q3, q4, q5, q6, q7, BITS)
+    dg = tl.sum(d, axis=2) - OFF * xsum  # [R, G] sum_j q_j xq_j, exact
+    return tl.sum(dg.to(tl.float32) * (s * xs), axis=1)
+
+
+@triton.jit
+def _x_prepare(X, wcol, wm, VPW: tl.constexpr, BITS: tl.constexpr):
+    """x's group scales xs [G], its int8 values by position j in a word q0..q7 [G, WPG] (int32), their sums
+    per group [G] and the packed words xa, xb that dp4a multiplies."""
+    amax = tl.maximum(tl.maximum(tl.maximum(_xamax(X, wcol, wm, 0, VPW), _xamax(X, wcol, wm, 1, VPW)),
+                                 tl.maximum(_xamax(X, wcol, wm, 2, VPW), _xamax(X, wcol, wm, 3, VPW))),
+                      tl.maximum(tl.maximum(_xamax(X, wcol, wm, 4, VPW), _xamax(X, wcol, wm, 5, VPW)),
+                                 tl.maximum(_xamax(X, wcol, wm, 6, VPW), _xamax(X, wcol, wm, 7, VPW))))
+    nz = amax > 0
+    xs = tl.where(nz, amax / 127.0, 0.0)
+    inv = tl.where(nz, 127.0 / tl.where(nz, amax, 1.0), 0.0)
+    q0 = _xq(X, wcol, wm, 0, VPW, inv)
+    q1 = _xq(X, wcol, wm, 1, VPW, inv)
+    q2 = _xq(X, wcol, wm, 2, VPW, inv)
+    q3 = _xq(X, wcol, wm, 3, VPW, inv)
+    q4 = _xq(X, wcol, wm, 4, VPW, inv)
+    q5 = _xq(X, wcol, wm, 5, VPW, inv)
+    q6 = _xq(X, wcol, wm, 6, VPW, inv)
+    q7 = _xq(X, wcol, wm, 7, VPW, inv)
+    xsum = tl.sum(q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, axis=1)
+    if BITS == 4:
+        xa = _pack4(q0, q2, q4, q6)
+        xb = _pack4(q1, q3, q5, q7)
+    else:
+        xa = _pack4(q0, q1, q2, q3)
+        xb = xa
+    return xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
+def _byte(v, K: tl.constexpr):
+    """Signed byte K of int32 words."""
+    return (v << (24 - 8 * K)) >> 24
+
+
+@triton.jit
+def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, G: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
+                  PDL: tl.constexpr = 0):
+    """XPRE: x prepared once (one program) for every program of the GEMV."""
+    if PDL == 1:
+        gdc_launch_dependents()
+    if PDL != 0:
+        gdc_wait()
+    VPW: tl.constexpr = 32 // BITS
+    gi = tl.arange(0, G)
+    wi = tl.arange(0, WPG)
+    wcol = gi[:, None] * WPG + wi[None, :]
+    wm = (gi < n_groups)[:, None] & (wi < WPG)[None, :]
+    xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
+    tl.store(XA + wcol, xa, mask=wm)
+    tl.store(XB + wcol, xb, mask=wm)
+    tl.store(XS + gi, xs, mask=gi < n_groups)
+    tl.store(XSUM + gi, xsum, mask=gi < n_groups)
+
+
+@triton.jit
+def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs,
+                    BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr, WPG: tl.constexpr,
+                    ASM: tl.constexpr, SCORE: tl.constexpr, PREFETCH: tl.constexpr, BIG: tl.constexpr,
+                    XPRE: tl.constexpr, PDL: tl.constexpr = 0):
+    pid = tl.program_id(0)
+    if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
+        gdc_launch_dependents()
+    VPW: tl.constexpr = 32 // BITS
+    gi = tl.arange(0, G)
+    wi = tl.arange(0, WPG)
+    gm = gi < n_groups
+    wcol = gi[:, None] * WPG + wi[None, :]                         # [G, WPG] word index
+    wm = gm[:, None] & (wi < WPG)[None, :]
+    ri = tl.arange(0, R)
+    if PREFETCH:  # the first block's words, requested before x is prepared (weights are no grid's output)
+        nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+    if XPRE:  # x prepared by _xprep_kernel: loaded (from L2) once that grid is done
+        if PDL != 0:
+            gdc_wait()
+        xa = tl.load(XA + wcol, mask=wm, other=0)
+        xb = tl.load(XB + wcol, mask=wm, other=0)
+        xs = tl.load(XS + gi, mask=gm, other=0.0)
+        xsum = tl.load(XSUM + gi, mask=gm, other=0)
+        if BITS == 4:
+            q0, q2, q4, q6 = _byte(xa, 0), _byte(xa, 1), _byte(xa, 2), _byte(xa, 3)
+            q1, q3, q5, q7 = _byte(xb, 0), _byte(xb, 1), _byte(xb, 2), _byte(xb, 3)
+        else:
+            q0, q1, q2, q3 = _byte(xa, 0), _byte(xa, 1), _byte(xa, 2), _byte(xa, 3)
+            q4, q5, q6, q7 = q0 * 0, q0 * 0, q0 * 0, q0 * 0
+    else:
+        if PDL != 0:
+            gdc_wait()
+        xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
+    xs2, xsum2 = xs[None, :], xsum[None, :]
+    xa3, xb3 = xa[None], xb[None]
+    e0, e1, e2, e3, e4, e5, e6, e7 = q0[None], q1[None], q2[None], q3[None], q4[None], q5[None], q6[None], q7[None]
+    for blk in range(pid, n_blocks, n_progs):
+        rows = blk * R + ri
+        if PREFETCH:  # this block's words were requested one block ago; request the next
+            wg, wu, sg, su = nwg, nwu, nsg, nsu
+            nwg, nwu, nsg, nsu = _tile(Q, SC, rows + n_progs * R, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+        else:
+            wg, wu, sg, su = _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
+        g = _row_dot(wg, sg, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
+        u = _row_dot(wu, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
+        rm = rows < n_rows
+        if SCORE:
+            tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
+        else:
+            tl.store(OUT + rows, u, mask=rm)
+            tl.store(OUT + n_rows + rows, g, mask=rm)
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str | None,
+           config: dict | None = None) -> torch.Tensor:
+    """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
+    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
+    global LAST_KERNEL
+    from . import _gemv, _pdl
+    from ._common import act_code, interpreting, new_output, persistent_programs
+
+    cfg = {**CONFIG, **(config or {})}
+    n_rows, d_model = q.shape[0], x.shape[1]
+    n_words, n_groups = q.shape[2], scale.shape[2]
+    bits = 32 * n_words // d_model
+    wpg = n_words // n_groups
+    if x.shape[0] != 1 or not _gemv.supports(1, bits, wpg) or n_words * 32 != d_model * bits \
+            or n_words != n_groups * wpg:
+        raise ValueError(f"the one-token int8 shadow GEMV takes x [1, d_model] and 4- or 8-bit shadows with whole "
+                         f"words per group, got x {tuple(x.shape)}, q {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
+    R = cfg["R"]
+    n_blocks = -(-n_rows // R)
+    # PER_SM 0: one program per block (no persistent loop), the hardware filling the SMs
+    per_sm = cfg["PER_SM"]
+    progs = n_blocks if per_sm == 0 else max(1, min(n_blocks, persistent_programs(x.device, per_sm, INTERPRETER_PROGS)))
+    asm = bool(cfg["ASM"]) and x.device.type == "cuda" and not interpreting()
+    out = new_output((2, 1, n_rows) if activation is None else (1, n_rows), torch.float32, x.device)
+    pdl, G = _pdl.mode(x, "gemv"), _pow2(n_groups)
+    xpre = bool(cfg.get("XPRE", False))
+    if xpre:  # x's int8 words, scales and sums once, by one program
+        xa, xb = (torch.empty(n_words, dtype=torch.int32, device=x.device) for _ in range(2))
+        xs = torch.empty(n_groups, dtype=torch.float32, device=x.device)
+        xsum = torch.empty(n_groups, dtype=torch.int32, device=x.device)
+        _xprep_kernel[(1,)](x, xa, xb, xs, xsum, n_groups, G=G, WPG=wpg, BITS=bits, PDL=pdl,
+                            num_warps=cfg.get("XPRE_WARPS", 4), **_pdl.launch_kwargs(pdl))
+    else:
+        xa = xb = xs = xsum = x
+    LAST_KERNEL = _gemv_i8_kernel[(progs,)](
+        x, xa, xb, xs, xsum, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs,
+        BITS=bits, ACT=act_code(activation or "silu"), R=R, G=G, WPG=wpg, ASM=asm,
+        SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]), BIG=n_rows * 2 * n_words >= 2**31,
+        XPRE=xpre, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+    return out
