@@ -27,6 +27,7 @@ U16 = 2.0**-11
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(shadow, "ONE_TOKEN_GEMV", "fp16x2")  # this kernel's tests (int8 x: test_shadow_gemv_i8.py)
 
 
 def _shadows(d_model, d_inter, group, bits, dtype, seed):

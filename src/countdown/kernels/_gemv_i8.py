@@ -41,8 +41,11 @@ from ._gemv import _tile
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents, gdc_wait
 
-# Launch configuration, one token (benchmarks/shadow_dp4a.py sweeps it on the GPU).
-CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, ASM=True)
+# Launch configuration, one token: the fastest of benchmarks/shadow_dp4a.py's sweep on an H200, 2026-11-25,
+# with PDL on (as in the folded decode step): gate and up 21.1 us (69 % of copy bandwidth; _gemv.py 26.4),
+# 236 registers. R: rows per block; PER_SM: persistent programs per SM (0: one program per block);
+# XPRE: x rounded by a one-program kernel first (whose run the first block's loads overlap under PDL).
+CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True)
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 

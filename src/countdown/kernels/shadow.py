@@ -7,8 +7,8 @@ compute the exact Gated-MLP on the kept rows only.
 
 Bytes read per token: the two shadows (``quant.shadow_bytes``: 2 x 29.4 MB at 4 bits, group 64, for
 Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. One token on CUDA (the default route, "onepass"):
-``_gemv.py``'s kernel writes the indicator |u~ act(g~)| (fp16x2 dequantization, fp16 products: error
-bound in its docstring) and ``_onepass.py``'s kernel computes the kept rows in one launch. The
+``_gemv_i8.py``'s kernel writes the indicator |u~ act(g~)| (x rounded to int8 per weight group, integer
+dot products: error bound in its docstring; ``_gemv.py``'s fp16x2 kernel with ONE_TOKEN_GEMV "fp16x2") and ``_onepass.py``'s kernel computes the kept rows in one launch. The
 selecting kernel (``_select.py``, fp32 products) computes the shadow GEMVs, the cut and the kept rows
 of the three full-precision matrices in one launch (route "fused" for one token); for 2-8 tokens it
 takes the union of the batch's kept rows (each token's own rows nonzero only) and runs the masked down
@@ -44,14 +44,16 @@ ONE_TOKEN_ROUTE = os.environ.get("COUNTDOWN_SHADOW_ROUTE") or "onepass"  # the e
 if ONE_TOKEN_ROUTE not in ("fused", "onepass", "stream"):
     raise ValueError(f"COUNTDOWN_SHADOW_ROUTE={ONE_TOKEN_ROUTE!r}: expected fused, onepass or stream "
                      "(unset it for the default, onepass)")
-# The shadow GEMVs of one token on CUDA (or the interpreter): "fp16x2", _gemv.py's kernel (fp16 pairs
-# made with one integer op, x kept in registers; the default), "int8", _gemv_i8.py's (x rounded to int8
-# per weight group, integer dot products: benchmarks/shadow_dp4a.py), or "fp32", _select.py's SCORES
-# kernel (the earlier one, fp32 per value). benchmarks/shadow_gemv.py times fp16x2 and fp32.
-ONE_TOKEN_GEMV = os.environ.get("COUNTDOWN_SHADOW_GEMV") or "fp16x2"
+# The shadow GEMVs of one token on CUDA (or the interpreter): "int8" (the default since 2026-11-25),
+# _gemv_i8.py's kernel (x rounded to int8 per weight group, integer dot products: 21.1 against 26.4 us for
+# gate and up on an H200, the decode step's dual[shadow4] 351.3 against 335.8 tokens/s at k = 0.9; on
+# SmolLM2 1.8 % of the kept rows differ from the exact shadow's and the MLP output error is unchanged to
+# 1e-4: benchmarks/results/shadow_dp4a/), "fp16x2", _gemv.py's kernel (fp16 pairs made with one integer
+# op), or "fp32", _select.py's SCORES kernel (the earlier one, fp32 per value).
+ONE_TOKEN_GEMV = os.environ.get("COUNTDOWN_SHADOW_GEMV") or "int8"
 if ONE_TOKEN_GEMV not in ("fp16x2", "int8", "fp32"):
     raise ValueError(f"COUNTDOWN_SHADOW_GEMV={ONE_TOKEN_GEMV!r}: expected fp16x2, int8 or fp32 "
-                     "(unset it for the default, fp16x2)")
+                     "(unset it for the default, int8)")
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -131,8 +133,8 @@ def _pow2_ok(n: int) -> bool:
 
 def shadow_scores(x, prepared) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d_model] -> (u~, g~) float32 [..., d_inter] (the two shadow GEMVs alone). One token
-    on the fast path: _gemv.py's fp16x2 kernel (fp16 products, error bound in its docstring);
-    otherwise float32 products (_select.py)."""
+    on the fast path: ONE_TOKEN_GEMV's kernel (_gemv_i8.py's int8 x by default, _gemv.py's fp16x2;
+    error bounds in their docstrings); otherwise float32 products (_select.py)."""
     q, scale = _check(x, prepared)
     if not _fast(x, q):
         qg, sg, qu, su = unpack_prepared(prepared, x.shape[-1])
