@@ -21,9 +21,10 @@ from ._glu import _accumulate_rows, _keep, _row_tiles
 @triton.jit
 def _row_thresholds(THR, r, rmask, thr_s, THR_VEC: tl.constexpr):
     """Rows ``r``'s thresholds: their own (THR_VEC: THR holds one per row, fp32) or ``thr_s`` for all."""
-    if THR_VEC:
+    if THR_VEC:  # (if / else, one return each: a return after a constexpr if fails to compile for the GPU)
         return tl.load(THR + r, mask=rmask, other=0.0).to(tl.float32)
-    return thr_s
+    else:
+        return thr_s
 
 
 @triton.jit
