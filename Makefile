@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-test
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# On a machine with a GPU, from source (e.g. the device tool: `make gpu-test PYTHON=python`): every test file
+# that runs kernels, each kernel compiled for the GPU (the interpreter cannot see GPU-only compile errors).
+gpu-test:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -p no:cacheprovider $$(grep -l "cuda.is_available" tests/test_*.py)
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -38,12 +38,11 @@ from kernels import NSETS, Problem, dense_chain, log, safe_time  # noqa: E402
 
 ACT, BITS, GROUP, KS, E = "silu", 4, 64, (0.7, 0.8, 0.9), 2
 _C = ("R", "num_warps", "PER_SM", "PREFETCH")
-SWEEP = [dict(zip(_C, c), ASM=True, XPRE=xp) for *c, xp in [  # PER_SM 0: one program per block
-    (8, 4, 2, True, False), (16, 8, 1, True, False), (8, 4, 2, True, True), (4, 4, 0, True, True),
-    (8, 4, 0, True, True), (2, 4, 0, True, True), (4, 8, 0, True, True), (8, 8, 0, True, True),
-    (4, 4, 0, False, True), (8, 4, 0, False, True), (16, 8, 0, True, True), (4, 4, 3, True, True)]]
-F16_SWEEP = [dict(zip(_C, c), ASM=True, AHEAD=1, PIN=False) for c in [
-    (4, 4, 3, True), (1, 1, 12, True), (2, 1, 8, True), (1, 1, 16, True), (4, 1, 6, True)]]
+SWEEP = [dict(zip(_C, c), ASM=True, XPRE=True, STAGES=st) for *c, st in [  # PREFETCH False: tl.range's pipeliner
+    (8, 4, 2, True, 1), (2, 4, 0, True, 1), (4, 4, 2, False, 3), (4, 4, 3, False, 3), (4, 4, 4, False, 2),
+    (8, 4, 2, False, 3), (8, 4, 1, False, 4), (8, 8, 2, False, 3), (16, 8, 1, False, 3), (4, 4, 2, False, 4),
+    (2, 4, 4, False, 4), (8, 8, 1, False, 4), (4, 8, 2, False, 3)]]
+F16_SWEEP = [dict(zip(_C, c), ASM=True, AHEAD=1, PIN=False) for c in [(4, 4, 3, True)]]
 GEMVS = (("fp16x2", _gemv), ("int8", _gemv_i8))
 T0 = time.time()
 

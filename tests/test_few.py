@@ -108,7 +108,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="per-row threshold"):
         _few.few_partials(x, x @ wu.t(), wg, wu, wdt, torch.zeros(47), 0.0, "abs", "silu", gate=True, up=False)
     with pytest.raises(ValueError, match="1 to 8 tokens"):
-        x9 = torch.randn(9, 32)
+        x9 = torch.randn(9, 32, device=wu.device)
         _few.few_partials(x9, x9 @ wu.t(), wg, wu, wdt, None, 0.0, "abs", "silu", gate=True, up=False)
 
 

@@ -444,7 +444,9 @@ def test_torch_compile_fullgraph():
     torch._dynamo.reset()
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     compiled = torch.compile(mlp, fullgraph=True, backend=backend)
-    torch.testing.assert_close(compiled(x), mlp(x))
+    # on a GPU Inductor fuses the partial sums into the add: bf16 roundings may differ by one unit
+    tol = dict(atol=2e-3, rtol=2e-2) if DEVICE == "cuda" else {}
+    torch.testing.assert_close(compiled(x), mlp(x), **tol)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

@@ -147,6 +147,8 @@ SMALL_CASES = [  # (dtype, batch, k, kept: "some" / "all" / "none")
 ]
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="tiles this small (a dot over fewer than 16 rows) compile only "
+                    "for the interpreter; the GPU's configurations are checked by the other tests")
 @pytest.mark.parametrize("fuse", [False, True], ids=["finish-kernel", "finish-fused"])
 @pytest.mark.parametrize("dtype,batch,k,kept", SMALL_CASES,
                          ids=[f"{str(c[0])[6:]}-b{c[1]}-k{c[2]}-{c[3]}" for c in SMALL_CASES])

@@ -28,6 +28,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    if DEVICE == "cuda":  # the counters are made once per device, before compiling or capturing
+        _overlap.prepare(torch.device(DEVICE))
     torch.manual_seed(0)
 
 

@@ -49,7 +49,7 @@ def test_lists_hold_exactly_the_rows_above_the_cut(config, cut_as_tensor):
     lists, counts = _gemv.launch(x.to(DEV), prep["q"], prep["scale"], "silu", config,
                                  cut=torch.tensor(cut, device=DEV) if cut_as_tensor else cut)
     lists, counts = lists.cpu(), counts.cpu()
-    progs = _gemv.n_programs(x.device, d_inter, config)
+    progs = _gemv.n_programs(torch.device(DEV), d_inter, config)
     cap = _gemv.list_capacity(d_inter, progs, config)
     assert counts.shape == (progs,) and lists.shape == (progs * cap,)
     per = _listed(lists, counts, cap)
@@ -88,7 +88,7 @@ def test_stream_partials_against_float64(config, d_model, d_inter, dtype, act):
         start += c
     P = _stream.stream_partials(x.to(DEV), lists.to(DEV), counts.to(DEV), cap, wg.to(DEV), wu.to(DEV), wdt.to(DEV),
                                 act, config).cpu()
-    assert P.shape == (_stream.n_programs(x.device, config), d_model) and not P.isnan().any()
+    assert P.shape == (_stream.n_programs(torch.device(DEV), config), d_model) and not P.isnan().any()
     y = P.sum(0, keepdim=True).to(dtype)
     ref64, ref_t = _ref(x, wg, wu, wdt, rows, act)
     atol = (1e-2 if dtype == torch.bfloat16 else 1e-5) * max(1.0, ref64.abs().max().item())

@@ -153,6 +153,20 @@ def _byte(v, K: tl.constexpr):
 
 
 @triton.jit
+def _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7,
+           BITS: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr):
+    """One block of rows: u~, g~ from their words and scales, then the score or both stored."""
+    g = _row_dot(wg, sg, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
+    u = _row_dot(wu, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
+    rm = rows < n_rows
+    if SCORE:
+        tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
+    else:
+        tl.store(OUT + rows, u, mask=rm)
+        tl.store(OUT + n_rows + rows, g, mask=rm)
+
+
+@triton.jit
 def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, G: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
                   PDL: tl.constexpr = 0):
     """XPRE: x prepared once (one program) for every program of the GEMV."""
@@ -176,7 +190,7 @@ def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, G: tl.constexpr, WPG: tl.conste
 def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs,
                     BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr, WPG: tl.constexpr,
                     ASM: tl.constexpr, SCORE: tl.constexpr, PREFETCH: tl.constexpr, BIG: tl.constexpr,
-                    XPRE: tl.constexpr, PDL: tl.constexpr = 0):
+                    XPRE: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
         gdc_launch_dependents()
@@ -209,21 +223,19 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
     xs2, xsum2 = xs[None, :], xsum[None, :]
     xa3, xb3 = xa[None], xb[None]
     e0, e1, e2, e3, e4, e5, e6, e7 = q0[None], q1[None], q2[None], q3[None], q4[None], q5[None], q6[None], q7[None]
-    for blk in range(pid, n_blocks, n_progs):
-        rows = blk * R + ri
-        if PREFETCH:  # this block's words were requested one block ago; request the next
+    if PREFETCH:  # each block's words were requested one block before; request the next
+        for blk in range(pid, n_blocks, n_progs):
+            rows = blk * R + ri
             wg, wu, sg, su = nwg, nwu, nsg, nsu
             nwg, nwu, nsg, nsu = _tile(Q, SC, rows + n_progs * R, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-        else:
+            _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7,
+                   BITS, ACT, ASM, SCORE)
+    else:  # STAGES > 1: Triton's pipeliner keeps STAGES - 1 blocks' words in flight (shared memory, async copies)
+        for blk in tl.range(pid, n_blocks, n_progs, num_stages=STAGES):
+            rows = blk * R + ri
             wg, wu, sg, su = _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
-        g = _row_dot(wg, sg, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
-        u = _row_dot(wu, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7, BITS, ASM)
-        rm = rows < n_rows
-        if SCORE:
-            tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
-        else:
-            tl.store(OUT + rows, u, mask=rm)
-            tl.store(OUT + n_rows + rows, g, mask=rm)
+            _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7,
+                   BITS, ACT, ASM, SCORE)
     if PDL == 2:
         gdc_launch_dependents()
 
@@ -267,5 +279,5 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
         x, xa, xb, xs, xsum, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs,
         BITS=bits, ACT=act_code(activation or "silu"), R=R, G=G, WPG=wpg, ASM=asm,
         SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]), BIG=n_rows * 2 * n_words >= 2**31,
-        XPRE=xpre, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        XPRE=xpre, STAGES=int(cfg.get("STAGES", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out
