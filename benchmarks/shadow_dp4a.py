@@ -19,17 +19,14 @@ read / the device-to-device copy bandwidth measured in the same run. Stages (eac
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 import time
 
 import torch
 
 import countdown.kernels as K
-from countdown.bench import copy_bandwidth
-from countdown.kernels import _common, _gemv, _gemv_i8, _onepass
+from countdown.kernels import _common, _gemv, _gemv_i8
 from countdown.kernels.quant import shadow_bytes
 
 import shadow as sb  # noqa: E402  (benchmarks/shadow.py: shadows, cuts, kept rows)
@@ -188,17 +185,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1), small shapes")
     args = ap.parse_args()
-    if args.tiny:
-        sb.D_MODEL, sb.D_INTER = 128, 96
-        bw, device = 1e12, "cpu (smoke test)"
-        _onepass.ONEPASS_OFF_CUDA = True
-    elif not torch.cuda.is_available():
-        sys.exit("benchmarks/shadow_dp4a.py needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)")
-    else:
-        bw, device = copy_bandwidth(), torch.cuda.get_device_name()
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {device}")
-    meta = dict(device=device, date=datetime.date.today().isoformat(), copy_bw_tbs=bw / 1e12,
-                command="PYTHONPATH=src python " + " ".join(sys.argv), torch=torch.__version__)
+    bw, meta = sg.setup("shadow_dp4a.py", args.tiny)
     p = Problem(sb.D_MODEL, sb.D_INTER, ACT, 1, sb.RANK if not args.tiny else 16)
     sb.add_shadows(p)
     meta["checks"] = check(p)
@@ -207,20 +194,12 @@ def main():
     lines = write(rows, args.out, meta)
     stages = [("sweep", lambda: meta.__setitem__("sweep", sweep(p, bw)), 40), ("gemv", lambda: gemv_rows(p, bw, rows), 20),
               ("mlp", lambda: mlp_rows(p, bw, rows, False), 30), ("compiled", lambda: mlp_rows(p, bw, rows, True), 60)]
-    for name, fn, need in stages:
-        if (name == "sweep" and (args.no_sweep or args.tiny)) or (name == "compiled" and args.tiny):
-            continue
-        if not meta["checks"]["ok"]:
-            log(f"{name} skipped: the check failed")
-            continue
-        if time.time() - T0 > args.budget - need:
-            log(f"{name} skipped (budget: {time.time() - T0:.0f} s used)")
-            continue
-        fn()
-        meta["config"] = dict(_gemv_i8.CONFIG)
-        meta["config_fp16x2"] = dict(_gemv.CONFIG)
-        meta["elapsed_s"] = round(time.time() - T0, 1)
-        lines = write(rows, args.out, meta)
+    skip = lambda name: (name == "sweep" and (args.no_sweep or args.tiny)) or (name == "compiled" and args.tiny)
+
+    def after():
+        meta["config"], meta["config_fp16x2"] = dict(_gemv_i8.CONFIG), dict(_gemv.CONFIG)
+        return write(rows, args.out, meta)
+    lines = sg.run_stages(stages, meta, args.budget, T0, skip, after, if_check_failed=()) or lines
     print("\n".join(lines[-len(rows) - 2:]))
 
 

@@ -327,17 +327,8 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1), small shapes")
     ARGS = ap.parse_args()
-    if args_tiny := ARGS.tiny:
-        sb.D_MODEL, sb.D_INTER = 128, 96
-        bw, device = 1e12, "cpu (smoke test)"
-        _onepass.ONEPASS_OFF_CUDA = True
-    elif not torch.cuda.is_available():
-        sys.exit("benchmarks/shadow_gemv.py needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)")
-    else:
-        bw, device = copy_bandwidth(), torch.cuda.get_device_name()
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {device}")
-    meta = dict(device=device, date=datetime.date.today().isoformat(), copy_bw_tbs=bw / 1e12,
-                command="PYTHONPATH=src python " + " ".join(sys.argv), torch=torch.__version__)
+    args_tiny = ARGS.tiny
+    bw, meta = setup("shadow_gemv.py", args_tiny)
     p = Problem(sb.D_MODEL, sb.D_INTER, ACT, 1, sb.RANK if not args_tiny else 16)
     sb.add_shadows(p)
     meta["checks"] = check(p)
@@ -350,20 +341,49 @@ def main():
               ("compiled", lambda: compiled_rows(p, bw, rows, "after"), 50),
               ("gemlite", lambda: gemlite_rows(p, bw, rows), 30),
               ("compiled-before", lambda: compiled_rows(p, bw, rows, "before"), 30)]
+    skip = lambda name: (name.endswith("sweep") and (ARGS.no_sweep or args_tiny)) or (
+        name.startswith("compiled") and args_tiny)
+
+    def after():
+        meta["config"] = dict(_gemv.CONFIG)
+        return write(rows, ARGS.out, meta)
+    lines = run_stages(stages, meta, ARGS.budget, T0, skip, after) or lines
+    print("\n".join(lines[-len(rows) - 2:]))
+
+
+def setup(script: str, tiny: bool) -> tuple[float, dict]:
+    """(copy bandwidth, run metadata); --tiny: small shapes under the interpreter (a CPU smoke test)."""
+    if tiny:
+        sb.D_MODEL, sb.D_INTER = 128, 96
+        bw, device = 1e12, "cpu (smoke test)"
+        _onepass.ONEPASS_OFF_CUDA = True
+    elif not torch.cuda.is_available():
+        sys.exit(f"benchmarks/{script} needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)")
+    else:
+        bw, device = copy_bandwidth(), torch.cuda.get_device_name()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {device}")
+    return bw, dict(device=device, date=datetime.date.today().isoformat(), copy_bw_tbs=bw / 1e12,
+                    command="PYTHONPATH=src python " + " ".join(sys.argv), torch=torch.__version__)
+
+
+def run_stages(stages, meta, budget, t0, skip, after, if_check_failed=("gemv",)):
+    """Run (name, fn, seconds needed) stages in order: skipped where ``skip(name)``, once the check failed
+    (but those named in ``if_check_failed``) or when fewer than the seconds needed are left of ``budget``
+    since ``t0``; ``after()`` (the results written) follows each. Returns the last ``after()``."""
+    out = None
     for name, fn, need in stages:
-        if (name.endswith("sweep") and (ARGS.no_sweep or args_tiny)) or (name.startswith("compiled") and args_tiny):
+        if skip(name):
             continue
-        if not meta["checks"]["ok"] and name != "gemv":
+        if not meta["checks"]["ok"] and name not in if_check_failed:
             log(f"{name} skipped: the check failed")
             continue
-        if time.time() - T0 > ARGS.budget - need:
-            log(f"{name} skipped (budget: {time.time() - T0:.0f} s used)")
+        if time.time() - t0 > budget - need:
+            log(f"{name} skipped (budget: {time.time() - t0:.0f} s used)")
             continue
         fn()
-        meta["config"] = dict(_gemv.CONFIG)
-        meta["elapsed_s"] = round(time.time() - T0, 1)
-        lines = write(rows, ARGS.out, meta)
-    print("\n".join(lines[-len(rows) - 2:]))
+        meta["elapsed_s"] = round(time.time() - t0, 1)
+        out = after()
+    return out
 
 
 if __name__ == "__main__":

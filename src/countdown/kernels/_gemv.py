@@ -332,6 +332,19 @@ def supports(n_tok: int, bits: int, wpg: int) -> bool:
     return n_tok == 1 and bits in (4, 8) and wpg >= 1 and (wpg & (wpg - 1)) == 0
 
 
+def problem_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel: str) -> tuple[int, ...]:
+    """(n_rows, d_model, n_words, n_groups, bits, words per group) of a one-token shadow GEMV, or a
+    ValueError naming ``kernel`` and what it takes."""
+    n_rows, d_model = q.shape[0], x.shape[1]
+    n_words, n_groups = q.shape[2], scale.shape[2]
+    bits = 32 * n_words // d_model
+    wpg = n_words // n_groups
+    if x.shape[0] != 1 or not supports(1, bits, wpg) or n_words * 32 != d_model * bits or n_words != n_groups * wpg:
+        raise ValueError(f"the one-token {kernel} takes x [1, d_model] and 4- or 8-bit shadows with whole words "
+                         f"per group, got x {tuple(x.shape)}, q {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    return n_rows, d_model, n_words, n_groups, bits, wpg
+
+
 def n_programs(device: torch.device, n_rows: int, config: dict | None = None) -> int:
     """The kernel's persistent programs for ``n_rows`` rows on ``device`` (the kept lists' count)."""
     from ._common import persistent_programs
@@ -358,13 +371,7 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     from ._common import act_code, interpreting, new_output, split_threshold
 
     cfg = {**CONFIG, **(config or {})}
-    n_rows, d_model = q.shape[0], x.shape[1]
-    n_words, n_groups = q.shape[2], scale.shape[2]
-    bits = 32 * n_words // d_model
-    wpg = n_words // n_groups
-    if x.shape[0] != 1 or not supports(1, bits, wpg) or n_words * 32 != d_model * bits:
-        raise ValueError(f"the one-token shadow GEMV takes x [1, d_model] and 4- or 8-bit shadows, got x "
-                         f"{tuple(x.shape)}, q {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    n_rows, d_model, n_words, n_groups, bits, wpg = problem_shape(x, q, scale, "shadow GEMV")
     if cut is not None and activation is None:
         raise ValueError("kept-row lists need the activation of the score |u~ act(g~)|")
     x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()

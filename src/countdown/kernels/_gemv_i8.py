@@ -249,14 +249,7 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     from ._common import act_code, interpreting, new_output, persistent_programs
 
     cfg = {**CONFIG, **(config or {})}
-    n_rows, d_model = q.shape[0], x.shape[1]
-    n_words, n_groups = q.shape[2], scale.shape[2]
-    bits = 32 * n_words // d_model
-    wpg = n_words // n_groups
-    if x.shape[0] != 1 or not _gemv.supports(1, bits, wpg) or n_words * 32 != d_model * bits \
-            or n_words != n_groups * wpg:
-        raise ValueError(f"the one-token int8 shadow GEMV takes x [1, d_model] and 4- or 8-bit shadows with whole "
-                         f"words per group, got x {tuple(x.shape)}, q {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    n_rows, d_model, n_words, n_groups, bits, wpg = _gemv.problem_shape(x, q, scale, "int8 shadow GEMV")
     x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
     R = cfg["R"]
     n_blocks = -(-n_rows // R)

@@ -233,10 +233,12 @@ def _gemv_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: 
     return _gemv.launch(x, q, scale, activation if score else None)
 
 
-@_gemv_op.register_fake
-def _(x, q, scale, activation, score):
+def _gemv_fake(x, q, scale, activation, score):
     shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
     return x.new_empty(shape, dtype=torch.float32)
+
+
+_gemv_op.register_fake(_gemv_fake)
 
 
 @torch.library.custom_op("countdown::shadow_gemv_i8", mutates_args=())
@@ -247,10 +249,7 @@ def _gemv_i8_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activatio
     return _gemv_i8.launch(x, q, scale, activation if score else None)
 
 
-@_gemv_i8_op.register_fake
-def _(x, q, scale, activation, score):
-    shape = (1, q.shape[0]) if score else (2, 1, q.shape[0])
-    return x.new_empty(shape, dtype=torch.float32)
+_gemv_i8_op.register_fake(_gemv_fake)
 
 
 @torch.library.custom_op("countdown::shadow_stream", mutates_args=())
