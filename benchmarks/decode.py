@@ -56,10 +56,11 @@ DEFAULT_METHODS = "mono,dual[shadow4],teal,cats,dual[hybrid],dual[lowrank],dejav
 
 
 def shadow_route() -> str:
-    """The one-token route of the shadow kernels this run uses (COUNTDOWN_SHADOW_ROUTE)."""
+    """The one-token route of the shadow kernels this run uses (COUNTDOWN_SHADOW_ROUTE) and its indicator
+    GEMV (COUNTDOWN_SHADOW_GEMV), e.g. "onepass/int8"."""
     from countdown.kernels import shadow
 
-    return shadow.ONE_TOKEN_ROUTE
+    return f"{shadow.ONE_TOKEN_ROUTE}/{shadow.ONE_TOKEN_GEMV}"
 
 
 def pdl_on() -> bool:
