@@ -47,8 +47,8 @@ if ONE_TOKEN_ROUTE not in ("fused", "onepass", "stream"):
 # The shadow GEMVs of one token on CUDA (or the interpreter): "int8" (the default since 2026-11-25),
 # _gemv_i8.py's kernel (x rounded to int8 per weight group, integer dot products: 21.1 against 26.4 us for
 # gate and up on an H200, the decode step's dual[shadow4] 351.3 against 335.8 tokens/s at k = 0.9; on
-# SmolLM2 1.8 % of the kept rows differ from the exact shadow's and the MLP output error is unchanged to
-# 1e-4: benchmarks/results/shadow_dp4a/), "fp16x2", _gemv.py's kernel (fp16 pairs made with one integer
+# SmolLM2, Gemma-3 and Qwen2.5 1.0-2.4 % of the kept rows differ from the exact shadow's and the MLP output
+# error is unchanged to 1e-4: benchmarks/results/shadow_dp4a/), "fp16x2", _gemv.py's kernel (fp16 pairs made with one integer
 # op), or "fp32", _select.py's SCORES kernel (the earlier one, fp32 per value).
 ONE_TOKEN_GEMV = os.environ.get("COUNTDOWN_SHADOW_GEMV") or "int8"
 if ONE_TOKEN_GEMV not in ("fp16x2", "int8", "fp32"):
