@@ -19,8 +19,6 @@ read / the device-to-device copy bandwidth measured in the same run. Stages (eac
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -148,34 +146,7 @@ def mlp_rows(p: Problem, bw, rows, compiled: bool):
 
 
 def write(rows, out, meta):
-    os.makedirs(out, exist_ok=True)
-    keys = ["kind", "method", "batch", "k", "us", "kept", "mb", "roofline_us", "vs_dense", "vs_roofline", "bw_share"]
-    tmp = os.path.join(out, "shadow_dp4a.csv.tmp")
-    with open(tmp, "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join("" if r.get(k) is None else (f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
-                             for k in keys) + "\n")
-    os.replace(tmp, os.path.join(out, "shadow_dp4a.csv"))
-    with open(os.path.join(out, "shadow_dp4a.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
-    fmt = lambda v, s="{:.2f}": "" if v is None else s.format(v)
-    lines = [f"# One-token shadow GEMV: int8 x with dp4a against fp16x2 ({meta['device']}, {meta['date']})", "",
-             f"`{meta['command']}`", "", f"Copy bandwidth {meta['copy_bw_tbs']:.2f} TB/s. int8 config "
-             f"{meta.get('config')}. Checks: {meta.get('checks')}", "",
-             "| kind | method | k | us | kept | MB | roofline us | x roofline | share of copy bw | x dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kind']} | {r['method']} | {r['k']} | {r['us']:.1f} | {fmt(r.get('kept'), '{:.3f}')} | "
-                     f"{r['mb']:.1f} | {r['roofline_us']:.1f} | {r['vs_roofline']:.2f} | {r['bw_share']:.0%} | "
-                     f"{fmt(r.get('vs_dense'))} |")
-    with open(os.path.join(out, "shadow_dp4a.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        sg.plot(rows, os.path.join(out, "shadow_dp4a.png"))
-    except Exception as e:  # noqa: BLE001
-        log(f"plot failed: {e}")
-    return lines
+    return sg.write(rows, out, meta, "shadow_dp4a", "One-token shadow GEMV: int8 x with dp4a against fp16x2", "int8 config")
 
 
 def main():

@@ -263,29 +263,32 @@ def compiled_rows(p: Problem, bw, rows, which: str):
                 sh + 3 * kept * p.d_inter * p.d_model * E, bw, k, kept, d_us)
 
 
-def write(rows, out, meta):
+def write(rows, out, meta, stem="shadow_gemv", title="One-token shadow GEMV and shadow MLP",
+          config_label="GEMV config"):
+    """The rows as ``stem``.csv / .json / .md (each written whole, then renamed over the old one) and a plot."""
     os.makedirs(out, exist_ok=True)
+
+    def publish(name, text):
+        tmp = os.path.join(out, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out, name))
     keys = ["kind", "method", "batch", "k", "us", "kept", "mb", "roofline_us", "vs_dense", "vs_roofline", "bw_share"]
-    with open(os.path.join(out, "shadow_gemv.csv"), "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join("" if r.get(k) is None else (f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
-                             for k in keys) + "\n")
-    with open(os.path.join(out, "shadow_gemv.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
+    cell = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+    publish(f"{stem}.csv", "".join(",".join(cell(r.get(k)) for k in keys) + "\n" for r in [dict(zip(keys, keys))] + rows))
+    publish(f"{stem}.json", json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     fmt = lambda v, s="{:.2f}": "" if v is None else s.format(v)
-    lines = [f"# One-token shadow GEMV and shadow MLP ({meta['device']}, {meta['date']})", "", f"`{meta['command']}`", "",
-             f"Copy bandwidth {meta['copy_bw_tbs']:.2f} TB/s. GEMV config {meta.get('config')}. Checks: {meta.get('checks')}", "",
+    lines = [f"# {title} ({meta['device']}, {meta['date']})", "", f"`{meta['command']}`", "",
+             f"Copy bandwidth {meta['copy_bw_tbs']:.2f} TB/s. {config_label} {meta.get('config')}. Checks: {meta.get('checks')}", "",
              "| kind | method | k | us | kept | MB | roofline us | x roofline | share of copy bw | x dense |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['method']} | {r['k']} | {r['us']:.1f} | {fmt(r.get('kept'), '{:.3f}')} | "
                      f"{r['mb']:.1f} | {r['roofline_us']:.1f} | {r['vs_roofline']:.2f} | {r['bw_share']:.0%} | "
                      f"{fmt(r.get('vs_dense'))} |")
-    with open(os.path.join(out, "shadow_gemv.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    publish(f"{stem}.md", "\n".join(lines) + "\n")
     try:
-        plot(rows, os.path.join(out, "shadow_gemv.png"))
+        plot(rows, os.path.join(out, f"{stem}.png"))
     except Exception as e:  # noqa: BLE001
         log(f"plot failed: {e}")
     return lines

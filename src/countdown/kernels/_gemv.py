@@ -199,6 +199,15 @@ def _xload(X, col, cm, J: tl.constexpr, VPW: tl.constexpr):
 
 
 @triton.jit
+def _word_grid(n_groups, G: tl.constexpr, WPG: tl.constexpr):
+    """A row's words as [G groups, WPG words]: group ids, their mask, word index and its mask."""
+    gi = tl.arange(0, G)
+    wi = tl.arange(0, WPG)
+    gm = gi < n_groups
+    return gi, gm, gi[:, None] * WPG + wi[None, :], gm[:, None] & (wi < WPG)[None, :]
+
+
+@triton.jit
 def _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gcol, gm,
           BIG: tl.constexpr):
     """Gate and up words [R, G, WPG] and scales [R, G] of the rows (0 past the end)."""
@@ -238,11 +247,7 @@ def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, 
             cut = cut_f
         n_kept = tl.full([], 0, tl.int32)
     VPW: tl.constexpr = 32 // BITS
-    gi = tl.arange(0, G)
-    wi = tl.arange(0, WPG)
-    gm = gi < n_groups
-    wcol = gi[:, None] * WPG + wi[None, :]                         # [G, WPG] word index
-    wm = gm[:, None] & (wi < WPG)[None, :]
+    gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)                # wcol: [G, WPG] word index
     ri = tl.arange(0, R)
     if PREFETCH:  # the first block's words (AHEAD 2: two blocks'), requested before x is prepared
         nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)

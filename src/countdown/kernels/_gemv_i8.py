@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemv import _tile
+from . import _gemv, _pdl
+from ._gemv import _tile, _word_grid
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -175,15 +176,12 @@ def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, G: tl.constexpr, WPG: tl.conste
     if PDL != 0:
         gdc_wait()
     VPW: tl.constexpr = 32 // BITS
-    gi = tl.arange(0, G)
-    wi = tl.arange(0, WPG)
-    wcol = gi[:, None] * WPG + wi[None, :]
-    wm = (gi < n_groups)[:, None] & (wi < WPG)[None, :]
+    gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)
     xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
     tl.store(XA + wcol, xa, mask=wm)
     tl.store(XB + wcol, xb, mask=wm)
-    tl.store(XS + gi, xs, mask=gi < n_groups)
-    tl.store(XSUM + gi, xsum, mask=gi < n_groups)
+    tl.store(XS + gi, xs, mask=gm)
+    tl.store(XSUM + gi, xsum, mask=gm)
 
 
 @triton.jit
@@ -195,11 +193,7 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
     if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
         gdc_launch_dependents()
     VPW: tl.constexpr = 32 // BITS
-    gi = tl.arange(0, G)
-    wi = tl.arange(0, WPG)
-    gm = gi < n_groups
-    wcol = gi[:, None] * WPG + wi[None, :]                         # [G, WPG] word index
-    wm = gm[:, None] & (wi < WPG)[None, :]
+    gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)                # wcol: [G, WPG] word index
     ri = tl.arange(0, R)
     if PREFETCH:  # the first block's words, requested before x is prepared (weights are no grid's output)
         nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
@@ -245,7 +239,6 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
     activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
     global LAST_KERNEL
-    from . import _gemv, _pdl
     from ._common import act_code, interpreting, new_output, persistent_programs
 
     cfg = {**CONFIG, **(config or {})}
@@ -260,10 +253,11 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     out = new_output((2, 1, n_rows) if activation is None else (1, n_rows), torch.float32, x.device)
     pdl, G = _pdl.mode(x, "gemv"), _pow2(n_groups)
     xpre = bool(cfg.get("XPRE", False))
-    if xpre:  # x's int8 words, scales and sums once, by one program
-        xa, xb = (torch.empty(n_words, dtype=torch.int32, device=x.device) for _ in range(2))
-        xs = torch.empty(n_groups, dtype=torch.float32, device=x.device)
-        xsum = torch.empty(n_groups, dtype=torch.int32, device=x.device)
+    if xpre:  # x's int8 words, scales and sums once, by one program (one int32 scratch buffer)
+        buf = torch.empty(2 * n_words + 2 * n_groups, dtype=torch.int32, device=x.device)
+        xa, xb = buf[:n_words], buf[n_words:2 * n_words]
+        xs = buf[2 * n_words:2 * n_words + n_groups].view(torch.float32)
+        xsum = buf[2 * n_words + n_groups:]
         _xprep_kernel[(1,)](x, xa, xb, xs, xsum, n_groups, G=G, WPG=wpg, BITS=bits, PDL=pdl,
                             num_warps=cfg.get("XPRE_WARPS", 4), **_pdl.launch_kwargs(pdl))
     else:
