@@ -115,9 +115,10 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
     same tokens for dense and each spec at each k, switched in place, and ONE graph for all of them."""
     from countdown.bench.measure import clear_dynamo_counts, dynamo_counts
     from countdown.bench.runner import private_copy
-    from countdown.bench.slots import SLOTS, CapturedDecoder, SlotModel
+    from countdown.bench.slots import SLOTS, CapturedDecoder, SlotModel, ZeroMLP
     from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
     from countdown.decode import generate_fast
+    from countdown.mlp import require_gated_mlps
 
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
@@ -135,6 +136,13 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
             refs[(label, k)] = generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]
             countdown.unsparsify(model)
     assert not torch.equal(refs["dense"], refs[("mono", 0.8)])  # sparsity changes the tokens: the check can fail
+    zero = [g.module for g in require_gated_mlps(model)]
+    for m in zero:  # the floor's reference: every MLP's output zero, eager
+        m.forward = lambda x: torch.zeros_like(x)
+    refs["zero"] = generate_fast(model, prompt, 12, compile="eager")[0][:, 7:]
+    for m in zero:
+        del m.forward
+    assert not torch.equal(refs["dense"], refs["zero"])
     torch._dynamo.reset()
     clear_dynamo_counts()
     params = dict(model.named_parameters())
@@ -148,9 +156,27 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
                 retarget(slots.holder, art, k)
                 assert torch.equal(dec.run(prompt, 12)[0], refs[(label, k)]), (label, k)
             countdown.unsparsify(slots.holder)
+        with slots.replaced(lambda m: ZeroMLP()):
+            assert torch.equal(dec.run(prompt, 12)[0], refs["zero"])
         assert torch.equal(dec.run(prompt, 12)[0], refs["dense"])
     assert dynamo_counts() == {"unique_graphs": 1, "graph_breaks": 0}
     assert dict(model.named_parameters()).keys() == params.keys()  # the MLPs are back where they were
+
+
+def test_report_gives_each_rows_mlp_time_in_the_step_from_the_floor():
+    """Hand-worked: a 2.0 ms step over a 1.2 ms floor of 32 layers is (2.0 - 1.2) / 32 ms = 25.0 us a
+    layer; the cap is the floor's tokens/s over the dense reference's (800 / 250 = 3.20x)."""
+    from countdown.bench.report import _mlp_section
+
+    rows = [dict(method="dense", harness="compile-cdt", sparsity="", kernel_us="", tokens_per_s="250",
+                 speedup_vs_compiled="1.0", ms_per_step="4.0"),
+            dict(method="mono", harness="one-compile", sparsity="0.9", kernel_us="44.0", kernel_roofline_us="33.0",
+                 kernel_sparsity_real="0.9", mlp_speedup="2.2", tokens_per_s="480", speedup_vs_compiled="1.92",
+                 ms_per_step="2.0")]
+    text = "\n".join(_mlp_section(rows, {"floor": {"ms_per_step": 1.2, "tokens_per_s": 800.0, "layers": 32}}))
+    assert "| mono | 0.9 | 0.9 | 44.0 | 33.0 | 1.33x | 2.20x | 25.0 |" in text
+    assert "1.200 ms" in text and "(250.0 tokens/s) no MLP method can pass 3.20x" in text
+    assert "| 2.20x | - |" in "\n".join(_mlp_section(rows, {}))  # no floor measured: no in-step figure
 
 
 def test_mask_replay_keeps_the_kept_counts(tmp_path):

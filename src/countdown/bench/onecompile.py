@@ -291,6 +291,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
         log(f"slots: step compiled and captured in {setup:.1f} s ({harness})")
         time_slots("dense", None, None, (1.0, 1.0), "", setup=setup)
         _profile_slots(s, dec, meta, "dense", None, log)
+        _floor(dec, slots, prompt, s, meta, log)
         done()
         for spec, art, art_label, kept in prepared:
             if budget.left() < 25:
@@ -326,6 +327,28 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
         dec.release()
         slots.restore()
         done()
+
+
+def _floor(dec, slots, prompt, s: OneCompileSettings, meta: dict, log) -> None:
+    """The step with every Gated-MLP a zero fill (:class:`countdown.bench.slots.ZeroMLP`) into
+    ``meta["floor"]``: what no MLP method can go below in this harness; a row's MLP time in the step is
+    its ms/step minus this floor, over the layers (the report's "in the step" column)."""
+    from .slots import ZeroMLP
+
+    try:
+        with slots.replaced(lambda m: ZeroMLP()):
+            setup = dec.capture(prompt)
+            stats = [_stats(s.new_tokens, *dec.run(prompt, s.new_tokens)[1:], setup)
+                     for _ in range(max(1, s.dense_samples))]
+            dec.release()
+    except Exception as error:  # diagnostics: never lose the run for it
+        log(f"floor (zero MLPs) failed: {type(error).__name__}: {str(error)[:300]}")
+        return
+    ms = sorted(st["ms_per_step"] for st in stats)
+    meta["floor"] = {"ms_per_step": ms[len(ms) // 2], "ms_per_step_all": ms, "layers": len(slots.mlps),
+                     "tokens_per_s": sorted(st["tokens_per_s"] for st in stats)[len(stats) // 2]}
+    log(f"  floor (every Gated-MLP a zero fill): {meta['floor']['ms_per_step']:.3f} ms/step "
+        f"({meta['floor']['tokens_per_s']:.1f} tok/s)")
 
 
 def _profile_slots(s: OneCompileSettings, dec, meta: dict, label: str, k, log) -> None:

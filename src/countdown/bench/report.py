@@ -134,7 +134,9 @@ def _mlp_section(rows: list, meta: dict) -> list[str]:
     out = [f"### One Gated-MLP alone (median per call in one CUDA graph, cycling over the first {k.get('layers', '-')} "
            f"layers' weights x {k.get('tokens', '-')} inputs recorded from dense decode steps; Sparsity-Real counted "
            "on those inputs; roofline = weight bytes / copy bandwidth)", "",
-           "| method | k | Sparsity-Real (MLP inputs) | us | roofline us | x roofline | vs dense MLP |", "|---|---|---|---|---|---|---|"]
+           "| method | k | Sparsity-Real (MLP inputs) | us | roofline us | x roofline | vs dense MLP | in the step us |",
+           "|---|---|---|---|---|---|---|---|"]
+    floor = meta.get("floor") or {}
     seen = set()
     for r in timed:
         key = (r["method"], r["sparsity"])
@@ -145,12 +147,29 @@ def _mlp_section(rows: list, meta: dict) -> list[str]:
                  if r.get("kernel_roofline_us") not in ("", None) else None)
         out.append(f"| {r['method']} | {r['sparsity'] or '-'} | {r.get('kernel_sparsity_real') or '-'} | "
                    f"{float(r['kernel_us']):.1f} | {_f(r.get('kernel_roofline_us'), '.1f')} | "
-                   f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_x(r.get('mlp_speedup'))} |")
+                   f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_x(r.get('mlp_speedup'))} | "
+                   f"{_in_step(r, floor)} |")
+    if floor:
+        best = max((float(r["tokens_per_s"]) / float(r["speedup_vs_compiled"]) for r in rows
+                    if r.get("speedup_vs_compiled") not in ("", None) and float(r["speedup_vs_compiled"]) > 0),
+                   default=None)  # the dense compiled reference's tokens/s
+        cap = (f"; against the dense compiled reference ({best:.1f} tokens/s) no MLP method can pass "
+               f"{best and floor['tokens_per_s'] / best:.2f}x" if best else "")
+        out.append(f"\n- floor: with every Gated-MLP a zero fill (one kernel a layer) the step takes "
+                   f"{floor['ms_per_step']:.3f} ms ({floor['tokens_per_s']:.1f} tokens/s){cap}. \"in the step\" = "
+                   f"(the row's ms/step - the floor) / {floor['layers']} layers: the MLP's cost inside the step")
     graphs = meta.get("slot_graphs")
     if graphs:
         out.append(f"\n- one-compile harness: Dynamo counted {graphs['unique_graphs']} graph(s) and "
                    f"{graphs['graph_breaks']} break(s) over dense, every method and every k (no recompilation)")
     return out + [""]
+
+
+def _in_step(row: dict, floor: dict) -> str:
+    """A one-compile row's Gated-MLP time inside the step: (ms/step - the floor's) / layers, in us."""
+    if not floor or row.get("harness") != "one-compile" or row.get("ms_per_step") in ("", None):
+        return "-"
+    return f"{1e3 * (float(row['ms_per_step']) - floor['ms_per_step']) / floor['layers']:.1f}"
 
 
 def _replay_section(meta: dict) -> list[str]:

@@ -56,6 +56,14 @@ class SlotMLP(nn.Module):
         return torch.ops.countdown_bench.mlp_slot(x, self.slot)
 
 
+class ZeroMLP(nn.Module):
+    """A Gated-MLP that costs one fill kernel: its output is zero (the step's floor, see
+    :meth:`SlotModel.replaced`; the decoded tokens mean nothing, the step's other work is unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 class _Holder(nn.Module):
     def __init__(self, modules: list[nn.Module]):
         super().__init__()
@@ -88,6 +96,23 @@ class SlotModel:
         self.holder = _Holder([p[2] for p in self.places])
         for parent, name, _, slot_module in self.places:
             setattr(parent, name, slot_module)
+
+    def replaced(self, make):
+        """Inside: every slot holds ``make(original module)`` instead (e.g. ``lambda m: ZeroMLP()``);
+        the originals are back on exit. Capture the step again inside (and after)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            before = {p[3].slot: SLOTS[p[3].slot] for p in self.places}
+            try:
+                for slot, original in before.items():
+                    SLOTS[slot] = make(original)
+                yield self
+            finally:
+                SLOTS.update(before)
+
+        return scope()
 
     def restore(self) -> None:
         for parent, name, original, slot_module in self.places:
