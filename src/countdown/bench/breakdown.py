@@ -20,8 +20,13 @@ from .timing import time_graph
 
 KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
     # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
-    ("countdown sparse kernels", ("_sparse_glu_kernel", "_sparse_down_kernel", "_onepass_kernel", "_sum_partials")),
+    ("countdown sparse kernels", ("_sparse_glu_kernel", "_down_kernel", "_onepass_kernel", "_sum_partials", "_psum_kernel",
+                                  "_balanced_kernel", "_few_kernel", "_stream_kernel", "_select_kernel", "_consume_kernel",
+                                  "_produce_kernel", "_coef_kernel", "_teal_")),
+    ("countdown shadow GEMV", ("_gemv_i8_kernel", "_gemv_kernel", "_xprep_kernel")),
     ("attention", ("fmha", "attention", "flash", "sdpa", "_split_kernel", "_combine_kernel")),  # ours: kernels/_attention.py, _rope_attention.py
+    ("countdown fixed GEMV (projections, indicators)", ("_linear_kernel",)),
+    ("countdown norms and residual adds", ("_rmsnorm_kernel", "_add_kernel")),
     ("GEMV + activation (MLP gate/up)", ("silu", "gelu")),
     ("RMSNorm (+ fused GEMV)", ("rsqrt",)),
     ("sampling (argmax)", ("argmax",)),
@@ -30,6 +35,11 @@ KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Ind
     ("other Inductor Triton", ("triton_",)),
     ("copy / index", ("copy", "index", "scatter", "gather", "memcpy", "Memcpy", "memset", "Memset", "fill")),
 ]
+
+
+def kernel_class(kernel: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a kernel's name (the first that matches), else ``"other"``."""
+    return next((c for c, keys in KERNEL_CLASSES if any(key in kernel for key in keys)), "other")
 
 
 def _structure(model):
@@ -188,7 +198,7 @@ def profile_calls(step, n_steps: int, device) -> dict:
             us = getattr(event, "self_cuda_time_total", 0.0)
         if not us or event.key.startswith(("cudaGraph", "Graph", "ProfilerStep")):
             continue
-        name = next((c for c, keys in KERNEL_CLASSES if any(key in event.key for key in keys)), "other")
+        name = kernel_class(event.key)
         entry = classes.setdefault(name, {"ms_per_step": 0.0, "kernels_per_step": 0.0, "top": []})
         entry["ms_per_step"] += us / 1e3 / n_steps
         entry["kernels_per_step"] += event.count / n_steps

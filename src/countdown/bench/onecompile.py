@@ -340,6 +340,7 @@ def _floor(dec, slots, prompt, s: OneCompileSettings, meta: dict, log) -> None:
             setup = dec.capture(prompt)
             stats = [_stats(s.new_tokens, *dec.run(prompt, s.new_tokens)[1:], setup)
                      for _ in range(max(1, s.dense_samples))]
+            _profile_slots(s, dec, meta, "floor", None, log)
             dec.release()
     except Exception as error:  # diagnostics: never lose the run for it
         log(f"floor (zero MLPs) failed: {type(error).__name__}: {str(error)[:300]}")
@@ -370,7 +371,8 @@ def _profile_slots(s: OneCompileSettings, dec, meta: dict, label: str, k, log) -
     meta.setdefault("slot_profiles", []).append({"method": label, "k": k, **prof})
     classes = ", ".join(f"{name} {e['ms_per_step']:.3f} ms ({e['kernels_per_step']:.0f})"
                         for name, e in sorted(prof["classes"].items(), key=lambda kv: -kv[1]["ms_per_step"]))
-    log(f"  profile {label} k={k}: {prof['device_ms_per_step']:.3f} ms of kernels per step: {classes}")
+    log(f"  profile {label} k={k}: {prof['device_ms_per_step']:.3f} ms of kernel spans per step (they overlap where "
+        f"programmatic dependent launch starts a kernel early to wait): {classes}")
 
 
 def _stats(new_tokens: int, prefill_s: float, decode_s: float, setup_s: float) -> dict:
