@@ -134,7 +134,8 @@ def test_gemv_i8_error_is_much_smaller_than_the_shadows_own():
 
 @pytest.mark.parametrize("config", [dict(PREFETCH=False, R=4), dict(R=8), dict(R=2, PER_SM=5),
                                     dict(XPRE=True, PER_SM=0, R=2), dict(XPRE=True, PREFETCH=False, R=4),
-                                    dict(XPRE=True, PREFETCH=False, STAGES=3, R=4)])
+                                    dict(XPRE=True, PREFETCH=False, STAGES=3, R=4),
+                                    dict(XPRE=True, XPRE_GB=1, XPRE_WARPS=1), dict(XPRE=True, XPRE_GB=2)])
 def test_gemv_i8_launch_variants(config):
     """Other schedules give the same values (the same integers; the float32 sums in the same order)."""
     _, prep = _shadows(192, 45, 64, 4, torch.bfloat16, seed=9)

@@ -201,7 +201,13 @@ def _xload(X, col, cm, J: tl.constexpr, VPW: tl.constexpr):
 @triton.jit
 def _word_grid(n_groups, G: tl.constexpr, WPG: tl.constexpr):
     """A row's words as [G groups, WPG words]: group ids, their mask, word index and its mask."""
-    gi = tl.arange(0, G)
+    return _word_grid_from(0, n_groups, G, WPG)
+
+
+@triton.jit
+def _word_grid_from(g0, n_groups, G: tl.constexpr, WPG: tl.constexpr):
+    """:func:`_word_grid` of the G groups from group ``g0`` on."""
+    gi = g0 + tl.arange(0, G)
     wi = tl.arange(0, WPG)
     gm = gi < n_groups
     return gi, gm, gi[:, None] * WPG + wi[None, :], gm[:, None] & (wi < WPG)[None, :]

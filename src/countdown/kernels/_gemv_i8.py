@@ -33,12 +33,15 @@ programs walk blocks of R rows, the next block's words requested before this blo
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _gemv, _pdl
-from ._gemv import _tile, _word_grid
+from ._gemv import _tile, _word_grid, _word_grid_from
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -46,7 +49,13 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # with PDL on (as in the folded decode step): gate and up 21.1 us (69 % of copy bandwidth; _gemv.py 26.4),
 # 236 registers. R: rows per block; PER_SM: persistent programs per SM (0: one program per block);
 # XPRE: x rounded by a one-program kernel first (whose run the first block's loads overlap under PDL).
-CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True)
+# XPRE_GB: groups of x a program of that kernel rounds (all of them: one program), XPRE_WARPS its warps.
+# COUNTDOWN_GEMV_I8_CONFIG='{"XPRE_GB": 8}' (JSON) overrides entries, for tuning runs.
+CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=1024, XPRE_WARPS=4)
+try:
+    CONFIG.update(json.loads(os.environ.get("COUNTDOWN_GEMV_I8_CONFIG") or "{}"))
+except (ValueError, TypeError) as error:
+    raise ValueError(f"COUNTDOWN_GEMV_I8_CONFIG must be JSON like '{{\"XPRE_GB\": 8}}': {error}") from None
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 
@@ -168,15 +177,15 @@ def _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, 
 
 
 @triton.jit
-def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, G: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
+def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, GB: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
                   PDL: tl.constexpr = 0):
-    """XPRE: x prepared once (one program) for every program of the GEMV."""
+    """XPRE: x prepared once for every program of the GEMV, GB groups a program."""
     if PDL == 1:
         gdc_launch_dependents()
     if PDL != 0:
         gdc_wait()
     VPW: tl.constexpr = 32 // BITS
-    gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)
+    gi, gm, wcol, wm = _word_grid_from(tl.program_id(0) * GB, n_groups, GB, WPG)
     xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
     tl.store(XA + wcol, xa, mask=wm)
     tl.store(XB + wcol, xb, mask=wm)
@@ -253,13 +262,14 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     out = new_output((2, 1, n_rows) if activation is None else (1, n_rows), torch.float32, x.device)
     pdl, G = _pdl.mode(x, "gemv"), _pow2(n_groups)
     xpre = bool(cfg.get("XPRE", False))
-    if xpre:  # x's int8 words, scales and sums once, by one program (one int32 scratch buffer)
+    if xpre:  # x's int8 words, scales and sums once, XPRE_GB groups a program (one int32 scratch buffer)
         buf = torch.empty(2 * n_words + 2 * n_groups, dtype=torch.int32, device=x.device)
         xa, xb = buf[:n_words], buf[n_words:2 * n_words]
         xs = buf[2 * n_words:2 * n_words + n_groups].view(torch.float32)
         xsum = buf[2 * n_words + n_groups:]
-        _xprep_kernel[(1,)](x, xa, xb, xs, xsum, n_groups, G=G, WPG=wpg, BITS=bits, PDL=pdl,
-                            num_warps=cfg.get("XPRE_WARPS", 4), **_pdl.launch_kwargs(pdl))
+        gb = min(G, _pow2(int(cfg.get("XPRE_GB", G))))
+        _xprep_kernel[(-(-n_groups // gb),)](x, xa, xb, xs, xsum, n_groups, GB=gb, WPG=wpg, BITS=bits, PDL=pdl,
+                                              num_warps=cfg.get("XPRE_WARPS", 4), **_pdl.launch_kwargs(pdl))
     else:
         xa = xb = xs = xsum = x
     LAST_KERNEL = _gemv_i8_kernel[(progs,)](
