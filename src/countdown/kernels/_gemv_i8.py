@@ -48,10 +48,14 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # Launch configuration, one token: the fastest of benchmarks/shadow_dp4a.py's sweep on an H200, 2026-11-25,
 # with PDL on (as in the folded decode step): gate and up 21.1 us (69 % of copy bandwidth; _gemv.py 26.4),
 # 236 registers. R: rows per block; PER_SM: persistent programs per SM (0: one program per block);
-# XPRE: x rounded by a one-program kernel first (whose run the first block's loads overlap under PDL).
-# XPRE_GB: groups of x a program of that kernel rounds (all of them: one program), XPRE_WARPS its warps.
+# XPRE: x rounded by a small kernel first (whose run the first block's loads overlap under PDL).
+# XPRE_GB: groups of x a program of that kernel rounds, XPRE_WARPS its warps. One program for all 64 groups
+# took 4.2 us a layer in the decode step's profile (PDL off; run BG) and, under PDL, held up the GEMV waiting
+# for it: with 4 groups a program (16 one-warp programs) one shadow MLP alone took 42.6 against 45.4 us and
+# dual[shadow4]'s step 366.2 against 356.3 tokens/s (8 groups, 2 warps: 43.6 us, 359.6; 1 group, 1 warp:
+# 42.8 us, 356.1; H200, 2026-11-25, four processes in one call, benchmarks/results/decode_runs/SESSION18.md).
 # COUNTDOWN_GEMV_I8_CONFIG='{"XPRE_GB": 8}' (JSON) overrides entries, for tuning runs.
-CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=1024, XPRE_WARPS=4)
+CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=4, XPRE_WARPS=1)
 try:
     CONFIG.update(json.loads(os.environ.get("COUNTDOWN_GEMV_I8_CONFIG") or "{}"))
 except (ValueError, TypeError) as error:
