@@ -128,7 +128,7 @@ def test_op_breakdown_counts_each_ops_bytes():
 
 
 def test_profile_classes_name_every_kernel_of_a_decode_step():
-    """Kernel names seen in a profiled H200 decode step (run BF, 2026-11-25), each in its class."""
+    """Kernel names seen in a profiled H200 decode step (runs BF and BG, 2026-11-25), each in its class."""
     from countdown.bench.breakdown import kernel_class
 
     seen = {"_linear_kernel": "countdown fixed GEMV (projections, indicators)",
