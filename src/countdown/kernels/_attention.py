@@ -25,6 +25,9 @@ No host synchronisation: the launch depends on shapes only (CUDA-graph and torch
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +38,12 @@ from . import _common
 # loads them all at once); SPLITS forces a number of splits (tests); SKIP_MASKED: K/V loads wait for
 # the mask and skip masked keys (False: they read every key of the split, masked or not, without
 # waiting). Chosen by ``benchmarks/attention.py --sweep`` on an H200 (see docs/decode.md).
+# COUNTDOWN_ATTENTION_CONFIG='{"SKIP_MASKED": false}' (JSON) overrides entries, for tuning runs in the step.
 CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2)
+try:
+    CONFIG.update(json.loads(os.environ.get("COUNTDOWN_ATTENTION_CONFIG") or "{}"))
+except (ValueError, TypeError) as error:
+    raise ValueError(f"COUNTDOWN_ATTENTION_CONFIG must be JSON like '{{\"BLOCK_N\": 32}}': {error}") from None
 LOG2E = 1.4426950408889634
 
 
