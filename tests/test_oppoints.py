@@ -163,6 +163,32 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
     assert dict(model.named_parameters()).keys() == params.keys()  # the MLPs are back where they were
 
 
+def test_captured_decoder_times_the_median_prefill_and_the_decode_after_the_last(monkeypatch):
+    """Hand-worked on a fake clock: prefills of 10, 30 and 20 s, then 5 steps of 1 s: prefill 20, decode 5."""
+    from countdown.bench import slots
+    from countdown.bench.slots import CapturedDecoder, SlotModel
+
+    model = tiny_model("llama")
+    with SlotModel(model) as slot_model:
+        dec = CapturedDecoder(model, slot_model.holder, 1, 16, compile=None)
+        clock = {"t": 0.0}
+        prefill_costs = iter([10.0, 30.0, 20.0])
+
+        def prefill(ids):
+            clock["t"] += next(prefill_costs)
+            return torch.ones(1, 1, dtype=torch.long)
+
+        def step(token, position):
+            clock["t"] += 1.0
+            return token + 1
+
+        monkeypatch.setattr(slots.time, "perf_counter", lambda: clock["t"])
+        monkeypatch.setattr(dec, "prefill", prefill)
+        monkeypatch.setattr(dec, "step", step)
+        tokens, prefill_s, decode_s = dec.run(torch.ones(1, 3, dtype=torch.long), 6, prefills=3)
+    assert (prefill_s, decode_s) == (20.0, 5.0) and tokens.tolist() == [[1, 2, 3, 4, 5, 6]]
+
+
 def test_report_gives_each_rows_mlp_time_in_the_step_from_the_floor():
     """Hand-worked: a 2.0 ms step over a 1.2 ms floor of 32 layers is (2.0 - 1.2) / 32 ms = 25.0 us a
     layer; the cap is the floor's tokens/s over the dense reference's (800 / 250 = 3.20x)."""

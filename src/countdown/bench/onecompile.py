@@ -51,6 +51,7 @@ class OneCompileSettings:
     prompt: int = 64
     dense_samples: int = 3
     samples: int = 1
+    prefills: int = 3  # a row's prefill time: the median of this many runs of the prompt (it is eager, host-bound)
     dense_compiles: int = 2
     breakdown: bool = True  # the per-op breakdown of the dense step (countdown.bench.breakdown), CUDA only
     profile: bool = False  # torch.profiler over the captured slot step: dense, and each spec at its last k
@@ -262,7 +263,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
             with PeakMemory() as peak:
                 stats = []
                 for _ in range(max(1, s.dense_samples if spec is None else s.samples)):
-                    _, prefill_s, decode_s = dec.run(prompt, s.new_tokens)
+                    _, prefill_s, decode_s = dec.run(prompt, s.new_tokens, s.prefills)
                     stats.append(_stats(s.new_tokens, prefill_s, decode_s, setup))
             row = decode_row(ctx, label, spec, k, stats, kept, art_label, harness, peak.bytes,
                              measure.model_bytes(model) + measure.model_bytes(slots.holder), art=art,
@@ -338,7 +339,7 @@ def _floor(dec, slots, prompt, s: OneCompileSettings, meta: dict, log) -> None:
     try:
         with slots.replaced(lambda m: ZeroMLP()):
             setup = dec.capture(prompt)
-            stats = [_stats(s.new_tokens, *dec.run(prompt, s.new_tokens)[1:], setup)
+            stats = [_stats(s.new_tokens, *dec.run(prompt, s.new_tokens, s.prefills)[1:], setup)
                      for _ in range(max(1, s.dense_samples))]
             _profile_slots(s, dec, meta, "floor", None, log)
             dec.release()
