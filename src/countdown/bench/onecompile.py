@@ -51,7 +51,7 @@ class OneCompileSettings:
     prompt: int = 64
     dense_samples: int = 3
     samples: int = 1
-    prefills: int = 3  # a row's prefill time: the median of this many runs of the prompt (it is eager, host-bound)
+    prefills: int = 3  # a row's prefill time: the median of this many runs of the prompt (eager: it varies)
     dense_compiles: int = 2
     breakdown: bool = True  # the per-op breakdown of the dense step (countdown.bench.breakdown), CUDA only
     profile: bool = False  # torch.profiler over the captured slot step: dense, and each spec at its last k
