@@ -198,7 +198,7 @@ def test_report_gives_each_rows_mlp_time_in_the_step_from_the_floor():
                  speedup_vs_compiled="1.0", ms_per_step="4.0"),
             dict(method="mono", harness="one-compile", sparsity="0.9", kernel_us="44.0", kernel_roofline_us="33.0",
                  kernel_sparsity_real="0.9", mlp_speedup="2.2", tokens_per_s="480", speedup_vs_compiled="1.92",
-                 ms_per_step="2.0")]
+                 ms_per_step="2.0", dense_compiled_tokens_per_s="250")]
     text = "\n".join(_mlp_section(rows, {"floor": {"ms_per_step": 1.2, "tokens_per_s": 800.0, "layers": 32}}))
     assert "| mono | 0.9 | 0.9 | 44.0 | 33.0 | 1.33x | 2.20x | 25.0 |" in text
     assert "1.200 ms" in text and "(250.0 tokens/s) no MLP method can pass 3.20x" in text

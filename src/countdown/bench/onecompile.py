@@ -347,8 +347,8 @@ def _floor(dec, slots, prompt, s: OneCompileSettings, meta: dict, log) -> None:
         log(f"floor (zero MLPs) failed: {type(error).__name__}: {str(error)[:300]}")
         return
     ms = sorted(st["ms_per_step"] for st in stats)
-    meta["floor"] = {"ms_per_step": ms[len(ms) // 2], "ms_per_step_all": ms, "layers": len(slots.mlps),
-                     "tokens_per_s": sorted(st["tokens_per_s"] for st in stats)[len(stats) // 2]}
+    meta["floor"] = {"ms_per_step": spread(ms)["median"], "ms_per_step_all": ms, "layers": len(slots.mlps),
+                     "tokens_per_s": spread([st["tokens_per_s"] for st in stats])["median"]}
     log(f"  floor (every Gated-MLP a zero fill): {meta['floor']['ms_per_step']:.3f} ms/step "
         f"({meta['floor']['tokens_per_s']:.1f} tok/s)")
 

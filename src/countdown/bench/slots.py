@@ -22,6 +22,7 @@ module holding the original MLP modules, and everything that takes a patched mod
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -97,22 +98,17 @@ class SlotModel:
         for parent, name, _, slot_module in self.places:
             setattr(parent, name, slot_module)
 
+    @contextlib.contextmanager
     def replaced(self, make):
         """Inside: every slot holds ``make(original module)`` instead (e.g. ``lambda m: ZeroMLP()``);
         the originals are back on exit. Capture the step again inside (and after)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            before = {p[3].slot: SLOTS[p[3].slot] for p in self.places}
-            try:
-                for slot, original in before.items():
-                    SLOTS[slot] = make(original)
-                yield self
-            finally:
-                SLOTS.update(before)
-
-        return scope()
+        before = {p[3].slot: SLOTS[p[3].slot] for p in self.places}
+        try:
+            for slot, original in before.items():
+                SLOTS[slot] = make(original)
+            yield self
+        finally:
+            SLOTS.update(before)
 
     def restore(self) -> None:
         for parent, name, original, slot_module in self.places:

@@ -25,9 +25,6 @@ No host synchronisation: the launch depends on shapes only (CUDA-graph and torch
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -40,10 +37,7 @@ from . import _common
 # waiting). Chosen by ``benchmarks/attention.py --sweep`` on an H200 (see docs/decode.md).
 # COUNTDOWN_ATTENTION_CONFIG='{"SKIP_MASKED": false}' (JSON) overrides entries, for tuning runs in the step.
 CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2)
-try:
-    CONFIG.update(json.loads(os.environ.get("COUNTDOWN_ATTENTION_CONFIG") or "{}"))
-except (ValueError, TypeError) as error:
-    raise ValueError(f"COUNTDOWN_ATTENTION_CONFIG must be JSON like '{{\"BLOCK_N\": 32}}': {error}") from None
+_common.env_config("COUNTDOWN_ATTENTION_CONFIG", CONFIG, '{"BLOCK_N": 32}')
 LOG2E = 1.4426950408889634
 
 

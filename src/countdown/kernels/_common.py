@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 import os
 
@@ -15,6 +16,34 @@ import torch
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 GELU_TANH_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g * sigmoid(2 c (g + 0.044715 g^3))
+
+
+def env_config(var: str, config: dict, example: str) -> None:
+    """``config`` updated in place from the JSON object in the environment variable ``var`` (tuning runs);
+    bad JSON or a key ``config`` lacks raises ValueError naming ``var``, its keys and ``example``."""
+    raw = os.environ.get(var)
+    if not raw:
+        return
+    try:
+        extra = json.loads(raw)
+        unknown = set(extra) - set(config)
+        if unknown:
+            raise KeyError(f"unknown keys {sorted(unknown)}")
+        config.update(extra)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{var} must be JSON like '{example}' with keys {sorted(config)}: {error}") from None
+
+
+def env_configs(var: str, configs: dict, example: str) -> None:
+    """:func:`env_config` for configurations by mode: ``{"mode": {...}}`` merges into ``configs[mode]``."""
+    raw = os.environ.get(var)
+    if not raw:
+        return
+    try:
+        for mode, cfg in json.loads(raw).items():
+            configs[mode] = {**configs[mode], **cfg}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{var} must be JSON like '{example}' with modes {sorted(configs)}: {error}") from None
 
 
 # Tests set this to fill every buffer a kernel must write with NaN first (proves full coverage).

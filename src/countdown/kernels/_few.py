@@ -30,7 +30,6 @@ compaction (every tile the whole chunk, masked) took 48-50 us at k = 0.9 and 48 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -57,22 +56,7 @@ CONFIG = dict(ROWS="auto", PER_SM=1, CHUNK=128, TILE=64, BK=128, BN=256, STAGES=
 INTERPRETER_PROGS = 3  # programs under the interpreter with ROWS "auto"
 
 
-def _env_config() -> None:
-    raw = os.environ.get("COUNTDOWN_FEW_CONFIG")
-    if not raw:
-        return
-    try:
-        extra = json.loads(raw)
-        unknown = set(extra) - set(CONFIG)
-        if unknown:
-            raise KeyError(f"unknown keys {sorted(unknown)}")
-        CONFIG.update(extra)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"COUNTDOWN_FEW_CONFIG must be JSON like '{{\"TILE\": 32}}' with keys "
-                         f"{sorted(CONFIG)}: {error}") from None
-
-
-_env_config()
+_common.env_config("COUNTDOWN_FEW_CONFIG", CONFIG, '{"TILE": 32}')
 
 
 @triton.jit

@@ -33,14 +33,11 @@ programs walk blocks of R rows, the next block's words requested before this blo
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import _gemv, _pdl
+from . import _common, _gemv, _pdl
 from ._gemv import _tile, _word_grid, _word_grid_from
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents, gdc_wait
@@ -55,11 +52,8 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 # dual[shadow4]'s step 366.2 against 356.3 tokens/s (8 groups, 2 warps: 43.6 us, 359.6; 1 group, 1 warp:
 # 42.8 us, 356.1; H200, 2026-11-25, four processes in one call, benchmarks/results/decode_runs/SESSION18.md).
 # COUNTDOWN_GEMV_I8_CONFIG='{"XPRE_GB": 8}' (JSON) overrides entries, for tuning runs.
-CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=4, XPRE_WARPS=1)
-try:
-    CONFIG.update(json.loads(os.environ.get("COUNTDOWN_GEMV_I8_CONFIG") or "{}"))
-except (ValueError, TypeError) as error:
-    raise ValueError(f"COUNTDOWN_GEMV_I8_CONFIG must be JSON like '{{\"XPRE_GB\": 8}}': {error}") from None
+CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=4, XPRE_WARPS=1, STAGES=1)
+_common.env_config("COUNTDOWN_GEMV_I8_CONFIG", CONFIG, '{"XPRE_GB": 8}')
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 
@@ -271,9 +265,9 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
         xa, xb = buf[:n_words], buf[n_words:2 * n_words]
         xs = buf[2 * n_words:2 * n_words + n_groups].view(torch.float32)
         xsum = buf[2 * n_words + n_groups:]
-        gb = min(G, _pow2(int(cfg.get("XPRE_GB", G))))
+        gb = min(G, _pow2(int(cfg["XPRE_GB"])))
         _xprep_kernel[(-(-n_groups // gb),)](x, xa, xb, xs, xsum, n_groups, GB=gb, WPG=wpg, BITS=bits, PDL=pdl,
-                                              num_warps=cfg.get("XPRE_WARPS", 4), **_pdl.launch_kwargs(pdl))
+                                              num_warps=cfg["XPRE_WARPS"], **_pdl.launch_kwargs(pdl))
     else:
         xa = xb = xs = xsum = x
     LAST_KERNEL = _gemv_i8_kernel[(progs,)](

@@ -27,7 +27,6 @@ written whole (no atomics, no zeroed workspace): the reduction is deterministic.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -68,20 +67,7 @@ KERNEL_IND_CONFIGS = {
 }
 
 
-def _env_configs() -> None:
-    raw = os.environ.get("COUNTDOWN_ONEPASS_CONFIGS")
-    if not raw:
-        return
-    try:
-        extra = json.loads(raw)
-        for mode, cfg in extra.items():
-            CONFIGS[mode] = {**CONFIGS[mode], **cfg}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"COUNTDOWN_ONEPASS_CONFIGS must be JSON like "
-                         f"'{{\"abs\": {{\"CHUNK\": 16}}}}' with modes {sorted(CONFIGS)}: {error}") from None
-
-
-_env_configs()
+_common.env_configs("COUNTDOWN_ONEPASS_CONFIGS", CONFIGS, '{"abs": {"CHUNK": 16}}')
 INTERPRETER_PROGS = 3  # programs under the interpreter: small, so each walks several chunks
 
 # Where a one-token indicator computed before the op runs (mono's u, cats' g, the low-rank predictor's

@@ -57,22 +57,7 @@ INTERPRETER_PROGS = 3
 LAST_KERNELS: tuple = ()
 
 
-def _env_configs() -> None:
-    import json
-    import os
-
-    raw = os.environ.get("COUNTDOWN_SPLIT_CONFIGS")
-    if not raw:
-        return
-    try:
-        for mode, cfg in json.loads(raw).items():
-            CONFIGS[mode] = {**CONFIGS[mode], **cfg}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"COUNTDOWN_SPLIT_CONFIGS must be JSON like '{{\"abs\": {{\"BN\": 64}}}}' with modes "
-                         f"{sorted(CONFIGS)}: {error}") from None
-
-
-_env_configs()
+_common.env_configs("COUNTDOWN_SPLIT_CONFIGS", CONFIGS, '{"abs": {"BN": 64}}')
 
 
 @triton.jit
