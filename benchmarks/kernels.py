@@ -600,6 +600,9 @@ class Compile:
                     res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
                 use = " ".join(w for l in res.splitlines() if "REG:" in l for w in l.split()
                                if w.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
+                ptx = c.asm.get("ptx", "")
+                use += f" DYN_SHARED:{c.metadata.shared}" + "".join(  # what the loop became on sm_90
+                    f" {name}" for name, key in (("MMA", "mma."), ("ASYNC", "cp.async")) if key in ptx)
                 log(f"ok   {use:40s} {tag}")
             except Exception as e:  # noqa: BLE001
                 self.failures.append(tag)

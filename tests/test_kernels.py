@@ -236,15 +236,25 @@ def test_fused_dense_indicator(op, dtype, batch, monkeypatch):
 
 ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
     ("mono", torch.bfloat16, "silu", {}, False),  # per program
-    ("mono", torch.float32, "gelu_tanh", dict(PREFETCH=True, CHUNK=16, BLOCK_M=4), False),
+    ("mono", torch.float32, "gelu_tanh", dict(PREFETCH=True, CHUNK=16, BLOCK_M=4, ROWS=None, RB=0), False),
     ("cats", torch.float16, "gelu_tanh", {}, False),
-    ("cats", torch.bfloat16, "silu", dict(PREFETCH=True, BLOCK_M=1), False),
+    ("cats", torch.bfloat16, "silu", dict(PREFETCH=True, BLOCK_M=1, ROWS=None, RB=0), False),
     ("dual", torch.bfloat16, "silu", {}, False),
     ("dual", torch.bfloat16, "silu", {}, True),
-    ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8), True),
+    ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8, ROWS=None, RB=0), True),
     ("mono", torch.bfloat16, "silu", dict(ROWS="auto", BLOCK_M=4), False),  # 131 rows over 3 programs: 44 a chunk
     ("dual", torch.float32, "silu", dict(ROWS="auto", BLOCK_M=2), True),
     ("cats", torch.float16, "silu", dict(STAGES=2, BLOCK_M=2), False),  # the tile loop software-pipelined
+    # the kernel's indicator RB rows a step (ind-kernel; ignored with ind-torch): 9 chunks of 16, a partial last step
+    ("mono", torch.bfloat16, "silu", dict(RB=4, ISTAGES=2, CHUNK=16, W_EARLY=True), False),  # early: 1st chunk
+    ("cats", torch.float16, "gelu_tanh", dict(RB=2, CHUNK=32, BLOCK_M=2), False),
+    ("mono", torch.bfloat16, "silu", dict(ROWS="auto", RB=8, ISTAGES=3, BLOCK_M=4), False),  # 48 rows a program
+    ("dual", torch.bfloat16, "gelu_tanh", dict(ROWS="auto", RB=8, ISTAGES=3, W_EARLY=True), True),
+    # ... or as a matrix product over K (tl.dot), IND_DOT columns a step: 3 masked steps of 32 for d_model 67
+    ("mono", torch.bfloat16, "silu", dict(ROWS="auto", IND_DOT=32, ISTAGES=2), False),
+    ("dual", torch.float16, "gelu_tanh", dict(IND_DOT=16, CHUNK=32), True),
+    ("cats", torch.float32, "silu", dict(IND_DOT=32, CHUNK=16), False),  # fp32 rows: the register route
+    ("dual", torch.bfloat16, "silu", dict(ROWS="auto", RB=4, ISTAGES=2, STAGES=2, W_EARLY=True), True),  # 44 rows
 ]
 
 
@@ -260,8 +270,6 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     ``cut - bias``) give every row its own value."""
     monkeypatch.setattr(_onepass, "ONEPASS", True)
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    if config.get("ROWS") == "auto" and ind == "kernel":
-        pytest.skip("ROWS='auto' takes the indicator given (tested to refuse the other case below)")
     monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, **config, "IND": ind} for m, c in _onepass.CONFIGS.items()})
     x, wg, wu, wdt = _mlp(1, dtype)
     if op == "dual":
@@ -394,8 +402,12 @@ def test_onepass_really_runs(monkeypatch):
     with pytest.raises(ValueError, match="one token"):
         real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
     x = x[:1]
-    with pytest.raises(ValueError, match="ROWS='auto'"):
-        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(ROWS="auto"))
+    with pytest.raises(ValueError, match="RB"):
+        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=3))
+    with pytest.raises(ValueError, match="IND_DOT"):
+        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(IND_DOT=24))
+    with pytest.raises(ValueError, match="PREFETCH"):
+        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=4, PREFETCH=True, ROWS=None))
 
 
 VARIANTS = [  # kernel options the benchmark compares; each must be right too

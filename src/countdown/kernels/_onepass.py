@@ -16,8 +16,9 @@ sum and cast fuse into the residual add that follows, so a decode step's sparse 
 of ours instead of three (GLU kernel, down kernel, cast; see _chain.py).
 
 The grid is persistent: PROGS programs (a few per SM) walk the row chunks c = p, p + PROGS, ...
-Per chunk a program reads the chunk's indicators (or loads the CHUNK indicator rows whole, one DRAM
-round trip, and computes them), compacts the kept
+Per chunk a program reads the chunk's indicators (or computes them from the chunk's W_ind rows: loaded
+whole, one DRAM round trip; or RB rows a step, pipelined; or as a tensor-core product, IND_DOT columns a
+step), compacts the kept
 rows in registers (prefix sum + one-hot select, as _glu.py), then loads BLOCK_M kept rows of every
 matrix it still needs, all loads issued before any arithmetic (one more round trip), and adds
 s W_down rows into its fp32 accumulator [d_model]. With PREFETCH the next chunk's indicator rows
@@ -55,9 +56,18 @@ ONEPASS_OFF_CUDA = False
 # software-pipelined 3 deep (STAGES, tl.range's num_stages): x + mlp(x) compiled 46.98 / 38.50 / 29.39 us at
 # k = 0.7 / 0.8 / 0.9 against 49.21 / 40.52 / 30.75 (benchmarks/balanced.py --onepass-only, H200,
 # benchmarks/results/balanced/stages/); mono gains nothing from it (21.4 -> 21.6-27.0 us alone).
+# "abs" (mono) since 2026-11-25 (session 19): u = x W_up^T streamed inside this kernel (IND "kernel"), each
+# program one chunk of about 56 rows (ROWS "auto"), RB 2 rows a step pipelined 3 deep (ISTAGES), the first
+# step's rows loaded before the PDL wait (W_EARLY): no GEMV launch before it and no indicator round trip. Its
+# u phase is slower than the fixed GEMV (35.6-35.9 us against 27.2-27.5) but the kept rows cost 8 us on top
+# of it instead of 17: one mono MLP alone 43.8-44.2 us against 44.3-44.7 for the fixed GEMV + this kernel,
+# in the decode step 41.2 / 41.8 us against 41.9 / 42.3 (benchmarks/ind_kernel.py and benchmarks/fused_ab.sh,
+# H200, benchmarks/results/ind_kernel/). The indicator as a tensor-core product (IND_DOT) was slower (38.7-61 us
+# for the u phase alone), and so was dual[lowrank] with its scores in the kernel (29.2 us against 26.2 in the step).
 # COUNTDOWN_ONEPASS_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
 CONFIGS = {
-    "abs": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
+    "abs": dict(IND="kernel", ROWS="auto", RB=2, ISTAGES=3, W_EARLY=True, CHUNK=64, BLOCK_M=4, num_warps=4,
+                PER_SM=2, PREFETCH=False),
     "abs_act": dict(IND="torch", CHUNK=64, BLOCK_M=4, num_warps=4, PER_SM=4, PREFETCH=False),
     "gt": dict(IND="torch", CHUNK=64, BLOCK_M=2, num_warps=4, PER_SM=4, PREFETCH=False, STAGES=3),
 }
@@ -114,6 +124,77 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr):
+    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on)."""
+    rb = tl.arange(0, RB)
+    rows = r0 + j + rb
+    rmask = (j + rb < n_rows) & (rows < d_inter)
+    if BIG:
+        off = rows.to(tl.int64)[:, None] * k_ind + ki[None, :]
+    else:
+        off = rows[:, None] * k_ind + ki[None, :]
+    if EVEN_I:
+        return tl.load(WI + off, mask=rmask[:, None], other=0.0)
+    else:
+        return tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
+
+
+@triton.jit
+def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB: tl.constexpr,
+                       ISTAGES: tl.constexpr, W_EARLY: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
+                       DT: tl.constexpr):
+    """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them), RB rows
+    of W_ind a step: each step's dot products go into their slots of the chunk's vector (one-hot), so
+    the chunk's rows stream through registers RB at a time instead of being loaded whole. W_EARLY: in the
+    program's ``first`` chunk the first step's rows are ``w0``, loaded at the program's start."""
+    rb = tl.arange(0, RB)
+    ind = tl.zeros(cr.shape, dtype=tl.float32)
+    start = 0
+    if W_EARLY:
+        if first:
+            d0 = tl.sum(w0.to(tl.float32) * vv[None, :], axis=1)
+            ind += tl.sum(tl.where(cr[:, None] == rb[None, :], d0[None, :], 0.0), axis=1)
+            start = RB
+    for j in tl.range(start, n_rows, RB, num_stages=ISTAGES):
+        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I)
+        d = tl.sum(w.to(tl.float32) * vv[None, :], axis=1)
+        ind += tl.sum(tl.where(cr[:, None] == (j + rb)[None, :], d[None, :], 0.0), axis=1)
+    return _round_to(ind, DT)  # as a dense GEMV would return it
+
+
+@triton.jit
+def _dot_indicator(WI, V, r0, n_rows, cr, k_ind, d_inter, CHUNK: tl.constexpr, BK: tl.constexpr,
+                   ISTAGES: tl.constexpr, BIG: tl.constexpr, DT: tl.constexpr, F32: tl.constexpr):
+    """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them) as a
+    matrix product: [CHUNK, BK] tiles of W_ind times [BK, 16] (v in column 0, zeros elsewhere), K walked BK
+    at a time, its tiles pipelined ISTAGES deep through shared memory and reduced by the tensor cores (no
+    reduction across warps per step, as in _stepped_indicator). Measured slower than it (H200, 2026-11-25,
+    benchmarks/results/ind_kernel/): opt-in. F32: both
+    operands in fp32 (the same exact products and fp32 sums; the CPU interpreter (Triton 3.9) multiplies
+    bf16 operands wrongly)."""
+    rows = r0 + cr
+    rmask = (cr < n_rows) & (rows < d_inter)
+    if BIG:
+        base = rows.to(tl.int64)[:, None] * k_ind
+    else:
+        base = rows[:, None] * k_ind
+    kb = tl.arange(0, BK)
+    col = tl.arange(0, 16)
+    acc = tl.zeros([CHUNK, 16], dtype=tl.float32)
+    for k0 in tl.range(0, k_ind, BK, num_stages=ISTAGES):
+        kk = k0 + kb
+        kmask = kk < k_ind
+        w = tl.load(WI + base + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        v = tl.load(V + kk, mask=kmask, other=0.0)
+        vb = tl.where(col[None, :] == 0, v[:, None], tl.zeros_like(v)[:, None]).to(WI.dtype.element_ty)
+        if F32:
+            acc = tl.dot(w.to(tl.float32), vb.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, vb, acc)
+    return _round_to(tl.sum(acc, axis=1), DT)  # the other columns are exact zeros
+
+
+@triton.jit
 def _onepass_kernel(
     X, V, WI, IND, WG, WU, WD, THR, P, Y, T,
     thr_f, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
@@ -123,17 +204,24 @@ def _onepass_kernel(
     BIG: tl.constexpr, PREFETCH: tl.constexpr, SPARSE: tl.constexpr, DENSE: tl.constexpr,
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
+    RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
+    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
         gdc_launch_dependents()
-    if PDL:  # nothing of the previous kernel's output is read before this
-        gdc_wait()
     kd = tl.arange(0, BLOCK_D)
     ki = tl.arange(0, BLOCK_I)
+    w0 = 0.0
+    if W_EARLY:  # the first step's indicator rows: weights, so before the wait for the previous kernel
+        w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I)
+    if PDL:  # nothing of the previous kernel's output is read before this
+        gdc_wait()
     xv = _load_vec(X, kd, d_model, EVEN_D)
     if DENSE:
-        if EVEN_I:
+        if V_IS_X:  # mono / cats: the indicator's input is x itself
+            vv = xv
+        elif EVEN_I:
             vv = tl.load(V + ki).to(tl.float32)
         else:
             vv = tl.load(V + ki, mask=ki < k_ind, other=0.0).to(tl.float32)
@@ -148,20 +236,22 @@ def _onepass_kernel(
         wi_n = _rows(WI, pid * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
 
     for c in range(pid, n_chunks, n_progs):
-        if DENSE:
-            r = c * CHUNK + cr
-            rmask = r < d_inter
-        else:  # rows_per_chunk <= CHUNK rows (ROWS "auto": not a power of two)
-            r = c * rows_per_chunk + cr
-            rmask = (cr < rows_per_chunk) & (r < d_inter)
+        r = c * rows_per_chunk + cr  # rows_per_chunk <= CHUNK rows (ROWS "auto": not a power of two)
+        rmask = (cr < rows_per_chunk) & (r < d_inter)
         if not DENSE:  # the indicator was computed before the launch
             ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
+        elif IND_BK > 0:  # a matrix product over K, BK columns a step, pipelined through shared memory
+            ind = _dot_indicator(WI, V, c * rows_per_chunk, rows_per_chunk, cr, k_ind, d_inter, CHUNK, IND_BK,
+                                 ISTAGES, BIG, V.dtype.element_ty, DOT_F32)
+        elif RB > 0:  # RB rows a step, the steps software-pipelined ISTAGES deep (a streaming GEMV)
+            ind = _stepped_indicator(WI, vv, c * rows_per_chunk, rows_per_chunk, cr, ki, k_ind, d_inter, w0,
+                                     c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty)
         elif PREFETCH:  # this chunk's rows arrived during the last one; request the next chunk's
             wi = wi_n  # (beyond the last chunk every row is masked: nothing is read)
             wi_n = _rows(WI, (c + n_progs) * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
         else:
             wi = _rows(WI, r, ki, k_ind, d_inter, BIG, EVEN_I)
-        if DENSE:  # the indicator, rounded to v's dtype as a dense GEMV would return it
+        if DENSE and RB == 0 and IND_BK == 0:  # the indicator, rounded to v's dtype as a dense GEMV would return it
             ind = _round_to(tl.sum(wi.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
         pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
         if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
@@ -182,7 +272,8 @@ def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, 
     given only): one chunk per program, d_inter split evenly over PER_SM programs per SM."""
     most = _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)
     if cfg.get("ROWS") == "auto":
-        rows = triton.cdiv(d_inter, most)
+        step = max(1, cfg.get("RB", 0))  # whole indicator steps a program (no row of the next one read)
+        rows = triton.cdiv(triton.cdiv(d_inter, most), step) * step
         chunk = max(16, _pow2(rows))
     else:
         rows = chunk = cfg["CHUNK"]
@@ -219,8 +310,6 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
             raise ValueError(f"indicator must be [1, {d_inter}], got {tuple(ind.shape)}")
         ind = ind.contiguous()
         v, w_ind = x, w_gate  # placeholders, never read
-    elif cfg.get("ROWS") == "auto":
-        raise ValueError("ROWS='auto' (one chunk per program) needs the indicator given (IND='torch')")
     elif w_ind.shape[0] != d_inter or v.shape != (1, w_ind.shape[1]):
         raise ValueError(f"indicator input must be v [1, k] and w_ind [{d_inter}, k], got "
                          f"{tuple(v.shape)} and {tuple(w_ind.shape)}")
@@ -231,6 +320,16 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     if thr_vec and thr_t.numel() != d_inter:
         raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
     rows, chunk, progs = _chunking(x.device, d_inter, cfg)
+    rb = int(cfg.get("RB", 0))
+    if rb and (rb & (rb - 1) or rb > chunk):
+        raise ValueError(f"RB (indicator rows a step) must be a power of two <= CHUNK {chunk}, got {rb}")
+    ind_bk = int(cfg.get("IND_DOT", 0)) if ind is None and w_ind.dtype in (torch.float16, torch.bfloat16) else 0
+    if ind_bk:  # (fp32 indicator rows: the register route below, a tensor-core product would round them)
+        if ind_bk & (ind_bk - 1) or ind_bk < 16 or chunk < 16:
+            raise ValueError(f"IND_DOT (indicator columns a step) must be a power of two >= 16, got {ind_bk}")
+        rb = 0
+    if ind is None and cfg["PREFETCH"] and (rb or ind_bk or rows != chunk):
+        raise ValueError("PREFETCH (the next chunk's indicator rows loaded whole) takes RB=0 and no ROWS='auto'")
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
     counter = _psum.counters(x.device) if tail else None
@@ -245,7 +344,10 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
-        REDUCERS=reducers, BC=bc, BR=br, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
+        REDUCERS=reducers, BC=bc, BR=br, RB=rb if ind is None else 0, ISTAGES=int(cfg.get("ISTAGES", 1)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
+        W_EARLY=bool(rb and ind is None and cfg.get("W_EARLY", False)),
+        V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
+        num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
     if tail:
         return y if counter is not None else _psum.sum_partials(p, x.dtype)
@@ -283,6 +385,8 @@ def _(x, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, 
 def indicator_outside(mode: str) -> bool:
     """Whether the ops compute the indicator in PyTorch before the launch (CONFIGS[mode]["IND"]; never for
     the "overlap" sparse kernel, which computes it in its own grid)."""
+    if SPARSE_KERNEL in ("split", "balanced"):  # their kernels take the indicator given
+        return True
     return SPARSE_KERNEL != "overlap" and CONFIGS[mode].get("IND", "torch") == "torch"
 
 
