@@ -1,11 +1,12 @@
 """One token's mono MLP with its indicator streamed inside the sparse kernel (kernels/_onepass.py, IND "kernel",
-RB rows a step) against the default route (u on the fixed GEMV, then the sparse kernel), one MLP alone.
+RB rows a step: mono's default since 2026-11-25) in several configurations against the route before it (u on the
+fixed GEMV, then the sparse kernel: "GEMV route" below, `IND="torch"`), one MLP alone.
 
     cd benchmarks && COUNTDOWN_PDL=1 PYTHONPATH=../src:. python ind_kernel.py --out DIR [--ks 0.9]
 
 Llama-3.1-8B's MLP shape, bf16, batch 1, CUDA graphs of 8 calls over 4 weight sets (benchmarks/kernels.py's
 Problem and timing), the partials summed by kernels/_psum.py as in an eager call. Each configuration's output
-is checked against the default route's first (same kept rows: the thresholds sit in wide gaps). Rows: the default
+is checked against the GEMV route's first (same kept rows: the thresholds sit in wide gaps). Rows: the GEMV
 route, the fixed GEMV alone (u), and per configuration the whole MLP and its indicator phase alone (SPARSE
 False: the W_up rows streamed and compared, no kept row loaded). Prints a table; DIR/ind_kernel.{json,md,png}
 (`--plot DIR/ind_kernel.json` redraws the plot).
@@ -27,18 +28,20 @@ from countdown.kernels import _onepass
 from kernels import DTYPE, SHAPES, Problem, log, safe_time  # noqa: E402
 from onepass import onepass  # noqa: E402
 
-BASE = dict(IND="kernel", ROWS="auto", RB=4, ISTAGES=2, PER_SM=2, BLOCK_M=4, num_warps=4, PREFETCH=False)
-CANDIDATES = {  # name: changes to BASE. Calls 1-2 (2026-11-25) timed the register routes (RB rows a step): the
-    # fastest "rb2 s3 early" below; the others (RB 4 / 8, ISTAGES 2-3, CHUNK 32, BLOCK_M 2, 8 warps) slower.
-    "rb2 s3 early": dict(RB=2, ISTAGES=3, W_EARLY=True),
-    # the indicator as a matrix product (IND_DOT columns a step, its tiles pipelined through shared memory)
-    "dot128 s3": dict(IND_DOT=128, ISTAGES=3),
-    "dot128 s3 3/SM": dict(IND_DOT=128, ISTAGES=3, PER_SM=3),
-    "dot64 s4 3/SM": dict(IND_DOT=64, ISTAGES=4, PER_SM=3),
-    "dot256 s2": dict(IND_DOT=256, ISTAGES=2),
-    "dot128 s4 1/SM": dict(IND_DOT=128, ISTAGES=4, PER_SM=1),
-    "dot128 s3 3/SM bm2 st3": dict(IND_DOT=128, ISTAGES=3, PER_SM=3, BLOCK_M=2, STAGES=3),
-    "dot128 s3 w8": dict(IND_DOT=128, ISTAGES=3, num_warps=8),
+BASE = dict(_onepass.CONFIGS["abs"])  # mono's default since 2026-11-25 (RB 2, ISTAGES 3, W_EARLY, 2 programs an SM)
+CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check, 4 warps unless said): the
+    # default 236 (2 programs an SM fit), BLOCK_M 2: 168 (3 fit), BLOCK_M 1: 126 (4 fit), BLOCK_M 2 with 8 warps:
+    # 102; its u phase alone 115. Timed before (2026-11-25, results/ind_kernel/): the register routes with RB 4 /
+    # 8, 8 warps at 1 an SM, CHUNK 16 / 32 and BLOCK_M 2 at 2 an SM (slower or equal), rows loaded by hand a step
+    # ahead (slower, removed), the tensor-core indicator IND_DOT (slower). Not yet timed: more programs an SM.
+    "default": {},
+    "bm2 3/SM": dict(BLOCK_M=2, PER_SM=3),
+    "bm2 s3 3/SM": dict(BLOCK_M=2, STAGES=3, PER_SM=3),
+    "bm1 4/SM": dict(BLOCK_M=1, PER_SM=4),
+    "bm1 s3 4/SM": dict(BLOCK_M=1, STAGES=3, PER_SM=4),
+    "bm2 w8 2/SM": dict(BLOCK_M=2, num_warps=8),
+    "rb1 s4 bm2 3/SM": dict(RB=1, ISTAGES=4, BLOCK_M=2, PER_SM=3),
+    "dot128 s3": dict(IND_DOT=128),  # the tensor-core indicator, for reference
 }
 
 
@@ -61,7 +64,7 @@ def plot(json_path: str) -> str:
     names = [r["name"] for r in whole]
     ax.barh(names, [r["us"] for r in whole], color="tab:blue", label="whole MLP (k = %g)" % k)
     ax.barh(names, [phase.get(n, 0) for n in names], color="tab:orange", height=0.4, label="its u phase alone")
-    for name, style in (("default route", "k--"), ("fixed GEMV u alone", "g:")):
+    for name, style in (("GEMV route", "k--"), ("default route", "k--"), ("fixed GEMV u alone", "g:")):
         if name in ref:
             ax.axvline(ref[name], color=style[0], linestyle=style[1:], label=f"{name} {ref[name]:.1f} us")
     ax.set_xlabel("us (one mono MLP, CUDA graph)")
@@ -102,8 +105,9 @@ def main():
         kept = float(torch.stack([m.float().mean() for m in p.masks(k)[0]["mono"]]).mean())
         nbytes = mat * (1 + 2 * kept)
         call = lambda i: (lambda: K.mono_gated_mlp(p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"], thr, act))
-        ref = call(0)().float()
-        add("default route", k, safe_time("default", [call(i) for i in range(8)]), nbytes)
+        with onepass(True, dict(IND="torch", ROWS=None, RB=0, CHUNK=64, BLOCK_M=4, PER_SM=4, W_EARLY=False), "abs"):
+            ref = call(0)().float()
+            add("GEMV route", k, safe_time("GEMV route", [call(i) for i in range(8)]), nbytes)
         for name, change in CANDIDATES.items():
             cfg = {key: v for key, v in {**BASE, **change}.items() if v is not None}
             with onepass(True, cfg, "abs"):
@@ -111,7 +115,7 @@ def main():
                     got = call(0)().float()
                     err = float((got - ref).abs().max() / ref.abs().max())
                     if not err < 2e-2:
-                        raise RuntimeError(f"differs from the default route by {err:.3g} (relative)")
+                        raise RuntimeError(f"differs from the GEMV route by {err:.3g} (relative)")
                 except Exception as e:  # noqa: BLE001
                     log(f"{name}: DROPPED {type(e).__name__}: {str(e).splitlines()[-1][:200]}")
                     continue
@@ -128,7 +132,7 @@ def main():
                         f"--ks {' '.join(map(str, args.ks))}")
     with open(os.path.join(args.out, "ind_kernel.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# mono, in-kernel indicator vs the default route ({meta['device']}, {meta['date']})", "",
+    lines = [f"# mono, in-kernel indicator vs the GEMV route ({meta['device']}, {meta['date']})", "",
              f"`{meta['command']}`; copy bandwidth {bw / 1e12:.2f} TB/s", "",
              "| row | k | us | roofline us | x roofline |", "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['k']} | {r['us']:.1f} | {r['roofline_us']:.1f} | {r['us'] / r['roofline_us']:.2f} |"
