@@ -129,6 +129,6 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[kind]
     assert launches == [mode] * len(countdown.find_gated_mlps(model))
-    # the GEMVs before the kernel: mono none (u streamed in the kernel, CONFIGS["abs"]), cats g, dual x A, (x A) B
-    per_mlp = {"mono": 0 if _onepass.CONFIGS["abs"]["IND"] == "kernel" else 1, "cats": 1, "dual": 2}[kind]
+    # the GEMVs before the kernel: the indicator where it is computed outside (not mono's u), and dual's x A
+    per_mlp = int(_onepass.indicator_outside(mode)) + (kind == "dual")
     assert len(gemvs) == per_mlp * len(launches)

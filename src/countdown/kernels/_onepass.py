@@ -125,7 +125,9 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr):
-    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on)."""
+    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on). Not
+    _rows with the rows past the chunk moved past the end: that compiles (sm_90) to 168 registers a thread
+    for mono's default instead of the 236 timed on the H200, a candidate of its own (not timed yet)."""
     rb = tl.arange(0, RB)
     rows = r0 + j + rb
     rmask = (j + rb < n_rows) & (rows < d_inter)
@@ -219,7 +221,7 @@ def _onepass_kernel(
         gdc_wait()
     xv = _load_vec(X, kd, d_model, EVEN_D)
     if DENSE:
-        if V_IS_X:  # mono / cats: the indicator's input is x itself
+        if V_IS_X:  # mono / cats: the indicator's input is x itself (one fp32 [d_model] in registers, not two)
             vv = xv
         elif EVEN_I:
             vv = tl.load(V + ki).to(tl.float32)
@@ -251,7 +253,7 @@ def _onepass_kernel(
             wi_n = _rows(WI, (c + n_progs) * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
         else:
             wi = _rows(WI, r, ki, k_ind, d_inter, BIG, EVEN_I)
-        if DENSE and RB == 0 and IND_BK == 0:  # the indicator, rounded to v's dtype as a dense GEMV would return it
+        if DENSE and RB == 0 and IND_BK == 0:  # the indicator from whole rows, rounded as a dense GEMV returns it
             ind = _round_to(tl.sum(wi.to(tl.float32) * vv[None, :], axis=1), V.dtype.element_ty)
         pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
         if not SPARSE:  # timing experiment only (benchmarks/onepass.py --stages): the indicator phase
@@ -268,8 +270,8 @@ def _onepass_kernel(
 
 
 def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
-    """(rows per chunk, CHUNK = the power of two that holds them, programs). ROWS "auto" (indicator
-    given only): one chunk per program, d_inter split evenly over PER_SM programs per SM."""
+    """(rows per chunk, CHUNK = the power of two that holds them, programs). ROWS "auto": one chunk per
+    program, d_inter split evenly over PER_SM programs per SM (in whole RB steps)."""
     most = _common.persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)
     if cfg.get("ROWS") == "auto":
         step = max(1, cfg.get("RB", 0))  # whole indicator steps a program (no row of the next one read)
@@ -320,7 +322,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     if thr_vec and thr_t.numel() != d_inter:
         raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
     rows, chunk, progs = _chunking(x.device, d_inter, cfg)
-    rb = int(cfg.get("RB", 0))
+    rb = int(cfg.get("RB", 0)) if ind is None else 0
     if rb and (rb & (rb - 1) or rb > chunk):
         raise ValueError(f"RB (indicator rows a step) must be a power of two <= CHUNK {chunk}, got {rb}")
     ind_bk = int(cfg.get("IND_DOT", 0)) if ind is None and w_ind.dtype in (torch.float16, torch.bfloat16) else 0
@@ -344,8 +346,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
-        REDUCERS=reducers, BC=bc, BR=br, RB=rb if ind is None else 0, ISTAGES=int(cfg.get("ISTAGES", 1)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
-        W_EARLY=bool(rb and ind is None and cfg.get("W_EARLY", False)),
+        REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
+        W_EARLY=bool(rb and cfg.get("W_EARLY", False)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
