@@ -33,15 +33,16 @@ CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check
     # default 236 (2 programs an SM fit), BLOCK_M 2: 168 (3 fit), BLOCK_M 1: 126 (4 fit), BLOCK_M 2 with 8 warps:
     # 102; its u phase alone 115. Timed before (2026-11-25, results/ind_kernel/): the register routes with RB 4 /
     # 8, 8 warps at 1 an SM, CHUNK 16 / 32 and BLOCK_M 2 at 2 an SM (slower or equal), rows loaded by hand a step
-    # ahead (slower, removed), the tensor-core indicator IND_DOT (slower). Not yet timed: more programs an SM.
+    # ahead (slower, removed), the tensor-core indicator IND_DOT (slower). Not yet timed: more programs an SM, and
+    # CLAMP (sm_90: 168 registers for the default, 126 with BLOCK_M 1 at 4 an SM).
     "default": {},
+    "clamp 2/SM": dict(CLAMP=True),  # the step's rows as _rows with the rows past the chunk clamped: 168 registers
+    "clamp 3/SM": dict(CLAMP=True, PER_SM=3),
+    "clamp bm2 4/SM": dict(CLAMP=True, BLOCK_M=2, PER_SM=4),  # 164
+    "clamp bm1 4/SM": dict(CLAMP=True, BLOCK_M=1, PER_SM=4),  # 126
     "bm2 3/SM": dict(BLOCK_M=2, PER_SM=3),
-    "bm2 s3 3/SM": dict(BLOCK_M=2, STAGES=3, PER_SM=3),
     "bm1 4/SM": dict(BLOCK_M=1, PER_SM=4),
-    "bm1 s3 4/SM": dict(BLOCK_M=1, STAGES=3, PER_SM=4),
     "bm2 w8 2/SM": dict(BLOCK_M=2, num_warps=8),
-    "rb1 s4 bm2 3/SM": dict(RB=1, ISTAGES=4, BLOCK_M=2, PER_SM=3),
-    "dot128 s3": dict(IND_DOT=128),  # the tensor-core indicator, for reference
 }
 
 

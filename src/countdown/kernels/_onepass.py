@@ -124,12 +124,15 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr):
-    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on). Not
-    _rows with the rows past the chunk moved past the end: that compiles (sm_90) to 168 registers a thread
-    for mono's default instead of the 236 timed on the H200, a candidate of its own (not timed yet)."""
+def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
+               CLAMP: tl.constexpr = False):
+    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on).
+    CLAMP: as _rows with the rows past the chunk moved past the end (the same loads; sm_90 compiles mono's
+    default to 168 registers a thread that way instead of 236)."""
     rb = tl.arange(0, RB)
     rows = r0 + j + rb
+    if CLAMP:
+        return _rows(WI, tl.where(j + rb < n_rows, rows, d_inter), ki, k_ind, d_inter, BIG, EVEN_I)
     rmask = (j + rb < n_rows) & (rows < d_inter)
     if BIG:
         off = rows.to(tl.int64)[:, None] * k_ind + ki[None, :]
@@ -144,7 +147,7 @@ def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.
 @triton.jit
 def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB: tl.constexpr,
                        ISTAGES: tl.constexpr, W_EARLY: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
-                       DT: tl.constexpr):
+                       DT: tl.constexpr, CLAMP: tl.constexpr):
     """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them), RB rows
     of W_ind a step: each step's dot products go into their slots of the chunk's vector (one-hot), so
     the chunk's rows stream through registers RB at a time instead of being loaded whole. W_EARLY: in the
@@ -158,7 +161,7 @@ def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB
             ind += tl.sum(tl.where(cr[:, None] == rb[None, :], d0[None, :], 0.0), axis=1)
             start = RB
     for j in tl.range(start, n_rows, RB, num_stages=ISTAGES):
-        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I)
+        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I, CLAMP)
         d = tl.sum(w.to(tl.float32) * vv[None, :], axis=1)
         ind += tl.sum(tl.where(cr[:, None] == (j + rb)[None, :], d[None, :], 0.0), axis=1)
     return _round_to(ind, DT)  # as a dense GEMV would return it
@@ -207,7 +210,7 @@ def _onepass_kernel(
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
-    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False,
+    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, CLAMP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -216,7 +219,7 @@ def _onepass_kernel(
     ki = tl.arange(0, BLOCK_I)
     w0 = 0.0
     if W_EARLY:  # the first step's indicator rows: weights, so before the wait for the previous kernel
-        w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I)
+        w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I, CLAMP)
     if PDL:  # nothing of the previous kernel's output is read before this
         gdc_wait()
     xv = _load_vec(X, kd, d_model, EVEN_D)
@@ -247,7 +250,7 @@ def _onepass_kernel(
                                  ISTAGES, BIG, V.dtype.element_ty, DOT_F32)
         elif RB > 0:  # RB rows a step, the steps software-pipelined ISTAGES deep (a streaming GEMV)
             ind = _stepped_indicator(WI, vv, c * rows_per_chunk, rows_per_chunk, cr, ki, k_ind, d_inter, w0,
-                                     c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty)
+                                     c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty, CLAMP)
         elif PREFETCH:  # this chunk's rows arrived during the last one; request the next chunk's
             wi = wi_n  # (beyond the last chunk every row is masked: nothing is read)
             wi_n = _rows(WI, (c + n_progs) * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
@@ -348,6 +351,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
         W_EARLY=bool(rb and cfg.get("W_EARLY", False)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
+        CLAMP=bool(rb and cfg.get("CLAMP", False)),
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
