@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The in-kernel indicator (kernels/_onepass.py, IND "kernel") against the default route, in one device call:
 # benchmarks/ind_kernel.py's candidates for mono's MLP alone, then the decode step (benchmarks/decode.py, one
-# process per configuration: it is read at import) for mono's fastest candidate and dual[lowrank] with the
-# indicator as a matrix product, each next to the default. Usage on the device: OUT=... bash benchmarks/fused_ab.sh
+# process per configuration: it is read at import) for mono's fastest candidate, between two runs of the
+# default. Usage on the device: OUT=... bash benchmarks/fused_ab.sh
 set -u
 OUT=${OUT:-/tmp/out}
 (cd benchmarks && COUNTDOWN_PDL=1 PYTHONPATH=../src:. timeout 200 python ind_kernel.py --out "$OUT/ind_kernel" \
   --ks 0.9 > /tmp/ind_kernel.log 2>&1; echo "== ind_kernel rc=$?"; grep -E "^\|" "$OUT/ind_kernel/ind_kernel.md")
 BEST=$(cat "$OUT/ind_kernel/best.json" 2>/dev/null || echo '{}')
-LOWRANK='{"gt": {"IND": "kernel", "ROWS": "auto", "IND_DOT": 128, "ISTAGES": 3, "PER_SM": 2}}'
 run() {  # name, methods, config JSON
   local t0=$SECONDS
   COUNTDOWN_ONEPASS_CONFIGS="$3" PYTHONPATH=src timeout 150 python benchmarks/decode.py --out "$OUT/$1" \
@@ -20,5 +19,4 @@ run() {  # name, methods, config JSON
 }
 run mono-default mono '{}'
 run mono-best mono "$BEST"
-run lowrank-default 'dual[lowrank]' '{}'
-run lowrank-dot 'dual[lowrank]' "$LOWRANK"
+run mono-default2 mono '{}'

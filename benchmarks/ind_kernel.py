@@ -29,20 +29,21 @@ from kernels import DTYPE, SHAPES, Problem, log, safe_time  # noqa: E402
 from onepass import onepass  # noqa: E402
 
 BASE = dict(_onepass.CONFIGS["abs"])  # mono's default since 2026-11-25 (RB 2, ISTAGES 3, W_EARLY, 2 programs an SM)
-CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check, 4 warps unless said): the
-    # default 236 (2 programs an SM fit), BLOCK_M 2: 168 (3 fit), BLOCK_M 1: 126 (4 fit), BLOCK_M 2 with 8 warps:
-    # 102; its u phase alone 115. Timed before (2026-11-25, results/ind_kernel/): the register routes with RB 4 /
-    # 8, 8 warps at 1 an SM, CHUNK 16 / 32 and BLOCK_M 2 at 2 an SM (slower or equal), rows loaded by hand a step
-    # ahead (slower, removed), the tensor-core indicator IND_DOT (slower). Not yet timed: more programs an SM, and
-    # CLAMP (sm_90: 168 registers for the default, 126 with BLOCK_M 1 at 4 an SM).
+CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check, 4 warps unless said). Timed before
+    # (H200, results/ind_kernel/): the register routes with RB 4 / 8, 8 warps at 1 an SM, CHUNK 16 / 32, BLOCK_M 2
+    # (slower or equal), rows loaded by hand a step ahead (slower, removed), the tensor-core indicator IND_DOT
+    # (slower); on 2026-11-25 (call 7) more programs an SM, all slower than the default (43.7 us): CLAMP (168
+    # registers) 43.9 at 2 an SM, 52.5 at 3; CLAMP with BLOCK_M 2 / 1 at 4 an SM 51.5 / 49.9; BLOCK_M 2 at 3 an SM
+    # 54.8, BLOCK_M 1 at 4 55.8, BLOCK_M 2 with 8 warps 48.5. Now: IND_DOT's K walk on the CUDA cores (IND_FMA,
+    # a [CHUNK, BK] fp32 accumulator, no reduction across warps a step): BK 64 168 registers, BK 128 233-255.
     "default": {},
-    "clamp 2/SM": dict(CLAMP=True),  # the step's rows as _rows with the rows past the chunk clamped: 168 registers
-    "clamp 3/SM": dict(CLAMP=True, PER_SM=3),
-    "clamp bm2 4/SM": dict(CLAMP=True, BLOCK_M=2, PER_SM=4),  # 164
-    "clamp bm1 4/SM": dict(CLAMP=True, BLOCK_M=1, PER_SM=4),  # 126
-    "bm2 3/SM": dict(BLOCK_M=2, PER_SM=3),
-    "bm1 4/SM": dict(BLOCK_M=1, PER_SM=4),
-    "bm2 w8 2/SM": dict(BLOCK_M=2, num_warps=8),
+    "fma64 s1": dict(IND_DOT=64, IND_FMA=True, ISTAGES=1),
+    "fma64 s3": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3),
+    "fma64 s1 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=1, PER_SM=3),
+    "fma64 s3 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3, PER_SM=3),
+    "fma128 s1": dict(IND_DOT=128, IND_FMA=True, ISTAGES=1),
+    "fma128 s3": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3),
+    "fma128 s3 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, num_warps=8, PER_SM=1),
 }
 
 

@@ -169,14 +169,16 @@ def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB
 
 @triton.jit
 def _dot_indicator(WI, V, r0, n_rows, cr, k_ind, d_inter, CHUNK: tl.constexpr, BK: tl.constexpr,
-                   ISTAGES: tl.constexpr, BIG: tl.constexpr, DT: tl.constexpr, F32: tl.constexpr):
+                   ISTAGES: tl.constexpr, BIG: tl.constexpr, DT: tl.constexpr, F32: tl.constexpr,
+                   FMA: tl.constexpr = False):
     """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them) as a
     matrix product: [CHUNK, BK] tiles of W_ind times [BK, 16] (v in column 0, zeros elsewhere), K walked BK
     at a time, its tiles pipelined ISTAGES deep through shared memory and reduced by the tensor cores (no
     reduction across warps per step, as in _stepped_indicator). Measured slower than it (H200, 2026-11-25,
     benchmarks/results/ind_kernel/): opt-in. F32: both
     operands in fp32 (the same exact products and fp32 sums; the CPU interpreter (Triton 3.9) multiplies
-    bf16 operands wrongly)."""
+    bf16 operands wrongly). FMA: the same K walk on the CUDA cores, a [CHUNK, BK] fp32 accumulator summed
+    once at the end (a GEMV's tile loop)."""
     rows = r0 + cr
     rmask = (cr < n_rows) & (rows < d_inter)
     if BIG:
@@ -185,18 +187,21 @@ def _dot_indicator(WI, V, r0, n_rows, cr, k_ind, d_inter, CHUNK: tl.constexpr, B
         base = rows[:, None] * k_ind
     kb = tl.arange(0, BK)
     col = tl.arange(0, 16)
-    acc = tl.zeros([CHUNK, 16], dtype=tl.float32)
+    acc = tl.zeros([CHUNK, BK if FMA else 16], dtype=tl.float32)
     for k0 in tl.range(0, k_ind, BK, num_stages=ISTAGES):
         kk = k0 + kb
         kmask = kk < k_ind
         w = tl.load(WI + base + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         v = tl.load(V + kk, mask=kmask, other=0.0)
-        vb = tl.where(col[None, :] == 0, v[:, None], tl.zeros_like(v)[:, None]).to(WI.dtype.element_ty)
-        if F32:
-            acc = tl.dot(w.to(tl.float32), vb.to(tl.float32), acc, input_precision="ieee")
+        if FMA:
+            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
         else:
-            acc = tl.dot(w, vb, acc)
-    return _round_to(tl.sum(acc, axis=1), DT)  # the other columns are exact zeros
+            vb = tl.where(col[None, :] == 0, v[:, None], tl.zeros_like(v)[:, None]).to(WI.dtype.element_ty)
+            if F32:
+                acc = tl.dot(w.to(tl.float32), vb.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, vb, acc)
+    return _round_to(tl.sum(acc, axis=1), DT)  # (the product's other columns are exact zeros)
 
 
 @triton.jit
@@ -210,7 +215,7 @@ def _onepass_kernel(
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
-    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, CLAMP: tl.constexpr = False,
+    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, CLAMP: tl.constexpr = False, FMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -247,7 +252,7 @@ def _onepass_kernel(
             ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
         elif IND_BK > 0:  # a matrix product over K, BK columns a step, pipelined through shared memory
             ind = _dot_indicator(WI, V, c * rows_per_chunk, rows_per_chunk, cr, k_ind, d_inter, CHUNK, IND_BK,
-                                 ISTAGES, BIG, V.dtype.element_ty, DOT_F32)
+                                 ISTAGES, BIG, V.dtype.element_ty, DOT_F32, FMA)
         elif RB > 0:  # RB rows a step, the steps software-pipelined ISTAGES deep (a streaming GEMV)
             ind = _stepped_indicator(WI, vv, c * rows_per_chunk, rows_per_chunk, cr, ki, k_ind, d_inter, w0,
                                      c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty, CLAMP)
@@ -328,8 +333,9 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     rb = int(cfg.get("RB", 0)) if ind is None else 0
     if rb and (rb & (rb - 1) or rb > chunk):
         raise ValueError(f"RB (indicator rows a step) must be a power of two <= CHUNK {chunk}, got {rb}")
-    ind_bk = int(cfg.get("IND_DOT", 0)) if ind is None and w_ind.dtype in (torch.float16, torch.bfloat16) else 0
-    if ind_bk:  # (fp32 indicator rows: the register route below, a tensor-core product would round them)
+    fma = bool(cfg.get("IND_FMA", False))  # IND_DOT's K walk on the CUDA cores
+    ind_bk = int(cfg.get("IND_DOT", 0)) if ind is None and (fma or w_ind.dtype != torch.float32) else 0
+    if ind_bk:  # (fp32 rows as a product: the register route instead, the tensor cores would round them)
         if ind_bk & (ind_bk - 1) or ind_bk < 16 or chunk < 16:
             raise ValueError(f"IND_DOT (indicator columns a step) must be a power of two >= 16, got {ind_bk}")
         rb = 0
@@ -351,7 +357,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
         W_EARLY=bool(rb and cfg.get("W_EARLY", False)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
-        CLAMP=bool(rb and cfg.get("CLAMP", False)),
+        CLAMP=bool(rb and cfg.get("CLAMP", False)), FMA=bool(ind_bk) and fma,
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
