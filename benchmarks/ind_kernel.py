@@ -41,6 +41,7 @@ CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check
     "fma64 s3": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3),
     "fma64 s1 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=1, PER_SM=3),
     "fma64 s3 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3, PER_SM=3),
+    "fma64 s3 w8": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3, num_warps=8),  # 128 registers: 2 an SM
     "fma128 s1": dict(IND_DOT=128, IND_FMA=True, ISTAGES=1),
     "fma128 s3": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3),
     "fma128 s3 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, num_warps=8, PER_SM=1),
