@@ -35,16 +35,18 @@ CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check
     # (slower); on 2026-11-25 (call 7) more programs an SM, all slower than the default (43.7 us): CLAMP (168
     # registers) 43.9 at 2 an SM, 52.5 at 3; CLAMP with BLOCK_M 2 / 1 at 4 an SM 51.5 / 49.9; BLOCK_M 2 at 3 an SM
     # 54.8, BLOCK_M 1 at 4 55.8, BLOCK_M 2 with 8 warps 48.5. Now: IND_DOT's K walk on the CUDA cores (IND_FMA,
-    # a [CHUNK, BK] fp32 accumulator, no reduction across warps a step): BK 64 168 registers, BK 128 233-255.
+    # a [CHUNK, BK] fp32 accumulator, no reduction across warps a step), call 8: at 2-3 programs an SM slower
+    # (BK 64 / 128, 1-3 stages: 46.6-103 us), but 8 warps at 1 an SM gave the fastest u phase yet (33.5 us against
+    # 35.5 for the default) and 47.4 us in all (the kept rows at 1 an SM cost 14 us): now its kept-row phase.
     "default": {},
-    "fma64 s1": dict(IND_DOT=64, IND_FMA=True, ISTAGES=1),
-    "fma64 s3": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3),
-    "fma64 s1 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=1, PER_SM=3),
-    "fma64 s3 3/SM": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3, PER_SM=3),
-    "fma64 s3 w8": dict(IND_DOT=64, IND_FMA=True, ISTAGES=3, num_warps=8),  # 128 registers: 2 an SM
-    "fma128 s1": dict(IND_DOT=128, IND_FMA=True, ISTAGES=1),
-    "fma128 s3": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3),
-    "fma128 s3 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, num_warps=8, PER_SM=1),
+    "fma128 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8),  # CHUNK 128 (110 rows a program): 203-212 registers
+    "fma128 w8 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, STAGES=2),
+    "fma128 w8 bm8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=8),
+    "fma128 w8 bm2 s3 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=2, STAGES=3),
+    "fma128 w8 is4 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=4, PER_SM=1, num_warps=8),
+    "fma128 w16 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16),  # 108 registers
+    "fma128 w16 bm8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16, BLOCK_M=8),
+    "fma128 w16 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16, STAGES=2),
 }
 
 
