@@ -29,17 +29,13 @@ from kernels import DTYPE, SHAPES, Problem, log, safe_time  # noqa: E402
 from onepass import onepass  # noqa: E402
 
 BASE = dict(_onepass.CONFIGS["abs"])  # mono's default since 2026-11-25 (RB 2, ISTAGES 3, W_EARLY, 2 programs an SM)
-CANDIDATES = {  # name: changes to BASE. Registers a thread (sm_90 compile check, 4 warps unless said). Timed before
-    # (H200, results/ind_kernel/): the register routes with RB 4 / 8, 8 warps at 1 an SM, CHUNK 16 / 32, BLOCK_M 2
-    # (slower or equal), rows loaded by hand a step ahead (slower, removed), the tensor-core indicator IND_DOT
-    # (slower); on 2026-11-25 (call 7) more programs an SM, all slower than the default (43.7 us): CLAMP (168
-    # registers) 43.9 at 2 an SM, 52.5 at 3; CLAMP with BLOCK_M 2 / 1 at 4 an SM 51.5 / 49.9; BLOCK_M 2 at 3 an SM
-    # 54.8, BLOCK_M 1 at 4 55.8, BLOCK_M 2 with 8 warps 48.5. Now: IND_DOT's K walk on the CUDA cores (IND_FMA,
-    # a [CHUNK, BK] fp32 accumulator, no reduction across warps a step), call 8: at 2-3 programs an SM slower
-    # (BK 64 / 128, 1-3 stages: 46.6-103 us), but 8 warps at 1 an SM gave the fastest u phase yet (33.5 us against
-    # 35.5 for the default) and 47.4 us in all (the kept rows at 1 an SM cost 14 us): now its kept-row phase.
+CANDIDATES = {  # name: changes to BASE. Registers a thread from the sm_90 compile check. Timed before (H200,
+    # results/ind_kernel/README.md): RB 4 / 8, 8 warps, CHUNK 16 / 32, BLOCK_M 2, rows loaded by hand a step ahead,
+    # the tensor-core indicator (IND_DOT), more programs an SM (the step's rows clamped: 168 registers; BLOCK_M 1 /
+    # 2 at 3-4 an SM), IND_FMA at 2-3 an SM: all slower than the default. These: IND_FMA at one program an SM (its u phase the fastest yet, 33-35
+    # us against 36; its kept rows slower, 45.4-63 us in all against 44.1 for the default: session 20, call 5).
     "default": {},
-    "fma128 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8),  # CHUNK 128 (110 rows a program): 203-212 registers
+    "fma128 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8),  # CHUNK 128: 203-212 registers
     "fma128 w8 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, STAGES=2),
     "fma128 w8 bm8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=8),
     "fma128 w8 bm2 s3 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=2, STAGES=3),

@@ -255,12 +255,9 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
     ("dual", torch.float16, "gelu_tanh", dict(IND_DOT=16, CHUNK=32), True),
     ("cats", torch.float32, "silu", dict(IND_DOT=32, CHUNK=16), False),  # fp32 rows: the register route
     ("dual", torch.bfloat16, "silu", dict(ROWS="auto", RB=4, ISTAGES=2, STAGES=2, W_EARLY=True), True),  # 44 rows
-    # the step's rows with those past the chunk moved past the end (CLAMP): a partial last step, several chunks
-    ("mono", torch.bfloat16, "silu", dict(RB=4, ISTAGES=2, CHUNK=16, W_EARLY=True, CLAMP=True), False),
     # ... or IND_DOT's K walk on the CUDA cores (IND_FMA; fp32 rows too): 3 masked steps of 32 for d_model 67
     ("mono", torch.bfloat16, "silu", dict(ROWS="auto", IND_DOT=32, IND_FMA=True, ISTAGES=2), False),
     ("dual", torch.float32, "gelu_tanh", dict(IND_DOT=16, IND_FMA=True, CHUNK=32), True),
-    ("dual", torch.float16, "gelu_tanh", dict(ROWS="auto", RB=8, ISTAGES=3, W_EARLY=True, CLAMP=True), True),
 ]
 
 

@@ -17,8 +17,8 @@ of ours instead of three (GLU kernel, down kernel, cast; see _chain.py).
 
 The grid is persistent: PROGS programs (a few per SM) walk the row chunks c = p, p + PROGS, ...
 Per chunk a program reads the chunk's indicators (or computes them from the chunk's W_ind rows: loaded
-whole, one DRAM round trip; or RB rows a step, pipelined; or as a tensor-core product, IND_DOT columns a
-step), compacts the kept
+whole, one DRAM round trip; or RB rows a step, pipelined; or as a product over K, IND_DOT columns a step,
+on the tensor cores or, IND_FMA, the CUDA cores), compacts the kept
 rows in registers (prefix sum + one-hot select, as _glu.py), then loads BLOCK_M kept rows of every
 matrix it still needs, all loads issued before any arithmetic (one more round trip), and adds
 s W_down rows into its fp32 accumulator [d_model]. With PREFETCH the next chunk's indicator rows
@@ -63,7 +63,8 @@ ONEPASS_OFF_CUDA = False
 # of it instead of 17: one mono MLP alone 43.8-44.2 us against 44.3-44.7 for the fixed GEMV + this kernel,
 # in the decode step 41.2 / 41.8 us against 41.9 / 42.3 (benchmarks/ind_kernel.py and benchmarks/fused_ab.sh,
 # H200, benchmarks/results/ind_kernel/). The indicator as a tensor-core product (IND_DOT) was slower (38.7-61 us
-# for the u phase alone), and so was dual[lowrank] with its scores in the kernel (29.2 us against 26.2 in the step).
+# for the u phase alone), and so was dual[lowrank] with its scores in the kernel (29.2 us against 26.2 in the step);
+# session 20: its K walk on the CUDA cores (IND_FMA) and more programs an SM were slower in all (45.4-103 us).
 # COUNTDOWN_ONEPASS_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
 CONFIGS = {
     "abs": dict(IND="kernel", ROWS="auto", RB=2, ISTAGES=3, W_EARLY=True, CHUNK=64, BLOCK_M=4, num_warps=4,
@@ -124,15 +125,12 @@ def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
-               CLAMP: tl.constexpr = False):
-    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on).
-    CLAMP: as _rows with the rows past the chunk moved past the end (the same loads; sm_90 compiles mono's
-    default to 168 registers a thread that way instead of 236)."""
+def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr):
+    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on). (As
+    _rows with the rows past the chunk moved past the end it compiles to 168 registers a thread instead of 236
+    for mono's default, three programs an SM: not faster on the H200, 2026-11-25, results/ind_kernel/.)"""
     rb = tl.arange(0, RB)
     rows = r0 + j + rb
-    if CLAMP:
-        return _rows(WI, tl.where(j + rb < n_rows, rows, d_inter), ki, k_ind, d_inter, BIG, EVEN_I)
     rmask = (j + rb < n_rows) & (rows < d_inter)
     if BIG:
         off = rows.to(tl.int64)[:, None] * k_ind + ki[None, :]
@@ -147,7 +145,7 @@ def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.
 @triton.jit
 def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB: tl.constexpr,
                        ISTAGES: tl.constexpr, W_EARLY: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
-                       DT: tl.constexpr, CLAMP: tl.constexpr):
+                       DT: tl.constexpr):
     """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them), RB rows
     of W_ind a step: each step's dot products go into their slots of the chunk's vector (one-hot), so
     the chunk's rows stream through registers RB at a time instead of being loaded whole. W_EARLY: in the
@@ -161,7 +159,7 @@ def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB
             ind += tl.sum(tl.where(cr[:, None] == rb[None, :], d0[None, :], 0.0), axis=1)
             start = RB
     for j in tl.range(start, n_rows, RB, num_stages=ISTAGES):
-        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I, CLAMP)
+        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I)
         d = tl.sum(w.to(tl.float32) * vv[None, :], axis=1)
         ind += tl.sum(tl.where(cr[:, None] == (j + rb)[None, :], d[None, :], 0.0), axis=1)
     return _round_to(ind, DT)  # as a dense GEMV would return it
@@ -215,7 +213,7 @@ def _onepass_kernel(
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
-    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, CLAMP: tl.constexpr = False, FMA: tl.constexpr = False,
+    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, FMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -224,7 +222,7 @@ def _onepass_kernel(
     ki = tl.arange(0, BLOCK_I)
     w0 = 0.0
     if W_EARLY:  # the first step's indicator rows: weights, so before the wait for the previous kernel
-        w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I, CLAMP)
+        w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I)
     if PDL:  # nothing of the previous kernel's output is read before this
         gdc_wait()
     xv = _load_vec(X, kd, d_model, EVEN_D)
@@ -255,7 +253,7 @@ def _onepass_kernel(
                                  ISTAGES, BIG, V.dtype.element_ty, DOT_F32, FMA)
         elif RB > 0:  # RB rows a step, the steps software-pipelined ISTAGES deep (a streaming GEMV)
             ind = _stepped_indicator(WI, vv, c * rows_per_chunk, rows_per_chunk, cr, ki, k_ind, d_inter, w0,
-                                     c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty, CLAMP)
+                                     c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty)
         elif PREFETCH:  # this chunk's rows arrived during the last one; request the next chunk's
             wi = wi_n  # (beyond the last chunk every row is masked: nothing is read)
             wi_n = _rows(WI, (c + n_progs) * CHUNK + cr, ki, k_ind, d_inter, BIG, EVEN_I)
@@ -349,7 +347,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        y, counter if counter is not None else p, float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
+        y, counter if counter is not None else p, float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows),
+        progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
@@ -357,7 +356,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
         W_EARLY=bool(rb and cfg.get("W_EARLY", False)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
-        CLAMP=bool(rb and cfg.get("CLAMP", False)), FMA=bool(ind_bk) and fma,
+        FMA=bool(ind_bk) and fma,
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
