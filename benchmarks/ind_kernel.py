@@ -34,6 +34,9 @@ CANDIDATES = {  # name: changes to BASE. Registers a thread from the sm_90 compi
     # the tensor-core indicator (IND_DOT), more programs an SM (the step's rows clamped: 168 registers; BLOCK_M 1 /
     # 2 at 3-4 an SM), IND_FMA at 2-3 an SM: all slower than the default. These: IND_FMA at one program an SM (its u phase the fastest yet, 33-35
     # us against 36; its kept rows slower, 45.4-63 us in all against 44.1 for the default: session 20, call 5).
+    # Session 20, call 6: each chunk's rows strided over d_inter (rows c, c + n_chunks, ...: the programs reading
+    # neighbouring rows at any moment, as the fixed GEMV's do): 45.0-52.9 us, not kept (its patch:
+    # results/ind_kernel/s20-call6/strided.patch).
     "default": {},
     "fma128 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8),  # CHUNK 128: 203-212 registers
     "fma128 w8 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, STAGES=2),
