@@ -18,7 +18,7 @@ of ours instead of three (GLU kernel, down kernel, cast; see _chain.py).
 The grid is persistent: PROGS programs (a few per SM) walk the row chunks c = p, p + PROGS, ...
 Per chunk a program reads the chunk's indicators (or computes them from the chunk's W_ind rows: loaded
 whole, one DRAM round trip; or RB rows a step, pipelined; or as a product over K, IND_DOT columns a step,
-on the tensor cores or, IND_FMA, the CUDA cores), compacts the kept
+on the tensor cores or, IND_FMA, the CUDA cores: _indicator.py), compacts the kept
 rows in registers (prefix sum + one-hot select, as _glu.py), then loads BLOCK_M kept rows of every
 matrix it still needs, all loads issued before any arithmetic (one more round trip), and adds
 s W_down rows into its fp32 accumulator [d_model]. With PREFETCH the next chunk's indicator rows
@@ -39,6 +39,7 @@ from . import _balanced, _common, _linear, _overlap, _pdl, _psum, _split  # _bal
 from ._common import act_code
 from ._chunk import _add_kept_rows, _kept_places, _row_thresholds
 from ._glu import MODES, _load_vec, _pow2, _round_to, _store_partial
+from ._indicator import _dot_indicator, _rows, _step_rows, _stepped_indicator
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._psum import _sum_tail
 
@@ -110,96 +111,6 @@ def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
             and x2.dtype == w_rows.dtype and 1 <= x2.shape[0] <= _common.DECODE_GEMV_ROUTE_TOKENS:
         return torch.ops.countdown.decode_linear(x2, w_rows, None, None)
     return x2 @ w_rows.t()
-
-
-@triton.jit
-def _rows(W, r, k, n_k, n_rows, BIG: tl.constexpr, EVEN_K: tl.constexpr):
-    """Rows ``r`` (columns ``k``) of a row-major [n_rows, n_k] matrix; rows past the end read as 0."""
-    if BIG:
-        off = r.to(tl.int64)[:, None] * n_k + k[None, :]
-    else:
-        off = r[:, None] * n_k + k[None, :]
-    if EVEN_K:
-        return tl.load(W + off, mask=(r < n_rows)[:, None], other=0.0)
-    return tl.load(W + off, mask=(r < n_rows)[:, None] & (k < n_k)[None, :], other=0.0)
-
-
-@triton.jit
-def _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr):
-    """Rows r0 + j .. r0 + j + RB - 1 of W_ind [d_inter, k_ind] (zero from row n_rows of the chunk on). (As
-    _rows with the rows past the chunk moved past the end it compiles to 168 registers a thread instead of 236
-    for mono's default, three programs an SM: not faster on the H200, 2026-11-25, results/ind_kernel/.)"""
-    rb = tl.arange(0, RB)
-    rows = r0 + j + rb
-    rmask = (j + rb < n_rows) & (rows < d_inter)
-    if BIG:
-        off = rows.to(tl.int64)[:, None] * k_ind + ki[None, :]
-    else:
-        off = rows[:, None] * k_ind + ki[None, :]
-    if EVEN_I:
-        return tl.load(WI + off, mask=rmask[:, None], other=0.0)
-    else:
-        return tl.load(WI + off, mask=rmask[:, None] & (ki < k_ind)[None, :], other=0.0)
-
-
-@triton.jit
-def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB: tl.constexpr,
-                       ISTAGES: tl.constexpr, W_EARLY: tl.constexpr, BIG: tl.constexpr, EVEN_I: tl.constexpr,
-                       DT: tl.constexpr):
-    """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them), RB rows
-    of W_ind a step: each step's dot products go into their slots of the chunk's vector (one-hot), so
-    the chunk's rows stream through registers RB at a time instead of being loaded whole. W_EARLY: in the
-    program's ``first`` chunk the first step's rows are ``w0``, loaded at the program's start."""
-    rb = tl.arange(0, RB)
-    ind = tl.zeros(cr.shape, dtype=tl.float32)
-    start = 0
-    if W_EARLY:
-        if first:
-            d0 = tl.sum(w0.to(tl.float32) * vv[None, :], axis=1)
-            ind += tl.sum(tl.where(cr[:, None] == rb[None, :], d0[None, :], 0.0), axis=1)
-            start = RB
-    for j in tl.range(start, n_rows, RB, num_stages=ISTAGES):
-        w = _step_rows(WI, r0, j, n_rows, ki, k_ind, d_inter, RB, BIG, EVEN_I)
-        d = tl.sum(w.to(tl.float32) * vv[None, :], axis=1)
-        ind += tl.sum(tl.where(cr[:, None] == (j + rb)[None, :], d[None, :], 0.0), axis=1)
-    return _round_to(ind, DT)  # as a dense GEMV would return it
-
-
-@triton.jit
-def _dot_indicator(WI, V, r0, n_rows, cr, k_ind, d_inter, CHUNK: tl.constexpr, BK: tl.constexpr,
-                   ISTAGES: tl.constexpr, BIG: tl.constexpr, DT: tl.constexpr, F32: tl.constexpr,
-                   FMA: tl.constexpr = False):
-    """ind [CHUNK] (fp32 holding DT values) = v . W_ind rows r0 .. r0 + n_rows - 1 (zero past them) as a
-    matrix product: [CHUNK, BK] tiles of W_ind times [BK, 16] (v in column 0, zeros elsewhere), K walked BK
-    at a time, its tiles pipelined ISTAGES deep through shared memory and reduced by the tensor cores (no
-    reduction across warps per step, as in _stepped_indicator). Measured slower than it (H200, 2026-11-25,
-    benchmarks/results/ind_kernel/): opt-in. F32: both
-    operands in fp32 (the same exact products and fp32 sums; the CPU interpreter (Triton 3.9) multiplies
-    bf16 operands wrongly). FMA: the same K walk on the CUDA cores, a [CHUNK, BK] fp32 accumulator summed
-    once at the end (a GEMV's tile loop)."""
-    rows = r0 + cr
-    rmask = (cr < n_rows) & (rows < d_inter)
-    if BIG:
-        base = rows.to(tl.int64)[:, None] * k_ind
-    else:
-        base = rows[:, None] * k_ind
-    kb = tl.arange(0, BK)
-    col = tl.arange(0, 16)
-    acc = tl.zeros([CHUNK, BK if FMA else 16], dtype=tl.float32)
-    for k0 in tl.range(0, k_ind, BK, num_stages=ISTAGES):
-        kk = k0 + kb
-        kmask = kk < k_ind
-        w = tl.load(WI + base + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        v = tl.load(V + kk, mask=kmask, other=0.0)
-        if FMA:
-            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
-        else:
-            vb = tl.where(col[None, :] == 0, v[:, None], tl.zeros_like(v)[:, None]).to(WI.dtype.element_ty)
-            if F32:
-                acc = tl.dot(w.to(tl.float32), vb.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, vb, acc)
-    return _round_to(tl.sum(acc, axis=1), DT)  # (the product's other columns are exact zeros)
 
 
 @triton.jit
