@@ -14,7 +14,7 @@ run() {  # name, methods, config JSON
     --methods "$2" --ks 0.9 --checks quick --no-breakdown --dense-samples 2 --samples 2 --dense-compiles 0 \
     --new-tokens 512 --budget-s 100 > "/tmp/$1.log" 2>&1
   echo "== $1 rc=$? $((SECONDS - t0)) s  $3"
-  grep -E "^\| (dense|mono|dual\[lowrank\]) \||^- floor|checks" "$OUT/$1/decode.md" | cut -c1-150
+  grep -E "^\| (dense|mono) \||^- floor|checks" "$OUT/$1/decode.md" | cut -c1-150
   grep -iE "error|mismatch|failed" "/tmp/$1.log" | head -3
 }
 run mono-default mono '{}'

@@ -29,23 +29,23 @@ from kernels import DTYPE, SHAPES, Problem, log, safe_time  # noqa: E402
 from onepass import onepass  # noqa: E402
 
 BASE = dict(_onepass.CONFIGS["abs"])  # mono's default since 2026-11-25 (RB 2, ISTAGES 3, W_EARLY, 2 programs an SM)
+FMA_1SM = dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1)  # IND_FMA at one program an SM (CHUNK 128)
 CANDIDATES = {  # name: changes to BASE. Registers a thread from the sm_90 compile check. Timed before (H200,
-    # results/ind_kernel/README.md): RB 4 / 8, 8 warps, CHUNK 16 / 32, BLOCK_M 2, rows loaded by hand a step ahead,
-    # the tensor-core indicator (IND_DOT), more programs an SM (the step's rows clamped: 168 registers; BLOCK_M 1 /
-    # 2 at 3-4 an SM), IND_FMA at 2-3 an SM: all slower than the default. These: IND_FMA at one program an SM (its u phase the fastest yet, 33-35
-    # us against 36; its kept rows slower, 45.4-63 us in all against 44.1 for the default: session 20, call 5).
-    # Session 20, call 6: each chunk's rows strided over d_inter (rows c, c + n_chunks, ...: the programs reading
-    # neighbouring rows at any moment, as the fixed GEMV's do): 45.0-52.9 us, not kept (its patch:
-    # results/ind_kernel/s20-call6/strided.patch).
+    # results/ind_kernel/README.md), all slower than the default: RB 4 / 8, 8 warps, CHUNK 16 / 32, BLOCK_M 2, rows
+    # loaded by hand a step ahead, the tensor-core indicator (IND_DOT), more programs an SM (the step's rows
+    # clamped: 168 registers; BLOCK_M 1 / 2 at 3-4 an SM), IND_FMA at 2-3 an SM, each chunk's rows strided over
+    # d_inter (session 20, call 6: 45.0-52.9 us; its patch: results/ind_kernel/s20-call6/strided.patch).
+    # These (session 20, call 5): IND_FMA at one program an SM, its u phase the fastest yet (33-35 us against 36),
+    # its kept rows slower (45.4-63 us in all against 44.1 for the default).
     "default": {},
-    "fma128 w8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8),  # CHUNK 128: 203-212 registers
-    "fma128 w8 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, STAGES=2),
-    "fma128 w8 bm8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=8),
-    "fma128 w8 bm2 s3 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=8, BLOCK_M=2, STAGES=3),
-    "fma128 w8 is4 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=4, PER_SM=1, num_warps=8),
-    "fma128 w16 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16),  # 108 registers
-    "fma128 w16 bm8 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16, BLOCK_M=8),
-    "fma128 w16 s2 1/SM": dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1, num_warps=16, STAGES=2),
+    "fma128 w8 1/SM": dict(FMA_1SM, num_warps=8),  # 203-212 registers
+    "fma128 w8 s2 1/SM": dict(FMA_1SM, num_warps=8, STAGES=2),
+    "fma128 w8 bm8 1/SM": dict(FMA_1SM, num_warps=8, BLOCK_M=8),
+    "fma128 w8 bm2 s3 1/SM": dict(FMA_1SM, num_warps=8, BLOCK_M=2, STAGES=3),
+    "fma128 w8 is4 1/SM": dict(FMA_1SM, num_warps=8, ISTAGES=4),
+    "fma128 w16 1/SM": dict(FMA_1SM, num_warps=16),  # 108 registers
+    "fma128 w16 bm8 1/SM": dict(FMA_1SM, num_warps=16, BLOCK_M=8),
+    "fma128 w16 s2 1/SM": dict(FMA_1SM, num_warps=16, STAGES=2),
 }
 
 
@@ -68,7 +68,7 @@ def plot(json_path: str) -> str:
     names = [r["name"] for r in whole]
     ax.barh(names, [r["us"] for r in whole], color="tab:blue", label="whole MLP (k = %g)" % k)
     ax.barh(names, [phase.get(n, 0) for n in names], color="tab:orange", height=0.4, label="its u phase alone")
-    for name, style in (("GEMV route", "k--"), ("default route", "k--"), ("fixed GEMV u alone", "g:")):
+    for name, style in (("GEMV route", "k--"), ("fixed GEMV u alone", "g:")):
         if name in ref:
             ax.axvline(ref[name], color=style[0], linestyle=style[1:], label=f"{name} {ref[name]:.1f} us")
     ax.set_xlabel("us (one mono MLP, CUDA graph)")

@@ -77,7 +77,8 @@ def markdown(rows: list, metas: list) -> str:
     command, with the dense baseline's spread, the skipped specs and the per-op breakdown."""
     lines = [f"# End-to-end decode: {metas[0].get('config', '') if metas else ''}", "",
              "tokens/s = batch x new tokens / (prefill + decode), the median of the row's samples (min / max "
-             "beside it; one-compile rows take the median of 3 runs of the prompt as their prefill); vs dense compiled = against the dense compiled decoder of the same run; GB/s = weight "
+             "beside it; one-compile rows take the median of 3 runs of the prompt as their prefill); vs dense "
+             "compiled = against the dense compiled decoder of the same run; GB/s = weight "
              "bytes read per decode step (attention, norms, lm_head, embedding rows looked up; each Gated-MLP as "
              "the configuration reads it, countdown.cost.mlp_weight_bytes at the measured kept fraction) x "
              "steps/s; share = GB/s / device-to-device copy bandwidth (read + write) measured in the same run. "

@@ -84,10 +84,9 @@ def _dot_indicator(WI, V, r0, n_rows, cr, k_ind, d_inter, CHUNK: tl.constexpr, B
     matrix product: [CHUNK, BK] tiles of W_ind times [BK, 16] (v in column 0, zeros elsewhere), K walked BK
     at a time, its tiles pipelined ISTAGES deep through shared memory and reduced by the tensor cores (no
     reduction across warps per step, as in _stepped_indicator). Measured slower than it (H200, 2026-11-25,
-    benchmarks/results/ind_kernel/): opt-in. F32: both
-    operands in fp32 (the same exact products and fp32 sums; the CPU interpreter (Triton 3.9) multiplies
-    bf16 operands wrongly). FMA: the same K walk on the CUDA cores, a [CHUNK, BK] fp32 accumulator summed
-    once at the end (a GEMV's tile loop)."""
+    benchmarks/results/ind_kernel/): opt-in. F32: both operands in fp32 (the same exact products and fp32
+    sums; the CPU interpreter (Triton 3.9) multiplies bf16 operands wrongly). FMA: the same K walk on the CUDA
+    cores, a [CHUNK, BK] fp32 accumulator summed once at the end (a GEMV's tile loop)."""
     rows = r0 + cr
     rmask = (cr < n_rows) & (rows < d_inter)
     if BIG:
