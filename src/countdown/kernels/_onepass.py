@@ -39,7 +39,7 @@ from . import _balanced, _common, _linear, _overlap, _pdl, _psum, _split  # _bal
 from ._common import act_code
 from ._chunk import _add_kept_rows, _kept_places, _row_thresholds
 from ._glu import MODES, _load_vec, _pow2, _round_to, _store_partial
-from ._indicator import _dot_indicator, _rows, _step_rows, _stepped_indicator
+from ._indicator import _dot_indicator, _rows, _step_rows, _stepped_indicator, _tma_indicator
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._psum import _sum_tail
 
@@ -115,7 +115,7 @@ def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _onepass_kernel(
-    X, V, WI, IND, WG, WU, WD, THR, P, Y, T,
+    X, V, WI, WI_DESC, IND, WG, WU, WD, THR, P, Y, T,
     thr_f, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -124,7 +124,7 @@ def _onepass_kernel(
     PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
-    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, FMA: tl.constexpr = False,
+    IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, FMA: tl.constexpr = False, IND_TMA: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -162,6 +162,9 @@ def _onepass_kernel(
         elif IND_BK > 0:  # a matrix product over K, BK columns a step, pipelined through shared memory
             ind = _dot_indicator(WI, V, c * rows_per_chunk, rows_per_chunk, cr, k_ind, d_inter, CHUNK, IND_BK,
                                  ISTAGES, BIG, V.dtype.element_ty, DOT_F32, FMA)
+        elif IND_TMA > 0:  # [RB, IND_TMA] tiles through shared memory (Hopper's TMA), ISTAGES in flight
+            ind = _tma_indicator(WI_DESC, V, c * rows_per_chunk, rows_per_chunk, cr, k_ind, RB, IND_TMA, ISTAGES,
+                                 V.dtype.element_ty)
         elif RB > 0:  # RB rows a step, the steps software-pipelined ISTAGES deep (a streaming GEMV)
             ind = _stepped_indicator(WI, vv, c * rows_per_chunk, rows_per_chunk, cr, ki, k_ind, d_inter, w0,
                                      c == pid, RB, ISTAGES, W_EARLY, BIG, EVEN_I, V.dtype.element_ty)
@@ -184,6 +187,28 @@ def _onepass_kernel(
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
     if REDUCERS > 0:  # _psum.py's tail route: the last programs to finish sum the partials into Y
         _sum_tail(P, Y, T, n_progs, d_model, REDUCERS, BC, BR)
+
+
+def _tma_block(cfg: dict, w_ind: torch.Tensor, rb: int) -> int:
+    """IND_TMA: the indicator's K columns a TMA tile (RB rows), or 0 for the register route: no RB, or rows the
+    accelerator cannot address (a row or the base not on 16 bytes)."""
+    bk = int(cfg.get("IND_TMA", 0))
+    if not bk or not rb:
+        return 0
+    if bk & (bk - 1) or not 16 <= bk <= 256:
+        raise ValueError(f"IND_TMA (indicator columns a TMA tile) must be a power of two in [16, 256], got {bk}")
+    if (w_ind.shape[1] * w_ind.element_size()) % 16 or w_ind.data_ptr() % 16:
+        return 0
+    return bk
+
+
+def _tma_descriptor(w_ind: torch.Tensor, rb: int, bk: int):
+    """A host-side TensorDescriptor of W_ind with block [rb, bk] (bk > 0), else W_ind itself (never read)."""
+    if not bk:
+        return w_ind
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w_ind, [rb, bk])
 
 
 def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
@@ -248,6 +273,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         if ind_bk & (ind_bk - 1) or ind_bk < 16 or chunk < 16:
             raise ValueError(f"IND_DOT (indicator columns a step) must be a power of two >= 16, got {ind_bk}")
         rb = 0
+    tma_bk = _tma_block(cfg, w_ind, rb) if ind is None else 0
     if ind is None and cfg["PREFETCH"] and (rb or ind_bk or rows != chunk):
         raise ValueError("PREFETCH (the next chunk's indicator rows loaded whole) takes RB=0 and no ROWS='auto'")
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
@@ -257,7 +283,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     y = _common.new_output((1, d_model), x.dtype, x.device) if counter is not None else p
     pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
-        x, v, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
+        x, v, w_ind, _tma_descriptor(w_ind, rb, tma_bk), ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
         y, counter if counter is not None else p, float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows),
         progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
@@ -266,7 +292,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
-        W_EARLY=bool(rb and cfg.get("W_EARLY", False)), IND_BK=ind_bk, DOT_F32=_common.interpreting(),
+        W_EARLY=bool(rb and not tma_bk and cfg.get("W_EARLY", False)), IND_BK=ind_bk, IND_TMA=tma_bk, DOT_F32=_common.interpreting(),
         FMA=bool(ind_bk) and fma,
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
