@@ -29,23 +29,21 @@ from kernels import DTYPE, SHAPES, Problem, log, safe_time  # noqa: E402
 from onepass import onepass  # noqa: E402
 
 BASE = dict(_onepass.CONFIGS["abs"])  # mono's default since 2026-11-25 (RB 2, ISTAGES 3, W_EARLY, 2 programs an SM)
-FMA_1SM = dict(IND_DOT=128, IND_FMA=True, ISTAGES=3, PER_SM=1)  # IND_FMA at one program an SM (CHUNK 128)
-CANDIDATES = {  # name: changes to BASE. Registers a thread from the sm_90 compile check. Timed before (H200,
-    # results/ind_kernel/README.md), all slower than the default: RB 4 / 8, 8 warps, CHUNK 16 / 32, BLOCK_M 2, rows
-    # loaded by hand a step ahead, the tensor-core indicator (IND_DOT), more programs an SM (the step's rows
-    # clamped: 168 registers; BLOCK_M 1 / 2 at 3-4 an SM), IND_FMA at 2-3 an SM, each chunk's rows strided over
-    # d_inter (session 20, call 6: 45.0-52.9 us; its patch: results/ind_kernel/s20-call6/strided.patch).
-    # These (session 20, call 5): IND_FMA at one program an SM, its u phase the fastest yet (33-35 us against 36),
-    # its kept rows slower (45.4-63 us in all against 44.1 for the default).
+CANDIDATES = {  # name: changes to BASE. Timed before (H200, results/ind_kernel/README.md), all slower than the
+    # default: RB 4 / 8, 8 warps, CHUNK 16 / 32, BLOCK_M 2, rows loaded by hand a step ahead, the tensor-core
+    # indicator (IND_DOT), more programs an SM (the step's rows clamped: 168 registers; BLOCK_M 1 / 2 at 3-4 an SM),
+    # IND_FMA at 1-3 programs an SM (session 20: its u phase 33-35 us, its kept rows slower: 45.4-103 us in all),
+    # each chunk's rows strided over d_inter (session 20, call 6: 45.0-52.9 us; results/ind_kernel/s20-call6/),
+    # the u phase by TMA tiles through shared memory (IND_TMA, session 21, results/ind_kernel/s21-tma/: 46.6-94 us,
+    # its u phase 43-85 us against 35.9).
+    # These (session 21): the kept rows in fewer, larger steps or pipelined (the heaviest chunk keeps about 12
+    # rows where the mean is 5.6: its chain of BLOCK_M-row steps sets the kernel's end).
     "default": {},
-    "fma128 w8 1/SM": dict(FMA_1SM, num_warps=8),  # 203-212 registers
-    "fma128 w8 s2 1/SM": dict(FMA_1SM, num_warps=8, STAGES=2),
-    "fma128 w8 bm8 1/SM": dict(FMA_1SM, num_warps=8, BLOCK_M=8),
-    "fma128 w8 bm2 s3 1/SM": dict(FMA_1SM, num_warps=8, BLOCK_M=2, STAGES=3),
-    "fma128 w8 is4 1/SM": dict(FMA_1SM, num_warps=8, ISTAGES=4),
-    "fma128 w16 1/SM": dict(FMA_1SM, num_warps=16),  # 108 registers
-    "fma128 w16 bm8 1/SM": dict(FMA_1SM, num_warps=16, BLOCK_M=8),
-    "fma128 w16 s2 1/SM": dict(FMA_1SM, num_warps=16, STAGES=2),
+    "bm8": dict(BLOCK_M=8),
+    "stages2": dict(STAGES=2),
+    "bm8 stages2": dict(BLOCK_M=8, STAGES=2),
+    "bm2 stages3": dict(BLOCK_M=2, STAGES=3),
+    "bm4 stages3": dict(STAGES=3),
 }
 
 
@@ -99,8 +97,10 @@ def main():
     rows = []
 
     def add(name, k, us, nbytes, cfg=None):
-        rows.append(dict(name=name, k=k, us=us, roofline_us=nbytes / bw * 1e6, config=cfg))
-        log(f"{name:28s} k={k:.2f} {us:7.1f} us  roof {nbytes / bw * 1e6:6.1f}")
+        kern = _onepass.LAST_KERNEL if cfg is not None else None  # the launch just timed: its registers, spills
+        regs, spills = (getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)) if kern else (None, None)
+        rows.append(dict(name=name, k=k, us=us, roofline_us=nbytes / bw * 1e6, config=cfg, regs=regs, spills=spills))
+        log(f"{name:28s} k={k:.2f} {us:7.1f} us  roof {nbytes / bw * 1e6:6.1f}  regs {regs} spills {spills}")
 
     add("fixed GEMV u alone", 0, safe_time("u", [lambda i=i: _onepass.ind_linear(p.xs[i], p.w(i)["wu"])
                                                  for i in range(8)]), mat)
