@@ -66,6 +66,8 @@ ONEPASS_OFF_CUDA = False
 # H200, benchmarks/results/ind_kernel/). The indicator as a tensor-core product (IND_DOT) was slower (38.7-61 us
 # for the u phase alone), and so was dual[lowrank] with its scores in the kernel (29.2 us against 26.2 in the step);
 # session 20: its K walk on the CUDA cores (IND_FMA) and more programs an SM were slower in all (45.4-103 us).
+# session 21: its tiles by TMA through shared memory (IND_TMA) 46.6-94 us; BLOCK_M 2 with STAGES 3 42.4 us alone
+# against 43.8 but slower in the step (351.4 against 355.2-356.4 tokens/s): benchmarks/results/ind_kernel/.
 # COUNTDOWN_ONEPASS_CONFIGS='{"abs": {...}}' (JSON) overrides entries, for tuning runs.
 CONFIGS = {
     "abs": dict(IND="kernel", ROWS="auto", RB=2, ISTAGES=3, W_EARLY=True, CHUNK=64, BLOCK_M=4, num_warps=4,
