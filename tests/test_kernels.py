@@ -22,6 +22,8 @@ pytest.importorskip("triton")
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels import _common, _down, _glu, _onepass, _psum  # noqa: E402
 
+from _onetoken import indicator_values, outputs  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
 D_MODEL, D_INTER = (4096, 14336) if REAL else (67, 131)
@@ -275,14 +277,9 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
     monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, **config, "IND": ind} for m, c in _onepass.CONFIGS.items()})
     x, wg, wu, wdt = _mlp(1, dtype)
-    if op == "dual":
-        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
-        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
-        values = K.dual_scores(x, pa, pb).float()[0]
-    elif op == "mono":
-        values = (x @ wu.t()).float().abs()[0]
-    else:
-        values = _common.act_torch((x @ wg.t()).float(), act).abs()[0]
+    pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
+    pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
+    values = indicator_values(op, x, wg, wu, act, pa, pb)
     if per_row:  # 30 % of rows get a threshold well below their score, the rest well above
         gen = torch.Generator().manual_seed(2)
         above = torch.rand(D_INTER, generator=gen).to(DEVICE) < 0.3
@@ -290,12 +287,7 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     else:
         thr = _threshold(values, 0.7, gap=0.05)
     keep = (values > thr)[None, :]
-    if op == "mono":
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
-    elif op == "cats":
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
-    else:
-        out, out_torch = (f(x, wg, wu, wdt, pa, pb, thr, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+    out, out_torch = outputs(op, x, wg, wu, wdt, thr, act, pa, pb)
     assert 0 < int(keep.sum()) < keep.numel()
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[op]
     assert _onepass.n_programs(x.device, D_INTER, mode) > 1 or REAL

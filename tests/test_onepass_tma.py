@@ -19,6 +19,8 @@ pytest.importorskip("triton")
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels import _common, _glu, _onepass  # noqa: E402
 
+from _onetoken import indicator_values, outputs  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D_MODEL, D_INTER = 72, 131
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -66,23 +68,13 @@ def test_tma_indicator_matches_float64(op, dtype, act, config, monkeypatch):
     real = _onepass._tma_descriptor
     monkeypatch.setattr(_onepass, "_tma_descriptor", lambda w, rb, bk: taken.append((rb, bk)) or real(w, rb, bk))
     x, wg, wu, wdt = _weights(dtype)
-    if op == "dual":
-        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
-        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
-        values = K.dual_scores(x, pa, pb).float()[0]
-    elif op == "mono":
-        values = (x @ wu.t()).float().abs()[0]
-    else:
-        values = _common.act_torch((x @ wg.t()).float(), act).abs()[0]
+    pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
+    pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
+    values = indicator_values(op, x, wg, wu, act, pa, pb)
     thr = _gap_threshold(values, 0.7)
     keep = (values > thr)[None, :]
     assert 0 < int(keep.sum()) < D_INTER
-    if op == "mono":
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
-    elif op == "cats":
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
-    else:
-        out, out_torch = (f(x, wg, wu, wdt, pa, pb, thr, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
+    out, out_torch = outputs(op, x, wg, wu, wdt, thr, act, pa, pb)
     assert taken == [(config["RB"], 32)], f"the TMA route was not taken: {taken}"
     ref = K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, act)
     assert not torch.isnan(out).any(), "an output element was not written"
