@@ -190,7 +190,8 @@ def main() -> None:
         try:
             got = [chunk_gemv(x, w, c) for x, w in zip(xs, ws)]
             ok = all(bool(((g.double() - r).abs() <= b).all()) for g, r, b in zip(got, refs, bound))
-            us = time_graph([lambda i=i: chunk_gemv(xs[i], ws[i], c) for i in range(sets)] * 2) if dev == "cuda" else 0.0
+            calls = [lambda i=i: chunk_gemv(xs[i], ws[i], c) for i in range(sets)] * 2
+            us = time_graph(calls) if dev == "cuda" else 0.0
         except Exception as e:  # noqa: BLE001
             print(f"FAILED {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}", flush=True)
             continue

@@ -285,16 +285,17 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     y = _common.new_output((1, d_model), x.dtype, x.device) if counter is not None else p
     pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
-        x, v, w_ind, _tma_descriptor(w_ind, rb, tma_bk), ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        y, counter if counter is not None else p, float(thr_f), d_model, d_inter, k_ind, triton.cdiv(d_inter, rows),
-        progs, rows,
+        x, v, w_ind, _tma_descriptor(w_ind, rb, tma_bk), ind if ind is not None else p, w_gate, w_up, w_down_t,
+        thr_t if thr_t is not None else p, p, y, counter if counter is not None else p, float(thr_f), d_model,
+        d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, PREFETCH=bool(cfg["PREFETCH"]) and ind is None,
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
-        W_EARLY=bool(rb and not tma_bk and cfg.get("W_EARLY", False)), IND_BK=ind_bk, IND_TMA=tma_bk, DOT_F32=_common.interpreting(),
+        W_EARLY=bool(rb and not tma_bk and cfg.get("W_EARLY", False)), IND_BK=ind_bk, IND_TMA=tma_bk,
+        DOT_F32=_common.interpreting(),
         FMA=bool(ind_bk) and fma,
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
