@@ -1,10 +1,32 @@
-"""One token's sparse Gated-MLP for the kernel tests: each method's indicator values and its kernel output next
-to its plain PyTorch output (tests/test_kernels.py's test_onepass, tests/test_onepass_tma.py)."""
+"""One token's sparse Gated-MLP for the kernel tests: the one-launch kernel switched on for them, each method's
+indicator values, a threshold in a gap between them, and the kernel's output next to its plain PyTorch output
+(tests/test_kernels.py, tests/test_onepass_tma.py, tests/test_sum_tail.py)."""
 
 import torch
 
 import countdown.kernels as K
-from countdown.kernels import _common
+from countdown.kernels import _common, _glu, _onepass
+
+
+def onepass_on(monkeypatch) -> None:
+    """The one-launch kernel for one token on any device, its outputs poisoned with NaN first, the dense
+    indicator left to cuBLAS elsewhere (as the references compute it)."""
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
+    monkeypatch.setattr(_onepass, "ONEPASS", True)
+    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+
+
+def gap_threshold(values: torch.Tensor, k: float, gap: float = 1e-4) -> float:
+    """A threshold near the k-quantile of ``values`` that sits in a gap between distinct values, so
+    that float32 rounding differences (Triton's vs PyTorch's activation) cannot flip a row."""
+    v = torch.unique(values.double().flatten())  # sorted
+    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
+    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
+        lo, hi = v[j - 1].item(), v[j].item()
+        if hi - lo > gap * max(abs(hi), 1e-6):
+            return (lo + hi) / 2
+    return (v[i - 1].item() + v[i].item()) / 2
 
 
 def indicator_values(op: str, x, wg, wu, act: str, pa=None, pb=None) -> torch.Tensor:

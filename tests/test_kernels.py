@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels import _common, _down, _glu, _onepass, _psum  # noqa: E402
 
+from _onetoken import gap_threshold as _threshold  # noqa: E402
 from _onetoken import indicator_values, outputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,18 +53,6 @@ def _mlp(batch, dtype, d_model=D_MODEL, d_inter=D_INTER, lead=None):
 
 def _f64(*ts):
     return [t.double() for t in ts]
-
-
-def _threshold(values: torch.Tensor, k: float, gap: float = 1e-4) -> float:
-    """A threshold near the k-quantile of ``values`` that sits in a gap between distinct values, so
-    that float32 rounding differences (Triton's vs PyTorch's activation) cannot flip a row."""
-    v = torch.unique(values.double().flatten())  # sorted
-    i = min(max(int(k * v.numel()), 1), v.numel() - 1)
-    for j in sorted(range(1, v.numel()), key=lambda j: abs(j - i)):
-        lo, hi = v[j - 1].item(), v[j].item()
-        if hi - lo > gap * max(abs(hi), 1e-6):
-            return (lo + hi) / 2
-    return (v[i - 1].item() + v[i].item()) / 2
 
 
 def _check(out, out_torch, ref64):

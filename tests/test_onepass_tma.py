@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _glu, _onepass  # noqa: E402
+from countdown.kernels import _onepass  # noqa: E402
 
-from _onetoken import indicator_values, outputs  # noqa: E402
+from _onetoken import gap_threshold, indicator_values, onepass_on, outputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D_MODEL, D_INTER = 72, 131
@@ -28,10 +28,7 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    onepass_on(monkeypatch)
     torch.manual_seed(0)
 
 
@@ -40,15 +37,6 @@ def _weights(dtype, d_model=D_MODEL):
     wg, wu = ((torch.randn(D_INTER, d_model, device=DEVICE) / d_model**0.5).to(dtype) for _ in range(2))
     wdt = (torch.randn(D_INTER, d_model, device=DEVICE) / D_INTER**0.5).to(dtype)
     return x, wg, wu, wdt
-
-
-def _gap_threshold(values: torch.Tensor, k: float) -> float:
-    """The midpoint of the widest gap between sorted values near their k-quantile (no rounding flips a row)."""
-    v = torch.unique(values.double().flatten())
-    i = int(k * v.numel())
-    lo, hi = max(1, i - 8), min(v.numel() - 1, i + 8)
-    j = max(range(lo, hi + 1), key=lambda j: (v[j] - v[j - 1]).item())
-    return ((v[j] + v[j - 1]) / 2).item()
 
 
 CASES = [  # (op, dtype, activation, config)
@@ -71,7 +59,7 @@ def test_tma_indicator_matches_float64(op, dtype, act, config, monkeypatch):
     pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
     pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
     values = indicator_values(op, x, wg, wu, act, pa, pb)
-    thr = _gap_threshold(values, 0.7)
+    thr = gap_threshold(values, 0.7, gap=0.05)
     keep = (values > thr)[None, :]
     assert 0 < int(keep.sum()) < D_INTER
     out, out_torch = outputs(op, x, wg, wu, wdt, thr, act, pa, pb)

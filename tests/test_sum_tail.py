@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _glu, _onepass, _psum  # noqa: E402
+from countdown.kernels import _common, _onepass, _psum  # noqa: E402
+
+from _onetoken import indicator_values, onepass_on  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D_MODEL, D_INTER = 67, 131
@@ -24,10 +26,7 @@ D_MODEL, D_INTER = 67, 131
 
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+    onepass_on(monkeypatch)
     monkeypatch.setattr(_psum, "OFF_CUDA", True)
     if DEVICE == "cuda":  # the tail's counters are made once per device, before any capture
         _psum.prepare_tail(torch.device(DEVICE))
@@ -57,12 +56,7 @@ def test_tail_sums_the_partials(op, dtype, act, monkeypatch):
     x, wg, wu, wdt = _mlp(dtype)
     pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
     pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()
-    if op == "dual":
-        values = K.dual_scores(x, pa, pb).float()[0]
-    elif op == "mono":
-        values = (x @ wu.t()).float().abs()[0]
-    else:
-        values = _common.act_torch((x @ wg.t()).float(), act).abs()[0]
+    values = indicator_values(op, x, wg, wu, act, pa, pb)
     thr = torch.quantile(values.double(), 0.7).item()
     keep = (values > thr)[None, :]
     assert 0 < int(keep.sum()) < D_INTER

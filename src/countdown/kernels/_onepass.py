@@ -295,8 +295,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         SPARSE=bool(cfg.get("SPARSE", True)), DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
         W_EARLY=bool(rb and not tma_bk and cfg.get("W_EARLY", False)), IND_BK=ind_bk, IND_TMA=tma_bk,
-        DOT_F32=_common.interpreting(),
-        FMA=bool(ind_bk) and fma,
+        DOT_F32=_common.interpreting(), FMA=bool(ind_bk) and fma,
         V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
