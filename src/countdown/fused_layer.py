@@ -15,7 +15,8 @@ available, the fixed GEMV serving) is
     qkv = x W_qkv^T                        kernels/_linear.py
     a   = attention(qkv)                   kernels/_rope_attention.py (rotary, cache write, attention)
     h'  = h + a W_o^T                      kernels/_linear.py with the residual: no add of its own
-    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add its decode_add (OWN_ADD)
+    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add its decode_add (OWN_ADD);
+                                           or all three by the sparse MLP's kernels (FOLD_MLP, kernels/_block.py)
 
 Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the
 layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
@@ -52,6 +53,10 @@ FOLD_QKV = False
 # Inductor's): every kernel of a folded layer's step is then ours, so programmatic dependent launch
 # (kernels/_pdl.py, on while layers are folded) reaches across the whole layer (docs/decode.md, session 14).
 OWN_ADD = os.environ.get("COUNTDOWN_FOLD_ADD", "1") not in ("", "0")
+# A sparsified MLP whose kernel route can take the post-attention norm and the residual add with it
+# (kernels/_block.py: mono, one token) gets h and returns h + mlp(RMSNorm(h)) in two launches instead of four
+# or five (COUNTDOWN_FOLD_MLP=0: the norm, the MLP and the add as before). Needs OWN_ADD.
+FOLD_MLP = os.environ.get("COUNTDOWN_FOLD_MLP", "1") not in ("", "0")
 
 
 def why_not_foldable(layer: nn.Module) -> str | None:
@@ -132,6 +137,11 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     a = attend(attn, qkv, layer, row, position_embeddings)
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
+    sparse = getattr(self.mlp, "countdown_sparse", None) if FOLD_MLP and OWN_ADD else None
+    if sparse is not None:  # the norm, a sparse MLP and the add in two launches, where its route serves
+        out = sparse.block_forward(h.view_as(hidden_states), post.weight, float(post.variance_epsilon))
+        if out is not None:
+            return out
     x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
     m = self.mlp(x.view_as(hidden_states))
     if OWN_ADD and m.dtype == h.dtype:

@@ -65,6 +65,22 @@ class PatchedMLP(nn.Module):
         y = self.mlp.finish(y)  # tensor parallel: the ranks' partial outputs summed (once)
         return y.reshape(*shape[:-1], y.shape[-1])
 
+    def block_forward(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """``h + module(RMSNorm(h))`` (weight ``norm_w``, ``eps``) where a kernel route computes the norm and
+        the residual add with the MLP (a folded layer's batch-1 decode step: countdown.fused_layer.FOLD_MLP,
+        kernels/_block.py), else None: the caller runs the norm, this module and the add itself."""
+        if self.selector is None or self.mlp.tp is not None or self.state.sparse_positions(h) is not True:
+            return None
+        path = self.state.path
+        h2 = h.reshape(-1, h.shape[-1])
+        if path not in ("auto", "kernel") or not self._kernel_ready(h2, path):
+            return None
+        out = self._block(h2, norm_w, eps)
+        return None if out is None else out.reshape(h.shape)
+
+    def _block(self, h2: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        return None  # the subclasses whose selectors have a block route say so
+
     def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
         """Kernels serve decode-sized batches of an SP-Prac selector on a bias-free SiLU/GELU MLP."""
         if not self._selector_has_kernel() or x2.shape[0] > KERNEL_MAX_TOKENS:

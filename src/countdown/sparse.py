@@ -94,6 +94,10 @@ class SparseGatedMLP(PatchedMLP):
         # w_down.t() is contiguous on CUDA: sparsify stored W_down transposed in place (store_for_kernels).
         return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous())
 
+    def _block(self, h2: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        block = getattr(self.selector, "kernel_block", None)
+        return None if block is None else block(h2, self.mlp, self.mlp.w_down.t().contiguous(), norm_w, eps)
+
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         mlp = self.mlp
         u, g = mlp.parts(x2)

@@ -42,6 +42,7 @@ from ._glu import MODES, _load_vec, _pow2, _round_to, _store_partial
 from ._indicator import _dot_indicator, _rows, _step_rows, _stepped_indicator, _tma_indicator
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._psum import _sum_tail
+from ._rmsnorm import _normed
 
 # One token only (n_tok == 1), on CUDA; elsewhere (the CPU interpreter) only where a test asks for
 # it, since the in-kernel indicator may differ from torch's in the last bit at a threshold tie.
@@ -117,8 +118,8 @@ def ind_linear(x2: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _onepass_kernel(
-    X, V, WI, WI_DESC, IND, WG, WU, WD, THR, P, Y, T,
-    thr_f, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
+    X, V, WI, WI_DESC, IND, WG, WU, WD, THR, P, Y, T, NW,
+    thr_f, norm_eps, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
@@ -127,6 +128,7 @@ def _onepass_kernel(
     REDUCERS: tl.constexpr = 0, BC: tl.constexpr = 16, BR: tl.constexpr = 16,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, V_IS_X: tl.constexpr = False,
     IND_BK: tl.constexpr = 0, DOT_F32: tl.constexpr = False, FMA: tl.constexpr = False, IND_TMA: tl.constexpr = 0,
+    NORM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -138,7 +140,10 @@ def _onepass_kernel(
         w0 = _step_rows(WI, pid * rows_per_chunk, 0, rows_per_chunk, ki, k_ind, d_inter, RB, BIG, EVEN_I)
     if PDL:  # nothing of the previous kernel's output is read before this
         gdc_wait()
-    xv = _load_vec(X, kd, d_model, EVEN_D)
+    if NORM:  # X is the residual stream h and x = RMSNorm(h) (weight NW), computed by every program
+        xv = _normed(X, NW, norm_eps, kd, d_model, EVEN_D, X.dtype.element_ty)
+    else:
+        xv = _load_vec(X, kd, d_model, EVEN_D)
     if DENSE:
         if V_IS_X:  # mono / cats: the indicator's input is x itself (one fp32 [d_model] in registers, not two)
             vv = xv
@@ -240,11 +245,15 @@ LAST_KERNEL = None
 
 
 def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
-                     gate: bool, up: bool, config: dict | None = None, ind=None, tail: bool = False) -> torch.Tensor:
+                     gate: bool, up: bool, config: dict | None = None, ind=None, tail: bool = False,
+                     norm: tuple | None = None) -> torch.Tensor:
     """The fp32 partial sums P [n_programs, d_model] for x [1, d_model]; y = P.sum(0). The indicator
     is ``ind`` [1, d_inter] if given, else computed in the kernel as v [1, k] . w_ind [d_inter, k] rows.
     With ``tail`` the kernel sums them itself (_psum.py's tail) and y [1, d_model] in x's dtype is returned
-    (the partials and their sum' launch where no counters can be had: inside a first CUDA-graph capture)."""
+    (the partials and their sum' launch where no counters can be had: inside a first CUDA-graph capture).
+    With ``norm`` = (weight [d_model], eps) ``x`` is the residual stream h and the MLP's input is RMSNorm(h),
+    computed in the kernel (kernels/_block.py); v must then be x itself and the indicator computed here
+    from its rows in registers (not IND_DOT / IND_TMA, which read v from memory)."""
     global LAST_KERNEL
     cfg = {**CONFIGS[mode], **(config or {})}
     n_tok, d_model = x.shape
@@ -276,6 +285,16 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
             raise ValueError(f"IND_DOT (indicator columns a step) must be a power of two >= 16, got {ind_bk}")
         rb = 0
     tma_bk = _tma_block(cfg, w_ind, rb) if ind is None else 0
+    v_is_x = ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype
+    if norm is not None:
+        norm_w = norm[0]
+        if not v_is_x or ind_bk or tma_bk:
+            raise ValueError("norm (RMSNorm in the kernel) needs the indicator computed here from x itself in "
+                             "registers: v = x, no ind, no IND_DOT / IND_TMA (mono or cats with IND 'kernel')")
+        if norm_w.shape != (d_model,) or norm_w.dtype != x.dtype or norm_w.device != x.device:
+            raise ValueError(f"the norm's weight must be [{d_model}] of x's dtype and device ({x.dtype}, "
+                             f"{x.device}), got {tuple(norm_w.shape)} {norm_w.dtype} {norm_w.device}")
+        norm_w = norm_w.contiguous()
     if ind is None and cfg["PREFETCH"] and (rb or ind_bk or rows != chunk):
         raise ValueError("PREFETCH (the next chunk's indicator rows loaded whole) takes RB=0 and no ROWS='auto'")
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
@@ -286,7 +305,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     pdl = _pdl.mode(x, "onepass")
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, v, w_ind, _tma_descriptor(w_ind, rb, tma_bk), ind if ind is not None else p, w_gate, w_up, w_down_t,
-        thr_t if thr_t is not None else p, p, y, counter if counter is not None else p, float(thr_f), d_model,
+        thr_t if thr_t is not None else p, p, y, counter if counter is not None else p,
+        norm_w if norm is not None else p, float(thr_f), float(norm[1]) if norm is not None else 0.0, d_model,
         d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
@@ -296,7 +316,7 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
         REDUCERS=reducers, BC=bc, BR=br, RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)),
         W_EARLY=bool(rb and not tma_bk and cfg.get("W_EARLY", False)), IND_BK=ind_bk, IND_TMA=tma_bk,
         DOT_F32=_common.interpreting(), FMA=bool(ind_bk) and fma,
-        V_IS_X=ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype,
+        V_IS_X=v_is_x, NORM=norm is not None,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
     if tail:

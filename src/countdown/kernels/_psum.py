@@ -44,7 +44,8 @@ OFF_CUDA = False  # the op under the CPU interpreter too (tests only)
 
 
 @triton.jit
-def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = 0):
+def _psum_kernel(P, Y, R, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = 0,
+                 RES: tl.constexpr = False):
     pid = tl.program_id(0)
     if PDL == 1:  # launched early (_pdl.py); the next grid may launch now
         gdc_launch_dependents()
@@ -60,22 +61,31 @@ def _psum_kernel(P, Y, n_rows, d, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.co
     if PDL == 2:
         gdc_launch_dependents()
     acc = _round_to(acc, Y.dtype.element_ty)  # round to nearest (the interpreter's cast truncates)
+    if RES:  # the residual add after it, rounded once more (as decode_add(h, y) rounds h + y)
+        acc = _round_to(acc + tl.load(R + cols, mask=cmask, other=0.0).to(tl.float32), Y.dtype.element_ty)
     tl.store(Y + cols, acc.to(Y.dtype.element_ty), mask=cmask)
 
 
-def sum_partials(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_partials(p: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None = None) -> torch.Tensor:
     """p.sum(0) for fp32 partials p [rows, ...] (one token's [rows, d]: y [1, d]; a few tokens'
-    [rows, tokens, d]: y [tokens, d]), rounded once to ``dtype``."""
+    [rows, tokens, d]: y [tokens, d]), rounded once to ``dtype``; with ``residual`` (y's shape and
+    ``dtype``) residual + that sum, rounded once more (kernels/_block.py: the MLP's residual add)."""
     if p.dim() < 2 or p.dtype != torch.float32:
         raise ValueError(f"partials must be fp32 [rows, d_model] or [rows, tokens, d_model], got {p.dtype} "
                          f"{tuple(p.shape)}")
     out_shape = _out_shape(p)
+    if residual is not None and (residual.numel() != p[0].numel() or residual.dtype != dtype
+                                 or residual.device != p.device):
+        raise ValueError(f"the residual must hold {tuple(out_shape)} values of {dtype} on {p.device}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} {residual.device}")
     p = p.contiguous().reshape(p.shape[0], -1)
     rows, d = p.shape
     y = _common.new_output(out_shape, dtype, p.device)
     br = max(16, min(_pow2(rows), MAX_ELEMS // BD))
     pdl = _pdl.mode(p, "psum")
-    _psum_kernel[(triton.cdiv(d, BD),)](p, y, rows, d, BR=br, BD=BD, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
+    res = residual.contiguous() if residual is not None else y
+    _psum_kernel[(triton.cdiv(d, BD),)](p, y, res, rows, d, BR=br, BD=BD, PDL=pdl, RES=residual is not None,
+                                        num_warps=4, **_pdl.launch_kwargs(pdl))
     return y
 
 

@@ -30,6 +30,20 @@ MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
 
 
 @triton.jit
+def _normed(X, G, eps, k, d, EVEN: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of the row X[k] with weight G[k] (k covers d; EVEN: exactly), in fp32 rounded as transformers
+    rounds to DT. Shared with the sparse kernel that computes the norm of its own input (_onepass.py NORM)."""
+    if EVEN:
+        x = tl.load(X + k).to(tl.float32)
+        g = tl.load(G + k).to(tl.float32)
+    else:
+        x = tl.load(X + k, mask=k < d, other=0.0).to(tl.float32)
+        g = tl.load(G + k, mask=k < d, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+    return _round_to(g * _round_to(x * r, DT), DT)
+
+
+@triton.jit
 def _rmsnorm_kernel(X, G, Y, eps, d, stride_x, stride_y, BD: tl.constexpr, EVEN: tl.constexpr,
                     PDL: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py): x is the previous kernel's output; one small grid, signal at once
@@ -37,14 +51,7 @@ def _rmsnorm_kernel(X, G, Y, eps, d, stride_x, stride_y, BD: tl.constexpr, EVEN:
         gdc_wait()
     t = tl.program_id(0)
     k = tl.arange(0, BD)
-    if EVEN:
-        x = tl.load(X + t * stride_x + k).to(tl.float32)
-        g = tl.load(G + k).to(tl.float32)
-    else:
-        x = tl.load(X + t * stride_x + k, mask=k < d, other=0.0).to(tl.float32)
-        g = tl.load(G + k, mask=k < d, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
-    y = _round_to(g * _round_to(x * r, Y.dtype.element_ty), Y.dtype.element_ty)
+    y = _normed(X + t * stride_x, G, eps, k, d, EVEN, Y.dtype.element_ty)
     if EVEN:
         tl.store(Y + t * stride_y + k, y.to(Y.dtype.element_ty))
     else:

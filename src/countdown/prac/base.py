@@ -69,6 +69,13 @@ class RowSelector(nn.Module):
         keep = self(x2, u, h)
         return kernels.masked_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, keep, mlp.act_name)
 
+    def kernel_block(self, h2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor, norm_w: torch.Tensor,
+                     eps: float) -> torch.Tensor | None:
+        """``h2 + mlp(RMSNorm(h2))`` (the norm's weight and eps) by a kernel route that computes the norm and
+        the residual add too (a folded decode layer, countdown.fused_layer.FOLD_MLP), or None: the caller
+        then runs the norm, :meth:`kernel_forward` and the add. Default None; the threshold kinds have one."""
+        return None
+
 
 def select(score: torch.Tensor, selection: str, cut: torch.Tensor, n_keep: int) -> torch.Tensor:
     """Keep mask from a score ``[N, d_inter]`` by ``"logit"`` (> 0), ``"cut"`` (> cut) or ``"topk"``."""

@@ -51,6 +51,12 @@ class ThresholdSelector(RowSelector):
             return super().kernel_forward(x2, mlp, w_down_t)
         return op(x2, mlp.w_gate, mlp.w_up, w_down_t, self.threshold, mlp.act_name)
 
+    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
+        if self.method.name not in ("mono", "cats"):
+            return None
+        return kernels.threshold_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
+                                       self.method.name, mlp.act_name)
+
     def extra_repr(self) -> str:
         return f"method={self.method.name}, threshold={float(self.threshold):.5g}"
 

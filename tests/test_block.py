@@ -1,0 +1,144 @@
+"""kernels/_block.py: a folded decode layer's MLP half, out = h + mlp(RMSNorm(h)), in two launches (the norm
+computed inside the sparse kernel, the residual added by the partials' sum).
+
+Against float64 (h's norm as transformers rounds it, the kept rows' MLP, the add) and, bit for bit under the
+interpreter, against the three ops it replaces (the norm kernel, mono's one-launch MLP, decode_add); the
+partials' sum with a residual against decode_add of the plain sum; the routes it does not serve answered
+None and bad inputs named; in a folded tiny Llama, the decode with the block route gives the tokens and
+logits of the decode without it, one block launch per layer per step (eager and through Dynamo).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import countdown.kernels as K  # noqa: E402
+from countdown.kernels import _block, _common, _onepass, _psum, _rmsnorm  # noqa: E402
+
+from _onetoken import gap_threshold, onepass_on  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EXACT = DEVICE == "cpu"  # the interpreter sums h's squares in the same order in both kernels
+D_MODEL, D_INTER, EPS = 67, 131, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    onepass_on(monkeypatch)
+    monkeypatch.setattr(_psum, "OFF_CUDA", True)  # the chain's sum on the same kernel (off CUDA too)
+    torch.manual_seed(0)
+
+
+def _layer(dtype):
+    h = (torch.randn(1, D_MODEL, device=DEVICE) * 3).to(dtype)
+    norm_w = (1 + 0.5 * torch.randn(D_MODEL, device=DEVICE)).to(dtype)
+    wg, wu = ((torch.randn(D_INTER, D_MODEL, device=DEVICE) / D_MODEL**0.5).to(dtype) for _ in range(2))
+    wdt = (torch.randn(D_INTER, D_MODEL, device=DEVICE) / D_INTER**0.5).to(dtype)
+    return h, norm_w, wg, wu, wdt
+
+
+@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh"),
+                                       (torch.float32, "silu")])
+def test_block_is_the_norm_the_mlp_and_the_add(dtype, act):
+    h, norm_w, wg, wu, wdt = _layer(dtype)
+    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
+    values = (x @ wu.t()).float().abs()[0]
+    thr = gap_threshold(values, 0.7, gap=0.02)  # wide: on a GPU the kernel's x may be an ulp off in places
+    keep = (values > thr)[None, :]
+    assert 0 < int(keep.sum()) < D_INTER
+    got = K.threshold_block(h, norm_w, EPS, wg, wu, wdt, thr, "mono", act)
+    assert got is not None and got.shape == h.shape and got.dtype == dtype and not torch.isnan(got).any()
+    mlp64 = K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, act)
+    exact = h.double() + mlp64
+    chain = _rmsnorm.decode_add(h, K.mono_gated_mlp(_rmsnorm.rms_norm(h, norm_w, EPS), wg, wu, wdt, thr, act))
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[dtype]
+    # the MLP's roundings (u rounded to the dtype, as a GEMV returns it: up to an ulp of each of its terms) and the
+    # add's (half an ulp): measured against the size of the terms summed, since they may cancel
+    x64 = x.double()
+    s64 = torch.where(keep, (x64 @ wu.double().t()) * _common.act_torch(x64 @ wg.double().t(), act), 0.0)
+    scale = h.double().abs() + s64.abs() @ wdt.double().abs()
+    assert ((got.double() - exact).abs() <= ulp * scale + 1e-5).all()
+    if EXACT:
+        assert torch.equal(got, chain)
+    else:
+        assert ((got.double() - chain.double()).abs() <= ulp * scale + 1e-5).all()
+    assert torch.equal(torch.ops.countdown.gated_block(h, norm_w, EPS, wg, wu, wdt, None, thr, "abs", act), got)
+    ref = _block.block_ref(h, norm_w, EPS, wg, wu, wdt, thr, "abs", act)
+    assert ((ref.double() - exact).abs() <= 2 * ulp * scale + 1e-5).all()
+
+
+def test_the_block_serves_only_its_route(monkeypatch):
+    h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
+    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is not None
+    assert K.threshold_block(torch.cat([h, h]), norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None  # 2 tokens
+    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "cats", "silu") is None  # cats: indicator outside
+    monkeypatch.setattr(_onepass, "SPARSE_KERNEL", "split")
+    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
+    monkeypatch.setattr(_onepass, "SPARSE_KERNEL", "onepass")
+    monkeypatch.setitem(_onepass.CONFIGS, "abs", {**_onepass.CONFIGS["abs"], "IND": "torch"})
+    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
+    with pytest.raises(ValueError, match="'mono' or 'cats'"):
+        K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "dual", "silu")
+
+
+def test_bad_norm_inputs_are_named():
+    h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
+    with pytest.raises(ValueError, match="norm's weight must be"):
+        _onepass.onepass_partials(h, h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+                                  norm=(norm_w[:-1], EPS))
+    with pytest.raises(ValueError, match="needs the indicator computed here"):
+        _onepass.onepass_partials(h, None, None, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+                                  ind=h @ wu.t(), norm=(norm_w, EPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_partials_sum_with_a_residual_is_decode_add_of_the_sum(dtype):
+    p = torch.randn(7, D_MODEL, device=DEVICE)
+    h = (torch.randn(1, D_MODEL, device=DEVICE) * 4).to(dtype)
+    got = _psum.sum_partials(p, dtype, residual=h)
+    assert torch.equal(got, _rmsnorm.decode_add(h, _psum.sum_partials(p, dtype)))
+    total = p.double().sum(0, keepdim=True)
+    exact = h.double() + total
+    ulp = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-22}[dtype]  # two roundings of half an ulp each
+    assert ((got.double() - exact).abs() <= ulp * (h.double().abs() + total.abs()) + 1e-5).all()
+    with pytest.raises(ValueError, match="residual must hold"):
+        _psum.sum_partials(p, dtype, residual=h[:, :-1])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_folded_layers_take_the_block_route(compiled, monkeypatch):
+    import countdown
+    from countdown import fused_attention, fused_layer
+    from countdown.decode import generate_fast
+    from countdown.decode_gemv import route_linears
+    from countdown.prac.threshold import ThresholdSelector
+    from countdown.state import state_of
+    from conftest import tiny_model
+
+    model = tiny_model("llama").to(DEVICE)
+    n_layers = model.config.num_hidden_layers
+    prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    fused_attention.fuse_attention(model)
+    route_linears(model, ("qkv", "norm"))
+    countdown.sparsify(model, "mono", 0.5, path="kernel")
+    for layer in state_of(model).layers:
+        layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
+    monkeypatch.setattr(fused_layer, "OWN_ADD", True)
+    monkeypatch.setattr(fused_layer, "FOLD_MLP", False)
+    ref, _ = generate_fast(model, prompt, 6, compile=False)
+    monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
+    hits = []
+    real = torch.ops.countdown.gated_block
+    if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
+        monkeypatch.setattr(torch.ops.countdown, "gated_block", lambda *a: hits.append(a[0].shape) or real(*a))
+    out, _ = generate_fast(model, prompt, 6, compile=compiled,
+                           compile_options={"backend": "aot_eager"} if compiled else None)
+    assert torch.equal(out, ref)
+    if not compiled:
+        assert len(hits) == 5 * n_layers  # 5 decode steps, none for the prompt
+    countdown.unsparsify(model)
+    assert not hasattr(model.model.layers[0].mlp, "countdown_sparse")
