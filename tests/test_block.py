@@ -109,12 +109,40 @@ def test_partials_sum_with_a_residual_is_decode_add_of_the_sum(dtype):
         _psum.sum_partials(p, dtype, residual=h[:, :-1])
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_folded_layers_take_the_block_route(compiled, monkeypatch):
+@pytest.mark.parametrize("op", ["mono", "cats", "dual", "shadow"])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_the_residual_is_added_as_decode_add_adds_it(op, n_tok):
+    """The public ops' ``residual``: the same bits as decode_add(h, the op without it), on the one-token route
+    (the add inside the partials' sum) and on the few-token route (a launch of its own)."""
+    d_model, d_inter = (64, 96) if op == "shadow" else (D_MODEL, D_INTER)
+    g = torch.Generator().manual_seed(3)
+    x, h = ((torch.randn(n_tok, d_model, generator=g) * s).to(torch.bfloat16).to(DEVICE) for s in (1, 3))
+    wg, wu, wdt = ((torch.randn(d_inter, d_model, generator=g) * d_model**-0.5).to(torch.bfloat16).to(DEVICE)
+                   for _ in range(3))
+    if op in ("mono", "cats"):
+        run = lambda **kw: getattr(K, f"{op}_gated_mlp")(x, wg, wu, wdt, 0.4, "silu", **kw)  # noqa: E731
+    elif op == "dual":
+        pa = (torch.randn(d_model, 16, generator=g) / d_model**0.5).to(torch.bfloat16).to(DEVICE)
+        pb = (torch.randn(d_inter, 16, generator=g) / 4).to(torch.bfloat16).to(DEVICE).t()
+        run = lambda **kw: K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, 0.3, "silu", **kw)  # noqa: E731
+    else:
+        qg, sg = K.quantize_rtn(wg.float().cpu(), 4, 32)
+        qu, su = K.quantize_rtn(wu.float().cpu(), 4, 32)
+        prep = {k: v.to(DEVICE) for k, v in K.prepare_shadow(qg, sg, qu, su, 4).items()}
+        run = lambda **kw: K.shadow_dual_gated_mlp(x, prep, 0.2, wg, wu, wdt, "silu", **kw)  # noqa: E731
+    y = run()
+    assert 0 < float(y.abs().sum()) and y.shape == x.shape
+    got = run(residual=h)
+    assert got.shape == h.shape and torch.equal(got, _rmsnorm.decode_add(h, y))
+
+
+@pytest.mark.parametrize("kind,compiled", [("mono", False), ("mono", True), ("lowrank", False)])
+def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     import countdown
     from countdown import fused_attention, fused_layer
     from countdown.decode import generate_fast
     from countdown.decode_gemv import route_linears
+    from countdown.prac.lowrank import LowRankSelector
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
     from conftest import tiny_model
@@ -124,17 +152,25 @@ def test_folded_layers_take_the_block_route(compiled, monkeypatch):
     prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     fused_attention.fuse_attention(model)
     route_linears(model, ("qkv", "norm"))
-    countdown.sparsify(model, "mono", 0.5, path="kernel")
+    countdown.sparsify(model, "mono" if kind == "mono" else "dual", 0.5, path="kernel")
+    g = torch.Generator().manual_seed(4)
     for layer in state_of(model).layers:
-        layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
+        if kind == "mono":
+            layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
+        else:  # a stand-in predictor: random factors, a cut that keeps some rows and skips others
+            d_model, d_inter = layer.mlp.d_model, layer.mlp.d_inter
+            tensors = {"A": torch.randn(d_model, 8, generator=g), "B": torch.randn(8, d_inter, generator=g),
+                       "bias": torch.zeros(d_inter), "cut": torch.tensor(0.5)}
+            layer.selector = LowRankSelector(tensors, "cut", d_inter // 2).to(DEVICE)
     monkeypatch.setattr(fused_layer, "OWN_ADD", True)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", False)
     ref, _ = generate_fast(model, prompt, 6, compile=False)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     hits = []
-    real = torch.ops.countdown.gated_block
+    op = "gated_block" if kind == "mono" else "sum_partials_add"  # mono: all in two launches; dual: the add
+    real = getattr(torch.ops.countdown, op)
     if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
-        monkeypatch.setattr(torch.ops.countdown, "gated_block", lambda *a: hits.append(a[0].shape) or real(*a))
+        monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))
     out, _ = generate_fast(model, prompt, 6, compile=compiled,
                            compile_options={"backend": "aot_eager"} if compiled else None)
     assert torch.equal(out, ref)

@@ -53,9 +53,12 @@ FOLD_QKV = False
 # Inductor's): every kernel of a folded layer's step is then ours, so programmatic dependent launch
 # (kernels/_pdl.py, on while layers are folded) reaches across the whole layer (docs/decode.md, session 14).
 OWN_ADD = os.environ.get("COUNTDOWN_FOLD_ADD", "1") not in ("", "0")
-# A sparsified MLP whose kernel route can take the post-attention norm and the residual add with it
-# (kernels/_block.py: mono, one token) gets h and returns h + mlp(RMSNorm(h)) in two launches instead of four
-# or five (COUNTDOWN_FOLD_MLP=0: the norm, the MLP and the add as before). Needs OWN_ADD.
+# A sparsified MLP whose kernel route can take the post-attention norm and the residual add with it gets h and
+# returns h + mlp(RMSNorm(h)) (PatchedMLP.block_forward; COUNTDOWN_FOLD_MLP=0: the norm, the MLP and the add as
+# before). mono, one token: two launches (kernels/_block.py: the norm inside its sparse kernel, the add in the
+# partials' sum) instead of four or five; dual (low-rank, shadow) and cats: the add in the partials' sum. Needs
+# OWN_ADD. Measured on an H200 (per-compile mono k = 0.9: 355.5-361.9 against 340.6-350.2 tokens/s; docs/decode.md
+# session 22).
 FOLD_MLP = os.environ.get("COUNTDOWN_FOLD_MLP", "1") not in ("", "0")
 
 

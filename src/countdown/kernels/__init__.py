@@ -7,7 +7,8 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
     masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation)      keep given [..., d_inter]
     threshold_block(h, norm_w, eps, w_gate, w_up, w_down_t, threshold, method, activation)
                                         h + mono / cats MLP of RMSNorm(h), one token, two launches, or None
-                                        where that route does not serve (_block.py)
+                                        where that route does not serve (_block.py); the other one-token
+                                        routes take residual=h after block_input(h, norm_w, eps)
     dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
     shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
@@ -26,7 +27,7 @@ fullgraph=True and CUDA-graph capture work. Where ``available(x)`` is False (no 
 tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference instead.
 """
 
-from ._block import threshold_block
+from ._block import block_input, threshold_block
 from ._common import available
 from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
@@ -43,7 +44,7 @@ __all__ = [
     "available",
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
-    "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block",
+    "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",
     "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
     "sparse_down_proj", "sparse_down_proj_ref",
     "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",

@@ -82,3 +82,11 @@ def threshold_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, me
     out = torch.ops.countdown.gated_block(h2, norm_w, float(eps), w_gate, w_up, w_down_t, thr_t, thr_f, mode,
                                           activation)
     return out.reshape(h.shape)
+
+
+def block_input(h, norm_w, eps: float) -> torch.Tensor:
+    """RMSNorm(h) on the folded layer's norm kernel (kernels/_rmsnorm.py), for the block routes whose MLP needs
+    x itself (a predictor's GEMV first); they then take ``residual=h`` for the add."""
+    from . import _rmsnorm  # noqa: F401  (registers countdown::decode_rms_norm; Triton)
+
+    return torch.ops.countdown.decode_rms_norm(h, norm_w, float(eps))

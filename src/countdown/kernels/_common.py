@@ -164,6 +164,11 @@ def threshold_value(thr_t: torch.Tensor | None, thr_f: float, like: torch.Tensor
     return thr_t.to(device=like.device, dtype=torch.float32)
 
 
+def plus(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + y in residual's shape (the public ops' ``residual`` where they fall back to PyTorch), or y."""
+    return y if residual is None else residual + y.reshape(residual.shape)
+
+
 def check_mlp_args(x, w_gate, w_up, w_down_t):
     d_model = x.shape[-1]
     if w_up.dim() != 2 or w_up.shape[1] != d_model:

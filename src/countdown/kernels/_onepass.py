@@ -360,35 +360,38 @@ def indicator_outside(mode: str) -> bool:
     return SPARSE_KERNEL != "overlap" and CONFIGS[mode].get("IND", "torch") == "torch"
 
 
-def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str) -> torch.Tensor:
+def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
+                  residual=None) -> torch.Tensor:
     """mono (mode "abs": keep |u| > t) or cats ("abs_act": keep |act(g)| > t) for one token."""
     w_ind = w_up if mode == "abs" else w_gate
     src = dict(ind=ind_linear(x2, w_ind)) if indicator_outside(mode) else dict(v=x2, w_ind=w_ind)
     return onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
-                       gate=mode == "abs", up=mode != "abs", **src)
+                       gate=mode == "abs", up=mode != "abs", residual=residual, **src)
 
 
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
-                *, ind=None, v=None, w_ind=None) -> torch.Tensor:
+                *, ind=None, v=None, w_ind=None, residual=None) -> torch.Tensor:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its input ``v`` and rows
     ``w_ind``: the op's partials summed and cast outside it (_psum.reduce: PyTorch's sum while
-    torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op)."""
+    torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op). With
+    ``residual`` (a folded layer's h, in residual's shape) residual + y, the add in the partials' sum where
+    the route leaves partials (_psum.reduce), else on a launch of its own."""
     if ind is None and SPARSE_KERNEL == "overlap":  # the indicator's GEMV and the sparse rows in one grid
         if _overlap.counters(x2.device) is not None:
             p = torch.ops.countdown.gated_overlap(x2, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode,
                                                   activation, gate, up)
-            return _psum.reduce(p, x2)
+            return _psum.reduce(p, x2, residual)
         ind = ind_linear(v, w_ind)  # its counters not made (_overlap.prepare): the default route
     if ind is not None and SPARSE_KERNEL == "split":  # two launches, y itself: nothing to sum
-        return torch.ops.countdown.gated_split(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
-                                               gate, up)
+        return _psum.add_residual(torch.ops.countdown.gated_split(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
+                                                                  mode, activation, gate, up), residual)
     if ind is not None and SPARSE_KERNEL == "balanced":  # its own op: another output shape, another graph
         p = torch.ops.countdown.gated_balanced(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                                gate, up)
     elif _psum.use_tail(x2):  # the kernel sums its own partials: no launch for the sum
-        return torch.ops.countdown.gated_onepass_sum(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
-                                                     mode, activation, gate, up)
+        return _psum.add_residual(torch.ops.countdown.gated_onepass_sum(
+            x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up), residual)
     else:
         p = torch.ops.countdown.gated_onepass(x2, v, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
                                               mode, activation, gate, up)
-    return _psum.reduce(p, x2)
+    return _psum.reduce(p, x2, residual)

@@ -103,6 +103,16 @@ def _(p, like):
     return p.new_empty(_out_shape(p), dtype=like.dtype)
 
 
+@torch.library.custom_op("countdown::sum_partials_add", mutates_args=())
+def _psum_add_op(p: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return sum_partials(p, residual.dtype, residual=residual)
+
+
+@_psum_add_op.register_fake
+def _(p, residual):
+    return p.new_empty(_out_shape(p), dtype=residual.dtype)
+
+
 def use_kernel(p: torch.Tensor) -> bool:
     """Whether :func:`reduce` takes this file's op for ``p`` now (see ROUTE)."""
     if ROUTE == "inductor" or not (p.is_cuda or OFF_CUDA):
@@ -194,8 +204,31 @@ def use_tail(x: torch.Tensor) -> bool:
     return ROUTE == "tail" and (x.is_cuda or OFF_CUDA)
 
 
-def reduce(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """p.sum(0) in ``like``'s dtype (2-D p: [1, d], kept dim): this file's op or PyTorch's sum (ROUTE)."""
+def reduce(p: torch.Tensor, like: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """p.sum(0) in ``like``'s dtype (2-D p: [1, d], kept dim): this file's op or PyTorch's sum (ROUTE). With
+    ``residual`` (a folded layer's h, kernels/_block.py) residual + that sum in residual's shape, on this file's
+    kernel wherever the kernels run, compiled or not: one launch of ours for the sum and the add."""
+    if residual is not None:
+        if residual.dtype != like.dtype or residual.numel() != p[0].numel():
+            raise ValueError(f"the residual must hold {p[0].numel()} values of {like.dtype}, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        if p.is_cuda or OFF_CUDA:
+            return torch.ops.countdown.sum_partials_add(p, residual.reshape(_out_shape(p))).view(residual.shape)
+        return add_residual(reduce(p, like), residual)
     if use_kernel(p):
         return torch.ops.countdown.sum_partials(p, like)
     return p.sum(0, keepdim=p.dim() == 2).to(like.dtype)
+
+
+def add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + y in residual's shape (y as many values), rounded once as PyTorch adds two tensors of one dtype:
+    on kernels/_rmsnorm.py's decode_add where the kernels run (a launch of ours, chained by PDL), else PyTorch's
+    add. ``residual`` None: y itself."""
+    if residual is None:
+        return y
+    y = y.reshape(residual.shape)
+    if y.is_cuda or OFF_CUDA:
+        from . import _rmsnorm  # noqa: F401  (registers countdown::decode_add)
+
+        return torch.ops.countdown.decode_add(residual, y)
+    return residual + y

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._common import act_torch, available, check_mlp_args, split_threshold, threshold_value
+from ._common import act_torch, available, check_mlp_args, plus, split_threshold, threshold_value
 from .masked import gated_mlp_masked_ref
 
 
@@ -52,22 +52,23 @@ def _(x, w_gate, w_up, w_down_t, thr_t, thr_f, activation, per_token):
 
 
 def cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation: str = "silu",
-                   per_token: bool = False) -> torch.Tensor:
-    """x [..., d_model] -> y [..., d_model]; threshold a float or a 0-dim tensor."""
+                   per_token: bool = False, residual=None) -> torch.Tensor:
+    """x [..., d_model] -> y [..., d_model]; threshold a float or a 0-dim tensor. With ``residual`` (x's shape
+    and dtype: a folded layer's h) residual + y, the add inside the partials' sum on the one-token route."""
     d_model, _ = check_mlp_args(x, w_gate, w_up, w_down_t)
     if not available(x):
-        return cats_gated_mlp_ref(x, w_gate, w_up, w_down_t, threshold, activation)
+        return plus(cats_gated_mlp_ref(x, w_gate, w_up, w_down_t, threshold, activation), residual)
     thr_t, thr_f = split_threshold(threshold)
     x2 = x.reshape(-1, d_model)
-    from . import _few, _onepass
+    from . import _few, _onepass, _psum
 
     if _onepass.applies(x2):  # one token: the whole MLP in one launch
-        y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation)
+        y = _onepass.threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation, residual)
         return y.reshape(x.shape)
     if _few.applies(x2) and not per_token:  # 2-8 tokens: the union's rows in one launch
         y = _few.few_mlp(x2, x2 @ w_gate.t(), w_gate, w_up, w_down_t, thr_t, thr_f, "abs_act", activation,
                          gate=False, up=True)
-        return y.reshape(x.shape)
+        return _psum.add_residual(y, residual).reshape(x.shape)
     y = torch.ops.countdown.cats_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            thr_t, thr_f, activation, per_token)
-    return y.reshape(x.shape)
+    return _psum.add_residual(y, residual).reshape(x.shape)

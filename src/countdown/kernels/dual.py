@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ._common import available, check_mlp_args, split_threshold, threshold_value
+from ._common import available, check_mlp_args, plus, split_threshold, threshold_value
 from .masked import gated_mlp_masked_ref
 
 
@@ -71,18 +71,19 @@ def _(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut_t, cut_f, activation, per_t
 
 
 def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",
-                   per_token: bool = False) -> torch.Tensor:
-    """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor."""
+                   per_token: bool = False, residual=None) -> torch.Tensor:
+    """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor. With ``residual`` (x's shape and
+    dtype: a folded layer's h) residual + y, the add inside the partials' sum where the one-token route runs."""
     d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
     if pred_a.dim() != 2 or pred_a.shape[0] != d_model or pred_b.dim() != 2 \
             or pred_b.shape != (pred_a.shape[1], d_inter):
         raise ValueError(f"predictor must be A [{d_model}, r] and B [r, {d_inter}], got "
                          f"{tuple(pred_a.shape)} and {tuple(pred_b.shape)}")
     if not available(x):
-        return dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
+        return plus(dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation), residual)
     cut_t, cut_f = split_threshold(cut)
     x2 = x.reshape(-1, d_model)
-    from . import _few, _onepass
+    from . import _few, _onepass, _psum
 
     outside = _onepass.indicator_outside("gt")
     if _onepass.applies(x2) and (outside or _rows_of_bt(pred_b)):
@@ -93,12 +94,12 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         latent = _onepass.ind_linear(x2.to(pred_a.dtype), pred_a.t())
         src = dict(ind=_onepass.ind_linear(latent, pred_b.t())) if outside else dict(v=latent, w_ind=pred_b.t())
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation,
-                                 gate=True, up=True, **src)
+                                 gate=True, up=True, residual=residual, **src)
         return y.reshape(x.shape)
     if _few.applies(x2) and not per_token:  # 2-8 tokens: the predictor's GEMMs here, then one launch
         y = _few.few_mlp(x2, dual_scores(x2, pred_a, pred_b), w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
                          activation, gate=True, up=True)
-        return y.reshape(x.shape)
+        return _psum.add_residual(y, residual).reshape(x.shape)
     y = torch.ops.countdown.dual_gated_mlp(x2, w_gate, w_up, w_down_t,
                                            pred_a, pred_b, cut_t, cut_f, activation, per_token)
-    return y.reshape(x.shape)
+    return _psum.add_residual(y, residual).reshape(x.shape)

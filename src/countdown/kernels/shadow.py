@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ._common import available, check_mlp_args, split_threshold, threshold_value
+from ._common import available, check_mlp_args, plus, split_threshold, threshold_value
 from .masked import gated_mlp_masked_ref, masked_gated_mlp
 from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
@@ -154,11 +154,17 @@ def _onepass_applies(x2) -> bool:
     return _onepass.applies(x2)
 
 
-def _reduce(p: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """y [1, d_model] in x's dtype from one-token fp32 partials (kernels/_psum.py)."""
+def _reduce(p: torch.Tensor, x2: torch.Tensor, residual=None) -> torch.Tensor:
+    """y [1, d_model] in x's dtype from one-token fp32 partials (kernels/_psum.py), plus ``residual``."""
     from . import _psum
 
-    return _psum.reduce(p, x2)
+    return _psum.reduce(p, x2, residual)
+
+
+def _added(y: torch.Tensor, residual) -> torch.Tensor:
+    from . import _psum
+
+    return _psum.add_residual(y, residual)
 
 
 def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu"):
@@ -170,16 +176,18 @@ def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "s
     return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
 
 
-def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu") -> torch.Tensor:
+def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu",
+                          residual=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model] in x's dtype; ``prepared`` from ``prepare_shadow``; cut a
     0-dim float32 tensor (read on the device, no host sync) or a float; w_down_t = W_down^T
-    [d_inter, d_model] contiguous, like w_gate and w_up."""
+    [d_inter, d_model] contiguous, like w_gate and w_up. With ``residual`` (x's shape and dtype: a folded
+    layer's h) residual + y, the add inside the partials' sum on the one-token routes."""
     d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
     q, scale = _check(x, prepared)
     if q.shape[0] != d_inter:
         raise ValueError(f"the shadows have {q.shape[0]} rows, the MLP d_inter={d_inter}")
     if not _fast(x, q):
-        return _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation)
+        return plus(_prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation), residual)
     cut_t, cut_f = split_threshold(cut)
     if cut_t is not None and cut_t.dim() != 0:
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
@@ -187,7 +195,7 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
     n_tok = x2.shape[0]
     if n_tok == 1 and ONE_TOKEN_ROUTE == "stream" and _onepass_applies(x2) and _one_token_gemv(x2, q, scale):
         p = torch.ops.countdown.shadow_stream(x2, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation)
-        return _reduce(p, x2).reshape(x.shape)
+        return _reduce(p, x2, residual).reshape(x.shape)
     if n_tok == 1 and ONE_TOKEN_ROUTE in ("onepass", "stream") and _onepass_applies(x2):
         from . import _onepass
 
@@ -197,19 +205,19 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
             u_t, g_t = shadow_scores(x2, prepared)
             ind = shadow_score(u_t, g_t, activation)
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
-                                 ind=ind)
+                                 ind=ind, residual=residual)
         return y.reshape(x.shape)
     if n_tok == 1:
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                 w_gate, w_up, w_down_t, activation)
-        return _reduce(p, x2).reshape(x.shape)
+        return _reduce(p, x2, residual).reshape(x.shape)
     if n_tok <= MAX_FUSED_TOKENS:
         y = torch.ops.countdown.select_gated_mlp(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                  w_gate, w_up, w_down_t, activation)
-        return y.reshape(x.shape)
+        return _added(y, residual).reshape(x.shape)
     u_t, g_t = shadow_scores(x2, prepared)
     keep = shadow_score(u_t, g_t, activation) > threshold_value(cut_t, cut_f, u_t)
-    return masked_gated_mlp(x2, w_gate, w_up, w_down_t, keep, activation).reshape(x.shape)
+    return _added(masked_gated_mlp(x2, w_gate, w_up, w_down_t, keep, activation), residual).reshape(x.shape)
 
 
 # ------------------------------------------------------------------ the custom ops (shadow and hybrid)

@@ -76,6 +76,12 @@ class LowRankSelector(LowRankFactors):
         return kernels.dual_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
                                       mlp.act_name)
 
+    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
+        if not IN_KERNEL or self.selection == "topk":
+            return None
+        return kernels.dual_gated_mlp(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t, self.A,
+                                      self.Bt.t(), self.row_cut, mlp.act_name, residual=h2)
+
     def extra_repr(self) -> str:
         return f"kind=lowrank, selection={self.selection}, n_keep={self.n_keep}"
 

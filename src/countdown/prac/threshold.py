@@ -52,10 +52,15 @@ class ThresholdSelector(RowSelector):
         return op(x2, mlp.w_gate, mlp.w_up, w_down_t, self.threshold, mlp.act_name)
 
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
-        if self.method.name not in ("mono", "cats"):
+        op = {"mono": kernels.mono_gated_mlp, "cats": kernels.cats_gated_mlp}.get(self.method.name)
+        if op is None:
             return None
-        return kernels.threshold_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
-                                       self.method.name, mlp.act_name)
+        out = kernels.threshold_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
+                                      self.method.name, mlp.act_name)  # the norm inside the sparse kernel
+        if out is None:  # the norm on its kernel, the add in the partials' sum
+            out = op(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
+                     mlp.act_name, residual=h2)
+        return out
 
     def extra_repr(self) -> str:
         return f"method={self.method.name}, threshold={float(self.threshold):.5g}"
