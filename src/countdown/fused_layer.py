@@ -140,13 +140,23 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     a = attend(attn, qkv, layer, row, position_embeddings)
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
-    sparse = getattr(self.mlp, "countdown_sparse", None) if FOLD_MLP and OWN_ADD else None
-    if sparse is not None:  # the norm, a sparse MLP and the add in two launches, where its route serves
-        out = sparse.block_forward(h.view_as(hidden_states), post.weight, float(post.variance_epsilon))
+    h = h.view_as(hidden_states)
+    slot = getattr(self.mlp, "folded_half", None)  # an opaque slot's (countdown.bench.slots): mlp_half inside
+    if slot is not None:
+        return slot(h, post.weight, float(post.variance_epsilon))
+    return mlp_half(self.mlp, h, post.weight, float(post.variance_epsilon))
+
+
+def mlp_half(mlp: nn.Module, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """A folded layer's ``h + mlp(RMSNorm(h))`` for one decode step's h [B, 1, d_model]: by a sparsified MLP's
+    block route where it serves (FOLD_MLP), else the norm kernel, the module and the add (OWN_ADD: decode_add)."""
+    sparse = getattr(mlp, "countdown_sparse", None) if FOLD_MLP and OWN_ADD else None
+    if sparse is not None:  # the norm, a sparse MLP and the add in two or three launches, where its route serves
+        out = sparse.block_forward(h, norm_w, eps)
         if out is not None:
             return out
-    x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
-    m = self.mlp(x.view_as(hidden_states))
+    x = torch.ops.countdown.decode_rms_norm(h.reshape(h.shape[0], -1), norm_w, eps)
+    m = mlp(x.view_as(h))
     if OWN_ADD and m.dtype == h.dtype:
-        return torch.ops.countdown.decode_add(h.view_as(hidden_states), m)
-    return h.view_as(hidden_states) + m
+        return torch.ops.countdown.decode_add(h, m)
+    return h + m

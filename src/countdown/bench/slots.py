@@ -46,8 +46,25 @@ def _(x, slot):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("countdown_bench::mlp_half_slot", mutates_args=())
+def mlp_half_slot(h: torch.Tensor, norm_w: torch.Tensor, eps: float, slot: int) -> torch.Tensor:
+    """A folded layer's ``h + module(RMSNorm(h))`` with the module in ``SLOTS[slot]`` (opaque to torch.compile):
+    countdown.fused_layer.mlp_half, so a sparsified module's block route (norm and add with its kernels) runs
+    here as it runs in a full-graph compile."""
+    from ..fused_layer import mlp_half
+
+    return mlp_half(SLOTS[slot], h, norm_w, eps)
+
+
+@mlp_half_slot.register_fake
+def _(h, norm_w, eps, slot):
+    return torch.empty_like(h)
+
+
 class SlotMLP(nn.Module):
-    """Stands where a Gated-MLP module stood; its forward is the opaque slot op."""
+    """Stands where a Gated-MLP module stood; its forward is the opaque slot op. In a folded layer
+    (countdown.fused_layer) the layer calls :meth:`folded_half` instead: the norm and the residual add
+    behind the opaque op too, where the module's block route takes them."""
 
     def __init__(self, slot: int):
         super().__init__()
@@ -55,6 +72,9 @@ class SlotMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.countdown_bench.mlp_slot(x, self.slot)
+
+    def folded_half(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.countdown_bench.mlp_half_slot(h, norm_w, eps, self.slot)
 
 
 class ZeroMLP(nn.Module):
