@@ -229,6 +229,9 @@ def compile_check() -> bool:
                                                   ind=ind)
                 else:
                     _onepass.onepass_partials(x, None, None, w, w, w, cut, 0.0, "gt", act, True, True, cfg, ind=ind)
+                    if cfg is None:  # dual_block's: x the residual h, the norm in the kernel (kernels/_block.py)
+                        _onepass.onepass_partials(x, None, None, w, w, w, cut, 0.0, "gt", act, True, True, ind=ind,
+                                                  norm=(e(d_model), 1e-5))
                     for c in kern:
                         _onepass.onepass_partials(x, lat, bt, w, w, w, cut, 0.0, "gt", act, True, True, c)
     log(f"compile check: {len(failures)} failures")

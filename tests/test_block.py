@@ -1,5 +1,6 @@
 """kernels/_block.py: a folded decode layer's MLP half, out = h + mlp(RMSNorm(h)), in two launches (the norm
-computed inside the sparse kernel, the residual added by the partials' sum).
+computed inside the sparse kernel, the residual added by the partials' sum); kernels/dual.py's dual_block, the
+same with a low-rank predictor whose first GEMV folds the norm in (four launches, no norm kernel).
 
 Against float64 (h's norm as transformers rounds it, the kept rows' MLP, the add) and, bit for bit under the
 interpreter, against the three ops it replaces (the norm kernel, mono's one-launch MLP, decode_add); the
@@ -90,9 +91,70 @@ def test_bad_norm_inputs_are_named():
     with pytest.raises(ValueError, match="norm's weight must be"):
         _onepass.onepass_partials(h, h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
                                   norm=(norm_w[:-1], EPS))
-    with pytest.raises(ValueError, match="needs the indicator computed here"):
-        _onepass.onepass_partials(h, None, None, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
-                                  ind=h @ wu.t(), norm=(norm_w, EPS))
+    with pytest.raises(ValueError, match="needs the indicator given"):  # v another vector than x
+        _onepass.onepass_partials(h, h.clone(), wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+                                  norm=(norm_w, EPS))
+
+
+def _predictor(dtype, rank=8):
+    """A [d_model, r] as the view of a contiguous A^T and B [r, d_inter] as the view of a contiguous B^T (the
+    layout countdown.prac's low-rank selectors hold), scaled so the scores spread around 1."""
+    at = (torch.randn(rank, D_MODEL, device=DEVICE) / D_MODEL**0.5).to(dtype)
+    bt = (torch.randn(D_INTER, rank, device=DEVICE) / rank**0.5).to(dtype)
+    return at.t(), bt.t()
+
+
+@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh"),
+                                       (torch.float32, "silu")])
+def test_dual_block_is_the_norm_the_predictor_the_mlp_and_the_add(dtype, act, monkeypatch):
+    """kernels/dual.py dual_block: the latent from the norm-folded GEMV, the scores, the sparse kernel normalising h
+    itself and the add, against float64 and the chain it replaces (norm kernel, dual_gated_mlp, decode_add)."""
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    h, norm_w, wg, wu, wdt = _layer(dtype)
+    pa, pb = _predictor(dtype)
+    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
+    h64 = h.double()
+    x64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * norm_w.double()  # the GEMV's, unrounded
+    scores = (x64 @ pa.double()) @ pb.double()
+    cut = gap_threshold(scores[0].float(), 0.7, gap=0.05)  # wide: the latent is rounded to the dtype on its way
+    keep = scores > cut
+    assert 0 < int(keep.sum()) < D_INTER
+    got = K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, cut, act)
+    assert got is not None and got.shape == h.shape and got.dtype == dtype and not torch.isnan(got).any()
+    exact = h64 + K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, act)
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[dtype]
+    xd = x.double()
+    s64 = torch.where(keep, (xd @ wu.double().t()) * _common.act_torch(xd @ wg.double().t(), act), 0.0)
+    scale = h64.abs() + s64.abs() @ wdt.double().abs()
+    assert ((got.double() - exact).abs() <= ulp * scale + 1e-5).all()
+    chain = _rmsnorm.decode_add(h, K.dual_gated_mlp(_rmsnorm.rms_norm(h, norm_w, EPS), wg, wu, wdt, pa, pb, cut, act))
+    if EXACT:  # the same kept rows, the same x in the sparse kernel, the same sums
+        assert torch.equal(got, chain)
+    else:
+        assert ((got.double() - chain.double()).abs() <= ulp * scale + 1e-5).all()
+    # a cut that keeps nothing: h itself, rounded through the add of a zero MLP
+    assert torch.equal(K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 1e9, act), h)
+
+
+def test_dual_block_serves_only_its_route(monkeypatch):
+    from countdown.kernels import dual
+
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
+    pa, pb = _predictor(torch.bfloat16)
+    run = lambda h, pa, pb: K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 0.3, "silu")  # noqa: E731
+    assert run(h, pa, pb) is not None
+    assert run(torch.cat([h, h]), pa, pb) is None  # two tokens
+    assert run(h, pa.float(), pb.float()) is None  # the predictor in another dtype than h
+    assert run(h, pa.contiguous(), pb) is None  # A^T not contiguous
+    monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "kernel"})
+    assert run(h, pa, pb) is None  # the scores computed inside the sparse kernel
+    monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "torch"})
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
+    assert run(h, pa, pb) is None
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
+    with pytest.raises(ValueError, match="predictor must be"):
+        run(h, pa[:, :-1], pb)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -167,7 +229,9 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     ref, _ = generate_fast(model, prompt, 6, compile=False)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     hits = []
-    op = "gated_block" if kind == "mono" else "sum_partials_add"  # mono: all in two launches; dual: the add
+    if kind == "lowrank":  # the predictor's GEMV with the norm folded in, on the interpreter too
+        monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    op = "gated_block" if kind == "mono" else "gated_block_given"  # no norm kernel for either
     real = getattr(torch.ops.countdown, op)
     if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
         monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))

@@ -10,6 +10,9 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
                                         where that route does not serve (_block.py); the other one-token
                                         routes take residual=h after block_input(h, norm_w, eps)
     dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
+    dual_block(h, norm_w, eps, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
+                                        h + dual_gated_mlp of RMSNorm(h), one token, the norm folded into
+                                        the predictor's GEMV and the sparse kernel, or None (dual.py)
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
     shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
                                         keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
@@ -31,7 +34,7 @@ from ._block import block_input, threshold_block
 from ._common import available
 from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
-from .dual import dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
+from .dual import dual_block, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
 from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
 from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
 from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
@@ -45,7 +48,7 @@ __all__ = [
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",
-    "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
+    "dual_block", "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
     "sparse_down_proj", "sparse_down_proj_ref",
     "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",
     "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",

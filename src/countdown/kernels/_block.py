@@ -12,6 +12,10 @@ launches of ours, the second waiting on the first by PDL. The norm costs each pr
 one more 8 KB load (the norm's weight, from L2) beside h.
 
 (The package imports this file without Triton: the kernels' modules are loaded where they run.)
+A predictor's variant (:func:`given_block`, for kernels/dual.py's ``dual_block``): the indicator computed before the
+launch from RMSNorm(h) (the predictor's first GEMV with the norm folded in, kernels/_linear.py), the sparse kernel
+normalising h itself for the kept rows and the sum adding h: no launch a norm of its own.
+
 Serves the threshold methods whose indicator the one-launch kernel computes from x itself (mode "abs",
 mono, with its default IND "kernel"; "abs_act", cats, only if its configuration is changed to IND
 "kernel"), one token, where the one-launch kernel applies; :func:`applies` says so, else the caller runs the
@@ -82,6 +86,41 @@ def threshold_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, me
     out = torch.ops.countdown.gated_block(h2, norm_w, float(eps), w_gate, w_up, w_down_t, thr_t, thr_f, mode,
                                           activation)
     return out.reshape(h.shape)
+
+
+def applies_given(h2: torch.Tensor, mode: str) -> bool:
+    """Whether the block with the indicator given (:func:`given_block`) serves this residual for ``mode`` now:
+    one token on the one-launch kernel, the method's indicator computed before it (CONFIGS[mode]["IND"])."""
+    from . import _onepass, _psum
+
+    return (_onepass.applies(h2) and _onepass.SPARSE_KERNEL == "onepass" and _onepass.indicator_outside(mode)
+            and not _psum.use_tail(h2))
+
+
+@torch.library.custom_op("countdown::gated_block_given", mutates_args=())
+def _given_op(h: torch.Tensor, norm_w: torch.Tensor, eps: float, ind: torch.Tensor, w_gate: torch.Tensor,
+              w_up: torch.Tensor, w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
+              activation: str, gate: bool, up: bool) -> torch.Tensor:
+    from . import _onepass, _psum  # Triton: only where the kernels run
+
+    p = _onepass.onepass_partials(h, None, None, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up,
+                                  ind=ind, norm=(norm_w, eps))
+    return _psum.sum_partials(p, h.dtype, residual=h)
+
+
+@_given_op.register_fake
+def _(h, norm_w, eps, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+    return torch.empty_like(h)
+
+
+def given_block(h2, norm_w, eps: float, ind, w_gate, w_up, w_down_t, thr_t, thr_f: float, mode: str,
+                activation: str, gate: bool = True, up: bool = True) -> torch.Tensor:
+    """h2 + mlp(RMSNorm(h2)) for one token whose indicator ``ind`` [1, d_inter] (compared by ``mode`` with the
+    threshold) was computed before, from RMSNorm(h2) (a predictor's GEMVs with the norm folded into the first,
+    kernels/dual.py :func:`dual_block`): the norm in every program of the sparse kernel, the add in the partials'
+    sum; two launches. The caller checks :func:`applies_given`."""
+    return torch.ops.countdown.gated_block_given(h2, norm_w, float(eps), ind, w_gate, w_up, w_down_t, thr_t,
+                                                 float(thr_f), mode, activation, gate, up)
 
 
 def block_input(h, norm_w, eps: float) -> torch.Tensor:

@@ -252,8 +252,8 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     With ``tail`` the kernel sums them itself (_psum.py's tail) and y [1, d_model] in x's dtype is returned
     (the partials and their sum' launch where no counters can be had: inside a first CUDA-graph capture).
     With ``norm`` = (weight [d_model], eps) ``x`` is the residual stream h and the MLP's input is RMSNorm(h),
-    computed in the kernel (kernels/_block.py); v must then be x itself and the indicator computed here
-    from its rows in registers (not IND_DOT / IND_TMA, which read v from memory)."""
+    computed in the kernel (kernels/_block.py); the indicator is then ``ind`` or computed here from x's own
+    rows in registers (v = x; not IND_DOT / IND_TMA, which read v from memory)."""
     global LAST_KERNEL
     cfg = {**CONFIGS[mode], **(config or {})}
     n_tok, d_model = x.shape
@@ -288,9 +288,9 @@ def onepass_partials(x, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: st
     v_is_x = ind is None and v.data_ptr() == x.data_ptr() and v.shape == x.shape and v.dtype == x.dtype
     if norm is not None:
         norm_w = norm[0]
-        if not v_is_x or ind_bk or tma_bk:
-            raise ValueError("norm (RMSNorm in the kernel) needs the indicator computed here from x itself in "
-                             "registers: v = x, no ind, no IND_DOT / IND_TMA (mono or cats with IND 'kernel')")
+        if ind is None and (not v_is_x or ind_bk or tma_bk):
+            raise ValueError("norm (RMSNorm in the kernel) needs the indicator given (ind) or computed here from x "
+                             "itself in registers: v = x, no IND_DOT / IND_TMA (mono or cats with IND 'kernel')")
         if norm_w.shape != (d_model,) or norm_w.dtype != x.dtype or norm_w.device != x.device:
             raise ValueError(f"the norm's weight must be [{d_model}] of x's dtype and device ({x.dtype}, "
                              f"{x.device}), got {tuple(norm_w.shape)} {norm_w.dtype} {norm_w.device}")

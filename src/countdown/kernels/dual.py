@@ -17,12 +17,18 @@ predictor GEMV and its launch disappear); a contiguous B takes the cuBLAS path.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from ._common import available, check_mlp_args, plus, split_threshold, threshold_value
 from .masked import gated_mlp_masked_ref
+
+
+# A folded layer's MLP half (dual_block): the post-attention RMSNorm folded into the predictor's first GEMV and into
+# the sparse kernel, so no norm kernel runs (COUNTDOWN_DUAL_BLOCK=0: the norm on its own kernel, as before).
+NORM_IN_PREDICTOR = os.environ.get("COUNTDOWN_DUAL_BLOCK", "1") not in ("", "0")
 
 
 def dual_scores(x, pred_a, pred_b) -> torch.Tensor:
@@ -70,15 +76,48 @@ def _(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut_t, cut_f, activation, per_t
     return torch.empty_like(x)
 
 
+def _check_predictor(pred_a, pred_b, d_model: int, d_inter: int) -> None:
+    if pred_a.dim() != 2 or pred_a.shape[0] != d_model or pred_b.dim() != 2 \
+            or pred_b.shape != (pred_a.shape[1], d_inter):
+        raise ValueError(f"predictor must be A [{d_model}, r] and B [r, {d_inter}], got "
+                         f"{tuple(pred_a.shape)} and {tuple(pred_b.shape)}")
+
+
+def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cut,
+               activation: str = "silu") -> torch.Tensor | None:
+    """h + mlp(RMSNorm(h)) for one token of a folded decode layer (h [..., d_model], the norm's weight and eps), in
+    four launches and none of them a norm: the latent RMSNorm(h) A on the fixed GEMV with the norm folded in
+    (kernels/_linear.py), the scores latent B, then kernels/_block.py's sparse kernel that normalises h itself and
+    its partials' sum with the add. None where that route does not serve (not one token on the one-launch kernel,
+    the scores computed in the kernel, A^T or B^T not contiguous in h's dtype, NORM_IN_PREDICTOR off): the caller
+    then runs the norm (block_input) and ``dual_gated_mlp(..., residual=h)``."""
+    d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
+    _check_predictor(pred_a, pred_b, d_model, d_inter)
+    h2 = h.reshape(-1, d_model)
+    if not NORM_IN_PREDICTOR or not available(h2):
+        return None
+    from . import _block, _onepass
+
+    at, bt = pred_a.t(), pred_b.t()
+    if not (_block.applies_given(h2, "gt") and _onepass.IND_GEMV == "fixed"
+            and (h2.is_cuda or _onepass.IND_GEMV_OFF_CUDA) and at.is_contiguous() and bt.is_contiguous()
+            and at.dtype == bt.dtype == h2.dtype):
+        return None
+    from . import _linear  # noqa: F401  (registers the GEMV ops; Triton)
+
+    latent = torch.ops.countdown.decode_norm_linear(h2, norm_w, float(eps), at, None)
+    ind = torch.ops.countdown.decode_linear(latent, bt, None, None)
+    cut_t, cut_f = split_threshold(cut)
+    return _block.given_block(h2, norm_w, eps, ind, w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
+                              activation).reshape(h.shape)
+
+
 def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",
                    per_token: bool = False, residual=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor. With ``residual`` (x's shape and
     dtype: a folded layer's h) residual + y, the add inside the partials' sum where the one-token route runs."""
     d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
-    if pred_a.dim() != 2 or pred_a.shape[0] != d_model or pred_b.dim() != 2 \
-            or pred_b.shape != (pred_a.shape[1], d_inter):
-        raise ValueError(f"predictor must be A [{d_model}, r] and B [r, {d_inter}], got "
-                         f"{tuple(pred_a.shape)} and {tuple(pred_b.shape)}")
+    _check_predictor(pred_a, pred_b, d_model, d_inter)
     if not available(x):
         return plus(dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation), residual)
     cut_t, cut_f = split_threshold(cut)

@@ -79,8 +79,12 @@ class LowRankSelector(LowRankFactors):
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
         if not IN_KERNEL or self.selection == "topk":
             return None
-        return kernels.dual_gated_mlp(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t, self.A,
-                                      self.Bt.t(), self.row_cut, mlp.act_name, residual=h2)
+        out = kernels.dual_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
+                                 mlp.act_name)  # no norm kernel: the norm folded into the predictor's GEMV
+        if out is None:  # the norm on its kernel, the add in the partials' sum
+            out = kernels.dual_gated_mlp(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t,
+                                         self.A, self.Bt.t(), self.row_cut, mlp.act_name, residual=h2)
+        return out
 
     def extra_repr(self) -> str:
         return f"kind=lowrank, selection={self.selection}, n_keep={self.n_keep}"

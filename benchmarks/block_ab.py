@@ -1,0 +1,160 @@
+"""A folded decode layer's MLP half for dual[lowrank], h + mlp(RMSNorm(h)), by two routes, alternating:
+
+    "norm kernel"  the norm on its own kernel (kernels/_block.py block_input), then dual_gated_mlp(residual=h):
+                   the predictor's two GEMVs, the sparse kernel, the partials' sum with the add (five launches)
+    "dual_block"   kernels/dual.py dual_block: the norm folded into the predictor's first GEMV and into the sparse
+                   kernel (four launches, no norm kernel; COUNTDOWN_DUAL_BLOCK, the default since session 23)
+
+    COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3]
+
+Llama-3.1-8B shape (d_model 4096, d_inter 14336), bf16, one token, a rank-512 predictor of random factors with a
+per-row cut fitted so that each k skips that share of rows on the inputs timed; CUDA-graph replays over 8 weight
+sets (more bytes than L2 holds), median us a call, the routes alternated ``--rounds`` times. Each route is first
+checked against a float64 reference with the same kept rows (the cut sits in a gap of the scores). Prints a table;
+``--out`` writes block_ab.{csv,md}. ``--small`` runs a small shape on any device (a smoke test, not a timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+
+import torch
+
+if not torch.cuda.is_available():  # --small on a CPU: the kernels on Triton's interpreter (set before its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import countdown.kernels as K  # noqa: E402
+from countdown.bench import time_graph  # noqa: E402
+from countdown.kernels import _onepass, _rmsnorm, dual  # noqa: E402
+
+COLUMNS = ["route", "k", "sparsity_real", "us", "us_min", "us_max", "max_err_vs_float64", "device", "date"]
+
+
+def problem(n_sets: int, d: int, di: int, rank: int, device: str, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    sets = []
+    for _ in range(n_sets):
+        sets.append(dict(h=rnd(1, d, scale=3.0), g=(1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype),
+                         wg=rnd(di, d, scale=d**-0.5), wu=rnd(di, d, scale=d**-0.5), wdt=rnd(di, d, scale=di**-0.5),
+                         a=rnd(rank, d, scale=d**-0.5).t(), b=rnd(di, rank, scale=rank**-0.5).t()))
+    return sets
+
+
+def fit_cut(sets, k: float, eps: float) -> torch.Tensor:
+    """One cut for all sets, in a gap of their pooled scores near the k-quantile (float64 from RMSNorm(h))."""
+    scores = []
+    for s in sets:
+        h = s["h"].double()
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
+        scores.append(((x @ s["a"].double()) @ s["b"].double())[0])
+    v = torch.sort(torch.cat(scores)).values
+    i = min(int(k * v.numel()), v.numel() - 2)
+    w = max(1, min(64, v.numel() // 200))
+    j = i + int(torch.argmax(v[i:i + w + 1].diff()))  # the widest gap among the next few values
+    return torch.tensor(float(v[j] + v[j + 1]) / 2)
+
+
+def reference(s, cut, eps: float, act: str) -> tuple[torch.Tensor, float]:
+    """float64 h + mlp(x), x = RMSNorm(h) as transformers rounds it, the rows kept by the exact scores; kept share."""
+    x = _rmsnorm.rms_norm_ref(s["h"], s["g"], eps)
+    h64 = s["h"].double()
+    xe = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
+    keep = ((xe @ s["a"].double()) @ s["b"].double()) > float(cut)
+    y = K.gated_mlp_masked_ref(*(t.double() for t in (x, s["wg"], s["wu"], s["wdt"])), keep, act)
+    return h64 + y, float(keep.float().mean())
+
+
+def routes(cut_vec, eps: float, act: str):
+    def norm_kernel(s):
+        x = K.block_input(s["h"], s["g"], eps)
+        return K.dual_gated_mlp(x, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec, act, residual=s["h"])
+
+    def block(s):
+        out = K.dual_block(s["h"], s["g"], eps, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec, act)
+        if out is None:
+            raise SystemExit("dual_block did not serve this input (see kernels/dual.py dual_block)")
+        return out
+
+    return {"norm kernel": norm_kernel, "dual_block": block}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ks", default="0.9", help="comma-separated sparsities (default 0.9)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each route is timed, alternating (default 3)")
+    ap.add_argument("--small", action="store_true", help="a small shape on any device: a smoke test, not a timing")
+    args = ap.parse_args()
+    ks = [float(k) for k in args.ks.split(",")]
+    if any(not 0 < k < 1 for k in ks):
+        raise SystemExit(f"--ks takes sparsities in (0, 1), got {args.ks}")
+    if args.out:  # fail before the work, not after it
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise SystemExit(f"--out {args.out} is not writable: give a folder you can write")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.small:
+        raise SystemExit("benchmarks/block_ab.py times CUDA kernels: run it on a GPU machine (or --small to smoke-test)")
+    if not cuda:
+        _onepass.ONEPASS_OFF_CUDA = _onepass.IND_GEMV_OFF_CUDA = True
+    device = "cuda" if cuda else "cpu"
+    d, di, rank, n_sets = (64, 96, 16, 2) if args.small else (4096, 14336, 512, 8)
+    eps, act = 1e-5, "silu"
+    dual.NORM_IN_PREDICTOR = True
+    sets = problem(n_sets, d, di, rank, device, torch.bfloat16)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    today = str(datetime.date.today())
+    rows = []
+    for k in ks:
+        cut = fit_cut(sets, k, eps)
+        cut_vec = torch.full((di,), float(cut), device=device)  # per row, as the low-rank selectors hold it
+        refs = [reference(s, cut, eps, act) for s in sets]
+        real = 1 - statistics.mean(r[1] for r in refs)
+        fns = routes(cut_vec, eps, act)
+        errs = {}
+        for rname, fn in fns.items():
+            err = 0.0
+            for s, (exact, _) in zip(sets, refs):
+                got = fn(s).double()
+                err = max(err, float((got - exact).abs().max() / exact.abs().max()))  # normwise
+            errs[rname] = err
+            if err > 0.02:
+                raise SystemExit(f"{rname} at k={k}: max relative error {err:.3g} against float64: not timed")
+        times = {r: [] for r in fns}
+        for _ in range(args.rounds):
+            for rname, fn in fns.items():
+                times[rname].append(time_graph([lambda s=s, fn=fn: fn(s) for s in sets] * (4 if cuda else 1)))
+        for rname, ts in times.items():
+            rows.append(dict(route=rname, k=k, sparsity_real=round(real, 4), us=round(statistics.median(ts), 2),
+                             us_min=round(min(ts), 2), us_max=round(max(ts), 2),
+                             max_err_vs_float64=f"{errs[rname]:.2e}", device=name, date=today))
+    lines = [f"# dual[lowrank]'s MLP half of a folded layer: the norm kernel or dual_block ({name}, {today})", "",
+             "`COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py" + (" --small" if args.small else "")
+             + f" --ks {args.ks} --rounds {args.rounds}`; one token, bf16, "
+             f"d_model {d}, d_inter {di}, rank {rank}; CUDA-graph replays over {n_sets} weight sets, median us a call "
+             f"(min-max over {args.rounds} alternating rounds).", "",
+             "| route | k | Sparsity-Real | us (min-max) | vs norm kernel | max error / max value vs float64 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b["us"] for b in rows if b["k"] == r["k"] and b["route"] == "norm kernel")
+        lines.append(f"| {r['route']} | {r['k']} | {r['sparsity_real']} | {r['us']} ({r['us_min']}-{r['us_max']}) | "
+                     f"{base / r['us']:.3f}x | {r['max_err_vs_float64']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        from countdown.io import atomic_write
+
+        csv = ",".join(COLUMNS) + "\n" + "".join(",".join(str(r[c]) for c in COLUMNS) + "\n" for r in rows)
+        atomic_write(os.path.join(args.out, "block_ab.csv"), csv)
+        atomic_write(os.path.join(args.out, "block_ab.md"), text)
+
+
+if __name__ == "__main__":
+    main()
