@@ -109,7 +109,10 @@ def _predictor(dtype, rank=8):
 def test_dual_block_is_the_norm_the_predictor_the_mlp_and_the_add(dtype, act, monkeypatch):
     """kernels/dual.py dual_block: the latent from the norm-folded GEMV, the scores, the sparse kernel normalising h
     itself and the add, against float64 and the chain it replaces (norm kernel, dual_gated_mlp, decode_add)."""
+    from countdown.kernels import dual
+
     monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)  # opt-in (COUNTDOWN_DUAL_BLOCK=1)
     h, norm_w, wg, wu, wdt = _layer(dtype)
     pa, pb = _predictor(dtype)
     x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
@@ -143,6 +146,9 @@ def test_dual_block_serves_only_its_route(monkeypatch):
     h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
     pa, pb = _predictor(torch.bfloat16)
     run = lambda h, pa, pb: K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 0.3, "silu")  # noqa: E731
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
+    assert run(h, pa, pb) is None  # off by default
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
     assert run(h, pa, pb) is not None
     assert run(torch.cat([h, h]), pa, pb) is None  # two tokens
     assert run(h, pa.float(), pb.float()) is None  # the predictor in another dtype than h
@@ -150,9 +156,6 @@ def test_dual_block_serves_only_its_route(monkeypatch):
     monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "kernel"})
     assert run(h, pa, pb) is None  # the scores computed inside the sparse kernel
     monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "torch"})
-    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
-    assert run(h, pa, pb) is None
-    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
     with pytest.raises(ValueError, match="predictor must be"):
         run(h, pa[:, :-1], pb)
 
@@ -198,7 +201,8 @@ def test_the_residual_is_added_as_decode_add_adds_it(op, n_tok):
     assert got.shape == h.shape and torch.equal(got, _rmsnorm.decode_add(h, y))
 
 
-@pytest.mark.parametrize("kind,compiled", [("mono", False), ("mono", True), ("lowrank", False)])
+@pytest.mark.parametrize("kind,compiled", [("mono", False), ("mono", True), ("lowrank", False),
+                                           ("lowrank-block", False)])
 def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     import countdown
     from countdown import fused_attention, fused_layer
@@ -229,9 +233,14 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     ref, _ = generate_fast(model, prompt, 6, compile=False)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     hits = []
-    if kind == "lowrank":  # the predictor's GEMV with the norm folded in, on the interpreter too
+    if kind == "lowrank-block":  # dual_block (opt-in): the predictor's GEMV with the norm folded in, here too
+        from countdown.kernels import dual
+
+        monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
         monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    op = "gated_block" if kind == "mono" else "gated_block_given"  # no norm kernel for either
+    # mono: the norm, the MLP and the add in two launches; dual's default: the add in the partials' sum; dual_block:
+    # no norm kernel
+    op = {"mono": "gated_block", "lowrank": "sum_partials_add", "lowrank-block": "gated_block_given"}[kind]
     real = getattr(torch.ops.countdown, op)
     if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
         monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))

@@ -27,8 +27,12 @@ from .masked import gated_mlp_masked_ref
 
 
 # A folded layer's MLP half (dual_block): the post-attention RMSNorm folded into the predictor's first GEMV and into
-# the sparse kernel, so no norm kernel runs (COUNTDOWN_DUAL_BLOCK=0: the norm on its own kernel, as before).
-NORM_IN_PREDICTOR = os.environ.get("COUNTDOWN_DUAL_BLOCK", "1") not in ("", "0")
+# the sparse kernel, so no norm kernel runs. Opt-in (COUNTDOWN_DUAL_BLOCK=1): it was slower on an H200 (2026-11-26,
+# benchmarks/results/dual_block/): the MLP half at k = 0.9 27.4-27.7 us against 27.1 with the norm on its own kernel
+# (the fixed GEMV's norm fold at four row blocks; k = 0.8 36.96 against 36.59), dual[lowrank] 1.78x in the decode step
+# (432.5 tokens/s, the per-compile runner; run BM's 428.7-435.2 without it). With PDL the norm kernel's launch hides
+# behind its neighbours; the fold costs the GEMV and each program of the sparse kernel h's and g's loads.
+NORM_IN_PREDICTOR = os.environ.get("COUNTDOWN_DUAL_BLOCK", "0") not in ("", "0")
 
 
 def dual_scores(x, pred_a, pred_b) -> torch.Tensor:
@@ -89,8 +93,8 @@ def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cu
     four launches and none of them a norm: the latent RMSNorm(h) A on the fixed GEMV with the norm folded in
     (kernels/_linear.py), the scores latent B, then kernels/_block.py's sparse kernel that normalises h itself and
     its partials' sum with the add. None where that route does not serve (not one token on the one-launch kernel,
-    the scores computed in the kernel, A^T or B^T not contiguous in h's dtype, NORM_IN_PREDICTOR off): the caller
-    then runs the norm (block_input) and ``dual_gated_mlp(..., residual=h)``."""
+    the scores computed in the kernel, A^T or B^T not contiguous in h's dtype, NORM_IN_PREDICTOR off, the default):
+    the caller then runs the norm (block_input) and ``dual_gated_mlp(..., residual=h)``."""
     d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
     _check_predictor(pred_a, pred_b, d_model, d_inter)
     h2 = h.reshape(-1, d_model)
