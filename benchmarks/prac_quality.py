@@ -34,6 +34,7 @@ FIELDS = ["model", "method", "mode", "sparsity", "sparsity_real", "ppl_all", "pp
 SPECS = {
     "dual": ("dual", "ideal", None, {}),
     "dual[shadow4]": ("dual", "prac", "shadow", {"bits": 4}),
+    "dual[shadow2]": ("dual", "prac", "shadow", {"bits": 2}),
     "dual[shadow3]": ("dual", "prac", "shadow", {"bits": 3}),
     "dual[shadow8]": ("dual", "prac", "shadow", {"bits": 8}),
     "dual[shadow4-pooled]": ("dual", "prac", "shadow", {"bits": 4, "cut_rule": "pooled"}),
@@ -199,7 +200,8 @@ def main() -> int:
                          precision=f"{q['precision']:.4f}" if q else "", recall=f"{q['recall']:.4f}" if q else "",
                          f1=f"{q['f1']:.4f}" if q else "", seconds=f"{time.time() - t0:.1f}"))
         atomic_write(out / f"{args.model}.md", markdown(rows, args.model)
-                     + f"\n{stamp['device']}, {stamp['date']}, `PYTHONPATH=src python {' '.join(sys.argv)}`\n")
+                     + f"\nThe rows come from every run into this folder (each row's device and date: {args.model}.csv); "
+                     f"the last: {stamp['device']}, {stamp['date']}, `PYTHONPATH=src python {' '.join(sys.argv)}`\n")
         plot(rows, out / f"{args.model}.png", args.model)
     print(markdown(rows, args.model))
     return 0
