@@ -18,6 +18,7 @@ import csv
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +40,9 @@ SPECS = {
     "dual[shadow8]": ("dual", "prac", "shadow", {"bits": 8}),
     "dual[shadow4-pooled]": ("dual", "prac", "shadow", {"bits": 4, "cut_rule": "pooled"}),
     "dual[shadow4-g32]": ("dual", "prac", "shadow", {"bits": 4, "group": 32}),
+    # an experiment (session 23): the kept rows' coefficients s = u~ act(g~) taken from the shadows themselves, so
+    # that a kernel would read only W_down's kept rows after the shadow GEMV (see s_from_shadows)
+    "dual[shadow4-s]": ("dual", "prac", "shadow", {"bits": 4}),
     "dual[hybrid]": ("dual", "prac", "hybrid", {}),
     "dual[lowrank]": ("dual", "prac", "lowrank", {}),
     "mono": ("mono", "ideal", None, {}),
@@ -48,6 +52,43 @@ SPECS = {
     "teal[greedy]": ("teal", "prac", "teal", {}),  # TEAL's per-layer greedy allocation (the kind's default)
     "teal[uniform]": ("teal", "prac", "teal", {"allocation": "uniform"}),
 }
+
+
+@contextmanager
+def s_from_shadows(model, on: bool):
+    """With ``on``, each sparsified shadow layer's masked forward uses the shadows' own u~ and act(g~) for the kept
+    rows of its sparse positions (the rows still chosen by the selector as usual; dense positions exact): the MLP
+    output sum_i s~_i W_down[i] of the "dual[shadow4-s]" experiment. Off: nothing changes."""
+    if not on:
+        yield
+        return
+    from torch.nn import functional as F
+
+    from countdown.kernels.quant import dequantize
+    from countdown.state import state_of
+
+    layers = state_of(model).layers
+    for layer in layers:
+        sel = layer.selector
+        wg, wu = dequantize(sel.q_gate, sel.s_gate), dequantize(sel.q_up, sel.s_up)
+
+        def masked(x2, token_sparse, layer=layer, wg=wg, wu=wu):
+            mlp = layer.mlp
+            u, g = mlp.parts(x2)
+            h = mlp.act(g)
+            keep = layer._select(x2, u, h, token_sparse)
+            xf = x2.float()
+            s_shadow = ((xf @ wu.t()) * mlp.act(xf @ wg.t())).to(u.dtype)
+            s = s_shadow if token_sparse is None else torch.where(token_sparse[:, None], s_shadow, u * h)
+            s = torch.where(keep, s, torch.zeros((), dtype=u.dtype, device=u.device))
+            return F.linear(s, mlp.w_down, mlp.b_down)
+
+        object.__setattr__(layer, "_masked", masked)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "_masked")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -186,13 +227,16 @@ def main() -> int:
                     if method == "dual" else None
             for k in todo:
                 t0 = time.time()
+                shadow_s = spec.endswith("-s]")
                 countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="all")
-                ppl_all = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
-                real = countdown.sparsity_real(model)["mean"]
-                kl, top1 = kl_top1(model, kl_rows, dense_logits)
+                with s_from_shadows(model, shadow_s):
+                    ppl_all = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
+                    real = countdown.sparsity_real(model)["mean"]
+                    kl, top1 = kl_top1(model, kl_rows, dense_logits)
                 countdown.unsparsify(model)
                 countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="decode")
-                ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
+                with s_from_shadows(model, shadow_s):
+                    ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
                 countdown.unsparsify(model)
                 q = report["by_sparsity"][k] if art is not None and method == "dual" else {}
                 add(dict(method=spec, mode=mode, sparsity=f"{k:g}", sparsity_real=f"{real:.4f}",
