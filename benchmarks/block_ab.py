@@ -3,7 +3,7 @@
     "norm kernel"  the norm on its own kernel (kernels/_block.py block_input), then dual_gated_mlp(residual=h):
                    the predictor's two GEMVs, the sparse kernel, the partials' sum with the add (five launches)
     "dual_block"   kernels/dual.py dual_block: the norm folded into the predictor's first GEMV and into the sparse
-                   kernel (four launches, no norm kernel; COUNTDOWN_DUAL_BLOCK, the default since session 23)
+                   kernel (four launches, no norm kernel; opt-in COUNTDOWN_DUAL_BLOCK=1: it measured slower)
 
     COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3]
 
@@ -47,14 +47,16 @@ def problem(n_sets: int, d: int, di: int, rank: int, device: str, dtype: torch.d
     return sets
 
 
+def exact_scores(s, eps: float) -> torch.Tensor:
+    """The predictor's scores [1, d_inter] in float64 from the unrounded RMSNorm(h)."""
+    h = s["h"].double()
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
+    return (x @ s["a"].double()) @ s["b"].double()
+
+
 def fit_cut(sets, k: float, eps: float) -> torch.Tensor:
-    """One cut for all sets, in a gap of their pooled scores near the k-quantile (float64 from RMSNorm(h))."""
-    scores = []
-    for s in sets:
-        h = s["h"].double()
-        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
-        scores.append(((x @ s["a"].double()) @ s["b"].double())[0])
-    v = torch.sort(torch.cat(scores)).values
+    """One cut for all sets, in a gap of their pooled scores near the k-quantile."""
+    v = torch.sort(torch.cat([exact_scores(s, eps)[0] for s in sets])).values
     i = min(int(k * v.numel()), v.numel() - 2)
     w = max(1, min(64, v.numel() // 200))
     j = i + int(torch.argmax(v[i:i + w + 1].diff()))  # the widest gap among the next few values
@@ -64,11 +66,9 @@ def fit_cut(sets, k: float, eps: float) -> torch.Tensor:
 def reference(s, cut, eps: float, act: str) -> tuple[torch.Tensor, float]:
     """float64 h + mlp(x), x = RMSNorm(h) as transformers rounds it, the rows kept by the exact scores; kept share."""
     x = _rmsnorm.rms_norm_ref(s["h"], s["g"], eps)
-    h64 = s["h"].double()
-    xe = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
-    keep = ((xe @ s["a"].double()) @ s["b"].double()) > float(cut)
+    keep = exact_scores(s, eps) > float(cut)
     y = K.gated_mlp_masked_ref(*(t.double() for t in (x, s["wg"], s["wu"], s["wdt"])), keep, act)
-    return h64 + y, float(keep.float().mean())
+    return s["h"].double() + y, float(keep.float().mean())
 
 
 def routes(cut_vec, eps: float, act: str):

@@ -10,17 +10,17 @@ Inductor's, two kernels, which also break the chain of programmatic dependent la
 microseconds of fixed latency for 8-16 KB of data (docs/decode.md, sessions 13-21). Here they are two
 launches of ours, the second waiting on the first by PDL. The norm costs each program of the sparse kernel
 one more 8 KB load (the norm's weight, from L2) beside h.
-
 (The package imports this file without Triton: the kernels' modules are loaded where they run.)
-A predictor's variant (:func:`given_block`, for kernels/dual.py's ``dual_block``): the indicator computed before the
-launch from RMSNorm(h) (the predictor's first GEMV with the norm folded in, kernels/_linear.py), the sparse kernel
-normalising h itself for the kept rows and the sum adding h: no launch a norm of its own.
 
 Serves the threshold methods whose indicator the one-launch kernel computes from x itself (mode "abs",
 mono, with its default IND "kernel"; "abs_act", cats, only if its configuration is changed to IND
 "kernel"), one token, where the one-launch kernel applies; :func:`applies` says so, else the caller runs the
 norm, the MLP and the add as before. Bits: the same as those three (the norm's fp32 sum of squares in
 another order: x may differ in its last bit from the norm kernel's, as two compiles of the norm may).
+
+A predictor's variant (:func:`given_block`, for kernels/dual.py's ``dual_block``): the indicator computed before the
+launch from RMSNorm(h) (the predictor's first GEMV with the norm folded in, kernels/_linear.py), the sparse kernel
+normalising h itself for the kept rows and the sum adding h: no launch a norm of its own.
 """
 
 from __future__ import annotations
@@ -57,11 +57,18 @@ def block_ref(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, mode: st
 def _block_op(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_gate: torch.Tensor, w_up: torch.Tensor,
               w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
               activation: str) -> torch.Tensor:
+    w_ind = w_up if mode == "abs" else w_gate
+    return _norm_mlp_add(h, norm_w, eps, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
+                         mode == "abs", mode != "abs", v=h, w_ind=w_ind)
+
+
+def _norm_mlp_add(h, norm_w, eps, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up, v=None,
+                  w_ind=None, ind=None):
+    """The two launches of both ops: the one-launch kernel normalising h itself, then the partials' sum adding h."""
     from . import _onepass, _psum  # Triton: only where the kernels run
 
-    w_ind = w_up if mode == "abs" else w_gate
-    p = _onepass.onepass_partials(h, h, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
-                                  gate=mode == "abs", up=mode != "abs", norm=(norm_w, eps))
+    p = _onepass.onepass_partials(h, v, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up,
+                                  ind=ind, norm=(norm_w, eps))
     return _psum.sum_partials(p, h.dtype, residual=h)
 
 
@@ -101,11 +108,7 @@ def applies_given(h2: torch.Tensor, mode: str) -> bool:
 def _given_op(h: torch.Tensor, norm_w: torch.Tensor, eps: float, ind: torch.Tensor, w_gate: torch.Tensor,
               w_up: torch.Tensor, w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
               activation: str, gate: bool, up: bool) -> torch.Tensor:
-    from . import _onepass, _psum  # Triton: only where the kernels run
-
-    p = _onepass.onepass_partials(h, None, None, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up,
-                                  ind=ind, norm=(norm_w, eps))
-    return _psum.sum_partials(p, h.dtype, residual=h)
+    return _norm_mlp_add(h, norm_w, eps, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up, ind=ind)
 
 
 @_given_op.register_fake
