@@ -1,17 +1,24 @@
-"""A folded decode layer's MLP half for dual[lowrank], h + mlp(RMSNorm(h)), by two routes, alternating:
+"""A folded decode layer's MLP half, h + mlp(RMSNorm(h)), by several routes, alternating:
 
+    dual[lowrank] (rank-512 predictor):
     "norm kernel"  the norm on its own kernel (kernels/_block.py block_input), then dual_gated_mlp(residual=h):
                    the predictor's two GEMVs, the sparse kernel, the partials' sum with the add (five launches)
-    "dual_block"   kernels/dual.py dual_block: the norm folded into the predictor's first GEMV and into the sparse
-                   kernel (four launches, no norm kernel; opt-in COUNTDOWN_DUAL_BLOCK=1: it measured slower)
+    "dual_block"   kernels/dual.py dual_block with NORM_IN_PREDICTOR: the norm folded into the predictor's first
+                   GEMV and into the sparse kernel (four launches, no norm kernel; opt-in: it measured slower)
+    "x from predictor"  dual_block with X_FROM_PREDICTOR: the norm folded into the predictor's first GEMV, which
+                   also writes x for the sparse kernel (four launches, no norm kernel)
+    dual[shadow4] (``--shadow``; 4-bit shadows of the set's W_gate and W_up, group 64):
+    "shadow norm kernel"  the norm on its own kernel, then shadow_dual_gated_mlp(residual=h): x's int8 rounding,
+                   the shadow GEMV, the sparse kernel, the partials' sum with the add (five launches)
+    "shadow_block" kernels/shadow.py shadow_dual_block: the norm inside the x-prep launch (four launches)
 
-    COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3]
+    COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3] [--shadow]
 
-Llama-3.1-8B shape (d_model 4096, d_inter 14336), bf16, one token, a rank-512 predictor of random factors with a
-per-row cut fitted so that each k skips that share of rows on the inputs timed; CUDA-graph replays over 8 weight
-sets (more bytes than L2 holds), median us a call, the routes alternated ``--rounds`` times. Each route is first
-checked against a float64 reference with the same kept rows (the cut sits in a gap of the scores). Prints a table;
-``--out`` writes block_ab.{csv,md}. ``--small`` runs a small shape on any device (a smoke test, not a timing).
+Llama-3.1-8B shape (d_model 4096, d_inter 14336), bf16, one token, random weights with a cut fitted so that each k
+skips that share of rows on the inputs timed; CUDA-graph replays over 8 weight sets (more bytes than L2 holds),
+median us a call, the routes alternated ``--rounds`` times. Each route is first checked against a float64 reference
+with the same kept rows (the cut sits in a gap of the scores). Prints a table; ``--out`` writes block_ab.{csv,md}.
+``--small`` runs a small shape on any device (a smoke test, not a timing).
 """
 
 from __future__ import annotations
@@ -28,9 +35,19 @@ if not torch.cuda.is_available():  # --small on a CPU: the kernels on Triton's i
 
 import countdown.kernels as K  # noqa: E402
 from countdown.bench import time_graph  # noqa: E402
-from countdown.kernels import _onepass, _rmsnorm, dual  # noqa: E402
+from countdown.kernels import _onepass, _rmsnorm, _shadow_block, dual  # noqa: E402
+from countdown.kernels.quant import shadow_score  # noqa: E402
 
 COLUMNS = ["route", "k", "sparsity_real", "us", "us_min", "us_max", "max_err_vs_float64", "device", "date"]
+
+
+def add_shadows(sets, group: int) -> None:
+    """Each set's 4-bit shadows of W_gate and W_up in the kernels' layout (``prep``) and float64 copies."""
+    for s in sets:
+        qg, sg = K.quantize_rtn(s["wg"], 4, group)
+        qu, su = K.quantize_rtn(s["wu"], 4, group)
+        s["prep"] = K.prepare_shadow(qg, sg, qu, su, 4)
+        s["deq"] = (K.dequantize(qg, sg).double(), K.dequantize(qu, su).double())
 
 
 def problem(n_sets: int, d: int, di: int, rank: int, device: str, dtype: torch.dtype, seed: int = 0):
@@ -47,28 +64,37 @@ def problem(n_sets: int, d: int, di: int, rank: int, device: str, dtype: torch.d
     return sets
 
 
-def exact_scores(s, eps: float) -> torch.Tensor:
-    """The predictor's scores [1, d_inter] in float64 from the unrounded RMSNorm(h)."""
+def exact_scores(s, eps: float, shadow: bool = False) -> torch.Tensor:
+    """The predictor's scores (or, ``shadow``, |u~ act(g~)| of the shadows) [1, d_inter] in float64 from the
+    unrounded RMSNorm(h)."""
     h = s["h"].double()
     x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * s["g"].double()
+    if shadow:
+        return shadow_score(x @ s["deq"][1].t(), x @ s["deq"][0].t(), "silu").double()
     return (x @ s["a"].double()) @ s["b"].double()
 
 
-def fit_cut(sets, k: float, eps: float) -> torch.Tensor:
+def fit_cut(sets, k: float, eps: float, shadow: bool = False) -> torch.Tensor:
     """One cut for all sets, in a gap of their pooled scores near the k-quantile."""
-    v = torch.sort(torch.cat([exact_scores(s, eps)[0] for s in sets])).values
+    v = torch.sort(torch.cat([exact_scores(s, eps, shadow)[0] for s in sets])).values
     i = min(int(k * v.numel()), v.numel() - 2)
     w = max(1, min(64, v.numel() // 200))
     j = i + int(torch.argmax(v[i:i + w + 1].diff()))  # the widest gap among the next few values
     return torch.tensor(float(v[j] + v[j + 1]) / 2)
 
 
-def reference(s, cut, eps: float, act: str) -> tuple[torch.Tensor, float]:
+def reference(s, cut, eps: float, act: str, shadow: bool = False) -> tuple[torch.Tensor, float]:
     """float64 h + mlp(x), x = RMSNorm(h) as transformers rounds it, the rows kept by the exact scores; kept share."""
     x = _rmsnorm.rms_norm_ref(s["h"], s["g"], eps)
-    keep = exact_scores(s, eps) > float(cut)
+    keep = exact_scores(s, eps, shadow) > float(cut)
     y = K.gated_mlp_masked_ref(*(t.double() for t in (x, s["wg"], s["wu"], s["wdt"])), keep, act)
     return s["h"].double() + y, float(keep.float().mean())
+
+
+def _served(out, name: str):
+    if out is None:
+        raise SystemExit(f"{name} did not serve this input (see its docstring)")
+    return out
 
 
 def routes(cut_vec, eps: float, act: str):
@@ -76,13 +102,29 @@ def routes(cut_vec, eps: float, act: str):
         x = K.block_input(s["h"], s["g"], eps)
         return K.dual_gated_mlp(x, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec, act, residual=s["h"])
 
-    def block(s):
-        out = K.dual_block(s["h"], s["g"], eps, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec, act)
-        if out is None:
-            raise SystemExit("dual_block did not serve this input (see kernels/dual.py dual_block)")
-        return out
+    def block(norm_in_predictor: bool):
+        def run(s):  # the switches are read when the route runs (and a CUDA graph captures it)
+            dual.NORM_IN_PREDICTOR, dual.X_FROM_PREDICTOR = norm_in_predictor, not norm_in_predictor
+            return _served(K.dual_block(s["h"], s["g"], eps, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec,
+                                        act), "dual_block")
+        return run
 
-    return {"norm kernel": norm_kernel, "dual_block": block}
+    return {"norm kernel": norm_kernel, "dual_block": block(True), "x from predictor": block(False)}
+
+
+def shadow_routes(cut, eps: float, act: str):
+    cut_t = torch.tensor(float(cut), dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def norm_kernel(s):
+        x = K.block_input(s["h"], s["g"], eps)
+        return K.shadow_dual_gated_mlp(x, s["prep"], cut_t, s["wg"], s["wu"], s["wdt"], act, residual=s["h"])
+
+    def block(s):
+        _shadow_block.ENABLED = True
+        return _served(K.shadow_dual_block(s["h"], s["g"], eps, s["prep"], cut_t, s["wg"], s["wu"], s["wdt"], act),
+                       "shadow_dual_block")
+
+    return {"shadow norm kernel": norm_kernel, "shadow_block": block}
 
 
 def main() -> None:
@@ -91,6 +133,7 @@ def main() -> None:
     ap.add_argument("--ks", default="0.9", help="comma-separated sparsities (default 0.9)")
     ap.add_argument("--rounds", type=int, default=3, help="times each route is timed, alternating (default 3)")
     ap.add_argument("--small", action="store_true", help="a small shape on any device: a smoke test, not a timing")
+    ap.add_argument("--shadow", action="store_true", help="also dual[shadow4]'s two routes")
     args = ap.parse_args()
     ks = [float(k) for k in args.ks.split(",")]
     if any(not 0 < k < 1 for k in ks):
@@ -107,17 +150,18 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     d, di, rank, n_sets = (64, 96, 16, 2) if args.small else (4096, 14336, 512, 8)
     eps, act = 1e-5, "silu"
-    dual.NORM_IN_PREDICTOR = True
     sets = problem(n_sets, d, di, rank, device, torch.bfloat16)
+    if args.shadow:
+        add_shadows(sets, 32 if args.small else 64)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     today = str(datetime.date.today())
     rows = []
-    for k in ks:
-        cut = fit_cut(sets, k, eps)
+    for k, shadow in [(k, sh) for k in ks for sh in ((False, True) if args.shadow else (False,))]:
+        cut = fit_cut(sets, k, eps, shadow)
         cut_vec = torch.full((di,), float(cut), device=device)  # per row, as the low-rank selectors hold it
-        refs = [reference(s, cut, eps, act) for s in sets]
+        refs = [reference(s, cut, eps, act, shadow) for s in sets]
         real = 1 - statistics.mean(r[1] for r in refs)
-        fns = routes(cut_vec, eps, act)
+        fns = shadow_routes(cut, eps, act) if shadow else routes(cut_vec, eps, act)
         errs = {}
         for rname, fn in fns.items():
             err = 0.0
@@ -135,15 +179,16 @@ def main() -> None:
             rows.append(dict(route=rname, k=k, sparsity_real=round(real, 4), us=round(statistics.median(ts), 2),
                              us_min=round(min(ts), 2), us_max=round(max(ts), 2),
                              max_err_vs_float64=f"{errs[rname]:.2e}", device=name, date=today))
-    lines = [f"# dual[lowrank]'s MLP half of a folded layer: the norm kernel or dual_block ({name}, {today})", "",
+    lines = [f"# The MLP half of a folded layer with or without a norm kernel ({name}, {today})", "",
              "`COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py" + (" --small" if args.small else "")
-             + f" --ks {args.ks} --rounds {args.rounds}`; one token, bf16, "
+             + (" --shadow" if args.shadow else "") + f" --ks {args.ks} --rounds {args.rounds}`; one token, bf16, "
              f"d_model {d}, d_inter {di}, rank {rank}; CUDA-graph replays over {n_sets} weight sets, median us a call "
              f"(min-max over {args.rounds} alternating rounds).", "",
-             "| route | k | Sparsity-Real | us (min-max) | vs norm kernel | max error / max value vs float64 |",
+             "| route | k | Sparsity-Real | us (min-max) | vs its norm kernel route | max error / max value vs float64 |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        base = next(b["us"] for b in rows if b["k"] == r["k"] and b["route"] == "norm kernel")
+        base_route = "shadow norm kernel" if r["route"].startswith("shadow") else "norm kernel"
+        base = next(b["us"] for b in rows if b["k"] == r["k"] and b["route"] == base_route)
         lines.append(f"| {r['route']} | {r['k']} | {r['sparsity_real']} | {r['us']} ({r['us_min']}-{r['us_max']}) | "
                      f"{base / r['us']:.3f}x | {r['max_err_vs_float64']} |")
     text = "\n".join(lines) + "\n"

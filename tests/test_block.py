@@ -147,7 +147,8 @@ def test_dual_block_serves_only_its_route(monkeypatch):
     pa, pb = _predictor(torch.bfloat16)
     run = lambda h, pa, pb: K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 0.3, "silu")  # noqa: E731
     monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
-    assert run(h, pa, pb) is None  # off by default
+    monkeypatch.setattr(dual, "X_FROM_PREDICTOR", False)
+    assert run(h, pa, pb) is None  # both ways off
     monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
     assert run(h, pa, pb) is not None
     assert run(torch.cat([h, h]), pa, pb) is None  # two tokens

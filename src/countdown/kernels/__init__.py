@@ -16,6 +16,9 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
     shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
                                         keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
+    shadow_dual_block(h, norm_w, eps, prepared, cut, w_gate, w_up, w_down_t, activation)
+                                        h + that MLP of RMSNorm(h), one token, the norm inside the shadow
+                                        GEMV's x-prep launch (_shadow_block.py), or None
     hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
                                         keep |u| |act(latent bt^T + bias)| > cut, u given (hybrid.py)
     teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
@@ -40,7 +43,7 @@ from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
 from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
 from .quant import (dequantize, pack_bits, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp_ref,
                     shadow_keep_ref, shadow_scores_ref, unpack_bits)
-from .shadow import prepare_shadow, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
+from .shadow import prepare_shadow, shadow_dual_block, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
 from .teal import teal_gated_mlp, teal_gated_mlp_ref, teal_keep_x, teal_masked_ref
 
 __all__ = [
@@ -52,7 +55,7 @@ __all__ = [
     "sparse_down_proj", "sparse_down_proj_ref",
     "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",
     "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",
-    "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp",
+    "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp", "shadow_dual_block",
     "hybrid_gated_mlp", "hybrid_gated_mlp_ref", "hybrid_keep",
     "teal_gated_mlp", "teal_gated_mlp_ref", "teal_keep_x", "teal_masked_ref",
 ]

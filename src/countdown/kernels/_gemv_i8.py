@@ -242,9 +242,10 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
 
 
 def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str | None,
-           config: dict | None = None) -> torch.Tensor:
+           config: dict | None = None, prep: tuple | None = None) -> torch.Tensor:
     """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
-    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
+    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32. ``prep``: x's int8 words,
+    group scales and sums (xa, xb, xs, xsum) already made (kernels/_shadow_block.py), no x-prep launch here."""
     global LAST_KERNEL
     from ._common import act_code, interpreting, new_output, persistent_programs
 
@@ -259,8 +260,10 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     asm = bool(cfg["ASM"]) and x.device.type == "cuda" and not interpreting()
     out = new_output((2, 1, n_rows) if activation is None else (1, n_rows), torch.float32, x.device)
     pdl, G = _pdl.mode(x, "gemv"), _pow2(n_groups)
-    xpre = bool(cfg.get("XPRE", False))
-    if xpre:  # x's int8 words, scales and sums once, XPRE_GB groups a program (one int32 scratch buffer)
+    xpre = bool(cfg.get("XPRE", False)) or prep is not None
+    if prep is not None:
+        xa, xb, xs, xsum = prep
+    elif xpre:  # x's int8 words, scales and sums once, XPRE_GB groups a program (one int32 scratch buffer)
         buf = torch.empty(2 * n_words + 2 * n_groups, dtype=torch.int32, device=x.device)
         xa, xb = buf[:n_words], buf[n_words:2 * n_words]
         xs = buf[2 * n_words:2 * n_words + n_groups].view(torch.float32)

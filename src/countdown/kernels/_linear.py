@@ -69,7 +69,7 @@ def _w_tile(W, wrow, kk, K, EVEN_K: tl.constexpr):
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True):
+                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True, XN=None, XN_CH: tl.constexpr = 0):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -120,7 +120,16 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
     if PDL == 2:  # TRIGGER "end": the next grid launches once every program is past its weights
         gdc_launch_dependents()
     if NORM:
-        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
+        rstd = 1.0 / tl.sqrt(ssq / K + eps)
+        acc = acc * rstd[:, None]
+        if XN_CH > 0:  # the normalised x itself, XN_CH columns a program, rounded as transformers rounds it
+            c = pid * XN_CH + tl.arange(0, XN_CH)
+            cm = tmask[:, None] & (c < K)[None, :]
+            xv = tl.load(X + t[:, None] * stride_x + c[None, :], mask=cm, other=0.0).to(tl.float32)
+            gv = tl.load(G + c, mask=c < K, other=0.0).to(tl.float32)
+            DT: tl.constexpr = XN.dtype.element_ty
+            xn = _round_to(gv[None, :] * _round_to(xv * rstd[:, None], DT), DT)
+            tl.store(XN + t[:, None] * K + c[None, :], xn.to(DT), mask=cm)
     if HAS_BIAS:
         acc += tl.load(BIAS + rows_c).to(tl.float32)[None, :]
     omask = tmask[:, None] & rmask[None, :]
@@ -152,9 +161,12 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=Non
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: dict | None = None,
-                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, x_out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """(residual +) x W^T (+ bias) for x [T <= 8, K], W [N, K]: y [T, N] in x's dtype. With
-    ``norm_weight`` g [K]: RMSNorm(x) W^T (+ bias) (+ residual), RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g."""
+    ``norm_weight`` g [K]: RMSNorm(x) W^T (+ bias) (+ residual), RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g; and
+    with ``x_out`` (contiguous [T, K] of x's dtype) RMSNorm(x) itself written there, rounded as transformers'
+    RMSNorm rounds it (kernels/_rmsnorm.py), a few columns by each program: no norm launch for its other readers."""
     check(x, weight, bias, residual, norm_weight)
     n_tok, k = x.shape
     n = weight.shape[0]
@@ -170,13 +182,21 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bn = cfg["BN"]
     pdl = _pdl.mode(x, "linear")
     grid = triton.cdiv(n, bn)
+    xn_ch = 0
+    if x_out is not None:
+        if norm_weight is None or x_out.shape != x.shape or x_out.dtype != x.dtype or not x_out.is_contiguous():
+            raise ValueError(f"x_out takes RMSNorm(x): a contiguous {tuple(x.shape)} {x.dtype} tensor, with "
+                             f"norm_weight given; got {tuple(x_out.shape)} {x_out.dtype}")
+        xn_ch = max(16, _pow2(triton.cdiv(k, grid)))
+        if triton.cdiv(k, xn_ch) > grid:
+            raise ValueError(f"x_out needs at least {triton.cdiv(k, xn_ch)} programs, the GEMV has {grid}")
     _linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else y, y,
         norm_weight if norm_weight is not None else weight, float(eps),
         n_tok, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None, BT=max(1, _pow2(n_tok)), BN=bn, BK=bk,
         EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl,
-        W_EARLY=bool(pdl) and _pdl.weights_early(x, grid, cfg["num_warps"]),
+        W_EARLY=bool(pdl) and _pdl.weights_early(x, grid, cfg["num_warps"]), XN=x_out, XN_CH=xn_ch,
         num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
     return y
 
@@ -201,6 +221,19 @@ def _decode_norm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: floa
 @_decode_norm_linear_op.register_fake
 def _(x, norm_weight, eps, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("countdown::decode_norm_linear_x", mutates_args=())
+def _decode_norm_linear_x_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x) W^T, RMSNorm(x)): the GEMV with the norm folded in, and the norm's output as a by-product."""
+    xn = _common.new_output(tuple(x.shape), x.dtype, x.device)
+    return decode_linear(x, weight, None, None, norm_weight=norm_weight, eps=eps, x_out=xn), xn
+
+
+@_decode_norm_linear_x_op.register_fake
+def _(x, norm_weight, eps, weight):
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x)
 
 
 def decode_linear_ref(x, weight, bias=None, residual=None, norm_weight=None, eps: float = 1e-6) -> torch.Tensor:

@@ -33,6 +33,12 @@ from .masked import gated_mlp_masked_ref
 # (432.5 tokens/s, the per-compile runner; run BM's 428.7-435.2 without it). With PDL the norm kernel's launch hides
 # behind its neighbours; the fold costs the GEMV and each program of the sparse kernel h's and g's loads.
 NORM_IN_PREDICTOR = os.environ.get("COUNTDOWN_DUAL_BLOCK", "0") not in ("", "0")
+# The other way to drop the norm kernel (session 24, the default): the norm folded into the predictor's first GEMV
+# only, which also writes x = RMSNorm(h) itself (a few columns a program, kernels/_linear.py x_out) for the sparse
+# kernel, unchanged. COUNTDOWN_DUAL_XN=0: the norm on its own kernel. Measured on an H100 (2026-11-27,
+# benchmarks/results/norm_block/): the MLP half alone 32.31 against 32.65 us at k = 0.9 (45.39 / 45.65 at 0.8);
+# dual[lowrank] in the decode step 359.9-360.9 tokens/s against 355.8 (2.01-2.02x against 1.99x, one machine).
+X_FROM_PREDICTOR = os.environ.get("COUNTDOWN_DUAL_XN", "1") not in ("", "0")
 
 
 def dual_scores(x, pred_a, pred_b) -> torch.Tensor:
@@ -91,29 +97,35 @@ def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cu
                activation: str = "silu") -> torch.Tensor | None:
     """h + mlp(RMSNorm(h)) for one token of a folded decode layer (h [..., d_model], the norm's weight and eps), in
     four launches and none of them a norm: the latent RMSNorm(h) A on the fixed GEMV with the norm folded in
-    (kernels/_linear.py), the scores latent B, then kernels/_block.py's sparse kernel that normalises h itself and
-    its partials' sum with the add. None where that route does not serve (not one token on the one-launch kernel,
-    the scores computed in the kernel, A^T or B^T not contiguous in h's dtype, NORM_IN_PREDICTOR off, the default):
-    the caller then runs the norm (block_input) and ``dual_gated_mlp(..., residual=h)``."""
+    (kernels/_linear.py), the scores latent B, then the sparse kernel and its partials' sum with the add. The
+    sparse kernel's x: written by the first GEMV (X_FROM_PREDICTOR, the default) or, with NORM_IN_PREDICTOR
+    (opt-in, slower), computed from h again in each of its programs (kernels/_block.py). None where neither serves
+    (not one token on the one-launch kernel, the scores computed in the kernel, A^T or B^T not contiguous in h's
+    dtype, both off): the caller then runs the norm (block_input) and ``dual_gated_mlp(..., residual=h)``."""
     d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
     _check_predictor(pred_a, pred_b, d_model, d_inter)
     h2 = h.reshape(-1, d_model)
-    if not NORM_IN_PREDICTOR or not available(h2):
+    if not (NORM_IN_PREDICTOR or X_FROM_PREDICTOR) or not available(h2):
         return None
     from . import _block, _onepass
 
     at, bt = pred_a.t(), pred_b.t()
     if not (_block.applies_given(h2, "gt") and _onepass.IND_GEMV == "fixed"
             and (h2.is_cuda or _onepass.IND_GEMV_OFF_CUDA) and at.is_contiguous() and bt.is_contiguous()
-            and at.dtype == bt.dtype == h2.dtype):
+            and at.dtype == bt.dtype == h2.dtype == norm_w.dtype):
         return None
     from . import _linear  # noqa: F401  (registers the GEMV ops; Triton)
 
-    latent = torch.ops.countdown.decode_norm_linear(h2, norm_w, float(eps), at, None)
-    ind = torch.ops.countdown.decode_linear(latent, bt, None, None)
     cut_t, cut_f = split_threshold(cut)
-    return _block.given_block(h2, norm_w, eps, ind, w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
-                              activation).reshape(h.shape)
+    if NORM_IN_PREDICTOR:
+        latent = torch.ops.countdown.decode_norm_linear(h2, norm_w, float(eps), at, None)
+        ind = torch.ops.countdown.decode_linear(latent, bt, None, None)
+        return _block.given_block(h2, norm_w, eps, ind, w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
+                                  activation).reshape(h.shape)
+    latent, x2 = torch.ops.countdown.decode_norm_linear_x(h2, norm_w, float(eps), at)
+    ind = torch.ops.countdown.decode_linear(latent, bt, None, None)
+    return _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
+                                ind=ind, residual=h2).reshape(h.shape)
 
 
 def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",

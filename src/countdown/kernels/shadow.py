@@ -221,6 +221,28 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
 
 
 # ------------------------------------------------------------------ the custom ops (shadow and hybrid)
+def shadow_dual_block(h, norm_w, eps: float, prepared, cut, w_gate, w_up, w_down_t,
+                      activation: str = "silu") -> torch.Tensor | None:
+    """h + shadow_dual_gated_mlp(RMSNorm(h)) for one token of a folded decode layer (the norm's weight and eps):
+    the norm inside the shadow GEMV's x-prep launch, four launches (kernels/_shadow_block.py), or None where that
+    route does not serve (not one token on the one-launch sparse kernel with the int8 GEMV, h and the norm weight
+    of different dtypes, COUNTDOWN_SHADOW_BLOCK=0): the caller then runs the norm and ``residual=h``."""
+    from . import _shadow_block
+
+    d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
+    q, scale = _check(h, prepared)
+    h2 = h.reshape(-1, d_model)
+    if not (_shadow_block.ENABLED and q.shape[0] == d_inter and _fast(h2, q) and h2.shape[0] == 1
+            and ONE_TOKEN_ROUTE == "onepass" and ONE_TOKEN_GEMV == "int8" and _onepass_applies(h2)
+            and _one_token_gemv(h2, q, scale) and norm_w.dtype == h2.dtype and norm_w.shape == (d_model,)):
+        return None
+    cut_t, cut_f = split_threshold(cut)
+    if cut_t is not None and cut_t.dim() != 0:
+        raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
+    return _shadow_block.shadow_block(h2, norm_w, eps, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t,
+                                      activation).reshape(h.shape)
+
+
 @torch.library.custom_op("countdown::shadow_scores", mutates_args=())
 def _scores_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     from . import _select

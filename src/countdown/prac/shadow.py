@@ -95,8 +95,12 @@ class ShadowSelector(RowSelector):
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
         if self.selection != "cut":
             return None
-        return kernels.shadow_dual_gated_mlp(kernels.block_input(h2, norm_w, eps), self._prepare(), self.cut,
-                                             mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2)
+        out = kernels.shadow_dual_block(h2, norm_w, eps, self._prepare(), self.cut, mlp.w_gate, mlp.w_up, w_down_t,
+                                        mlp.act_name)  # the norm inside the shadow GEMV's x-prep launch
+        if out is None:  # the norm on its kernel, the add in the partials' sum
+            out = kernels.shadow_dual_gated_mlp(kernels.block_input(h2, norm_w, eps), self._prepare(), self.cut,
+                                                mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2)
+        return out
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, selection={self.selection}, n_keep={self.n_keep}"
