@@ -182,6 +182,13 @@ def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, GB: tl.constexpr, WPG: tl.const
         gdc_launch_dependents()
     if PDL != 0:
         gdc_wait()
+    xprep_store(X, XA, XB, XS, XSUM, n_groups, GB, WPG, BITS)
+
+
+@triton.jit
+def xprep_store(X, XA, XB, XS, XSUM, n_groups, GB: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr):
+    """This program's GB groups of x rounded to int8 (_x_prepare) into the GEMV's XPRE buffers; shared with
+    kernels/_shadow_block.py."""
     VPW: tl.constexpr = 32 // BITS
     gi, gm, wcol, wm = _word_grid_from(tl.program_id(0) * GB, n_groups, GB, WPG)
     xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)

@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _common, _pdl
-from ._gemv import _word_grid_from
-from ._gemv_i8 import _x_prepare
+from ._gemv_i8 import xprep_store
 from ._glu import _pow2, _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -60,12 +59,7 @@ def _norm_xprep_kernel(H, G, eps, X, XA, XB, XS, XSUM, d, n_groups, BD: tl.const
     DT: tl.constexpr = X.dtype.element_ty
     tl.store(X + e, _round_to(ge * _round_to(he * r, DT), DT).to(DT), mask=em)
     tl.debug_barrier()  # the slice just stored is read back by other threads of this program
-    gi, gm, wcol, wm = _word_grid_from(tl.program_id(0) * GB, n_groups, GB, WPG)
-    xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
-    tl.store(XA + wcol, xa, mask=wm)
-    tl.store(XB + wcol, xb, mask=wm)
-    tl.store(XS + gi, xs, mask=gm)
-    tl.store(XSUM + gi, xsum, mask=gm)
+    xprep_store(X, XA, XB, XS, XSUM, n_groups, GB, WPG, BITS)
 
 
 def norm_prepare(h: torch.Tensor, norm_w: torch.Tensor, eps: float, n_words: int, n_groups: int, bits: int,
