@@ -36,7 +36,10 @@ from . import _common
 # the mask and skip masked keys (False: they read every key of the split, masked or not, without
 # waiting). Chosen by ``benchmarks/attention.py --sweep`` on an H200 (see docs/decode.md).
 # COUNTDOWN_ATTENTION_CONFIG='{"SKIP_MASKED": false}' (JSON) overrides entries, for tuning runs in the step.
-CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2)
+# ONE_LAUNCH (kernels/_rope_attention.py only): the last split of each KV head merges the partials itself (a ticket
+# counter per head), no combine launch.
+CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2,
+              ONE_LAUNCH=False)
 _common.env_config("COUNTDOWN_ATTENTION_CONFIG", CONFIG, '{"BLOCK_N": 32}')
 LOG2E = 1.4426950408889634
 
@@ -137,21 +140,27 @@ def attend_split(q, K, V, MASK, b, hk, sp, split_len, T, skip, sk_b, sk_h, sk_t,
 
 @triton.jit
 def _combine_kernel(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
-    combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D, BD, CB)
+    combine_partials(P, OUT, tl.program_id(0), n_splits, so_b, so_h, H, n_rows, D, BD, CB)
 
 
 @triton.jit
-def combine_partials(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr):
-    """The merge of one program (batch row, head), shared with kernels/_rope_attention.py."""
-    bh = tl.program_id(0)  # one (batch row, head): its n_splits partials
+def combine_partials(P, OUT, bh, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr,
+                     CG: tl.constexpr = False):
+    """The merge of one (batch row, head) ``bh``'s n_splits partials, shared with kernels/_rope_attention.py (CG:
+    load them past L1, as the one program that merges what other programs of its own grid wrote)."""
     b = bh // H
     di = tl.arange(0, BD)
     ci = tl.arange(0, CB)
     cm = ci < n_splits
     rows = bh * n_splits + ci
-    m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"))
-    lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0)
-    o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0)
+    if CG:
+        m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0, cache_modifier=".cg")
+        o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"))
+        lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0)
+        o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0)
     mref = tl.max(m, axis=0)
     mref = tl.where(mref == float("-inf"), 0.0, mref)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mref))
