@@ -7,12 +7,14 @@
                    GEMV and into the sparse kernel (four launches, no norm kernel; opt-in: it measured slower)
     "x from predictor"  dual_block with X_FROM_PREDICTOR: the norm folded into the predictor's first GEMV, which
                    also writes x for the sparse kernel (four launches, no norm kernel)
+    "x from int8 predictor" (``--int8``): the same with A^T and B^T as int8 rows and their scales
+                   (quant.quantize_rows_int8; a speed probe: the selectors do not hold int8 factors yet)
     dual[shadow4] (``--shadow``; 4-bit shadows of the set's W_gate and W_up, group 64):
     "shadow norm kernel"  the norm on its own kernel, then shadow_dual_gated_mlp(residual=h): x's int8 rounding,
                    the shadow GEMV, the sparse kernel, the partials' sum with the add (five launches)
     "shadow_block" kernels/shadow.py shadow_dual_block: the norm inside the x-prep launch (four launches)
 
-    COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3] [--shadow]
+    COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py [--out DIR] [--ks 0.9] [--rounds 3] [--shadow] [--int8]
 
 Llama-3.1-8B shape (d_model 4096, d_inter 14336), bf16, one token, random weights with a cut fitted so that each k
 skips that share of rows on the inputs timed; CUDA-graph replays over 8 weight sets (more bytes than L2 holds),
@@ -97,7 +99,16 @@ def _served(out, name: str):
     return out
 
 
-def routes(cut_vec, eps: float, act: str):
+def add_int8_factors(sets) -> None:
+    """Each set's predictor factors A^T [r, d] and B^T [d_inter, r] as int8 rows with float32 scales."""
+    from countdown.kernels.quant import quantize_rows_int8
+
+    for s in sets:
+        s["aq"], s["as"] = quantize_rows_int8(s["a"].t())
+        s["bq"], s["bs"] = quantize_rows_int8(s["b"].t())
+
+
+def routes(cut_vec, eps: float, act: str, int8: bool = False):
     def norm_kernel(s):
         x = K.block_input(s["h"], s["g"], eps)
         return K.dual_gated_mlp(x, s["wg"], s["wu"], s["wdt"], s["a"], s["b"], cut_vec, act, residual=s["h"])
@@ -109,7 +120,19 @@ def routes(cut_vec, eps: float, act: str):
                                         act), "dual_block")
         return run
 
-    return {"norm kernel": norm_kernel, "dual_block": block(True), "x from predictor": block(False)}
+    def int8_route(s):
+        from countdown.kernels._common import split_threshold
+
+        latent, x = torch.ops.countdown.decode_norm_linear_x_q(s["h"], s["g"], eps, s["aq"], s["as"])
+        ind = torch.ops.countdown.decode_linear_q(latent, s["bq"], s["bs"])
+        cut_t, cut_f = split_threshold(cut_vec)
+        return _onepass.onepass_mlp(x, s["wg"], s["wu"], s["wdt"], cut_t, cut_f, "gt", act, gate=True, up=True,
+                                    ind=ind, residual=s["h"])
+
+    out = {"norm kernel": norm_kernel, "dual_block": block(True), "x from predictor": block(False)}
+    if int8:
+        out["x from int8 predictor"] = int8_route
+    return out
 
 
 def shadow_routes(cut, eps: float, act: str):
@@ -134,6 +157,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="times each route is timed, alternating (default 3)")
     ap.add_argument("--small", action="store_true", help="a small shape on any device: a smoke test, not a timing")
     ap.add_argument("--shadow", action="store_true", help="also dual[shadow4]'s two routes")
+    ap.add_argument("--int8", action="store_true", help="also dual[lowrank] with int8 predictor factors (a probe)")
     args = ap.parse_args()
     ks = [float(k) for k in args.ks.split(",")]
     if any(not 0 < k < 1 for k in ks):
@@ -153,6 +177,8 @@ def main() -> None:
     sets = problem(n_sets, d, di, rank, device, torch.bfloat16)
     if args.shadow:
         add_shadows(sets, 32 if args.small else 64)
+    if args.int8:
+        add_int8_factors(sets)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     today = str(datetime.date.today())
     rows = []
@@ -161,7 +187,7 @@ def main() -> None:
         cut_vec = torch.full((di,), float(cut), device=device)  # per row, as the low-rank selectors hold it
         refs = [reference(s, cut, eps, act, shadow) for s in sets]
         real = 1 - statistics.mean(r[1] for r in refs)
-        fns = shadow_routes(cut, eps, act) if shadow else routes(cut_vec, eps, act)
+        fns = shadow_routes(cut, eps, act) if shadow else routes(cut_vec, eps, act, args.int8)
         errs = {}
         for rname, fn in fns.items():
             err = 0.0
@@ -181,7 +207,7 @@ def main() -> None:
                              max_err_vs_float64=f"{errs[rname]:.2e}", device=name, date=today))
     lines = [f"# The MLP half of a folded layer with or without a norm kernel ({name}, {today})", "",
              "`COUNTDOWN_PDL=1 PYTHONPATH=src python benchmarks/block_ab.py" + (" --small" if args.small else "")
-             + (" --shadow" if args.shadow else "") + f" --ks {args.ks} --rounds {args.rounds}`; one token, bf16, "
+             + (" --shadow" if args.shadow else "") + (" --int8" if args.int8 else "") + f" --ks {args.ks} --rounds {args.rounds}`; one token, bf16, "
              f"d_model {d}, d_inter {di}, rank {rank}; CUDA-graph replays over {n_sets} weight sets, median us a call "
              f"(min-max over {args.rounds} alternating rounds).", "",
              "| route | k | Sparsity-Real | us (min-max) | vs its norm kernel route | max error / max value vs float64 |",

@@ -203,3 +203,58 @@ def test_dual_block_with_x_from_the_predictor_is_the_chain(dtype, act, monkeypat
         assert torch.allclose(got.float(), chain.float(), rtol=0, atol=float(bound.max()))
     monkeypatch.setattr(dual, "X_FROM_PREDICTOR", False)
     assert K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, cut, act) is None
+
+
+@pytest.mark.parametrize("n_tok,rows,norm", [(1, 40, False), (3, 64, True), (1, 7, True)])
+def test_int8_rows_gemv_against_float64(n_tok, rows, norm):
+    """decode_linear with int8 rows and their scales (a predictor's factors at half the bytes): x (s q)^T, with the
+    norm folded in and its x_out too, against float64 of the dequantized weight."""
+    from countdown.kernels.quant import quantize_rows_int8
+
+    x = (torch.randn(n_tok, D_MODEL, device=DEVICE) * 2).to(torch.bfloat16)
+    w = torch.randn(rows, D_MODEL, device=DEVICE) / D_MODEL**0.5
+    w[rows // 2] = 0.0  # an all-zero row: scale 1, q 0
+    q, sc = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and float(sc[rows // 2]) == 1.0
+    deq = q.double() * sc.double()[:, None]
+    assert ((deq - w.double()).abs() <= sc.double()[:, None] / 2 + 1e-7).all()  # round to nearest
+    g = (1 + 0.5 * torch.randn(D_MODEL, device=DEVICE)).to(torch.bfloat16) if norm else None
+    xn = torch.empty_like(x) if norm else None
+    y = _linear.decode_linear(x, q, norm_weight=g, eps=EPS, x_out=xn, w_scale=sc)
+    xd = x.double()
+    if norm:  # the GEMV normalises in fp32 without the rounding transformers applies to x: compare with that x
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
+        if EXACT:
+            assert torch.equal(xn, _rmsnorm.rms_norm(x, g, EPS))
+    want = xd @ deq.t()
+    tol = 2.0**-7 * (xd.abs() @ deq.abs().t()) + 1e-6  # bf16 output rounding, fp32 sums
+    assert ((y.double() - want).abs() <= tol).all(), float((y.double() - want).abs().max())
+    with pytest.raises(ValueError, match="int8 rows"):
+        _linear.decode_linear(x, q, w_scale=sc.double())
+
+
+def test_dual_block_with_int8_factors_is_the_route_on_dequantized_factors(monkeypatch):
+    """kernels.dual_block_int8: the same MLP half as dual_block's x-from-predictor route run on the dequantized
+    factors (the rows kept are the int8 predictor's: a cut in a gap of its scores)."""
+    from countdown.kernels.quant import quantize_rows_int8
+
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
+    monkeypatch.setattr(dual, "X_FROM_PREDICTOR", True)
+    h, norm_w, wg, wu, wdt, _ = _layer(torch.bfloat16)
+    pa, pb = _predictor(torch.bfloat16)
+    (aq, as_), (bq, bs) = quantize_rows_int8(pa.t()), quantize_rows_int8(pb.t())
+    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)
+    scores = ((x.double() @ (aq.double() * as_.double()[:, None]).t()) @ (bq.double() * bs.double()[:, None]).t())[0]
+    cut = gap_threshold(scores, 0.7, gap=0.05)
+    keep = (scores > cut)[None, :]
+    assert 0 < int(keep.sum()) < D_INTER
+    got = K.dual_block_int8(h, norm_w, EPS, wg, wu, wdt, aq, as_, bq, bs, cut, "silu")
+    assert got is not None and got.shape == h.shape
+    exact = h.double() + K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, "silu")
+    xd = x.double()
+    terms = (xd.abs() @ wu.double().abs().t()) * (xd.abs() @ wg.double().abs().t())
+    bound = 8 * 2.0**-7 * (h.double().abs() + (terms * keep) @ wdt.double().abs())
+    assert ((got.double() - exact).abs() <= bound).all(), float((got.double() - exact).abs().max())
+    monkeypatch.setattr(dual, "X_FROM_PREDICTOR", False)
+    assert K.dual_block_int8(h, norm_w, EPS, wg, wu, wdt, aq, as_, bq, bs, cut, "silu") is None

@@ -37,7 +37,7 @@ from ._block import block_input, threshold_block
 from ._common import available
 from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
-from .dual import dual_block, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
+from .dual import dual_block, dual_block_int8, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
 from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
 from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
 from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
@@ -51,7 +51,7 @@ __all__ = [
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",
-    "dual_block", "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
+    "dual_block", "dual_block_int8", "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
     "sparse_down_proj", "sparse_down_proj_ref",
     "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",
     "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",

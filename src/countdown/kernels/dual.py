@@ -128,6 +128,29 @@ def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cu
                                 ind=ind, residual=h2).reshape(h.shape)
 
 
+def dual_block_int8(h, norm_w, eps: float, w_gate, w_up, w_down_t, a_q, a_s, bt_q, bt_s, cut,
+                    activation: str = "silu") -> torch.Tensor | None:
+    """:func:`dual_block`'s X_FROM_PREDICTOR route with the predictor's factors as int8 rows and float32 scales
+    (A^T: ``a_q`` [r, d_model], ``a_s`` [r]; B^T: ``bt_q`` [d_inter, r], ``bt_s`` [d_inter]; quant.quantize_rows_int8):
+    half the predictor's bytes. None where the route does not serve (as dual_block)."""
+    d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
+    h2 = h.reshape(-1, d_model)
+    if not X_FROM_PREDICTOR or NORM_IN_PREDICTOR or not available(h2):
+        return None
+    from . import _block, _onepass
+
+    if not (_block.applies_given(h2, "gt") and _onepass.IND_GEMV == "fixed" and (h2.is_cuda or _onepass.IND_GEMV_OFF_CUDA)
+            and a_q.shape[1] == d_model and bt_q.shape == (d_inter, a_q.shape[0]) and norm_w.dtype == h2.dtype):
+        return None
+    from . import _linear  # noqa: F401  (registers the GEMV ops; Triton)
+
+    cut_t, cut_f = split_threshold(cut)
+    latent, x2 = torch.ops.countdown.decode_norm_linear_x_q(h2, norm_w, float(eps), a_q, a_s)
+    ind = torch.ops.countdown.decode_linear_q(latent, bt_q, bt_s)
+    return _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
+                                ind=ind, residual=h2).reshape(h.shape)
+
+
 def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",
                    per_token: bool = False, residual=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor. With ``residual`` (x's shape and
