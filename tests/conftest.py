@@ -1,5 +1,6 @@
 """Tiny randomly initialised models of every supported architecture, built offline."""
 
+import contextlib
 import os
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this
@@ -16,28 +17,62 @@ from transformers import AutoModelForCausalLM
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=97, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+
+def _config(cls, **fixed):
+    """The tiny configuration of ``cls``; keyword arguments override its entries."""
+    return lambda **changes: cls(**{**_COMMON, **fixed, **changes})
+
+
 TINY_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**_COMMON),
-    "mistral": lambda: transformers.MistralConfig(**_COMMON),
-    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
-    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
-    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16),
-    "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, head_dim=16),
-    "phi3": lambda: transformers.Phi3Config(**_COMMON),
+    "llama": _config(transformers.LlamaConfig),
+    "mistral": _config(transformers.MistralConfig),
+    "qwen2": _config(transformers.Qwen2Config),
+    "qwen3": _config(transformers.Qwen3Config, head_dim=16),
+    "gemma2": _config(transformers.Gemma2Config, head_dim=16),
+    "gemma3": _config(transformers.Gemma3TextConfig, head_dim=16),
+    "phi3": _config(transformers.Phi3Config),
 }
 
 ARCHS = list(TINY_CONFIGS)
 
 
-def tiny_model(arch: str, dtype=torch.float32, seed: int = 0):
+def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, **changes):
+    """``changes`` override the tiny configuration's entries (e.g. a smaller ``intermediate_size`` for a decode
+    test whose kernels run in the interpreter, where the shape is not what the test is about)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]())
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](**changes))
     # Random init leaves some norms at exactly 1 and biases at 0: perturb every parameter so that
     # gate and up, and every layer, differ and no computation is accidentally trivial.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def captured_logits(model):
+    """The logits of every forward of ``model`` inside the block, as float32 CPU tensors: for a decode, the
+    prompt's and then one per step (a compiled decode runs warm-up steps before its own: those come first).
+
+    A decode's greedy tokens alone say little in a tiny random model (the default tiny Llama, its MLPs' outputs
+    zeroed, gave the same 6 greedy tokens after a 9-token prompt); the logits of each step tell a 1 % error in
+    an MLP's output."""
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(out.detach().float().cpu()))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def assert_same_logits(got, want, atol=1e-4, rtol=1e-4):
+    """A decode's logits (``captured_logits``) as the reference decode's ``want``, step by step (each forward's
+    last position: the one the next token comes from), within float32 rounding; ``got``'s last ones where it
+    holds more (a compiled decode's warm-up before them)."""
+    assert len(got) >= len(want) > 1, (len(got), len(want))
+    for step, (g, w) in enumerate(zip(got[len(got) - len(want):], want)):
+        torch.testing.assert_close(g[:, -1], w[:, -1], atol=atol, rtol=rtol, msg=lambda m: f"step {step}: {m}")
 
 
 @pytest.fixture(params=ARCHS)

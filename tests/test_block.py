@@ -25,6 +25,12 @@ from _onetoken import gap_threshold, onepass_on  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cpu"  # the interpreter sums h's squares in the same order in both kernels
 D_MODEL, D_INTER, EPS = 67, 131, 1e-5
+# Greedy tokens a folded-model decode generates: two decode steps, the second reading the cache the first wrote
+# (each step costs every layer's kernels a run in the interpreter).
+NEW = 3
+# The folded models' d_inter: odd and prime as the tiny models' 97, smaller because mono's one-launch kernel walks
+# its rows a few at a time in the interpreter (the kernels' shapes are the tests above; here the route is tested).
+MODEL_D_INTER = 37
 
 
 @pytest.fixture(autouse=True)
@@ -212,9 +218,9 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     from countdown.prac.lowrank import LowRankSelector
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
 
-    model = tiny_model("llama").to(DEVICE)
+    model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
     n_layers = model.config.num_hidden_layers
     prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     fused_attention.fuse_attention(model)
@@ -231,7 +237,8 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
             layer.selector = LowRankSelector(tensors, "cut", d_inter // 2).to(DEVICE)
     monkeypatch.setattr(fused_layer, "OWN_ADD", True)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", False)
-    ref, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as ref_logits:
+        ref, _ = generate_fast(model, prompt, NEW, compile=False)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     hits = []
     if kind == "lowrank-block":  # dual_block (opt-in): the predictor's GEMV with the norm folded in, here too
@@ -245,11 +252,14 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     real = getattr(torch.ops.countdown, op)
     if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
         monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))
-    out, _ = generate_fast(model, prompt, 6, compile=compiled,
-                           compile_options={"backend": "aot_eager"} if compiled else None)
+    with captured_logits(model) as logits:
+        out, _ = generate_fast(model, prompt, NEW, compile=compiled,
+                               compile_options={"backend": "aot_eager"} if compiled else None)
     assert torch.equal(out, ref)
+    assert_same_logits(logits, ref_logits)
     if not compiled:
-        assert len(hits) == 5 * n_layers  # 5 decode steps, none for the prompt
+        assert len(logits) == NEW  # the prompt's, then one a decode step
+        assert len(hits) == (NEW - 1) * n_layers  # NEW - 1 decode steps, none for the prompt
     countdown.unsparsify(model)
     assert not hasattr(model.model.layers[0].mlp, "countdown_sparse")
 
@@ -264,7 +274,7 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     from countdown.decode_gemv import route_linears
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
 
     def patch(target):
         countdown.sparsify(target, "mono", 0.5, path="kernel")
@@ -273,13 +283,14 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
 
     monkeypatch.setattr(fused_layer, "OWN_ADD", True)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
-    model = tiny_model("llama").to(DEVICE)
+    model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     fused_attention.fuse_attention(model)
     route_linears(model, ("qkv", "norm"))
     patch(model)
-    ref = generate_fast(model, prompt, 6, compile="eager")[0][:, 7:]
+    with captured_logits(model) as ref_logits:
+        ref = generate_fast(model, prompt, NEW, compile="eager")[0][:, 7:]
     countdown.unsparsify(model)
     hits = []
     real = torch.ops.countdown.gated_block
@@ -287,6 +298,8 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     with SlotModel(model) as slots:
         patch(slots.holder)
         dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
-        assert torch.equal(dec.run(prompt, 6)[0], ref)
+        with captured_logits(model) as logits:
+            assert torch.equal(dec.run(prompt, NEW)[0], ref)
+        assert_same_logits(logits, ref_logits)
         countdown.unsparsify(slots.holder)
-    assert len(hits) >= 5 * model.config.num_hidden_layers  # the block launched from inside the slots
+    assert len(hits) >= (NEW - 1) * model.config.num_hidden_layers  # the block launched from inside the slots
