@@ -21,10 +21,17 @@ if not torch.cuda.is_available():
 from countdown import fused_attention, fused_layer  # noqa: E402
 from countdown.decode import generate_fast  # noqa: E402
 from countdown.decode_gemv import route_linears  # noqa: E402
-from conftest import tiny_model  # noqa: E402
+from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 from test_fused_attention import _step_logits_and_cache  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Greedy tokens generated per comparison: two decode steps, the second reading the cache the first wrote (each
+# step runs every layer's kernels in the interpreter).
+NEW = 3
+# The tiny model narrower (d_model 32, two query heads sharing one KV head): the folds do not depend on the
+# shapes, and the fused attention and the GEMV, whose programs the interpreter runs one by one, are tested at the
+# tiny models' own shapes in test_fused_attention.py and test_linear.py.
+NARROW = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.mark.parametrize("arch,fold_qkv,own_add", [("llama", False, False), ("qwen2", False, False),
@@ -41,17 +48,19 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     monkeypatch.setattr(torch.ops.countdown, "decode_add", lambda *a: adds.append(a[0].shape) or real_add(*a))
     op = "decode_norm_linear" if fold_qkv else "decode_rms_norm"
     per_layer = 1 if fold_qkv else 2  # the folded QKV GEMV, or the two norms
-    model = tiny_model(arch).to(DEV)
+    model = tiny_model(arch, **NARROW).to(DEV)
     n_layers = model.config.num_hidden_layers
     prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEV)
     fused_attention.fuse_attention(model)
     with pytest.raises(ValueError, match="route 'qkv' too"):
         route_linears(model, ("norm",))
     route_linears(model, ("qkv",))
-    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as ref_steps:
+        ref_tokens, _ = generate_fast(model, prompt, NEW, compile=False)
     ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
     sparsify(model, "mono", 0.5)
-    ref_sparse, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as ref_sparse_steps:
+        ref_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
     unsparsify(model)
 
     assert route_linears(model, ("norm",)) == n_layers
@@ -59,10 +68,12 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     hits = []
     real = getattr(torch.ops.countdown, op)
     monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
-    out, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
-    assert hits == [1] * (5 * n_layers * per_layer)  # 5 decode steps; none for the prompt
-    assert len(adds) == (5 * n_layers if own_add else 0)  # the MLP's residual on our add, when asked
+    assert_same_logits(steps, ref_steps)
+    assert hits == [1] * ((NEW - 1) * n_layers * per_layer)  # NEW - 1 decode steps; none for the prompt
+    assert len(adds) == ((NEW - 1) * n_layers if own_add else 0)  # the MLP's residual on our add, when asked
     logits, cache = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     for (k, v, n), (k0, v0, n0) in zip(cache, ref_cache):
@@ -70,17 +81,21 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
         torch.testing.assert_close(k, k0, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v0, atol=1e-5, rtol=1e-5)
     hits.clear()
-    generate_fast(model, torch.cat([prompt, prompt]), 3, compile=False)
+    generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)
     assert hits == []  # batch 2: the layer's own forward
     sparsify(model, "mono", 0.5)
-    out_sparse, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as sparse_steps:
+        out_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
+    assert_same_logits(sparse_steps, ref_sparse_steps)
     monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
     monkeypatch.setattr(torch.ops.countdown, "decode_add", real_add)
     if arch == "llama" and not fold_qkv:  # Dynamo takes the folded forward (and our add, when asked)
-        compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
+        with captured_logits(model) as compiled_steps:
+            compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
+        assert_same_logits(compiled_steps, ref_steps)
     monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
     hits.clear()
     generate_fast(model, prompt, 2, compile=False)
@@ -89,8 +104,10 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     assert route_linears(model, (), on=False) == 2 * n_layers  # the folds and the QKV routes
     assert not any(fused_layer.is_folded(m) for m in model.modules())
     hits.clear()
-    out, _ = generate_fast(model, prompt, 3, compile=False)
-    assert hits == [] and torch.equal(out, ref_tokens[:, :out.shape[1]])
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
+    assert hits == [] and torch.equal(out, ref_tokens)
+    assert_same_logits(steps, ref_steps)
 
 
 def test_unfusing_under_a_fold_falls_back_and_other_layers_are_named():
