@@ -96,21 +96,25 @@ def test_decode_linear_op_compiles_and_names_bad_input():
         _linear.decode_linear(x, w, residual=torch.randn(1, 41, device=DEVICE))
 
 
+NEW = 3  # greedy tokens a decode below generates: two decode steps, the second reading the cache the first wrote
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_routed_model_decodes_as_before(arch, monkeypatch):
     """route_linears: a tiny model with its down, gate, up and o_proj projections on the fixed GEMV decodes
     the same greedy tokens as before, eager and compiled (the op opaque to Dynamo), with one-step
     logits within float32 rounding; the kernel serves batch-1 decode steps only (batch 2, the prompt
     and gradient-wanting calls keep F.linear); the state dict is untouched and un-routing restores it."""
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
 
     from countdown.decode import generate_fast
     from countdown.decode_gemv import is_routed, route_linears
 
     model = tiny_model(arch).to(DEVICE)
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    ref, _ = generate_fast(model, prompt, 5, compile=False)
-    ref1, _ = generate_fast(model, prompt[:1], 5, compile=False)
+    ref, _ = generate_fast(model, prompt, NEW, compile=False)
+    with captured_logits(model) as ref1_steps:
+        ref1, _ = generate_fast(model, prompt[:1], NEW, compile=False)
     with torch.no_grad():
         ref_logits = model(prompt).logits
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -120,11 +124,13 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    out, _ = generate_fast(model, prompt, 5, compile=False)
+    out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref) and calls == []  # batch 2: F.linear (the routes serve one row)
-    out1, _ = generate_fast(model, prompt[:1], 5, compile=False)
+    with captured_logits(model) as steps1:
+        out1, _ = generate_fast(model, prompt[:1], NEW, compile=False)
     assert torch.equal(out1, ref1)
-    assert set(calls) == {1} and len(calls) == 4 * 4 * n_layers  # 4 decode steps, batch 1
+    assert_same_logits(steps1, ref1_steps)  # each decode step's, the kernel's GEMVs against F.linear
+    assert set(calls) == {1} and len(calls) == 4 * (NEW - 1) * n_layers  # NEW - 1 decode steps, batch 1
     with torch.no_grad():
         torch.testing.assert_close(model(prompt).logits, ref_logits)  # 18 rows: F.linear, bit for bit
     prompt_grad = model(prompt[:1, :2]).logits.sum()  # gradients wanted: F.linear
@@ -132,13 +138,13 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
     assert model.lm_head.weight.grad is not None
     model.zero_grad(set_to_none=True)
     if arch == "llama":
-        compiled, _ = generate_fast(model, prompt, 5, compile=True, compile_options={"backend": "aot_eager"})
+        compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref)
     assert model.state_dict().keys() == state.keys()
     assert route_linears(model, (), on=False) == 4 * n_layers
     assert not any(is_routed(m) for m in model.modules())
     calls.clear()
-    again, _ = generate_fast(model, prompt[:1], 5, compile=False)
+    again, _ = generate_fast(model, prompt[:1], NEW, compile=False)
     assert torch.equal(again, ref1) and calls == []
     with pytest.raises(ValueError, match="unknown target"):
         route_linears(model, ("gate",))
@@ -150,7 +156,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     down / gate_up / o_proj on the fixed GEMV, and qkv only where fused; greedy batch-1 decoding gives
     the same tokens as the plain model, sparsified too; on=False restores every module; and countdown
     bench's wrapper applies it around the timings only when asked."""
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
 
     from countdown import sparsify, unsparsify
     from countdown.bench.operating import _fast_step
@@ -162,9 +168,11 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     model = tiny_model(arch).to(DEVICE)
     n_layers = model.config.num_hidden_layers
     prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    ref, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as ref_steps:
+        ref, _ = generate_fast(model, prompt, NEW, compile=False)
     sparsify(model, "mono", 0.5)
-    ref_sparse, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as ref_sparse_steps:
+        ref_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
     unsparsify(model)
     skipped = fastest_step(model)
     fused = sum(is_fused(m) for m in model.modules())
@@ -180,12 +188,16 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    out, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref) and calls
+    assert_same_logits(steps, ref_steps)
     sparsify(model, "mono", 0.5)
-    out_sparse, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as sparse_steps:
+        out_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
+    assert_same_logits(sparse_steps, ref_sparse_steps)
     assert fastest_step(model, on=False) == []
     assert not any(is_routed(m) or is_fused(m) or is_folded(m) or getattr(m, QKV_FIXED, False)
                    for m in model.modules())
@@ -201,7 +213,7 @@ def test_fastest_step_leaves_unfoldable_layers_alone():
     """A fused model whose layers cannot be folded (here every post-attention norm is a subclass of
     LlamaRMSNorm, which the fold does not take) still gets the fastest step: no error, no layer folded,
     the same tokens; route_linears(model, ("norm",)) asked for explicitly names the reason instead."""
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from countdown.decode import generate_fast
@@ -218,11 +230,14 @@ def test_fastest_step_leaves_unfoldable_layers_alone():
         new.load_state_dict(old.state_dict())
         layer.post_attention_layernorm = new
     prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    ref, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as ref_steps:
+        ref, _ = generate_fast(model, prompt, NEW, compile=False)
     assert fastest_step(model) == []
     assert not any(is_folded(m) for m in model.modules())
-    out, _ = generate_fast(model, prompt, 4, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref)
+    assert_same_logits(steps, ref_steps)
     with pytest.raises(ValueError, match="OtherNorm"):
         route_linears(model, ("norm",))
     fastest_step(model, on=False)
