@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from countdown import attention  # noqa: E402
 from countdown.kernels import _attention, _common  # noqa: E402
-from conftest import tiny_model  # noqa: E402
+from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -116,6 +116,9 @@ def test_mask_row():
     assert attention.mask_row(m.int(), 1, 3) is None  # neither boolean nor additive
 
 
+NEW = 3  # greedy tokens a decode below generates: two decode steps, the second reading the cache the first wrote
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_model_decodes_the_same_with_the_kernel(arch, monkeypatch):
     from countdown.decode import generate_fast
@@ -126,18 +129,23 @@ def test_model_decodes_the_same_with_the_kernel(arch, monkeypatch):
     monkeypatch.setattr(_attention, "decode_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
     before = model.config._attn_implementation
-    ref, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as ref_steps:
+        ref, _ = generate_fast(model, prompt, NEW, compile=False)
     attention.use_decode_attention(model)
     assert model.config._attn_implementation == attention.NAME
-    out, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     n_layers = model.config.num_hidden_layers
-    assert len(calls) == 5 * n_layers  # every decode step of every layer (the prefill stays on SDPA)
+    assert len(calls) == (NEW - 1) * n_layers  # every decode step of every layer (the prefill stays on SDPA)
     calls.clear()
     assert torch.equal(out, ref)
+    assert_same_logits(steps, ref_steps)
     # under torch.compile (fullgraph, the op opaque to Dynamo: its fake gives the shape)
     if arch == "llama":  # one architecture is enough for the compile path (CI time)
-        compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
+        with captured_logits(model) as compiled_steps:
+            compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref)
+        assert_same_logits(compiled_steps, ref_steps)
     with torch.no_grad():  # one decode step's logits, kernel against SDPA on the same cache contents
         from transformers import StaticCache
         logits = {}
