@@ -125,7 +125,7 @@ def test_a_folded_llama_decodes_the_same_tokens_with_the_route(monkeypatch):
     from countdown.decode_gemv import route_linears
     from countdown.prac.shadow import ShadowSelector
     from countdown.state import state_of
-    from conftest import tiny_model
+    from conftest import assert_same_logits, captured_logits, tiny_model
 
     model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
     n_layers = model.config.num_hidden_layers
@@ -144,13 +144,16 @@ def test_a_folded_llama_decodes_the_same_tokens_with_the_route(monkeypatch):
     monkeypatch.setattr(fused_layer, "OWN_ADD", True)
     monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     monkeypatch.setattr(_shadow_block, "ENABLED", False)  # the norm on its kernel, the add in the partials' sum
-    ref, _ = generate_fast(model, prompt, NEW, compile=False)
+    with captured_logits(model) as ref_logits:
+        ref, _ = generate_fast(model, prompt, NEW, compile=False)
     monkeypatch.setattr(_shadow_block, "ENABLED", True)
     hits = []
     real = torch.ops.countdown.shadow_norm_gemv_i8
     monkeypatch.setattr(torch.ops.countdown, "shadow_norm_gemv_i8", lambda *a: hits.append(1) or real(*a))
-    out, _ = generate_fast(model, prompt, NEW, compile=False)
+    with captured_logits(model) as logits:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref)
+    assert_same_logits(logits, ref_logits)
     assert len(hits) == (NEW - 1) * n_layers  # NEW - 1 decode steps, none for the prompt
     countdown.unsparsify(model)
 
