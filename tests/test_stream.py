@@ -39,8 +39,10 @@ def _listed(lists, counts, cap):
     return [lists[p * cap: p * cap + int(c)].tolist() for p, c in enumerate(counts.tolist())]
 
 
-@pytest.mark.parametrize("config", [dict(R=4), dict(R=2), dict(R=8)])
-@pytest.mark.parametrize("cut_as_tensor", [True, False])
+# Each block size R once, each kind of cut (read on the device / passed by value) at least once: the two are
+# separate constexprs of the kernel (R the rows a step, CUT_PTR where the cut comes from), not one branch.
+@pytest.mark.parametrize("config,cut_as_tensor", [(dict(R=4), False), (dict(R=2), True), (dict(R=8), True)],
+                         ids=["R4-float", "R2-tensor", "R8-tensor"])
 def test_lists_hold_exactly_the_rows_above_the_cut(config, cut_as_tensor):
     d_model, d_inter = 128, 150
     x, prep, *_ = _problem(d_model, d_inter, torch.bfloat16, seed=3)
