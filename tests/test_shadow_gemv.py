@@ -82,18 +82,28 @@ def test_gemv_against_float64(dtype, d_model, d_inter, group, bits, xs):
             assert ((s.double() - ref).abs() <= 1e-5 * ref + 1e-30 * ref.max()).all()
 
 
+@pytest.fixture(scope="module")
+def default_schedule():
+    """The shadows, x, and the default schedule's outputs (u~ and g~; the SiLU scores) the variants below are
+    compared with: launched once for all of them (outputs poisoned first, as in every test here)."""
+    (qg, sg, qu, su), prep = _shadows(192, 45, 64, 4, torch.bfloat16, seed=9)
+    x = torch.randn(1, 192).bfloat16().to(DEV)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_common, "POISON_OUTPUTS", True)
+        base = {act: _gemv.launch(x, prep["q"], prep["scale"], act).cpu() for act in (None, "silu")}
+    return prep, x, base
+
+
 @pytest.mark.parametrize("config", [dict(AHEAD=2, PIN=True, R=2), dict(PREFETCH=False, R=4),
                                     dict(PIN=True, R=8)])
-def test_gemv_launch_variants(config):
+def test_gemv_launch_variants(config, default_schedule):
     """The kernel's other schedules (prefetch two blocks ahead or none, loads pinned, other block sizes)
     compute the same values as the default one (the same products; on a GPU the float32 sums may be
     grouped differently)."""
-    (qg, sg, qu, su), prep = _shadows(192, 45, 64, 4, torch.bfloat16, seed=9)
-    x = torch.randn(1, 192).bfloat16().to(DEV)
+    prep, x, base = default_schedule
     for act in (None, "silu"):
-        base = _gemv.launch(x, prep["q"], prep["scale"], act).cpu()
         other = _gemv.launch(x, prep["q"], prep["scale"], act, config).cpu()
-        assert torch.allclose(base, other, rtol=1e-5, atol=1e-6 * base.abs().max().item())
+        assert torch.allclose(base[act], other, rtol=1e-5, atol=1e-6 * base[act].abs().max().item())
 
 
 def test_gemv_zero_and_tiny_rows():
