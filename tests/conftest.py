@@ -51,8 +51,9 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, **changes):
 
 @contextlib.contextmanager
 def captured_logits(model):
-    """The logits of every forward of ``model`` inside the block, as float32 CPU tensors: for a decode, the
-    prompt's and then one per step (a compiled decode runs warm-up steps before its own: those come first).
+    """The logits of every forward of ``model`` inside the block, as float32 CPU tensors: for an eager decode,
+    the prompt's and then one per step. (Not around a compiled decode: Dynamo traces the hook and guards on the
+    length of the list, so each step would compile again.)
 
     A decode's greedy tokens alone say little in a tiny random model (the default tiny Llama, its MLPs' outputs
     zeroed, gave the same 6 greedy tokens after a 9-token prompt); the logits of each step tell a 1 % error in
@@ -68,10 +69,9 @@ def captured_logits(model):
 
 def assert_same_logits(got, want, atol=1e-4, rtol=1e-4):
     """A decode's logits (``captured_logits``) as the reference decode's ``want``, step by step (each forward's
-    last position: the one the next token comes from), within float32 rounding; ``got``'s last ones where it
-    holds more (a compiled decode's warm-up before them)."""
-    assert len(got) >= len(want) > 1, (len(got), len(want))
-    for step, (g, w) in enumerate(zip(got[len(got) - len(want):], want)):
+    last position: the one the next token comes from), within float32 rounding."""
+    assert len(got) == len(want) > 1, (len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g[:, -1], w[:, -1], atol=atol, rtol=rtol, msg=lambda m: f"step {step}: {m}")
 
 
