@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 # The CPU build of PyTorch; override (e.g. TORCH_SPEC=torch) on a machine with a GPU.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers for `make test` (CI has two cores; each worker keeps to one torch thread: tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install clean gpu-test
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/countdown demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with a GPU, from source (e.g. the device tool: `make gpu-test PYTHON=python`): every test file
 # that runs kernels, each kernel compiled for the GPU (the interpreter cannot see GPU-only compile errors);

@@ -10,8 +10,56 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 import pytest
 import torch
+
+# Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker keeps to one thread: the
+# interpreter's kernels are single-threaded Python, and two workers of two torch threads each would fight over
+# two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 import transformers
 from transformers import AutoModelForCausalLM
+
+
+def _list_the_interpreters_builtins_once():
+    """Speed only, under the interpreter: Triton's interpreter patches triton.language around every launch and
+    every call of a @triton.jit helper, each time listing all the members of tl, tl.core, tl.tensor, tl.math
+    and tl.core.tensor_descriptor_base (inspect.getmembers) to find the builtins it replaces: about a fifth of
+    the interpreter's time in the decode tests. Those names do not change, so they are listed here once, before
+    any launch (nothing is patched yet); each patch still takes only a member that is a builtin at the time, as
+    Triton's own function does. Nothing changes where the interpreter is off or its function is not the one
+    replaced (another Triton: the suite is slower, not different)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    own = getattr(interpreter, "_patch_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    is_builtin = getattr(getattr(tl, "core", None), "is_builtin", None)
+    if own is None or patch_attr is None or is_builtin is None or \
+            list(inspect.signature(own).parameters) != ["pkg", "builder", "scope"]:
+        return
+    packages = [tl, tl.core, tl.tensor, tl.core.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)]
+    names = {id(pkg): (pkg, [name for name, member in inspect.getmembers(pkg) if is_builtin(member)])
+             for pkg in packages if pkg is not None}
+
+    def _patch_builtin(pkg, builder, scope):
+        listed = names.get(id(pkg))
+        if listed is None or listed[0] is not pkg:  # a package not listed above: Triton's own way
+            return own(pkg, builder, scope)
+        for name in listed[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = _patch_builtin
+
+
+_list_the_interpreters_builtins_once()
 
 # d_inter = 97 is odd and prime on purpose: no method may assume divisibility.
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=97, num_hidden_layers=2,
