@@ -1,7 +1,7 @@
 """fuse_attention (countdown/fused_attention.py): one QKV GEMV + the fused rope/cache/attention kernel.
 
 Against transformers' own forward on the same model: the same greedy tokens from generate_fast
-(eager, and compiled through Dynamo with the op opaque), one decode step's logits and the whole
+(eager, with each step's logits, and compiled through Dynamo with the op opaque), one decode step's logits and the whole
 static cache after it equal to float32 rounding, the kernel called once per layer per decode step
 (never for the prompt); the weights are shared, not copied (parameter bytes unchanged, the same
 state-dict keys and values) and unfusing gives each projection its own storage back. Modules of
@@ -18,9 +18,13 @@ if not torch.cuda.is_available():
 
 from countdown import attention, fused_attention  # noqa: E402
 from countdown.kernels import _rope_attention  # noqa: E402
-from conftest import tiny_model  # noqa: E402
+from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Greedy tokens generated per decode compared below: two decode steps, the second reading the cache the first
+# wrote (each step runs every layer's kernels in the interpreter), their logits compared step by step; the
+# three steps of _step_logits_and_cache add the cache's contents.
+NEW = 3
 
 
 def _step_logits_and_cache(model, prompt):
@@ -46,7 +50,8 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
 
     model = tiny_model(arch).to(DEV)
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as ref_steps:
+        ref_tokens, _ = generate_fast(model, prompt, NEW, compile=False)
     ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     n_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -66,9 +71,11 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
     real = _rope_attention.rope_decode_attention
     monkeypatch.setattr(_rope_attention, "rope_decode_attention",
                         lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    out, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
-    assert len(calls) == 5 * model.config.num_hidden_layers  # each decode step, each layer; the prompt not
+    assert_same_logits(steps, ref_steps)
+    assert len(calls) == (NEW - 1) * model.config.num_hidden_layers  # each decode step, each layer; the prompt not
     logits, cache = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     for (k, v, n), (k_ref, v_ref, n_ref) in zip(cache, ref_cache):
@@ -76,7 +83,8 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
         torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
     if arch == "llama":  # the compiled step: the op opaque to Dynamo, its mutations functionalised
-        compiled, _ = generate_fast(model, prompt, 6, compile=True, compile_options={"backend": "aot_eager"})
+        # (its logits not captured: Dynamo would guard on the list they go to, recompiling each step)
+        compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
 
     fused_attention.fuse_attention(model, False)
@@ -84,8 +92,10 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
     assert not fused_attention.is_fused(attn)
     assert attn.k_proj.weight.untyped_storage().data_ptr() != attn.q_proj.weight.untyped_storage().data_ptr()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
-    again, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as steps:
+        again, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(again, ref_tokens)
+    assert_same_logits(steps, ref_steps)
 
 
 def test_other_layouts_are_left_alone_with_the_reason():
@@ -112,21 +122,21 @@ def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
     with pytest.raises(ValueError, match="fuse_attention"):
         route_linears(model, ("qkv",))
     fused_attention.fuse_attention(model)
-    ref_tokens, _ = generate_fast(model, prompt, 6, compile=False)
-    ref_logits, _ = _step_logits_and_cache(model, prompt)
+    with captured_logits(model) as ref_steps:
+        ref_tokens, _ = generate_fast(model, prompt, NEW, compile=False)
     n_layers = model.config.num_hidden_layers
     assert route_linears(model, ("qkv",)) == n_layers
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, w, b=None, *a, **k: calls.append((x.shape[0], b is not None))
                         or real(x, w, b, *a, **k))
-    out, _ = generate_fast(model, prompt, 6, compile=False)
+    with captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
-    assert calls == [(1, arch == "qwen2")] * (5 * n_layers)
-    logits, _ = _step_logits_and_cache(model, prompt)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert_same_logits(steps, ref_steps)  # the prompt's logits, then each decode step's
+    assert calls == [(1, arch == "qwen2")] * ((NEW - 1) * n_layers)
     calls.clear()
-    generate_fast(model, torch.cat([prompt, prompt]), 3, compile=False)
+    generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)  # one decode step
     assert calls == []  # batch 2 keeps F.linear (the routes serve one row)
     assert route_linears(model, (), on=False) == n_layers
     calls.clear()
