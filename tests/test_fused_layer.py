@@ -10,6 +10,7 @@ model decodes as before; the prerequisites are named; unfolding, un-routing or u
 layer's own forward.
 """
 
+import functools
 import os
 
 import pytest
@@ -32,6 +33,35 @@ NEW = 3
 # shapes, and the fused attention and the GEMV, whose programs the interpreter runs one by one, are tested at the
 # tiny models' own shapes in test_fused_attention.py and test_linear.py.
 NARROW = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+_PROMPT_SEED = 8
+
+
+def _model_and_prompt(arch):
+    model = tiny_model(arch, **NARROW).to(DEV)  # seeded: the same weights at every call
+    prompt = torch.randint(3, model.config.vocab_size, (1, 9),
+                           generator=torch.Generator().manual_seed(_PROMPT_SEED)).to(DEV)
+    return model, prompt
+
+
+@functools.lru_cache(maxsize=None)
+def _unfolded_references(arch):
+    """The unfolded decodes the folded ones are compared with, once per architecture (shared by the cases of
+    one architecture: nothing folded yet, so FOLD_QKV and OWN_ADD play no part): the attention fused and the
+    QKV GEMV routed, dense and then sparsified (mono, 0.5); the greedy tokens, each step's logits, and
+    _step_logits_and_cache's logits and cache. Read only by the tests."""
+    from countdown import sparsify, unsparsify
+
+    model, prompt = _model_and_prompt(arch)
+    fused_attention.fuse_attention(model)
+    route_linears(model, ("qkv",))
+    with captured_logits(model) as ref_steps:
+        ref_tokens, _ = generate_fast(model, prompt, NEW, compile=False)
+    ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
+    sparsify(model, "mono", 0.5)
+    with captured_logits(model) as ref_sparse_steps:
+        ref_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
+    unsparsify(model)
+    return ref_tokens, ref_steps, ref_logits, ref_cache, ref_sparse, ref_sparse_steps
 
 
 @pytest.mark.parametrize("arch,fold_qkv,own_add", [("llama", False, False), ("qwen2", False, False),
@@ -39,6 +69,7 @@ NARROW = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
 def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monkeypatch):
     from countdown import sparsify, unsparsify
 
+    ref_tokens, ref_steps, ref_logits, ref_cache, ref_sparse, ref_sparse_steps = _unfolded_references(arch)
     monkeypatch.setattr(fused_layer, "FOLD_QKV", fold_qkv)
     monkeypatch.setattr(fused_layer, "OWN_ADD", own_add)
     from countdown.kernels import _rmsnorm  # noqa: F401  (registers countdown::decode_add)
@@ -48,19 +79,13 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     monkeypatch.setattr(torch.ops.countdown, "decode_add", lambda *a: adds.append(a[0].shape) or real_add(*a))
     op = "decode_norm_linear" if fold_qkv else "decode_rms_norm"
     per_layer = 1 if fold_qkv else 2  # the folded QKV GEMV, or the two norms
-    model = tiny_model(arch, **NARROW).to(DEV)
+    model, prompt = _model_and_prompt(arch)
     n_layers = model.config.num_hidden_layers
-    prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(8)).to(DEV)
     fused_attention.fuse_attention(model)
     with pytest.raises(ValueError, match="route 'qkv' too"):
         route_linears(model, ("norm",))
     route_linears(model, ("qkv",))
-    with captured_logits(model) as ref_steps:
-        ref_tokens, _ = generate_fast(model, prompt, NEW, compile=False)
-    ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
-    sparsify(model, "mono", 0.5)
-    with captured_logits(model) as ref_sparse_steps:
-        ref_sparse, _ = generate_fast(model, prompt, NEW, compile=False)
+    sparsify(model, "mono", 0.5)  # sparsified and back before the fold, as the references' model was
     unsparsify(model)
 
     assert route_linears(model, ("norm",)) == n_layers
