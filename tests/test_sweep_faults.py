@@ -1,18 +1,20 @@
 """Faults around the sweep's files: two writers at once, kill -9 mid-write, Ctrl-C mid-sweep.
 
-Each scenario runs real processes (``subprocess``) against one output folder: what must hold is
-that no row is lost, the CSV is never torn, and an interrupted sweep says how to resume."""
+Each scenario runs real processes against one output folder: what must hold is that no row is lost,
+the CSV is never torn, and an interrupted sweep says how to resume. The writers of the first two are
+forked from the test's own process (``multiprocessing``'s fork context), which has already imported
+:mod:`countdown.sweep.store`: a fresh interpreter would spend seconds importing torch before its
+first row, and the writers touch no torch. The Ctrl-C scenario runs the command in a fresh
+interpreter (``subprocess``), as a user does."""
 
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
-
-import pytest
 
 from countdown.sweep import read_rows
 from countdown.sweep.store import SweepStore
@@ -20,6 +22,7 @@ from countdown.sweep.store import SweepStore
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")])}
+FORK = multiprocessing.get_context("fork")
 
 
 def _row(method, i, value="0.5"):
@@ -28,33 +31,39 @@ def _row(method, i, value="0.5"):
             "artifacts": "", "seconds": "1.0", "date": "2026-11-23"}
 
 
-WRITER = """
-import sys, time
-from countdown.sweep.store import SweepStore
-out, method, n, pad = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-store = SweepStore(out, "m", wait=30)
-print("ready", flush=True)
-for i in range(n):
-    row = {"model": "m", "method": method, "mode": "ideal", "sparsity": "0.8", "sparsity_real": "0.8",
-           "task": f"t{i}", "metric": "acc", "value": "x" * pad, "limit": "10", "n": "10",
-           "setting": "limit=10", "artifacts": "", "seconds": "1.0", "date": "2026-11-23"}
-    store.add([row])
-    print(i, flush=True)
-"""
+def _write(out, method, n, pad, said, go):
+    """A writer process: says "ready", waits for ``go`` (when given), then adds ``n`` rows one at a time,
+    saying the index of each once it is in."""
+    store = SweepStore(out, "m", wait=30)
+    said.send("ready")
+    if go is not None:
+        assert go.wait(60)
+    for i in range(n):
+        store.add([_row(method, i, value="x" * pad)])
+        said.send(i)
 
 
-def _writer(out, method, n, pad=1):
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(out), method, str(n), str(pad)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _writer(out, method, n, pad=1, go=None):
+    """A forked writer process and the receiving end of what it says."""
+    said, says = FORK.Pipe(duplex=False)
+    proc = FORK.Process(target=_write, args=(out, method, n, pad, says, go), daemon=True)
+    proc.start()
+    says.close()
+    return proc, said
 
 
 def test_two_sweeps_into_one_folder_keep_all_their_rows(tmp_path):
     """Two runs with different methods merge into one CSV at the same time: every row of both stays."""
     SweepStore(tmp_path, "m").add([_row("seed", 0)])  # a row from an earlier run must survive too
-    a, b = _writer(tmp_path, "dense", 40), _writer(tmp_path, "mono", 40)
-    for proc in (a, b):
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+    go = FORK.Event()
+    writers = [_writer(tmp_path, "dense", 40, go=go), _writer(tmp_path, "mono", 40, go=go)]
+    for _, said in writers:
+        assert said.poll(60) and said.recv() == "ready"
+    go.set()  # both start adding at the same moment
+    for proc, said in writers:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0, "a writer failed (its traceback is in the captured stderr)"
+        said.close()
     rows = read_rows(tmp_path / "m.csv")
     assert len(rows) == 81
     for method in ("dense", "mono"):
@@ -66,16 +75,16 @@ def test_kill_9_mid_write_leaves_the_previous_csv_intact(tmp_path):
     """A writer killed at a random moment leaves a CSV that parses and holds whole rows only; the
     next writer finishes and leaves no temporary file behind."""
     rng = random.Random(0)
-    for attempt in range(2):
+    for attempt in range(4):  # a fork is cheap: four random moments (each 0.05-0.6 s in)
         out = tmp_path / f"run{attempt}"
-        proc = _writer(out, "dense", 10_000, pad=20_000)  # 20 kB rows: each rewrite takes a while
-        assert proc.stdout.readline().strip() == "ready"
-        proc.stdout.readline()  # the first row is in
+        proc, said = _writer(out, "dense", 10_000, pad=20_000)  # 20 kB rows: each rewrite takes a while
+        assert said.poll(60) and said.recv() == "ready"
+        assert said.poll(60) and said.recv() == 0  # the first row is in
         time.sleep(rng.uniform(0.05, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+        proc.kill()  # SIGKILL
+        proc.join(timeout=30)
+        assert proc.exitcode == -9
+        said.close()
         rows = read_rows(out / "m.csv")
         assert rows and all(r["value"] == "x" * 20_000 for r in rows)
         assert sorted(int(r["task"][1:]) for r in rows) == list(range(len(rows)))  # a prefix of the run
@@ -98,6 +107,7 @@ command.run_sweep = functools.partial(run_sweep, model=tiny_model(len(tok)), tok
                                       ppl_texts=[" ".join(WORDS)] * 4, ppl_window=16, progress=False)
 real_ppl = measure.measure_ppl
 def slow_ppl(*args, **kwargs):
+    print("perplexity cell under way", flush=True)
     time.sleep(120)  # Ctrl-C arrives here, in the middle of a cell
     return real_ppl(*args, **kwargs)
 measure.measure_ppl = slow_ppl
@@ -113,9 +123,9 @@ def test_ctrl_c_prints_saved_cells_and_the_resume_command(tmp_path):
     seen = []
     for line in proc.stdout:  # wait until the lm-eval pass is saved and a perplexity cell is under way
         seen.append(line)
-        if "[2]" in line:
+        if "perplexity cell under way" in line:
             break
-    time.sleep(1.0)
+    assert any("[2]" in line for line in seen), "".join(seen)[-2000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     said = "".join(seen) + out
