@@ -30,16 +30,16 @@ def _poison(monkeypatch):
     torch.manual_seed(0)
 
 
-def _weights(dtype, fused=False):
+def _weights(dtype, fused=False, d_model=D_MODEL, d_inter=D_INTER):
     """W_gate^T, W_up^T [d_model, d_inter] (as views of one [d_model, 2 d_inter] matrix when ``fused``,
     the layout of a transposed Phi-3 gate_up) and W_down^T [d_inter, d_model]."""
     if fused:
-        both = (torch.randn(D_MODEL, 2 * D_INTER, device=DEVICE) / D_MODEL**0.5).to(dtype)
-        wg_t, wu_t = both[:, :D_INTER], both[:, D_INTER:]
+        both = (torch.randn(d_model, 2 * d_inter, device=DEVICE) / d_model**0.5).to(dtype)
+        wg_t, wu_t = both[:, :d_inter], both[:, d_inter:]
     else:
-        wg_t = (torch.randn(D_MODEL, D_INTER, device=DEVICE) / D_MODEL**0.5).to(dtype)
-        wu_t = (torch.randn(D_MODEL, D_INTER, device=DEVICE) / D_MODEL**0.5).to(dtype)
-    wd_t = (torch.randn(D_INTER, D_MODEL, device=DEVICE) / D_INTER**0.5).to(dtype)
+        wg_t = (torch.randn(d_model, d_inter, device=DEVICE) / d_model**0.5).to(dtype)
+        wu_t = (torch.randn(d_model, d_inter, device=DEVICE) / d_model**0.5).to(dtype)
+    wd_t = (torch.randn(d_inter, d_model, device=DEVICE) / d_inter**0.5).to(dtype)
     return wg_t, wu_t, wd_t
 
 
@@ -132,8 +132,12 @@ def test_torch_compile_fullgraph():
 
 
 # Small launch configurations, so that the small shapes run several input-channel splits, column
-# blocks and intermediate blocks, with tiles that do not divide the kept counts.
+# blocks and intermediate blocks, with tiles that do not divide the kept counts. The shapes are smaller
+# than the other tests' (the interpreter's time goes with the programs: 9 a launch, not 25), still prime and
+# still 3 of each, the last one partial: d_model 47 = 3 splits of KS 16 (16, 16, 15) and 3 down column
+# blocks of BN2 16; d_inter 67 = 3 gate/up column blocks of BN 32 (32, 32, 3) and 3 blocks of FB 32.
 SMALL = dict(KS=16, BN=32, BM=4, BN2=16, BM2=4)
+SMALL_D_MODEL, SMALL_D_INTER = 47, 67
 SMALL_CASES = [  # (dtype, batch, k, kept: "some" / "all" / "none")
     (torch.float32, 1, 0.5, "some"),
     (torch.bfloat16, 1, 0.9, "some"),
@@ -157,8 +161,8 @@ def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept, fuse)
     from countdown.kernels import _teal
 
     monkeypatch.setattr(_teal, "FB", 32)
-    x = torch.randn(batch, D_MODEL, device=DEVICE).to(dtype)
-    wg_t, wu_t, wd_t = _weights(dtype, fused=batch == 3)
+    x = torch.randn(batch, SMALL_D_MODEL, device=DEVICE).to(dtype)
+    wg_t, wu_t, wd_t = _weights(dtype, fused=batch == 3, d_model=SMALL_D_MODEL, d_inter=SMALL_D_INTER)
     if kept == "some":
         cut_x, cut_s = _cuts(x, wg_t, wu_t, "silu", k)
     else:
