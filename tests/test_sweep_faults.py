@@ -31,9 +31,56 @@ def _row(method, i, value="0.5"):
             "artifacts": "", "seconds": "1.0", "date": "2026-11-23"}
 
 
-def _write(out, method, n, pad, said, go):
+class _StallingFile:
+    """A file opened for writing whose first write, once ``stall`` is set, writes half of its data, flushes it
+    to the disk, says "mid-write" and waits to be killed: a kill -9 that lands inside a write every time."""
+
+    def __init__(self, f, stall, said):
+        self._f, self._stall, self._said = f, stall, said
+
+    def write(self, data):
+        if self._stall.is_set():
+            self._f.write(data[:len(data) // 2])
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._said.send("mid-write")
+            time.sleep(120)
+        return self._f.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _stall_writes_of(out, stall, said):
+    """In a writer process: every file named m.csv* in ``out`` opened for writing (the CSV itself or a
+    temporary file beside it, whichever the store writes) stalls mid-write once ``stall`` is set."""
+    import builtins
+    import io
+
+    real_open = io.open
+
+    def stalling_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        name = Path(os.fsdecode(file)) if isinstance(file, (str, bytes, os.PathLike)) else None
+        if name is not None and name.parent == Path(out) and name.name.startswith("m.csv") and \
+                any(c in mode for c in "wax+"):
+            return _StallingFile(f, stall, said)
+        return f
+
+    io.open = builtins.open = stalling_open
+
+
+def _write(out, method, n, pad, said, go, stall=None):
     """A writer process: says "ready", waits for ``go`` (when given), then adds ``n`` rows one at a time,
-    saying the index of each once it is in."""
+    saying the index of each once it is in (with ``stall``: see _stall_writes_of)."""
+    if stall is not None:
+        _stall_writes_of(out, stall, said)
     store = SweepStore(out, "m", wait=30)
     said.send("ready")
     if go is not None:
@@ -43,10 +90,10 @@ def _write(out, method, n, pad, said, go):
         said.send(i)
 
 
-def _writer(out, method, n, pad=1, go=None):
+def _writer(out, method, n, pad=1, go=None, stall=None):
     """A forked writer process and the receiving end of what it says."""
     said, says = FORK.Pipe(duplex=False)
-    proc = FORK.Process(target=_write, args=(out, method, n, pad, says, go), daemon=True)
+    proc = FORK.Process(target=_write, args=(out, method, n, pad, says, go, stall), daemon=True)
     proc.start()
     says.close()
     return proc, said
@@ -72,15 +119,24 @@ def test_two_sweeps_into_one_folder_keep_all_their_rows(tmp_path):
 
 
 def test_kill_9_mid_write_leaves_the_previous_csv_intact(tmp_path):
-    """A writer killed at a random moment leaves a CSV that parses and holds whole rows only; the
-    next writer finishes and leaves no temporary file behind."""
+    """A writer killed inside a write, and at random moments, leaves a CSV that parses and holds whole rows
+    only; the next writer finishes and leaves no temporary file behind."""
     rng = random.Random(0)
-    for attempt in range(4):  # a fork is cheap: four random moments (each 0.05-0.6 s in)
+    for attempt in range(4):  # a fork is cheap: the first kill inside a write, then three random moments
         out = tmp_path / f"run{attempt}"
-        proc, said = _writer(out, "dense", 10_000, pad=20_000)  # 20 kB rows: each rewrite takes a while
+        stall = FORK.Event()
+        # 20 kB rows: each rewrite takes a while
+        proc, said = _writer(out, "dense", 10_000, pad=20_000, stall=stall if attempt == 0 else None)
         assert said.poll(60) and said.recv() == "ready"
         assert said.poll(60) and said.recv() == 0  # the first row is in
-        time.sleep(rng.uniform(0.05, 0.6))
+        if attempt == 0:
+            stall.set()  # the next write of the CSV (or of its temporary file) stops halfway
+            while True:
+                assert said.poll(60), "the writer never wrote again"
+                if said.recv() == "mid-write":
+                    break
+        else:
+            time.sleep(rng.uniform(0.05, 0.6))
         proc.kill()  # SIGKILL
         proc.join(timeout=30)
         assert proc.exitcode == -9
