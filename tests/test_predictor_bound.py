@@ -33,9 +33,8 @@ def _load_bound():
 
 def _expected(h, norm_w, wg, wu, wdt, keep):
     """float64: h + the MLP of RMSNorm(h) (as transformers rounds it) over the kept rows."""
-    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS).double()
-    s = (x @ wu.double().t()) * torch.nn.functional.silu(x @ wg.double().t())
-    return h.double() + torch.where(keep, s, 0.0) @ wdt.double()
+    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)
+    return h.double() + K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, "silu")
 
 
 def test_first_call_is_the_real_mlp_half_and_later_calls_keep_its_mask(monkeypatch):

@@ -124,9 +124,8 @@ def test_kill_9_mid_write_leaves_the_previous_csv_intact(tmp_path):
     rng = random.Random(0)
     for attempt in range(4):  # a fork is cheap: the first kill inside a write, then three random moments
         out = tmp_path / f"run{attempt}"
-        stall = FORK.Event()
-        # 20 kB rows: each rewrite takes a while
-        proc, said = _writer(out, "dense", 10_000, pad=20_000, stall=stall if attempt == 0 else None)
+        stall = FORK.Event() if attempt == 0 else None
+        proc, said = _writer(out, "dense", 10_000, pad=20_000, stall=stall)  # 20 kB rows: each rewrite takes a while
         assert said.poll(60) and said.recv() == "ready"
         assert said.poll(60) and said.recv() == 0  # the first row is in
         if attempt == 0:
