@@ -48,7 +48,10 @@ def test_decode_quality_matches_perplexity_and_a_float64_kl():
         p = F.log_softmax(model(row).logits[0, held.first:-1].double(), -1)
         kls.append(F.kl_div(F.log_softmax(q_logits, -1), p, log_target=True, reduction="none").sum(-1))
     assert q["ppl"] == pytest.approx(sparse, rel=1e-6)
-    assert q["ppl_increase"] == pytest.approx(sparse / dense - 1, rel=1e-5)
+    # ppl_increase = ppl / dense_ppl - 1 is a difference of nearly equal numbers: each perplexity agrees to
+    # rel 1e-6 above, so the ratio agrees to about 2e-6 of itself, an absolute bound on the increase (a relative
+    # one multiplies each CPU path's last-bit differences by 1 / increase, ~250 here). A base off by 0.1 % fails.
+    assert q["ppl_increase"] == pytest.approx(sparse / dense - 1, abs=3e-6 * sparse / dense)
     assert q["kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-4)
     assert q["tokens"] == held.scored == 4 * 32 and abs(q["sparsity_real"] - 0.7) < 0.02
     assert 0 < q["top1"] <= 1
