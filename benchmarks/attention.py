@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from countdown.attention import mask_row
+from countdown.decode.hf_attention import mask_row
 from countdown.bench import copy_bandwidth
 from countdown.bench.timing import time_graph
 from countdown.io import atomic_write

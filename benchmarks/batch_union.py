@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 import countdown
-from countdown.analysis import top_mask
-from countdown.data import eval_texts
+from countdown.eval.analysis import top_mask
+from countdown.data.texts import eval_texts
 from countdown.io import atomic_path, atomic_write, write_json
 from countdown.mlp import require_gated_mlps
 

@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import countdown
-    from countdown.code_text import python_text_version
-    from countdown.data import cache_root, load_texts
+    from countdown.data.code_text import python_text_version
+    from countdown.data.texts import cache_root, load_texts
     from countdown.prac.prepare import ensure_artifacts
     from countdown.state import sparsity_real
 

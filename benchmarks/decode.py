@@ -72,7 +72,7 @@ def pdl_on() -> bool:
 
 def pdl_settings() -> dict:
     """Where PDL's signal sits, when the fixed GEMV loads its first tile, which kernels take part."""
-    from countdown import fused_layer
+    from countdown.decode import layer as fused_layer
     from countdown.kernels import _pdl
 
     return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS),
@@ -113,11 +113,11 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
     ap.add_argument("--attention", choices=["sdpa", "countdown", "fused"], default="fused",
                     help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
-                         "(countdown.attention.use_decode_attention), or that kernel with the rotary embedding and "
-                         "cache write fused in after one QKV GEMV (countdown.fused_attention.fuse_attention)")
+                         "(countdown.decode.hf_attention.use_decode_attention), or that kernel with the rotary embedding and "
+                         "cache write fused in after one QKV GEMV (countdown.decode.attention.fuse_attention)")
     ap.add_argument("--decode-gemv", default="auto", help="comma-separated projections of every row (down, gate_up, "
                     "o_proj, qkv, norm: qkv and norm with --attention fused; norm folds each input RMSNorm into the QKV "
-                    "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode_gemv.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
+                    "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode.linears.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
                     "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
@@ -231,24 +231,24 @@ def main(argv=None) -> int:
                                     random_weights=True, config_overrides=SMOKE_OVERRIDES if args.smoke else None)
     model.generation_config.eos_token_id = None
     if args.attention == "countdown":
-        from countdown.attention import use_decode_attention
+        from countdown.decode.hf_attention import use_decode_attention
 
         use_decode_attention(model)
     elif args.attention == "fused":
-        from countdown.fused_attention import fuse_attention
+        from countdown.decode.attention import fuse_attention
 
         skipped = fuse_attention(model)
         if skipped:
             log(f"fuse_attention left {len(skipped)} modules alone: {skipped[0]}")
     meta["attention"] = model.config._attn_implementation + ("+fused" if args.attention == "fused" else "")
     if args.decode_gemv == "auto":
-        from countdown.decode_gemv import step_targets
+        from countdown.decode.linears import step_targets
 
         args.decode_gemv = ",".join(step_targets(args.attention == "fused"))
     elif args.decode_gemv == "none":
         args.decode_gemv = ""
     if args.decode_gemv:
-        from countdown.decode_gemv import route_linears
+        from countdown.decode.linears import route_linears
 
         routed = route_linears(model, tuple(args.decode_gemv.split(",")))
         log(f"decode GEMV: {routed} projections ({args.decode_gemv}) on kernels/_linear.py")

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/decode_cpu.py --out benchmarks/results [--new-tokens 64] [--repeats 3]
 
 Batch 1, fp32, a 64-token prompt (the start of the first held-out XSum article), greedy, through
-``countdown.decode.generate_fast`` in eager mode (no compile on CPU: the same harness for every row).
+``countdown.decode.generate.generate_fast`` in eager mode (no compile on CPU: the same harness for every row).
 Rows: dense; cats / mono / dual SP-Ideal with the ``gather`` path (only kept rows of W_gate / W_up /
 W_down are read; cats and mono still read their dense indicator projection, dual reads both); mono
 SP-Prac (calibrated thresholds) on ``gather`` and on ``masked`` (every projection dense, skipped rows
@@ -29,7 +29,7 @@ import time
 import torch
 
 import countdown
-from countdown.decode import generate_fast, reset_decoders
+from countdown.decode.generate import generate_fast, reset_decoders
 from countdown.mlp import require_gated_mlps
 
 COLUMNS = ["device", "date", "model", "threads", "method", "mode", "path", "sparsity", "sparsity_real", "batch",

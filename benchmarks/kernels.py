@@ -41,7 +41,7 @@ import countdown.kernels as K
 from countdown.kernels import _common, _down, _glu
 
 from countdown.bench import copy_bandwidth, time_graph
-from countdown.cost import mlp_weight_bytes
+from countdown.eval.cost import mlp_weight_bytes
 
 SHAPES = {  # name: (d_model, d_inter, activation)
     "Llama-3.1-8B": (4096, 14336, "silu"),

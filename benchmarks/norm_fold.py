@@ -1,4 +1,4 @@
-"""The input RMSNorm folded into the QKV GEMV (kernels/_linear.py, countdown.fused_layer) against the norm
+"""The input RMSNorm folded into the QKV GEMV (kernels/_linear.py, countdown.decode.layer) against the norm
 as its own kernel before the GEMV.
 
     PYTHONPATH=src python benchmarks/norm_fold.py [--out DIR]

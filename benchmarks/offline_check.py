@@ -1,7 +1,7 @@
 """GPU scores against the CPU reference, request by request and cell by cell.
 
 Request level: the first ``--requests`` requests of each task of the job are scored here on the CPU
-(:func:`countdown.scoring.score_requests`, the sweep's own path) and compared with the scores file.
+(:func:`countdown.eval.scoring.score_requests`, the sweep's own path) and compared with the scores file.
 Cell level: the CPU sweep (``run_sweep``, no --scores) at ``--limit`` documents for the given configurations,
 against the mean of the GPU-scored per-document outcomes of those same documents (the replayed
 ``<model>.docs.csv``). Writes a Markdown table::
@@ -25,11 +25,11 @@ import numpy as np
 
 import countdown
 from countdown.io import atomic_write
-from countdown.offline.files import read_job, read_scores
-from countdown.offline.device import load_configs
-from countdown.scoring import score_requests
-from countdown.sweep import read_rows, run_sweep
-from countdown.sweep.store import DOC_FIELDS, decode_outcomes
+from countdown.eval.offline.files import read_job, read_scores
+from countdown.eval.offline.device import load_configs
+from countdown.eval.scoring import score_requests
+from countdown.eval.sweep import read_rows, run_sweep
+from countdown.eval.sweep.store import DOC_FIELDS, decode_outcomes
 
 
 def _shown(key: str) -> str:

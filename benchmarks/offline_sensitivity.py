@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 import countdown
-from countdown.offline.device import load_configs
-from countdown.offline.files import read_job, read_scores
-from countdown.scoring import score_requests
+from countdown.eval.offline.device import load_configs
+from countdown.eval.offline.files import read_job, read_scores
+from countdown.eval.scoring import score_requests
 
 
 def _stats(a, b) -> str:

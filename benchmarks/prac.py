@@ -11,10 +11,10 @@
    one) with each selection rule; the default hybrid with top-k selection; dejavu by logit.
 3. Predictor quality on held-out XSum text: precision / recall / F1 of the SP-Prac mask against the
    SP-Ideal mask, mean over layers, and the predictors' footprint.
-4. Perplexity on XSum (``countdown.data.eval_texts``), every position sparse (``scope="all"``),
+4. Perplexity on XSum (``countdown.data.texts.eval_texts``), every position sparse (``scope="all"``),
    dense / SP-Ideal / SP-Prac, with the Sparsity-Real each run measured.
 
-Calibration and training use ``countdown.data.calibration_texts`` (Wikipedia); evaluation never does.
+Calibration and training use ``countdown.data.texts.calibration_texts`` (Wikipedia); evaluation never does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import countdown
 from countdown import calibrate, ensure_artifacts, predictor_quality, train_predictors
 from countdown.artifacts import footprint
-from countdown.data import eval_texts
+from countdown.data.texts import eval_texts
 
 KS = [0.7, 0.8, 0.9]
 
@@ -179,7 +179,7 @@ def markdown(report: dict) -> str:
     lines = [f"# SP-Prac on {report['model']}", "",
              f"Device: {report['device']}. Date: {report['date']}. Perplexity: XSum, "
              f"{report['eval_tokens']} tokens, every position sparse. F1: {report['quality_tokens']} held-out "
-             "XSum tokens. Calibration/training: Wikipedia (countdown.data.calibration_texts).", ""]
+             "XSum tokens. Calibration/training: Wikipedia (countdown.data.texts.calibration_texts).", ""]
     demo = report.get("demo_build")
     if demo:
         lines += [f"## Demo budget: the four default artifacts, {demo['device']}, load average "

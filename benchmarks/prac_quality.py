@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import countdown
-from countdown.agreement import kl_and_top1
-from countdown.data import cache_root, eval_texts
+from countdown.eval.agreement import kl_and_top1
+from countdown.data.texts import cache_root, eval_texts
 from countdown.io import atomic_write, file_lock
-from countdown.ppl import token_windows
+from countdown.eval.perplexity import token_windows
 
 FIELDS = ["model", "method", "mode", "sparsity", "sparsity_real", "ppl_all", "ppl_decode", "kl", "top1",
           "precision", "recall", "f1", "seconds", "device", "date"]

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/shadow_int8_agreement.py --out DIR [--model smollm2-135m] [--tokens 1024]
 
-For every Gated-MLP of the model, on real text (countdown.data.calibration_texts), its inputs x are taken
+For every Gated-MLP of the model, on real text (countdown.data.texts.calibration_texts), its inputs x are taken
 by a forward pre-hook; the 4-bit group-64 shadows of W_gate and W_up (quant.quantize_rtn) give three
 indicators |u~ act(g~)| per token: "exact" (float64 x . w~), "int8" (float64 model of _gemv_i8.py's
 arithmetic: x rounded per group as the kernel rounds it, the integer dots exact; tests/test_shadow_gemv_i8.py
@@ -23,9 +23,9 @@ import sys
 import torch
 
 import countdown.kernels as K
-from countdown.data import calibration_texts
+from countdown.data.texts import calibration_texts
 from countdown.mlp import require_gated_mlps
-from countdown.models import load_model
+from countdown.data.models import load_model
 
 KS, BITS, GROUP = (0.7, 0.8, 0.9), 4, 64
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from countdown.lmeval import CountdownLM, evaluate
-from countdown.models import load_model
-from countdown.shared_prompt import EvalConfig, evaluate_configs, score_requests
-from countdown.tasks import task_manager
+from countdown.eval.lmeval import CountdownLM, evaluate
+from countdown.data.models import load_model
+from countdown.eval.shared_prompt import EvalConfig, evaluate_configs, score_requests
+from countdown.eval.tasks import task_manager
 
 
 def parse_configs(text):

@@ -3,17 +3,17 @@
     PYTHONPATH=src python benchmarks/shared_prompt_marginal.py arc_easy [old]
 
 Prints the process CPU seconds (``time.process_time``, so a loaded machine disturbs it less than
-wall time) of countdown.shared_prompt.score_requests for dense alone and for dense + mono, dual,
+wall time) of countdown.eval.shared_prompt.score_requests for dense alone and for dense + mono, dual,
 cats at k=0.8 (SP-Ideal), and the marginal cost of one more configuration; with ``old``, also
 today's per-configuration adapter (CountdownLM._loglikelihood_tokens) on the same requests.
 Per cell of a grid of C configurations: (1 config + (C - 1) x marginal) / C.
 """
 import time, torch, sys
 torch.set_num_threads(1)
-from countdown.models import load_model
-from countdown.lmeval import CountdownLM
-from countdown.shared_prompt import EvalConfig, score_requests
-from countdown.tasks import task_manager
+from countdown.data.models import load_model
+from countdown.eval.lmeval import CountdownLM
+from countdown.eval.shared_prompt import EvalConfig, score_requests
+from countdown.eval.tasks import task_manager
 model, tok = load_model("smollm2-135m")
 task_name = sys.argv[1] if len(sys.argv) > 1 else "arc_easy"
 m = task_manager([task_name])

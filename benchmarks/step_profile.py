@@ -9,12 +9,12 @@ bandwidth measured in the same run, and a torch.profiler table of every kernel o
 (calls, microseconds per step and per call, class). Variants:
 
 - ``sdpa``: transformers' SDPA attention (the model as loaded);
-- ``countdown``: countdown's split-KV kernel behind transformers' interface (countdown.attention);
-- ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.fused_attention).
+- ``countdown``: countdown's split-KV kernel behind transformers' interface (countdown.decode.hf_attention);
+- ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.decode.attention).
 - ``fused+down`` / ``fused+down+o`` / ``fused+down+o+qkv``: the same with the MLPs' down projections (and
   the attention output projections, and the fused QKV GEMV) on kernels/_linear.py's fixed GEMV;
-  ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode_gemv.route_linears);
-  ``fused+all+norm``: and each layer's input RMSNorm folded into the QKV GEMV (countdown.fused_layer); ``fused``
+  ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode.linears.route_linears);
+  ``fused+all+norm``: and each layer's input RMSNorm folded into the QKV GEMV (countdown.decode.layer); ``fused``
   leaves every projection to Inductor.
 
 Writes ``step_profile.csv`` (one row per variant), ``step_kernels.csv`` (every kernel of every variant),
@@ -62,9 +62,9 @@ def parse_args(argv=None):
 
 def apply_variant(model, variant: str) -> str:
     """Switch ``model`` to ``variant`` (from the loaded state); returns a note (modules left alone)."""
-    from countdown.attention import use_decode_attention
-    from countdown.decode_gemv import route_linears
-    from countdown.fused_attention import fuse_attention
+    from countdown.decode.hf_attention import use_decode_attention
+    from countdown.decode.linears import route_linears
+    from countdown.decode.attention import fuse_attention
 
     if variant == "countdown":
         use_decode_attention(model)
@@ -81,10 +81,10 @@ def apply_variant(model, variant: str) -> str:
 
 
 def undo_variant(model, variant: str) -> None:
-    from countdown.attention import use_decode_attention
-    from countdown.decode import reset_decoders
-    from countdown.decode_gemv import route_linears
-    from countdown.fused_attention import fuse_attention
+    from countdown.decode.hf_attention import use_decode_attention
+    from countdown.decode.generate import reset_decoders
+    from countdown.decode.linears import route_linears
+    from countdown.decode.attention import fuse_attention
 
     reset_decoders(model)
     route_linears(model, (), on=False)
@@ -132,7 +132,7 @@ def check_fused(model, prompt: torch.Tensor, steps: int = 4) -> dict:
     a = logits["sdpa"]
     result = {"steps": a.shape[0] * a.shape[1]}
     if prompt.device.type == "cuda":  # greedy tokens: transformers' generate (SDPA) vs the compiled fused step
-        from countdown.decode import generate_fast
+        from countdown.decode.generate import generate_fast
 
         ref = model.generate(prompt, max_new_tokens=32, do_sample=False)[:, prompt.shape[1]:]
         for variant in ("sdpa", "countdown", "fused"):  # the unfused ones: how far bf16 alone carries
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     from countdown.bench.breakdown import profile_steps
     from countdown.bench.measure import step_weight_bytes
     from countdown.bench.timing import copy_bandwidth, spread
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
     from countdown.io import atomic_write, write_json
 
     os.makedirs(args.out, exist_ok=True)

@@ -14,7 +14,7 @@ the full 80 layers would not fit one GPU, which the 1-GPU rows need).
    a ``train_predictors(kind="lowrank", init="random")`` predictor for dual, its cuts re-fitted on the
    sparse model's own decode steps; all on random-token text: on random weights only the kept
    fraction matters for speed, so the closed-form gate start, an SVD per layer, is skipped), measure Sparsity-Real (masked path, eager) and time
-   dense and every (method, k) with ``countdown.decode.generate_fast``: static cache, the decode step
+   dense and every (method, k) with ``countdown.decode.generate.generate_fast``: static cache, the decode step
    captured in one CUDA graph (``compile="cudagraph"``), batch 1. These are the ``gpus = 1`` rows.
 2. Every rank together, per config: ``from_pretrained(folder, tp_plan="auto")`` (gate/up colwise,
    down rowwise, attention sharded by heads), ``countdown.sparsify`` with the SAME artifact files
@@ -50,7 +50,7 @@ import countdown
 from countdown import calibrate, refine_cuts_on_decode, train_predictors
 from countdown.artifacts import load_artifacts
 from countdown.prac.base import selectors_for
-from countdown.decode import generate_fast, reset_decoders
+from countdown.decode.generate import generate_fast, reset_decoders
 from countdown.mlp import require_gated_mlps
 from countdown.state import state_of
 from countdown.tp import shard_selectors

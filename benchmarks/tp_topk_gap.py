@@ -26,8 +26,8 @@ import time
 import torch
 
 import countdown
-from countdown.stream import stream_mlp_inputs, token_windows
-from countdown.data import eval_texts
+from countdown.prac.stream import stream_mlp_inputs, token_windows
+from countdown.data.texts import eval_texts
 from countdown.mlp import require_gated_mlps
 from countdown.registry import get_method
 from countdown.state import state_of

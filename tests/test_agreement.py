@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 import countdown
-from countdown.agreement import (agreement, default_prompts, greedy_continuation, judge_win_rate, kl_and_top1,
+from countdown.eval.agreement import (agreement, default_prompts, greedy_continuation, judge_win_rate, kl_and_top1,
                                  match_stats)
 
 WORDS = "the a cat dog sat ran on mat red blue big small is and then it sun moon star tree sea sky".split()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from countdown.analysis import (
+from countdown.eval.analysis import (
     collect_indicator_stats,
     format_indicator_stats,
     indicator_counts,

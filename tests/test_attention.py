@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from countdown import attention  # noqa: E402
+from countdown.decode import hf_attention as attention  # noqa: E402
 from countdown.kernels import _attention, _common  # noqa: E402
 from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
@@ -121,7 +121,7 @@ NEW = 3  # greedy tokens a decode below generates: two decode steps, the second 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_model_decodes_the_same_with_the_kernel(arch, monkeypatch):
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
 
     model = tiny_model(arch).to(DEV)
     calls = []

@@ -16,8 +16,8 @@ from countdown.bench.runner import private_copy
 from countdown.bench.specs import availability, parse_spec, parse_specs, resolve_kind
 from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
 from countdown.bench.timing import spread, time_graph
-from countdown.cost import mlp_weight_bytes
-from countdown.decode import generate_fast
+from countdown.eval.cost import mlp_weight_bytes
+from countdown.decode.generate import generate_fast
 from countdown.prac.prepare import ensure_artifacts
 from test_calibrate import CharTokenizer, word_texts
 
@@ -212,7 +212,7 @@ def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
 
 
 def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch, tmp_path, capsys):
-    from countdown import cli
+    from countdown.cli import commands as cli
 
     model = tiny_model("llama")
     monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, None))  # a *-shape: no tokenizer

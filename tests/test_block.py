@@ -213,9 +213,10 @@ def test_the_residual_is_added_as_decode_add_adds_it(op, n_tok):
                                            ("lowrank-block", False)])
 def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     import countdown
-    from countdown import fused_attention, fused_layer
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import route_linears
+    from countdown.decode import attention as fused_attention
+    from countdown.decode import layer as fused_layer
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import route_linears
     from countdown.prac.lowrank import LowRankSelector
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
@@ -270,10 +271,11 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     """benchmarks/decode.py's one-compile harness (each MLP behind an opaque slot op): in a folded layer the slot
     takes h, so a sparsified MLP's block route runs there too; the tokens are the folded model's own."""
     import countdown
-    from countdown import fused_attention, fused_layer
+    from countdown.decode import attention as fused_attention
+    from countdown.decode import layer as fused_layer
     from countdown.bench.slots import CapturedDecoder, SlotModel
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import route_linears
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import route_linears
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
     from conftest import tiny_model

@@ -120,9 +120,10 @@ def test_the_route_serves_only_one_token_on_its_kernels(monkeypatch):
 
 def test_a_folded_llama_decodes_the_same_tokens_with_the_route(monkeypatch):
     import countdown
-    from countdown import fused_attention, fused_layer
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import route_linears
+    from countdown.decode import attention as fused_attention
+    from countdown.decode import layer as fused_layer
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import route_linears
     from countdown.prac.shadow import ShadowSelector
     from countdown.state import state_of
     from conftest import assert_same_logits, captured_logits, tiny_model

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import countdown
-from countdown import cli
+from countdown.cli import commands as cli
 from countdown.artifacts import load_artifacts
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts

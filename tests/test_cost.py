@@ -3,7 +3,7 @@ import json
 import pytest
 
 from countdown import kept_rows
-from countdown.cost import cost_table, format_cost_table
+from countdown.eval.cost import cost_table, format_cost_table
 
 LLAMA = dict(d_model=4096, d_inter=14336, d_rank=512)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from countdown import data
-from countdown.data import (
+from countdown.data import texts as data
+from countdown.data.texts import (
     DataUnavailableError,
     calibration_texts,
     eval_texts,
@@ -188,7 +188,7 @@ def test_python_source_text():
     import platform
     import re
 
-    from countdown import code_text
+    from countdown.data import code_text
 
     texts = load_texts("python")
     header = re.compile(r"^(?:(?:async )?def\s+\w+\s*\(|class\s+\w+\s*[(:])")

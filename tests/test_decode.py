@@ -7,7 +7,7 @@ import torch
 
 import countdown
 from conftest import tiny_model
-from countdown.decode import generate_fast, reset_decoders, sample_tokens
+from countdown.decode.generate import generate_fast, reset_decoders, sample_tokens
 
 PROMPT_LEN = 7
 
@@ -179,7 +179,7 @@ def test_cache_kwargs_trace_in_one_graph():
     (run AN, 2026-11-25: an import inside it did, and every compiled decode failed)."""
     import torch._dynamo
 
-    from countdown.hf_cache import cache_kwargs, renamed
+    from countdown.decode.cache import cache_kwargs, renamed
 
     def step(x, cache):
         (name, value), = cache_kwargs(cache).items()

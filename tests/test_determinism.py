@@ -4,7 +4,7 @@ count, and the demo's resume reusing only cells of the same environment."""
 import torch
 
 import countdown
-from countdown import demo
+import countdown.eval.grid as ppl_grid
 from conftest import tiny_model
 from test_perplexity import TEXTS, CharTokenizer
 
@@ -36,21 +36,21 @@ def test_demo_resume_reuses_only_cells_of_the_same_environment(tmp_path, monkeyp
     model, tok = tiny_model("qwen2"), CharTokenizer()
     configs = [("dense", "ideal", None), ("mono", "ideal", 0.8)]
     grid = dict(texts=TEXTS * 3, max_tokens=600, styles=("all",), log=lambda *a: None)
-    first = demo.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)
-    second = demo.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "b.csv", **grid)
+    first = ppl_grid.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)
+    second = ppl_grid.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "b.csv", **grid)
     assert [c.ppl for c in first] == [c.ppl for c in second] and len(first) == 2
-    env = demo.environment_key()
-    assert {c.env for c in demo.read_cells(tmp_path / "a.csv")} == {env}
+    env = ppl_grid.environment_key()
+    assert {c.env for c in ppl_grid.read_cells(tmp_path / "a.csv")} == {env}
 
     # Same environment: resumed without recomputing. Another one (here: another thread count, as a
     # second machine would have): every cell is computed again and the file holds only the new ones.
     seen = []
-    real_ppl = countdown.ppl.perplexity
-    monkeypatch.setattr(countdown.ppl, "perplexity", lambda *a, **k: seen.append(1) or real_ppl(*a, **k))
-    assert [c.ppl for c in demo.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)] == [
+    real_ppl = countdown.eval.perplexity.perplexity
+    monkeypatch.setattr(countdown.eval.perplexity, "perplexity", lambda *a, **k: seen.append(1) or real_ppl(*a, **k))
+    assert [c.ppl for c in ppl_grid.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)] == [
         c.ppl for c in first] and not seen
-    real_env = demo.run_environment
-    monkeypatch.setattr(demo, "run_environment", lambda: {**real_env(), "threads": 99})
-    again = demo.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)
+    real_env = ppl_grid.run_environment
+    monkeypatch.setattr(ppl_grid, "run_environment", lambda: {**real_env(), "threads": 99})
+    again = ppl_grid.run_grid(model, tok, "tiny", configs, out_csv=tmp_path / "a.csv", **grid)
     assert len(seen) == 2 and [c.ppl for c in again] == [c.ppl for c in first]
-    assert {c.env for c in demo.read_cells(tmp_path / "a.csv")} == {demo.environment_key()} != {env}
+    assert {c.env for c in ppl_grid.read_cells(tmp_path / "a.csv")} == {ppl_grid.environment_key()} != {env}

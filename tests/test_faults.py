@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import countdown
-from countdown import cli
+from countdown.cli import commands as cli
 from countdown.artifacts import ArtifactError, Artifacts, load_artifacts
 from countdown.io import TMP_MARK, LockedError, atomic_write, file_lock
 from countdown.prac.capture import load_checkpoint, save_layer
@@ -372,7 +372,7 @@ def test_every_option_states_its_default():
     import importlib
 
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    sweep_waiting = not hasattr(importlib.import_module("countdown.sweep"), "__path__")  # branch sweep
+    sweep_waiting = not hasattr(importlib.import_module("countdown.eval.sweep"), "__path__")  # branch sweep
     silent = [f"{name} {action.option_strings[0]}" for name, parser in sub.choices.items()
               if not (name == "sweep" and sweep_waiting)
               for action in parser._actions
@@ -557,8 +557,8 @@ def test_a_replace_between_header_and_tensors_cannot_mix_two_writes(two_k, tmp_p
 
 
 def test_two_sweeps_into_one_folder_keep_both_rows(tmp_path):
-    store_mod = pytest.importorskip("countdown.sweep.store", reason="waiting for the sweep store (branch sweep)")
-    from countdown.sweep import CSV_FIELDS, read_rows
+    store_mod = pytest.importorskip("countdown.eval.sweep.store", reason="waiting for the sweep store (branch sweep)")
+    from countdown.eval.sweep import CSV_FIELDS, read_rows
 
     def rows(method):
         return [{**{f: "" for f in CSV_FIELDS}, "model": "m", "method": method, "mode": "ideal", "sparsity": "0.8",
@@ -582,7 +582,7 @@ def test_two_sweeps_into_one_folder_keep_both_rows(tmp_path):
 
 
 def test_a_truncated_model_cache_file_is_rebuilt(tmp_path, monkeypatch, capfd):
-    pytest.importorskip("countdown.model_cache", reason="waiting for the verified model cache (branch models)")
+    pytest.importorskip("countdown.data.model_cache", reason="waiting for the verified model cache (branch models)")
     test_models = pytest.importorskip("test_models")
     if not hasattr(test_models, "_fake_gguf"):
         pytest.skip("waiting for the verified model cache's test helper (branch models)")

@@ -16,7 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from countdown import attention, fused_attention  # noqa: E402
+from countdown.decode import hf_attention as attention  # noqa: E402
+from countdown.decode import attention as fused_attention
 from countdown.kernels import _rope_attention  # noqa: E402
 from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
@@ -30,7 +31,7 @@ NEW = 3
 def _step_logits_and_cache(model, prompt):
     from transformers import StaticCache
 
-    from countdown.hf_cache import cache_kwargs
+    from countdown.decode.cache import cache_kwargs
 
     with torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=32)
@@ -46,7 +47,7 @@ def _step_logits_and_cache(model, prompt):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_model_decodes_as_transformers(arch, monkeypatch):
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
 
     model = tiny_model(arch).to(DEV)
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
@@ -113,8 +114,8 @@ def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
     kernels/_linear.py for the decode steps: the same greedy tokens and step logits as the fused
     path on F.linear, one call per layer per batch-1 decode step (batch 2 keeps F.linear); it needs
     fuse_attention first (named), and un-routing or unfusing drops it."""
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import route_linears
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import route_linears
     from countdown.kernels import _linear
 
     model = tiny_model(arch).to(DEV)

@@ -19,9 +19,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from countdown import fused_attention, fused_layer  # noqa: E402
-from countdown.decode import generate_fast  # noqa: E402
-from countdown.decode_gemv import route_linears  # noqa: E402
+from countdown.decode import attention as fused_attention  # noqa: E402
+from countdown.decode import layer as fused_layer
+from countdown.decode.generate import generate_fast  # noqa: E402
+from countdown.decode.linears import route_linears  # noqa: E402
 from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 from test_fused_attention import _step_logits_and_cache  # noqa: E402
 

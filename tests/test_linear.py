@@ -107,8 +107,8 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
     and gradient-wanting calls keep F.linear); the state dict is untouched and un-routing restores it."""
     from conftest import assert_same_logits, captured_logits, tiny_model
 
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import is_routed, route_linears
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import is_routed, route_linears
 
     model = tiny_model(arch).to(DEVICE)
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
@@ -160,10 +160,10 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
 
     from countdown import sparsify, unsparsify
     from countdown.bench.operating import _fast_step
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import fastest_step, is_routed
-    from countdown.fused_attention import QKV_FIXED, is_fused
-    from countdown.fused_layer import is_folded
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import fastest_step, is_routed
+    from countdown.decode.attention import QKV_FIXED, is_fused
+    from countdown.decode.layer import is_folded
 
     model = tiny_model(arch).to(DEVICE)
     n_layers = model.config.num_hidden_layers
@@ -216,9 +216,9 @@ def test_fastest_step_leaves_unfoldable_layers_alone():
     from conftest import assert_same_logits, captured_logits, tiny_model
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from countdown.decode import generate_fast
-    from countdown.decode_gemv import fastest_step, route_linears
-    from countdown.fused_layer import is_folded
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import fastest_step, route_linears
+    from countdown.decode.layer import is_folded
 
     class OtherNorm(LlamaRMSNorm):
         pass

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
 
 import countdown  # noqa: E402
-from countdown.lmeval import CountdownLM, evaluate, main  # noqa: E402
+from countdown.eval.lmeval import CountdownLM, evaluate, main  # noqa: E402
 
 WORDS = ("the a cat dog sat ran on mat rug fast slow red blue big small is was and then it "
          "question answer yes no bird fish sky sea green tree house car road sun moon star "
@@ -193,7 +193,7 @@ def test_tiny_task_through_lm_eval(tiny, tmp_path):
 
 
 def test_generate_until_prompt_dense_generation_sparse(tiny):
-    from countdown.agreement import greedy_continuation
+    from countdown.eval.agreement import greedy_continuation
 
     model, tok = tiny
     context = "the cat sat on the"
@@ -242,12 +242,12 @@ def test_clear_errors(tiny):
 def test_command_line_adds_offline_tasks_to_include_path(tmp_path, monkeypatch):
     import lm_eval.__main__
 
-    import countdown.tasks
+    import countdown.eval.tasks
 
     seen = {}
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.setdefault("argv", list(sys.argv)))
-    monkeypatch.setattr(countdown.tasks, "write_task_yamls", lambda names: seen.setdefault("names", names) and tmp_path)
+    monkeypatch.setattr(countdown.eval.tasks, "write_task_yamls", lambda names: seen.setdefault("names", names) and tmp_path)
     main(["--model", "countdown", "--tasks", "arc_easy,my_task", "mmlu_anatomy", "--limit", "5"])
     assert seen["names"] == ["arc_easy", "mmlu_anatomy"]
     assert seen["argv"][-2:] == ["--include_path", str(tmp_path)]

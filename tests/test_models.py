@@ -9,8 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from countdown import data, model_cache, models
-from countdown.models import (
+from countdown.data import texts as data
+from countdown.data import model_cache
+
+from countdown.data import models
+from countdown.data.models import (
     CorruptDownloadError,
     ModelUnavailableError,
     catalogue,

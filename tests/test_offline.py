@@ -17,8 +17,8 @@ from conftest import tiny_model as arch_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # noqa: E402
 
-from countdown import sweep  # noqa: E402
-from countdown.offline import device, files, weights  # noqa: E402
+from countdown.eval import sweep  # noqa: E402
+from countdown.eval.offline import device, files, weights  # noqa: E402
 
 GRID = dict(methods=("dense", "mono", "dual", "dual[hybrid]"), modes=("ideal", "prac"), sparsities=(0.5, 0.7),
             tasks=("tiny_mc",))
@@ -54,7 +54,7 @@ def test_exported_scored_replayed_equals_the_cpu_sweep(setup, tmp_path):
     job = _run(setup, tmp_path / "gpu", export=tmp_path / "job")["job"]
     data = files.read_job(job)
     assert len(data["configs"]) == 1 + 2 * 2 * 2 + 2  # dense, mono and dual x 2 modes x 2 k, dual[hybrid] prac x 2
-    # the device side: a model object and the job's files only (no lm-eval in countdown.offline.device)
+    # the device side: a model object and the job's files only (no lm-eval in countdown.eval.offline.device)
     configs = device.load_configs(data, job.parent, setup.model)
     scores = files.empty_scores(data)
     device.score_job(setup.model, data, configs, scores, tmp_path / "s.json.gz", chunk=3, batch_tokens=8,

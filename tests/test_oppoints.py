@@ -76,7 +76,7 @@ def test_artifact_options_are_spelled_as_the_sweep_spells_them():
     assert artifact_options(resolve_kind(parse_spec("dual[hybrid]"))) == {"kind": "hybrid"}
     assert artifact_options(resolve_kind(parse_spec("dejavu"))) == {}
     assert artifact_options(resolve_kind(parse_spec("mono"))) == {}
-    from countdown.sweep.cells import parse_method_spec
+    from countdown.eval.sweep.cells import parse_method_spec
 
     for label in ("dual", "dual[hybrid]", "dual[lowrank]", "dejavu", "cats"):
         assert artifact_options(resolve_kind(parse_spec(label))) == parse_method_spec(label).options
@@ -120,7 +120,7 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
     from countdown.bench.runner import private_copy
     from countdown.bench.slots import SLOTS, CapturedDecoder, SlotModel, ZeroMLP
     from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
     from countdown.mlp import require_gated_mlps
 
     model = tiny_model("llama")
@@ -284,7 +284,7 @@ def test_merge_reads_speed_at_the_real_models_sparsity(tmp_path):
 
 def test_shadow_stand_in_is_the_librarys_quantization_with_cuts_fitted_on_decode():
     from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
 
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import countdown
 from countdown.cli import main
-from countdown.ppl import token_windows
+from countdown.eval.perplexity import token_windows
 from conftest import tiny_model
 
 

@@ -16,7 +16,7 @@ from countdown.prac.hybrid import fit_gate_lowrank
 from countdown.prac.lowrank import LowRankPredictor
 from countdown.prac.ternary import TernaryPredictor
 from countdown.prac.train import oracle_masks
-from countdown.stream import token_windows
+from countdown.prac.stream import token_windows
 from conftest import TINY_CONFIGS, tiny_model
 from test_calibrate import TOK, captured_inputs, word_texts
 
@@ -313,7 +313,7 @@ def test_refine_cuts_on_decode_brings_sparsity_real_to_k():
     """Cuts re-fitted on the sparse model's own greedy continuations: only the cuts change, and on
     held-out prompts the kept fraction moves to k (hand-measured with the masked path's counters)."""
     import countdown
-    from countdown.decode import generate_fast
+    from countdown.decode.generate import generate_fast
     from countdown import refine_cuts_on_decode
 
     model = tiny_model("llama")

@@ -13,8 +13,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_lmeval import REQUESTS, WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # noqa: E402
 
 import countdown  # noqa: E402
-from countdown.lmeval import CountdownLM, evaluate  # noqa: E402
-from countdown.shared_prompt import EvalConfig, evaluate_configs, score_requests, split_request  # noqa: E402
+from countdown.eval.lmeval import CountdownLM, evaluate  # noqa: E402
+from countdown.eval.shared_prompt import EvalConfig, evaluate_configs, score_requests, split_request  # noqa: E402
 
 # float32 rounding: prompt and continuation run in two calls (attention sums in another order)
 ATOL = 1e-4

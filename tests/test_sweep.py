@@ -14,7 +14,7 @@ from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # n
 
 import countdown  # noqa: E402
 import countdown.prac.prepare  # noqa: E402
-from countdown import sweep  # noqa: E402
+from countdown.eval import sweep  # noqa: E402
 from countdown.registry import kept_rows  # noqa: E402
 
 REQUIRED = ["model", "method", "mode", "sparsity", "sparsity_real", "task", "metric", "value", "limit", "seconds", "date"]

@@ -3,7 +3,7 @@
 Each scenario runs real processes against one output folder: what must hold is that no row is lost,
 the CSV is never torn, and an interrupted sweep says how to resume. The writers of the first two are
 forked from the test's own process (``multiprocessing``'s fork context), which has already imported
-:mod:`countdown.sweep.store`: a fresh interpreter would spend seconds importing torch before its
+:mod:`countdown.eval.sweep.store`: a fresh interpreter would spend seconds importing torch before its
 first row, and the writers touch no torch. The Ctrl-C scenario runs the command in a fresh
 interpreter (``subprocess``), as a user does."""
 
@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from countdown.sweep import read_rows
-from countdown.sweep.store import SweepStore
+from countdown.eval.sweep import read_rows
+from countdown.eval.sweep.store import SweepStore
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
@@ -152,8 +152,8 @@ SWEEP = """
 import functools, sys, time
 from lm_eval.tasks import TaskManager
 from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer
-import countdown.cli, countdown.sweep.command as command, countdown.sweep.measure as measure
-from countdown.sweep import run_sweep
+import countdown.cli, countdown.eval.sweep.command as command, countdown.eval.sweep.measure as measure
+from countdown.eval.sweep import run_sweep
 
 root = sys.argv[1]
 tok = tiny_tokenizer()

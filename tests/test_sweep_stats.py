@@ -6,10 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from countdown import sweep
-from countdown.sweep import parse_method_spec, plan_cells, split_list
-from countdown.sweep.stats import PairedTests, paired_bootstrap, stderr
-from countdown.sweep.store import decode_outcomes, encode_outcomes
+from countdown.eval import sweep
+from countdown.eval.sweep import parse_method_spec, plan_cells, split_list
+from countdown.eval.sweep.stats import PairedTests, paired_bootstrap, stderr
+from countdown.eval.sweep.store import decode_outcomes, encode_outcomes
 
 
 def test_method_specs():
@@ -131,7 +131,7 @@ def test_a_within_claim_is_tested_against_its_margin_and_says_so():
     difference is about [-0.008, -0.002] (10 +- 2 sqrt(10) differing documents), above the margin:
     significant, and the text reads the interval against the margin (no p-value against 0). The
     same 10 differing documents among 100 would not be: a count of about 10 +- 6 of 100."""
-    from countdown.sweep.orderings import orderings
+    from countdown.eval.sweep.orderings import orderings
 
     ideal, prac = ("mono", "ideal", 0.8), ("mono", "prac", 0.8)
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 datasets = pytest.importorskip("datasets")
-from countdown import tasks  # noqa: E402
+from countdown.eval import tasks  # noqa: E402
 
 ARC = [
     {"id": "q1", "question": "Which is a planet?",

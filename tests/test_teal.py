@@ -130,7 +130,7 @@ def test_unsparsify_gives_back_only_the_layouts_it_changed():
 def test_calibration_gives_sparsity_real_k_on_held_out_text(allocation):
     model = tiny_model("llama")
     art = teal_artifact(model, allocation=allocation)
-    ids = torch.cat(countdown.stream.token_windows(TOK, word_texts(1), 2048, 64)[:16])
+    ids = torch.cat(countdown.prac.stream.token_windows(TOK, word_texts(1), 2048, 64)[:16])
     for k in (0.5, 0.7):
         for i in range(2):
             levels = art.layer_tensors(k, i)
@@ -239,7 +239,7 @@ def test_kernel_path_matches_masked_path(monkeypatch):
 def test_cli_calibrate_then_ppl(monkeypatch, tmp_path, capsys):
     import json
 
-    from countdown import cli
+    from countdown.cli import commands as cli
 
     model = tiny_model("llama")
     monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, TOK))

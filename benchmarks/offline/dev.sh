@@ -3,7 +3,7 @@
 # Appends chunk CHUNK of MODEL's bundle (make_bundle.sh) to /tmp/gpueval/MODEL.tar, checking what is
 # already there (the machine keeps /tmp only while it stays warm: a lost state says so and stops);
 # with "score" (after the last chunk): checks the whole bundle's sha256, unpacks it, installs the
-# carried gguf wheel and runs `python -m countdown.offline.device` on the job, writing
+# carried gguf wheel and runs `python -m countdown.eval.offline.device` on the job, writing
 # $OUT/MODEL.scores.json.gz (resumed from $CARRY/run/MODEL.scores.json.gz when that is carried).
 # $CARRY/run holds: dev.sh, src/ (countdown), gguf-*.whl, MODEL.job.json.gz, MODEL-config/config.json,
 # the small artifact files MODEL-*.safetensors and MODEL.manifest; $CARRY/chunks/MODEL.NN the chunk.
@@ -32,6 +32,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 [ -f $R/$M.scores.json.gz ] && cp $R/$M.scores.json.gz $OUT/ && echo "resuming from carried scores"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export PYTHONPATH=$R/src:/tmp/site PYTHONUNBUFFERED=1
-python3 -m countdown.offline.device --job $R/$M.job.json.gz --weights $D/$M/$M.pack --config-dir $R/$M-config \
+python3 -m countdown.eval.offline.device --job $R/$M.job.json.gz --weights $D/$M/$M.pack --config-dir $R/$M-config \
   --artifacts-dir $D/$M --out $OUT/$M.scores.json.gz --chunk 1024 --stop-after ${STOP_AFTER:-400} ${BATCH_TOKENS:+--batch-tokens $BATCH_TOKENS} 2>&1 | tee $OUT/$M.log
 echo "dev.sh total $(python3 -c "print(round($(date +%s.%N)-$T0,1))") s"

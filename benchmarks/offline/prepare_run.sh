@@ -15,7 +15,7 @@ cp "$J/$M.job.json.gz" "$R/"
 for f in "$J/$M"-*.safetensors; do [ "$(stat -c%s "$f")" -lt 1000000 ] && cp "$f" "$R/"; done
 PYTHONPATH=src ${PYTHON:-python3} - "$M" "$R/$M-config" <<'PY'
 import shutil, sys
-from countdown import models
+from countdown.data import models
 shutil.copy(models._catalogue_folder(models.CATALOGUE[sys.argv[1]]) / "config.json", sys.argv[2])
 PY
 du -sh "$R"

@@ -13,14 +13,7 @@ from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_art
 from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
 from .registry import Method, get_method, kept_rows, methods
 from .sparse import sparsify, unsparsify
-from .state import (
-    AlreadySparsifiedError,
-    NotSparsifiedError,
-    dense_prefix,
-    is_sparsified,
-    reset_sparsity_stats,
-    sparsity_real,
-)
+from .state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)
 from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
 from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors
 from .prac.quality import predictor_quality, refine_cuts_on_decode
@@ -30,45 +23,45 @@ __version__ = "0.1.0"
 
 def catalogue() -> dict:
     """Model names ``load_model`` knows without a path: real models and paper-scale shapes."""
-    from .models import catalogue as _catalogue
+    from .data.models import catalogue as _catalogue
 
     return _catalogue()
 
 
 def load_texts(source: str = "xsum", limit: int | None = None) -> list:
     """Held-out English text: "xsum" (evaluation), "wiki" (calibration), or a .txt/.jsonl file."""
-    from .data import load_texts as _load_texts
+    from .data.texts import load_texts as _load_texts
 
     return _load_texts(source, limit=limit)
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id.
-    See :func:`countdown.models.load_model`."""
-    from .models import load_model as _load
+    See :func:`countdown.data.models.load_model`."""
+    from .data.models import load_model as _load
 
     return _load(name_or_path, dtype=dtype, device=device, **kwargs)
 
 
 def evaluate(model, tokenizer, tasks, **kwargs) -> dict:
     """Downstream accuracy through unmodified lm-evaluation-harness (prompt dense, continuation
-    sparse). See :func:`countdown.lmeval.evaluate`; needs the ``eval`` extra."""
-    from .lmeval import evaluate as _evaluate
+    sparse). See :func:`countdown.eval.lmeval.evaluate`; needs the ``eval`` extra."""
+    from .eval.lmeval import evaluate as _evaluate
 
     return _evaluate(model, tokenizer, tasks, **kwargs)
 
 
 def generate_fast(model, input_ids, max_new_tokens: int, **kwargs):
     """Static-cache, CUDA-graph decoding of a dense or patched model (eager on CPU).
-    See :func:`countdown.decode.generate_fast`."""
-    from .decode import generate_fast as _generate_fast
+    See :func:`countdown.decode.generate.generate_fast`."""
+    from .decode.generate import generate_fast as _generate_fast
 
     return _generate_fast(model, input_ids, max_new_tokens, **kwargs)
 
 
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
-    """Perplexity on held-out text (XSum articles by default). See :func:`countdown.ppl.perplexity`."""
-    from .ppl import perplexity as _ppl
+    """Perplexity on held-out text (XSum articles by default). See :func:`countdown.eval.perplexity.perplexity`."""
+    from .eval.perplexity import perplexity as _ppl
 
     return _ppl(model, tokenizer, texts=texts, max_tokens=max_tokens, **kwargs)
 

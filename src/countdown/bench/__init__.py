@@ -5,7 +5,7 @@
 * :mod:`~countdown.bench.specs`: method specs (``mono``, ``dual[lowrank]``, ``dual[shadow4]``, ``teal``)
   parsed in one place, and why a spec cannot run in this library;
 * :mod:`~countdown.bench.measure`: decode tokens/s through ``countdown.generate_fast``, kept
-  fractions, the weight bytes a decode step reads (roofline: :func:`countdown.cost.mlp_weight_bytes`);
+  fractions, the weight bytes a decode step reads (roofline: :func:`countdown.eval.cost.mlp_weight_bytes`);
 * :mod:`~countdown.bench.speedonly`: speed-only artifacts (random predictors, cuts fitted on the
   model's own decode steps) for random-weight shapes;
 * :mod:`~countdown.bench.runner`: the per-compile decode benchmark (dense + every spec x k x batch);
@@ -23,7 +23,7 @@
   CSV / Markdown / plot (Pareto frontier) and the recommendation line.
 """
 
-from ..cost import mlp_weight_bytes
+from ..eval.cost import mlp_weight_bytes
 from .measure import kept_fractions, model_bytes, step_weight_bytes, time_decode
 from .specs import Spec, availability, parse_spec, parse_specs
 from .timing import Budget, PeakMemory, copy_bandwidth, free_memory, spread, time_graph

@@ -31,7 +31,7 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
     tokens; with ``sampling``, a seeded sampled generation must give the same tokens in every mode."""
 
     import countdown
-    from ..decode import generate_fast, reset_decoders
+    from ..decode.generate import generate_fast, reset_decoders
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _check_model(device)
@@ -94,7 +94,7 @@ def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"
     (CUDA: Inductor + our CUDA graph; CPU: Dynamo with the eager backend, no graph)."""
 
     import countdown
-    from ..decode import generate_fast, reset_decoders
+    from ..decode.generate import generate_fast, reset_decoders
     from .runner import private_copy
     from .slots import CapturedDecoder, SlotModel
     from .speedonly import retarget

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speed-only", action="store_true", help="skip quality; speed-only artifacts")
     parser.add_argument("--plain-step", action="store_true",
                         help="CUDA: time transformers' own attention and Inductor's GEMVs instead of the fastest step "
-                             "(countdown.decode_gemv.fastest_step: fused attention, every projection on the fixed GEMV)")
+                             "(countdown.decode.linears.fastest_step: fused attention, every projection on the fixed GEMV)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -63,7 +63,7 @@ def _load(args):
     import torch
 
     import countdown
-    from ..models import shape_names
+    from ..data.models import shape_names
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")

@@ -73,7 +73,7 @@ def replay(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], input
 def replay_files(model, paths: list[str], copy_bps: float, layers: int = 8, tokens: int = 8, log=print) -> list[dict]:
     """Replay every mask file of ``paths`` (files or folders of ``*.pt``) on ``model``'s first ``layers``
     Gated-MLPs: one dict per file with the kept fraction and the three timings."""
-    from ..cost import mlp_weight_bytes
+    from ..eval.cost import mlp_weight_bytes
     from ..mlp import require_gated_mlps
 
     files: list[str] = []

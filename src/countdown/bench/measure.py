@@ -2,7 +2,7 @@
 
 The bytes one decode step reads are every parameter outside the Gated-MLPs (attention, norms,
 lm_head; of the embedding only the looked-up rows, unless it is tied to lm_head) plus, per Gated-MLP,
-:func:`countdown.cost.mlp_weight_bytes` of the configuration at its measured kept fraction (per token
+:func:`countdown.eval.cost.mlp_weight_bytes` of the configuration at its measured kept fraction (per token
 at batch 1, the union over the batch's tokens above). Achieved bandwidth = those bytes x steps/s.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cost import mlp_weight_bytes
+from ..eval.cost import mlp_weight_bytes
 
 # harness name -> generate_fast(compile=..., compile_options=...)
 HARNESSES = {
@@ -34,7 +34,7 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, harness: str = "co
     """``generate_fast`` stats of one greedy run of ``new_tokens`` after ``prompt [batch, len]`` in
     ``harness`` (see :data:`HARNESSES`). The first call for a (model, batch, patch state) compiles or
     captures on a throw-away run first (``stats["setup_s"]``), so every timing is of the replayed step."""
-    from ..decode import generate_fast
+    from ..decode.generate import generate_fast
 
     mode, options = HARNESSES[check_harness(harness)]
     if mode != "eager" and prompt.device.type != "cuda":
@@ -46,7 +46,7 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, harness: str = "co
 def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """(mean kept fraction per token, mean kept fraction of the batch's union per step) over ``steps``
     eager decode steps of a model patched with ``path="masked"`` (its selectors run on every token)."""
-    from ..decode import generate_fast
+    from ..decode.generate import generate_fast
     from ..sparse import state_of
 
     per_token, union = [], []
@@ -94,7 +94,7 @@ def non_mlp_weight_bytes(model, batch: int = 1) -> int:
 
 def step_weight_bytes(model, kind: str, kept: float, batch: int = 1, **options) -> int:
     """Weight bytes one decode step reads with every Gated-MLP read as ``kind``
-    (:func:`countdown.cost.mlp_weight_bytes`) at kept fraction ``kept``; ``options``: d_rank, bits, group."""
+    (:func:`countdown.eval.cost.mlp_weight_bytes`) at kept fraction ``kept``; ``options``: d_rank, bits, group."""
     from ..mlp import require_gated_mlps
 
     total = float(non_mlp_weight_bytes(model, batch))

@@ -83,8 +83,8 @@ def task_scores(path: Path) -> tuple[dict, float | None, list[str], dict]:
     the tasks dense has there."""
     import json
 
-    from ..sweep.cells import AGREEMENT_TASK, PPL_TASKS
-    from ..sweep.tables import average_scores
+    from ..eval.sweep.cells import AGREEMENT_TASK, PPL_TASKS
+    from ..eval.sweep.tables import average_scores
 
     if not path.exists():
         return {}, None, [], {}
@@ -243,7 +243,7 @@ def _order(method: str) -> int:
 
 
 def _short(artifacts: str) -> str:
-    """``"shadow, 8192 tokens of countdown.data... (Wikipedia passages)"`` -> ``"shadow, 8192 calibration tokens"``."""
+    """``"shadow, 8192 tokens of countdown.data.texts... (Wikipedia passages)"`` -> ``"shadow, 8192 calibration tokens"``."""
     return artifacts.split(" tokens of ")[0] + " calibration tokens" if " tokens of " in artifacts else artifacts
 
 

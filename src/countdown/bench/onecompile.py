@@ -98,7 +98,7 @@ def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
 
 def _mlp_inputs(model, prompt, layers: int, tokens: int) -> list[list[torch.Tensor]]:
     """Inputs of the first ``layers`` Gated-MLPs at ``tokens`` dense decode steps (eager)."""
-    from ..decode import generate_fast
+    from ..decode.generate import generate_fast
     from ..mlp import require_gated_mlps
 
     mlps = require_gated_mlps(model)[:layers]
@@ -143,7 +143,7 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
     """Time dense and every spec of ``settings`` at every k on ``model`` (batch 1); returns decode rows
     (``countdown.bench.report.DECODE_COLUMNS``) and fills ``meta`` (``skipped``, ``dense_spread``,
     ``slot_graphs``, ``kernel``, ``mask_replay``, ``sparsity_real_8b``)."""
-    from ..decode import reset_decoders
+    from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
     from .runner import private_copy
 

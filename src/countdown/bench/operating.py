@@ -34,7 +34,7 @@ class BenchSettings:
 
     specs: list[Spec]
     ks: list[float] = field(default_factory=lambda: [0.7, 0.8, 0.9])
-    texts: list[str] | None = None  # held-out text; None: countdown.data.eval_texts()
+    texts: list[str] | None = None  # held-out text; None: countdown.data.texts.eval_texts()
     calib_texts: list[str] | None = None  # None: the library's calibration text
     calib_tokens: int | None = None  # None: the library's default
     ppl_tokens: int = 4096
@@ -45,7 +45,7 @@ class BenchSettings:
     samples: int = 3
     artifacts_dir: str | None = None
     speed_only: bool = False
-    fast_step: bool = True  # CUDA: time every row on countdown.decode_gemv.fastest_step (undone after)
+    fast_step: bool = True  # CUDA: time every row on countdown.decode.linears.fastest_step (undone after)
 
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
@@ -64,7 +64,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
     from .qualitygrid import artifact_options
 
     if s.artifacts_dir is None:
-        from ..data import cache_root
+        from ..data.texts import cache_root
 
         folder = cache_root() / "artifacts"
     else:
@@ -96,13 +96,13 @@ def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
 
 @contextlib.contextmanager
 def _fast_step(model, on: bool):
-    """The fastest decode step (countdown.decode_gemv.fastest_step) around the speed timings only;
+    """The fastest decode step (countdown.decode.linears.fastest_step) around the speed timings only;
     quality is measured on the model as loaded. Nothing when ``on`` is False."""
     if not on:
         yield
         return
-    from ..decode import reset_decoders
-    from ..decode_gemv import fastest_step
+    from ..decode.generate import reset_decoders
+    from ..decode.linears import fastest_step
 
     fastest_step(model)
     try:
@@ -121,7 +121,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     run are skipped with the reason logged."""
     from tqdm.auto import tqdm
 
-    from ..decode import reset_decoders
+    from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
     from .speedonly import SpecUnavailable, retarget
     from .runner import private_copy

@@ -1,7 +1,7 @@
 """Quality of a configuration as the operating-point tables give it: decode-style perplexity and KL.
 
 Held-out text (XSum by default, never the calibration text) is cut into windows of ``window`` tokens
-as :func:`countdown.ppl.perplexity` cuts it; the first half of each window is a dense prompt and the
+as :func:`countdown.eval.perplexity.perplexity` cuts it; the first half of each window is a dense prompt and the
 second half is sparse and scored, exactly as tokens generated one by one after a dense prefill.
 
 One forward per window gives both figures: the perplexity over the scored positions, and
@@ -53,9 +53,9 @@ def _logp(logits: torch.Tensor, first: int) -> torch.Tensor:
 @torch.no_grad()
 def held_out(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: int = DEFAULT_TOKENS,
              window: int = DEFAULT_WINDOW, prompt_fraction: float = PROMPT_FRACTION, text_name: str = "xsum") -> HeldOut:
-    """Tokenize ``texts`` (default :func:`countdown.data.eval_texts`, XSum) into windows and run the
+    """Tokenize ``texts`` (default :func:`countdown.data.texts.eval_texts`, XSum) into windows and run the
     dense (unpatched) ``model`` over them once."""
-    from ..ppl import token_windows
+    from ..eval.perplexity import token_windows
     from ..state import is_sparsified
 
     if is_sparsified(model):
@@ -63,7 +63,7 @@ def held_out(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: i
     if not 0.0 < prompt_fraction < 1.0:
         raise ValueError(f"prompt_fraction must lie in (0, 1) for decode-style scores, got {prompt_fraction}")
     if texts is None:
-        from ..data import eval_texts
+        from ..data.texts import eval_texts
 
         texts = eval_texts()
     rows = token_windows(tokenizer, texts, max_tokens, window)

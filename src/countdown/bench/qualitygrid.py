@@ -114,7 +114,7 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
     parsed = parse_specs(specs) if isinstance(specs, str) else parse_specs(list(specs))
     ks = sorted({round(float(k), 6) for k in ks})
     if artifacts_dir is None:
-        from ..data import cache_root
+        from ..data.texts import cache_root
 
         artifacts_dir = cache_root() / "artifacts"
     with file_lock(path, what="quality table"):

@@ -80,7 +80,7 @@ def markdown(rows: list, metas: list) -> str:
              "beside it; one-compile rows take the median of 3 runs of the prompt as their prefill); vs dense "
              "compiled = against the dense compiled decoder of the same run; GB/s = weight "
              "bytes read per decode step (attention, norms, lm_head, embedding rows looked up; each Gated-MLP as "
-             "the configuration reads it, countdown.cost.mlp_weight_bytes at the measured kept fraction) x "
+             "the configuration reads it, countdown.eval.cost.mlp_weight_bytes at the measured kept fraction) x "
              "steps/s; share = GB/s / device-to-device copy bandwidth (read + write) measured in the same run. "
              "Harnesses: eager = plain loop; compile = torch.compile reduce-overhead fullgraph; compile-cdt = the "
              "same with Inductor's coordinate_descent_tuning (gpt-fast's setting); cudagraph = the eager step in "

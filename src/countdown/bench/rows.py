@@ -1,7 +1,7 @@
 """One decode row of the one-compile benchmark: tokens/s, bytes read, roofline, and the MLP alone.
 
 Bytes per decode step: every parameter outside the Gated-MLPs (:func:`countdown.bench.measure.
-non_mlp_weight_bytes`) plus per Gated-MLP :func:`countdown.cost.mlp_weight_bytes` of the row's kind at
+non_mlp_weight_bytes`) plus per Gated-MLP :func:`countdown.eval.cost.mlp_weight_bytes` of the row's kind at
 its kept fraction; the roofline time is those bytes over the copy bandwidth of the run. The MLP alone:
 ``kernel_us`` (one Gated-MLP call, median, cycling over the first layers' weights) against
 ``kernel_roofline_us`` (its weight bytes / copy bandwidth); ``mlp_speedup`` = dense ``kernel_us`` / the
@@ -10,7 +10,7 @@ row's. The shapes are taken once (:func:`shapes_of`) because the MLPs move behin
 
 from __future__ import annotations
 
-from ..cost import mlp_weight_bytes
+from ..eval.cost import mlp_weight_bytes
 
 OPTION_KEYS = ("d_rank", "bits", "group")
 

@@ -97,7 +97,7 @@ class IdTokenizer:
 def generated_texts(model, prompt_len: int, n_tokens: int, n_prompts: int) -> list[str]:
     """``n_prompts`` random prompts (seeds 100, 101, ...) each with the dense model's greedy
     continuation, about ``n_tokens`` tokens in all, as :class:`IdTokenizer` text."""
-    from ..decode import generate_fast
+    from ..decode.generate import generate_fast
 
     new = max(1, n_tokens // n_prompts - prompt_len)
     prompts = decode_prompts(model.config.vocab_size, n_prompts, prompt_len).to(next(model.parameters()).device)
@@ -110,7 +110,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
     CPU eager); returns the rows (``countdown.bench.report.DECODE_COLUMNS``) and fills ``meta`` with
     ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``. ``checkpoint(rows)``,
     if given, is called after every configuration (e.g. to write the report so far)."""
-    from ..decode import reset_decoders
+    from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
 
     s = settings

@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from ..hf_cache import cache_kwargs
+from ..decode.cache import cache_kwargs
 
 SLOTS: dict[int, nn.Module] = {}
 _NEXT = itertools.count()
@@ -49,9 +49,9 @@ def _(x, slot):
 @torch.library.custom_op("countdown_bench::mlp_half_slot", mutates_args=())
 def mlp_half_slot(h: torch.Tensor, norm_w: torch.Tensor, eps: float, slot: int) -> torch.Tensor:
     """A folded layer's ``h + module(RMSNorm(h))`` with the module in ``SLOTS[slot]`` (opaque to torch.compile):
-    countdown.fused_layer.mlp_half, so a sparsified module's block route (norm and add with its kernels) runs
+    countdown.decode.layer.mlp_half, so a sparsified module's block route (norm and add with its kernels) runs
     here as it runs in a full-graph compile."""
-    from ..fused_layer import mlp_half
+    from ..decode.layer import mlp_half
 
     return mlp_half(SLOTS[slot], h, norm_w, eps)
 
@@ -63,7 +63,7 @@ def _(h, norm_w, eps, slot):
 
 class SlotMLP(nn.Module):
     """Stands where a Gated-MLP module stood; its forward is the opaque slot op. In a folded layer
-    (countdown.fused_layer) the layer calls :meth:`folded_half` instead: the norm and the residual add
+    (countdown.decode.layer) the layer calls :meth:`folded_half` instead: the norm and the residual add
     behind the opaque op too, where the module's block route takes them."""
 
     def __init__(self, slot: int):

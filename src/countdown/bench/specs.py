@@ -40,7 +40,7 @@ class Spec:
 
     @property
     def roofline_kind(self) -> str:
-        """The ``countdown.cost.mlp_weight_bytes`` kind of this spec."""
+        """The ``countdown.eval.cost.mlp_weight_bytes`` kind of this spec."""
         if self.is_dense or self.method in ("mono", "cats", "teal"):
             return self.method
         return self.kind or "lowrank"

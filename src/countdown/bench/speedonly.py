@@ -129,7 +129,7 @@ def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int)
     """Every layer's selector scores on the decode steps of ``model`` patched with ``art`` at ``k``
     (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
     kind without a score."""
-    from ..decode import generate_fast
+    from ..decode.generate import generate_fast
     from ..sparse import sparsify, sparsity_real, state_of, unsparsify
 
     sparsify(model, art.method, k, mode="prac", artifacts=art, path="masked")

@@ -4,7 +4,7 @@
     P   = the sparse MLP's fp32 partials of x          _onepass.py, indicator in the kernel (mono: |x W_up^T|)
     out = h + round(P.sum(0))   rounded as decode_add(h, y) rounds: _psum.py with the residual (RES)
 
-Why: a folded layer's step (countdown.fused_layer) runs the post-attention norm, the sparse kernel, the
+Why: a folded layer's step (countdown.decode.layer) runs the post-attention norm, the sparse kernel, the
 partials' sum and the residual add as four or five launches (under a full-graph compile the sum is
 Inductor's, two kernels, which also break the chain of programmatic dependent launches); each costs a few
 microseconds of fixed latency for 8-16 KB of data (docs/decode.md, sessions 13-21). Here they are two

@@ -111,7 +111,7 @@ def interpreting() -> bool:
 
 
 DECODE_GEMV_MAX_TOKENS = 8  # the most rows kernels/_linear.py's decode GEMV takes
-# The most rows the routes (countdown.decode_gemv, the fused attention's QKV) send to it: one. Its
+# The most rows the routes (countdown.decode.linears, the fused attention's QKV) send to it: one. Its
 # launch configurations are tuned for one token, and at batch 4 the routed 8B decode step ran at 455
 # tokens/s against 800 with Inductor's GEMVs (H200, 2026-11-23, runs AD and U, docs/decode.md).
 DECODE_GEMV_ROUTE_TOKENS = 1
@@ -119,7 +119,7 @@ DECODE_GEMV_ROUTE_TOKENS = 1
 
 def decode_gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer's input ``x [..., K]`` may take kernels/_linear.py's decode GEMV (as
-    countdown.decode_gemv routes it): 1 to DECODE_GEMV_ROUTE_TOKENS rows, no gradient wanted, and a
+    countdown.decode.linears routes it): 1 to DECODE_GEMV_ROUTE_TOKENS rows, no gradient wanted, and a
     tensor the kernels run on; every other call keeps ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

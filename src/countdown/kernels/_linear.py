@@ -7,7 +7,7 @@ wide-and-short products came out at 44-72 % (W_o [4096, 4096], fused with the re
 (W_down [4096, 14336], fused with act(g) * u) of copy bandwidth on an H200, varying from compile to
 compile, where each GEMV alone reaches 80 / 97 % (docs/decode.md, "A fixed GEMV for W_down and W_o").
 This kernel has a fixed launch configuration per shape and is an opaque custom op to Inductor, so what
-it reaches does not depend on a compile's tuning (countdown.decode_gemv routes layers to it).
+it reaches does not depend on a compile's tuning (countdown.decode.linears routes layers to it).
 
 Layout: W row-major [N, K] (nn.Linear's weight), x [T, K] with T <= 8 tokens. Program p owns BN
 output rows and walks K in BK steps, loading a [BN, BK] tile of W and the [T, BK] tile of x, so each

@@ -14,7 +14,7 @@ the launch gap and the sparse kernel's prologue, part of the 9-11 us per MLP tha
 costs with nothing kept (docs/kernels_shadow.md).
 
 When it is on (ENABLED, ``COUNTDOWN_PDL``): "auto" (the default) while some model's decoder layers are
-folded (countdown.fused_layer.fold_norms, part of decode_gemv.fastest_step since session 14), where each
+folded (countdown.decode.layer.fold_norms, part of decode_gemv.fastest_step since session 14), where each
 layer's decode step is a chain of our kernels only; "1" always; "0" never. Measured on an H200, 2026-11-25
 (benchmarks/results/decode_runs/SESSION14.md): with the layers folded, PDL on made the compiled dense step
 4 % faster and the sparse ones 4-7 % (runs AS-AU, means of 4-5 runs); without the fold (each MLP's first kernel
@@ -51,7 +51,7 @@ def _auto_switch(var: str) -> bool | str:
 
 
 ENABLED = _auto_switch("COUNTDOWN_PDL")
-folded = weakref.WeakSet()  # decoder layers folded now (countdown.fused_layer keeps it): "auto" reads it
+folded = weakref.WeakSet()  # decoder layers folded now (countdown.decode.layer keeps it): "auto" reads it
 TRIGGER = os.environ.get("COUNTDOWN_PDL_TRIGGER", "start")
 if TRIGGER not in ("start", "end"):
     raise ValueError(f"COUNTDOWN_PDL_TRIGGER must be 'start' or 'end', got {TRIGGER!r}")

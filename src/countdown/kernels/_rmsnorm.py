@@ -5,14 +5,14 @@
 Why: in a compiled batch-1 decode step Inductor emits each layer's RMSNorm as a reduction of its own and
 tunes it per compile; on an H200 the same norm came out at 1.9 to 5.5 us a call in one step
 (`benchmarks/decode.py --profile`, 2026-11-25), about 0.4 ms of a 2.4-4.3 ms step. This op is opaque to
-Inductor (countdown.fused_layer calls it), one program per token row holding the whole row in registers.
+Inductor (countdown.decode.layer calls it), one program per token row holding the whole row in registers.
 
 Rounding as transformers' LlamaRMSNorm: x / rms in fp32, rounded to x's dtype, then times the weight
 (the product rounded to x's dtype again), so on the same input it gives the eager module's output up to
 the order of the fp32 sum of squares.
 
 ``decode_add`` (h + m, rounded once, as PyTorch adds two bf16 tensors) is the folded layer's MLP residual on
-a kernel of ours, opt-in (countdown.fused_layer.OWN_ADD): with programmatic dependent launch on, a layer of
+a kernel of ours, opt-in (countdown.decode.layer.OWN_ADD): with programmatic dependent launch on, a layer of
 folded norms is then a chain of our kernels only, each able to launch while the one before finishes.
 """
 

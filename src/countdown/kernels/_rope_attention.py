@@ -131,7 +131,7 @@ _TICKETS: dict = {}
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
     """The one-launch mode's counters on ``device``: int32 zeros, at least ``n`` (1024 at first), kept (every launch
-    leaves them at zero). countdown.fused_attention.fuse_attention makes them when it fuses a model on a GPU: made
+    leaves them at zero). countdown.decode.attention.fuse_attention makes them when it fuses a model on a GPU: made
     lazily inside a compiled step, they would land in the CUDA graph's memory pool (torch.compile refuses that)."""
     key = (device.type, device.index)
     t = _TICKETS.get(key)

@@ -1,7 +1,7 @@
 """A folded decode layer's MLP half for shadow dual, with no norm kernel: h + mlp(RMSNorm(h)), one token.
 
 Why: in the batch-1 decode step a folded layer hands dual[shadow]'s MLP the residual stream h
-(countdown.fused_layer.FOLD_MLP) and the chain was five launches: the post-attention RMSNorm
+(countdown.decode.layer.FOLD_MLP) and the chain was five launches: the post-attention RMSNorm
 (kernels/_rmsnorm.py), x's int8 rounding for the shadow GEMV (_gemv_i8.py's ``_xprep_kernel``, 16 small
 programs), the shadow GEMV, the sparse kernel and the partials' sum with the add. Each launch in that
 chain waits for the one before (programmatic dependent launch) and each wait costs the previous grid's

@@ -15,7 +15,7 @@ what follows). A group of up to 16 tokens reads the union of its kept rows once 
 token's own masks.
 
 Bytes read per token: (2 d_inter n_x + d_model n_s) weights for n_x kept x entries and n_s kept s
-entries, plus vectors (:func:`countdown.cost.mlp_weight_bytes` kind ``"teal"``).
+entries, plus vectors (:func:`countdown.eval.cost.mlp_weight_bytes` kind ``"teal"``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from ..artifacts import model_fingerprint
 from ..io import atomic_path, atomic_write, file_lock, read_safetensors
-from ..stream import stream_mlp_inputs
+from .stream import stream_mlp_inputs
 from .base import FitContext
 
 FitLayer = Callable[..., dict]

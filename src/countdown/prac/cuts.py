@@ -27,7 +27,7 @@ from ..artifacts import Artifacts
 from ..mlp import GatedMLP
 from ..registry import Method, kept_rows
 from ..sparse import sparsify, unsparsify
-from ..stream import POOLED_SAMPLES, pooled_sample, stream_mlp_inputs, token_quantiles
+from .stream import POOLED_SAMPLES, pooled_sample, stream_mlp_inputs, token_quantiles
 from .base import get_kind, selectors_for
 
 CUT_RULES = ("mean-quantile", "pooled")

@@ -21,7 +21,7 @@ from .. import kernels
 from ..artifacts import ArtifactError, sparsity_key
 from ..mlp import GatedMLP
 from ..registry import kept_rows
-from ..stream import like
+from .stream import like
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture
 from .cuts import calibrated_cuts, check_cut_rule

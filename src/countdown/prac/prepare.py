@@ -19,8 +19,7 @@ from torch import nn
 from ..artifacts import SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta
 from ..mlp import require_gated_mlps
 from ..registry import Method, get_method, sparsity_list
-from ..stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts,
-                      token_windows)
+from .stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts, token_windows)
 from .base import KINDS, FitContext, check_selection, get_kind, kinds_for
 from .cuts import refine_cuts
 
@@ -48,7 +47,7 @@ def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: s
     kind: ``"threshold"`` (cats, mono), ``"hybrid"`` / ``"lowrank"`` / ``"ternary"`` (dual; dejavu:
         lowrank, ternary), ``"teal"`` (teal: thresholds on x and s, :mod:`countdown.prac.teal`) or any registered kind (``countdown.prac.KINDS``); default per method
         (:data:`DEFAULT_KIND`).
-    texts / num_tokens / window: calibration text (default :func:`countdown.data.calibration_texts`,
+    texts / num_tokens / window: calibration text (default :func:`countdown.data.texts.calibration_texts`,
         never the evaluation text), how many tokens of it (default: the kind's, 4,096 for
         thresholds, 8,192 otherwise), in windows of ``window`` tokens starting with BOS.
     selection: the run-time rule stored in the artifact (default: the kind's).

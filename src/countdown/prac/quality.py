@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ..artifacts import Artifacts, load_artifacts, sparsity_key
-from ..decode import generate_fast
+from ..decode.generate import generate_fast
 from ..mlp import GatedMLP, require_gated_mlps
 from ..registry import get_method, kept_rows
 from ..sparse import sparsify, unsparsify
 from ..state import sparsity_real, state_of
-from ..stream import DEFAULT_WINDOW, stream_mlp_inputs, token_windows
+from .stream import DEFAULT_WINDOW, stream_mlp_inputs, token_windows
 from ..tp import refuse_sharded
 from .base import selectors_for
 from .train import oracle_masks
@@ -90,7 +90,7 @@ def predictor_quality(model: nn.Module, tokenizer, artifacts, texts=None, num_to
     """Per-layer precision / recall / F1 of the SP-Prac keep masks against the SP-Ideal (oracle) mask
     of the artifact's method, and the fraction of rows they skip, on held-out text.
 
-    texts: default :func:`countdown.data.eval_texts` (XSum; never the calibration text).
+    texts: default :func:`countdown.data.texts.eval_texts` (XSum; never the calibration text).
     Works for threshold artifacts too (the mask of ``indicator > tau``).
     Returns ``{"method", "kind", "selection", "num_tokens", "by_sparsity": {k: {"precision",
     "recall", "f1", "sparsity", "per_layer": [{"precision", "recall", "f1", "sparsity"}, ...]}}}``
@@ -99,7 +99,7 @@ def predictor_quality(model: nn.Module, tokenizer, artifacts, texts=None, num_to
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
     if texts is None:
-        from ..data import eval_texts
+        from ..data.texts import eval_texts
 
         texts = eval_texts()
     m = get_method(artifacts.method)

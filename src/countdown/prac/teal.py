@@ -35,7 +35,7 @@ from .. import kernels
 from ..artifacts import ArtifactError, sparsity_key
 from ..mlp import GatedMLP
 from ..sparse import sparsify, unsparsify
-from ..stream import like, pooled_sample, stream_mlp_inputs
+from .stream import like, pooled_sample, stream_mlp_inputs
 from ..teal import InputSelector
 from .base import SelectorKind, register_kind
 from .capture import fit_by_capture

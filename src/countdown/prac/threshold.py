@@ -8,7 +8,7 @@ per-token cut ``Quantile(k, I(x_t))`` by one constant per layer, estimated on ``
 At run time a row is kept when ``I > tau_hat`` (strict). We take ``Quantile(k, v)`` as the value
 that exactly ``kept_rows(d_inter, k)`` entries of ``v`` exceed: the ``(n_keep + 1)``-th largest
 entry, so ``I > Quantile`` reproduces the SP-Ideal top-k of that token and tau_hat is its average.
-All k come from one streaming pass (:mod:`countdown.stream`); ``rule="pooled"`` takes the quantile of
+All k come from one streaming pass (:mod:`countdown.prac.stream`); ``rule="pooled"`` takes the quantile of
 all tokens' values together instead (:mod:`countdown.prac.cuts`).
 
 Saved tensors: ``thresholds [n_sparsities, n_layers]`` (float32). Kernel: the fused mono / cats
@@ -23,7 +23,7 @@ from .. import kernels
 from ..artifacts import ArtifactError, Artifacts
 from ..mlp import GatedMLP
 from ..registry import Method, kept_rows
-from ..stream import indicator_of, stream_mlp_inputs
+from .stream import indicator_of, stream_mlp_inputs
 from .base import FitContext, RowSelector, SelectorKind, register_kind
 from .cuts import CutEstimator
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..artifacts import ArtifactError, sparsity_key
 from ..mlp import GatedMLP
 from ..registry import Method, kept_rows
-from ..stream import indicator_of
+from .stream import indicator_of
 from .base import SelectorKind
 from .capture import fit_by_capture
 from .cuts import calibrated_cuts, check_cut_rule

@@ -1,0 +1,308 @@
+"""The ``countdown`` command line: a thin shell over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import add_model_args, add_sparse_args, parse_sparsities, load_text_arg
+from .prac import add_prac_commands
+
+
+def cmd_methods(args) -> int:
+    from ..registry import get_method, methods
+
+    for name in methods():
+        m = get_method(name)
+        aliases = f"  (aliases: {', '.join(m.aliases)})" if m.aliases else ""
+        print(f"{name:<8} {m.description}{aliases}")
+    return 0
+
+
+def _validated_method(args):
+    """Check method, sparsity, mode and artifacts before the (slow) model load."""
+    from ..registry import check_sparsity, get_method
+
+    from ..sparse import check_mode
+
+    method = get_method(args.method)
+    if not method.is_dense:
+        check_sparsity(args.sparsity)
+    check_mode(method, args.mode, args.artifacts)
+    return method
+
+
+def _load_sparsified(args, scope: str, path: str = "auto"):
+    """Validate, then load ``args.model`` and patch it as the arguments say: (model, tok, method)."""
+    import countdown
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+                       scope=scope, artifacts=args.artifacts, path=path)
+    return model, tok, method
+
+
+def cmd_models(args) -> int:
+    import countdown
+
+    for name, description in countdown.catalogue().items():
+        print(f"{name:<20} {description}")
+    return 0
+
+
+def cmd_ppl(args) -> int:
+    import countdown
+
+    model, tok, method = _load_sparsified(args, args.scope)
+    ppl = countdown.perplexity(model, tok, texts=load_text_arg(args.texts), max_tokens=args.max_tokens,
+                               window=args.window)
+    result = {"model": args.model, "method": method.name, "mode": args.mode, "scope": args.scope,
+              "sparsity": None if method.is_dense else args.sparsity, "perplexity": ppl,
+              "sparsity_real": None if method.is_dense else countdown.sparsity_real(model)["mean"],
+              "tokens": args.max_tokens}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        real = "" if method.is_dense else f"   Sparsity-Real {result['sparsity_real']:.3f}"
+        print(f"{method.name} {args.mode} k={result['sparsity']} scope={args.scope}: perplexity {ppl:.3f}{real}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    import countdown
+    from .demo import chat_prompt
+
+    model, tok, _ = _load_sparsified(args, "decode", path="gather" if args.device == "cpu" else "auto")
+    ids = chat_prompt(tok, args.prompt).to(next(model.parameters()).device)
+    if ids.is_cuda:  # static KV cache + CUDA graphs, sparse kernels for the decode steps
+        out, stats = countdown.generate_fast(model, ids, args.max_new_tokens, temperature=args.temperature,
+                                             top_k=args.top_k, seed=args.seed, eos_token_id=tok.eos_token_id)
+        print(f"{stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    else:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=args.max_new_tokens,
+                             do_sample=args.temperature > 0, temperature=args.temperature or None,
+                             top_k=args.top_k, pad_token_id=pad)
+    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import countdown
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=method.name,
+                                sparsity=None if method.is_dense else args.sparsity, mode=args.mode,
+                                artifacts=args.artifacts, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result, default=str))
+        return 0
+    for task, metrics in result["tasks"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and not k.endswith("stderr"))
+        print(f"{task:<20} {shown}")
+    if result.get("sparsity_real") is not None:
+        print(f"Sparsity-Real {result['sparsity_real']:.3f}")
+    return 0
+
+
+def cmd_agreement(args) -> int:
+    import countdown
+    from ..eval.agreement import agreement
+
+    method = _validated_method(args)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    result = agreement(model, tok, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+                       artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
+                       judge_url=args.judge_url, judge_model=args.judge_model)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.model, sparsities=parse_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out,
+             prac_sparsities=[] if args.no_prac else parse_sparsities(args.prac_sparsities))
+    return 0
+
+
+def cmd_cost(args) -> int:
+    from ..eval.cost import cost_table, format_cost_table
+
+    d_model, d_inter = args.d_model, args.d_inter
+    if args.model:
+        import countdown
+
+        model, _ = countdown.load_model(args.model)
+        first = countdown.find_gated_mlps(model)[0]
+        d_model, d_inter = first.d_model, first.d_inter
+    if d_model is None or d_inter is None:
+        raise ValueError("give --d-model and --d-inter (or --model to read them from a model)")
+    tables = {k: cost_table(d_model, d_inter, args.d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
+              for k in args.sparsity}
+    if args.json:
+        print(json.dumps({f"{k:g}": t for k, t in tables.items()}, indent=2))
+    else:
+        for k, table in tables.items():
+            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={args.d_rank} k={k:g}"))
+            print()
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    import countdown
+    from ..eval.analysis import collect_indicator_stats, format_indicator_stats, plot_tornado
+
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    texts = load_text_arg(args.texts)
+    if texts is None:
+        from ..data.texts import eval_texts
+
+        texts = eval_texts()
+    stats = collect_indicator_stats(model, tok, texts, sparsities=args.sparsity, max_tokens=args.max_tokens)
+    print(format_indicator_stats(stats["overall"]))
+    if args.plot:
+        print(f"wrote {plot_tornado(stats['overall'], args.plot, title=f'{args.model}: u vs h against s')}")
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(stats, indent=2, default=float))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="countdown", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("methods", help="list the sparsification methods")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("models", help="list the catalogue of models (real ones and paper-scale shapes)")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
+    add_model_args(p)
+    add_sparse_args(p, default_scope="all")
+    p.add_argument("--max-tokens", type=int, default=8192, help="tokens of held-out text (default 8192)")
+    p.add_argument("--window", type=int, default=512, help="tokens per forward window (default 512)")
+    p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a line of text)")
+    p.set_defaults(func=cmd_ppl)
+
+    add_prac_commands(sub)
+
+    p = sub.add_parser("generate", help="generate from a prompt, prompt dense and new tokens sparse")
+    add_model_args(p)
+    add_sparse_args(p)
+    p.add_argument("--prompt", required=True, help="the user message (required)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")
+    add_model_args(p)
+    add_sparse_args(p)
+    p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names (default arc_easy)")
+    p.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("agreement", help="agreement with the dense model: match rate, KL, top-1 (optional judge)")
+    add_model_args(p)
+    add_sparse_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (default: none, no judge)")
+    p.add_argument("--judge-model", default=None, help="model name at --judge-url (default: the endpoint's own)")
+    p.set_defaults(func=cmd_agreement)
+
+    from ..eval.sweep import add_arguments as sweep_arguments, sweep_from_args
+
+    p = sub.add_parser("sweep", help="quality sweep: methods x modes x k on lm-eval tasks, perplexity and agreement (resumable)")
+    sweep_arguments(p)
+    p.set_defaults(func=sweep_from_args)
+
+    from ..bench.cli import add_arguments as bench_arguments, bench_from_args
+    bench_arguments(sub.add_parser("bench", help="speed and quality of each configuration on your model and machine, "
+                                   "with a recommendation")).set_defaults(func=bench_from_args)
+
+    p = sub.add_parser("demo", help="the main job: every method at several sparsities on the default model")
+    p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
+    p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9", help="k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of XSum per perplexity (default 2048)")
+    p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png (default demo_out)")
+    p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
+    p.add_argument("--no-prac", action="store_true",
+                   help="SP-Ideal rows only, no calibration or training (default: SP-Prac rows too)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
+    p.add_argument("--d-model", type=int, help="hidden size (default: from --model; one of the two is needed)")
+    p.add_argument("--d-inter", type=int, help="Gated-MLP width (default: from --model)")
+    p.add_argument("--d-rank", type=int, default=512, help="predictor rank for dual / dejavu (default 512)")
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.7, 0.8, 0.9], help="k values (default 0.7 0.8 0.9)")
+    p.add_argument("--c-act", type=float, default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
+    p.add_argument("--dtype-bytes", type=int, default=None,
+                   help="add real bytes for this element size (default: none, FLOPs and elements only)")
+    p.add_argument("--model", default=None, help="read d_model / d_inter from this model instead (default none)")
+    p.add_argument("--json", action="store_true", help="print JSON (default: tables)")
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("analyze", help="CIF / CAF of u and h against s (M-CountDown vs CATS analysis)")
+    add_model_args(p)
+    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9],
+                   help="k values (default 0.5 0.6 0.7 0.8 0.9)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of text (default 2048)")
+    p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
+    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
+    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
+    p.set_defaults(func=cmd_analyze)
+    _state_defaults(sub)
+    return parser
+
+
+def _state_defaults(sub) -> None:
+    """Append "(default X)" to every option's help that does not state its default (a command
+    registered from another module included); flags are off unless given."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            default = action.default
+            if (not action.option_strings or action.required or isinstance(action, argparse._HelpAction)
+                    or default in (None, False, argparse.SUPPRESS) or "default" in (action.help or "").lower()):
+                continue
+            shown = ",".join(str(v) for v in default) if isinstance(default, (list, tuple)) else str(default)
+            action.help = f"{action.help} (default {shown})" if action.help else f"default {shown}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..data.texts import PackageUnavailableError
+    from ..io import LockedError, UnwritableError
+    from ..data.models import CorruptDownloadError
+    from ..state import AlreadySparsifiedError, NotSparsifiedError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt as err:
+        # Ctrl-C: say what is safe and how to go on, not a traceback
+        detail = str(err) or "nothing of this run was saved except what it reported as written"
+        print(f"countdown {args.command}: interrupted: {detail}", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
+            AlreadySparsifiedError, NotSparsifiedError, LockedError, UnwritableError) as err:
+        print(f"countdown {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

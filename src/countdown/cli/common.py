@@ -1,0 +1,52 @@
+"""Arguments and parsing shared by the command-line commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_sparsities(text: str) -> list[float]:
+    """Comma-separated k from the command line (the only place sparsities arrive as text)."""
+    from ..registry import sparsity_list
+
+    values = []
+    for part in str(text).split(","):
+        if part.strip():
+            try:
+                values.append(float(part))
+            except ValueError:
+                raise ValueError(f"--sparsity takes numbers in (0, 1) separated by commas, got {part.strip()!r}") from None
+    return sparsity_list(values)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="catalogue name, .gguf file, Hugging Face folder or hub id (default: smollm2-135m)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
+    p.add_argument("--method", default="mono",
+                   help="dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown; default mono)")
+    p.add_argument("--sparsity", "-k", type=float, default=0.8,
+                   help="fraction of rows skipped per token, in (0, 1) (teal: of the entries of x and of s; "
+                        "default 0.8)")
+    p.add_argument("--mode", default="ideal", choices=["ideal", "prac"],
+                   help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
+                        "--artifacts (default ideal)")
+    p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
+                   help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
+                        f"(default {default_scope})")
+    p.add_argument("--artifacts", default=None,
+                   help="thresholds/predictors file for --mode prac (default none; needed by --mode prac)")
+
+
+def load_text_arg(source: str | None):
+    if source is None:
+        return None
+    from ..data.texts import load_texts
+
+    return load_texts(source)
+
+
