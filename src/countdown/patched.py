@@ -38,8 +38,10 @@ class PatchedMLP(nn.Module):
         object.__setattr__(self, "original_forward", None)
         # Device-side counters updated in place: no host sync per layer, and nothing for
         # torch.compile to guard on (a Python number here would recompile every token).
+        # kept_total is [1], not 0-dim: torch.compile (AOT autograd) drops in-place updates of a 0-dim float64
+        # buffer (torch 2.13 CPU), so a compiled decode would report no row kept.
         device = mlp.w_down.device
-        self.register_buffer("kept_total", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("kept_total", torch.zeros(1, dtype=torch.float64, device=device), persistent=False)
         self.register_buffer("rows_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
 
     def reset_stats(self) -> None:

@@ -73,12 +73,41 @@ def _cache_is_empty(cache: Any) -> bool:
     return False
 
 
+def _input_length(args: tuple, kwargs: dict) -> int | None:
+    """The sequence length of a causal LM forward's input (ids or embeddings), or None if not found."""
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None and args and isinstance(args[0], torch.Tensor):
+        x = args[0]
+    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        return int(x.shape[1])
+    return None
+
+
+def is_prompt_pass(args: tuple, kwargs: dict) -> bool:
+    """Whether a forward with these arguments is a prompt (scope "decode": dense).
+
+    One new token with a KV cache is a decode step, decided from the input's shape alone: the cache is not
+    read, so a decode step costs no host sync and leaves nothing for torch.compile to break on or guard
+    (a static cache's length is a device tensor in some transformers versions, and reading it between
+    CUDA-graph replays is what made transformers' compiled generate fail). Several tokens are a prompt
+    when the cache is empty (a chunked prefill or a verified draft continues one)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")  # transformers 5.24 renamed the argument
+    if cache is None:
+        return True
+    if _input_length(args, kwargs) == 1:
+        return False
+    return _cache_is_empty(cache)
+
+
 def mark_prompt_pass(state: SparsityState):
     def hook(module, args, kwargs):
         if state.dense_prefix is not None:  # positions are set explicitly: no need to read the cache
             return
-        cache = kwargs.get("past_key_values")
-        state.prompt_pass = _cache_is_empty(cache if cache is not None else kwargs.get("cache"))  # 5.24: "cache"
+        state.prompt_pass = is_prompt_pass(args, kwargs)
 
     return hook
 

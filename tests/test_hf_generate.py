@@ -1,0 +1,56 @@
+"""transformers' own generate on a sparsified model: the decode hook reads no cache, and a static-cache,
+full-graph compiled generate decodes the same tokens as eager."""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import countdown
+from countdown.state import is_prompt_pass
+from conftest import tiny_model
+
+
+class _UnreadableCache:
+    """A KV cache whose length must not be read (reading a static cache's length is a host sync)."""
+
+    def get_seq_length(self):
+        raise AssertionError("the decode hook read the cache length on a one-token step")
+
+
+def test_one_new_token_with_a_cache_is_a_decode_step_without_reading_the_cache():
+    one, many = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
+    assert is_prompt_pass((), {"input_ids": one, "past_key_values": _UnreadableCache()}) is False
+    assert is_prompt_pass((one,), {"cache": _UnreadableCache()}) is False  # transformers >= 5.24 spelling
+    assert is_prompt_pass((), {"input_ids": many, "past_key_values": None}) is True
+    assert is_prompt_pass((), {"inputs_embeds": torch.zeros(1, 1, 8)}) is True  # no cache: a prompt
+
+
+@pytest.mark.parametrize("method", ["mono", "dual"])
+def test_static_cache_fullgraph_compiled_generate_matches_eager(method):
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    dense = torch.stack(model.generate(ids, **kw).logits)
+    countdown.sparsify(model, method, 0.5, path="masked")
+    try:
+        eager = model.generate(ids, **kw)
+        countdown.reset_sparsity_stats(model)
+        model.generation_config.cache_implementation = "static"
+        config = CompileConfig(fullgraph=True, mode="default")
+        config._compile_all_devices = True  # transformers compiles generate's decode steps on CUDA only otherwise
+        model.generation_config.compile_config = config
+        compiled = model.generate(ids, **kw)
+        real = countdown.sparsity_real(model)["mean"]
+    finally:
+        countdown.unsparsify(model)
+        torch._dynamo.reset()
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    eager_logits, compiled_logits = torch.stack(eager.logits), torch.stack(compiled.logits)
+    # every step's logits: the first from the (dense) prompt, equal to dense; the decode steps' sparse MLPs move
+    # them far more than the compiled graph's rounding does
+    assert torch.equal(eager_logits[0], dense[0])
+    sparse_shift = (eager_logits[1:] - dense[1:]).abs().max()
+    assert sparse_shift > 1e-2
+    assert (compiled_logits - eager_logits).abs().max() < 1e-3 * sparse_shift
+    assert real == pytest.approx(0.5, abs=0.02)  # the decode steps were sparse (the prompt is not counted)
