@@ -59,6 +59,14 @@ def generate_fast(model, input_ids, max_new_tokens: int, **kwargs):
     return _generate_fast(model, input_ids, max_new_tokens, **kwargs)
 
 
+def generate(model, input_ids, max_new_tokens: int = 128, **kwargs):
+    """Generate with the fastest decode step the library has, in one call (dense or sparsified; on CUDA the
+    step is prepared and compiled on the first call). See :func:`countdown.decode.generate.generate`."""
+    from .decode.generate import generate as _generate
+
+    return _generate(model, input_ids, max_new_tokens, **kwargs)
+
+
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
     """Perplexity on held-out text (XSum articles by default). See :func:`countdown.eval.perplexity.perplexity`."""
     from .eval.perplexity import perplexity as _ppl
@@ -69,7 +77,7 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 __all__ = [
     "AlreadySparsifiedError", "ArtifactError", "ArtifactMismatchError", "Artifacts", "GatedMLP", "KINDS", "Method",
     "NoGatedMLPError", "NotSparsifiedError", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts", "evaluate",
-    "find_gated_mlps", "generate_fast", "get_method", "is_sparsified", "kept_rows", "load_artifacts", "load_model",
+    "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows", "load_artifacts", "load_model",
     "load_texts", "methods", "perplexity", "predictor_quality", "prepare", "refine_cuts_on_decode",
     "reset_sparsity_stats", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
 ]

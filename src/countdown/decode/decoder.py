@@ -35,12 +35,14 @@ EOS_CHECK_EVERY = 16  # with eos_token_id, the host looks at the tokens once per
 
 
 def sample_tokens(logits: torch.Tensor, noise: torch.Tensor | None, inv_temperature: torch.Tensor | None,
-                  top_k: int | None) -> torch.Tensor:
+                  top_k: int | None, top_p: float | None = None) -> torch.Tensor:
     """Next tokens ``[batch]`` from last-position logits ``[batch, vocab]``.
 
     ``noise`` None means greedy (``argmax``). Otherwise ``noise`` holds ``Exp(1)`` draws
     ``[batch, vocab]`` and the token is ``argmax(p / noise)`` with
-    ``p = softmax(top_k_filter(logits) * inv_temperature)``: a draw from ``p`` without a host sync.
+    ``p = softmax(filter(logits * inv_temperature))``: a draw from ``p`` without a host sync. The filter keeps
+    the ``top_k`` largest logits, then (``top_p``) the smallest set of the most likely tokens whose
+    probability reaches ``top_p`` (nucleus sampling; the most likely token always stays).
     """
     if noise is None:
         return logits.argmax(dim=-1)
@@ -48,6 +50,11 @@ def sample_tokens(logits: torch.Tensor, noise: torch.Tensor | None, inv_temperat
     if top_k is not None:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        p_sorted = torch.softmax(ordered, dim=-1)
+        outside = p_sorted.cumsum(dim=-1) - p_sorted > top_p  # the mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return (probs / noise).argmax(dim=-1)
 
@@ -95,6 +102,7 @@ class Decoder:
     top_k: int | None
     patch_state: Any  # the model's countdown state object when built (None: dense); identity-compared
     compile_options: dict = field(default_factory=dict)
+    top_p: float | None = None
     cache: Any = None
     step: Any = None
     graph: Any = None
@@ -128,10 +136,11 @@ class Decoder:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def matches(self, model, mode, batch, max_cache_len, greedy, top_k, compile_options) -> bool:
+    def matches(self, model, mode, batch, max_cache_len, greedy, top_k, compile_options, top_p=None) -> bool:
         return (self.model is model and self.mode == mode and self.batch == batch
                 and self.max_cache_len == max_cache_len and self.greedy == greedy and self.top_k == top_k
-                and self.patch_state is _patch_state(model) and self.compile_options == compile_options)
+                and self.top_p == top_p and self.patch_state is _patch_state(model)
+                and self.compile_options == compile_options)
 
     # -- forwards ------------------------------------------------------------------------------
 
@@ -154,7 +163,7 @@ class Decoder:
         """
         out = self.model.forward(input_ids=token, position_ids=position, **cache_kwargs(self.cache),
                                  use_cache=True)
-        return sample_tokens(out.logits[:, -1, :], noise, inv_temperature, self.top_k)[:, None]
+        return sample_tokens(out.logits[:, -1, :], noise, inv_temperature, self.top_k, self.top_p)[:, None]
 
     # -- explicit CUDA graph -------------------------------------------------------------------
 
@@ -181,7 +190,7 @@ class Decoder:
         start = time.perf_counter()
         with torch.no_grad():
             logits = self.prefill(input_ids)
-            token = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k)[:, None]
+            token = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k, self.top_p)[:, None]
             position = torch.full_like(token, input_ids.shape[1])
             with _scope(self.model, 0):
                 if self.mode == "cudagraph":
@@ -204,15 +213,25 @@ class Decoder:
         return time.perf_counter() - start
 
     def run(self, input_ids: torch.Tensor, max_new_tokens: int, noise_fn, inv_temperature,
-            eos: torch.Tensor | None) -> tuple[torch.Tensor, float, float]:
-        """Prompt + ``max_new_tokens`` tokens; returns ``(tokens, prefill_s, decode_s)``."""
+            eos: torch.Tensor | None, on_tokens=None) -> tuple[torch.Tensor, float, float]:
+        """Prompt + ``max_new_tokens`` tokens; returns ``(tokens, prefill_s, decode_s)``. ``on_tokens(new)``, if
+        given, receives the new tokens ``[batch, n]`` (CPU) as they come, every EOS_CHECK_EVERY steps (one host
+        read each) and once at the end."""
+        sent = 0
+
+        def deliver(new_so_far: torch.Tensor) -> None:
+            nonlocal sent
+            if on_tokens is not None and new_so_far.shape[1] > sent:
+                on_tokens(new_so_far[:, sent:].cpu())
+                sent = new_so_far.shape[1]
+
         batch, n_prompt = input_ids.shape
         timer = _Timer(self.device)
         self.cache.reset()
         with torch.no_grad():
             timer.mark()
             logits = self.prefill(input_ids)
-            first = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k)[:, None]
+            first = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k, self.top_p)[:, None]
             timer.mark()
             steps = max_new_tokens - 1
             done_at = steps
@@ -227,6 +246,8 @@ class Decoder:
                         if b["noise"] is not None:
                             b["noise"].copy_(noise_fn())
                         self.graph.replay()
+                        if (i + 1) % EOS_CHECK_EVERY == 0:
+                            deliver(b["seq"][:, n_prompt:n_prompt + i + 2])
                         if eos is not None and _all_finished(i, b["seq"][:, n_prompt:n_prompt + i + 2], eos):
                             done_at = i + 1
                             break
@@ -242,11 +263,14 @@ class Decoder:
                             token = token.clone()  # the graph's output buffer is reused by the next replay
                         new[:, i + 1:i + 2] = token
                         position = position + 1
+                        if (i + 1) % EOS_CHECK_EVERY == 0:
+                            deliver(new[:, :i + 2])
                         if eos is not None and _all_finished(i, new[:, :i + 2], eos):
                             done_at = i + 1
                             break
                     new = new[:, :done_at + 1]
             timer.mark()
+        deliver(new)
         prefill_s, decode_s = timer.intervals()
         return torch.cat([input_ids, new], dim=1), prefill_s, decode_s
 

@@ -94,12 +94,14 @@ def _bucket(n: int) -> int:
 def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, compile: bool | str | None = None, seed: int | None = None,
                   eos_token_id: int | list[int] | None = None, max_cache_len: int | None = None,
-                  compile_options: dict | None = None) -> tuple[torch.Tensor, dict]:
+                  compile_options: dict | None = None, top_p: float | None = None,
+                  on_tokens=None) -> tuple[torch.Tensor, dict]:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` ``[batch, prompt]`` (no padding: every
     row is a full prompt of the same length); returns ``(tokens [batch, prompt + new], stats)``.
 
     temperature: 0 = greedy (argmax); > 0 samples from ``softmax(logits / temperature)``, restricted to
-        the ``top_k`` largest logits when ``top_k`` is given.
+        the ``top_k`` largest logits when ``top_k`` is given and to the nucleus of mass ``top_p`` when
+        ``top_p`` is given.
     compile: None (default: "compile" on CUDA, "eager" on CPU), True / "compile" (torch.compile,
         fullgraph, CUDA graphs + coordinate-descent tuning on CUDA), "cudagraph" (explicit CUDA graph of
         the eager step: seconds to set up, but slower steps) or
@@ -110,6 +112,7 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     eos_token_id: stop once every row has produced one (checked every 16 steps; the host reads the
         tokens then); tokens after a row's EOS are left as generated.
     max_cache_len: static KV-cache length (default: prompt + new tokens rounded up to 128).
+    on_tokens: called with the new tokens ``[batch, n]`` (CPU) as they come (every 16 steps, then once more).
     compile_options: extra ``torch.compile`` arguments, e.g. ``{"backend": "eager"}`` for debugging, or
         ``{"mode": "reduce-overhead"}`` (plain CUDA graphs, no tuning). Given ``mode`` or ``options``,
         they replace the CUDA default (torch.compile takes one or the other).
@@ -145,18 +148,23 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     elif max_cache_len < need:
         raise ValueError(f"max_cache_len={max_cache_len} cannot hold the prompt ({n_prompt}) plus "
                          f"{max_new_tokens} new tokens; give at least {need}")
+    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
     greedy = temperature == 0
     top_k = None if greedy or top_k is None else int(top_k)
+    top_p = None if greedy or top_p is None or float(top_p) == 1.0 else float(top_p)
     compile_options = dict(compile_options or {})
     if model.training:
         raise ValueError("generate_fast needs the model in eval mode: call model.eval() first")
 
     decoder = _DECODERS.get(model)
     setup_s = 0.0
-    if decoder is None or not decoder.matches(model, mode, batch, max_cache_len, greedy, top_k, compile_options):
+    if decoder is None or not decoder.matches(model, mode, batch, max_cache_len, greedy, top_k, compile_options,
+                                              top_p):
         if decoder is not None:
             reset_decoders(model)
-        decoder = Decoder(model, mode, batch, max_cache_len, greedy, top_k, _patch_state(model), compile_options)
+        decoder = Decoder(model, mode, batch, max_cache_len, greedy, top_k, _patch_state(model), compile_options,
+                          top_p)
         _DECODERS[model] = decoder
 
     generator = torch.Generator(device=device)
@@ -175,7 +183,7 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         eos = torch.tensor(ids, dtype=torch.long, device=device)
-    tokens, prefill_s, decode_s = decoder.run(input_ids, max_new_tokens, noise_fn, inv_temperature, eos)
+    tokens, prefill_s, decode_s = decoder.run(input_ids, max_new_tokens, noise_fn, inv_temperature, eos, on_tokens)
     new = tokens.shape[1] - n_prompt
     total_s = prefill_s + decode_s
     stats = {
@@ -186,3 +194,108 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
         "ms_per_step": 1e3 * decode_s / (new - 1) if new > 1 else float("nan"),
     }
     return tokens, stats
+
+
+_FAST_STEP = "_countdown_fast_step"
+
+
+def _prompt_ids(input_ids) -> torch.Tensor:
+    """input_ids as ``[batch, prompt]``: a tensor (1-D for one prompt) or a tokenizer's output."""
+    mask = None
+    if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "keys") and "input_ids" in input_ids:
+        mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a LongTensor or a tokenizer's output, got {type(input_ids).__name__}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError("the prompts are padded (attention_mask has zeros): countdown.generate takes prompts of "
+                         "one length; generate each length separately, or use model.generate for padded batches")
+    return input_ids
+
+
+def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, streamer=None, seed: int | None = None,
+             fast_step: bool = True, return_stats: bool = False):
+    """Generate with the fastest decode step the library has, in one call; dense or sparsified models alike.
+
+    ``input_ids``: ``[batch, prompt]`` (or ``[prompt]``, or a tokenizer's output) without padding; returns
+    ``[batch, prompt + new]`` like ``model.generate`` (and the timing stats of :func:`generate_fast` with
+    ``return_stats``). Greedy by default; ``do_sample`` draws at ``temperature`` from the ``top_k`` /
+    ``top_p`` filtered distribution (``seed`` makes it repeatable). Stops at ``eos_token_id`` (default: the
+    model's ``generation_config``; ``[]`` never stops early). ``streamer``: a transformers streamer
+    (``put`` / ``end``, e.g. ``TextStreamer``) that receives the tokens as they come, batch 1.
+
+    On CUDA the first call prepares the model's decode step once (``fast_step``: the attention fused, every
+    projection on the fixed GEMV, the decoder layers folded: :func:`countdown.decode.linears.fastest_step`;
+    the model stays a transformers model, ``model.generate`` keeps working) and compiles it with CUDA graphs
+    (tens of seconds; later calls of the same batch and length reuse it). On CPU it decodes eagerly.
+    """
+    ids = _prompt_ids(input_ids)
+    if streamer is not None and ids.shape[0] != 1:
+        raise ValueError(f"a streamer takes one sequence; got a batch of {ids.shape[0]}")
+    if temperature <= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature} (do_sample=False is greedy)")
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos_token_id, (list, tuple)) and not eos_token_id:
+        eos_token_id = None
+    device = next(model.parameters()).device
+    if fast_step and device.type == "cuda" and not getattr(model, _FAST_STEP, False):
+        from .linears import fastest_step
+
+        fastest_step(model)
+        setattr(model, _FAST_STEP, True)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    on_tokens = None
+    if streamer is not None:
+        streamer.put(ids.cpu())
+        on_tokens = _StreamUntilEos(streamer, eos)
+    tokens, stats = generate_fast(model, ids, max_new_tokens, temperature=temperature if do_sample else 0.0,
+                                  top_k=top_k if do_sample else None, top_p=top_p if do_sample else None,
+                                  seed=seed, eos_token_id=eos or None, on_tokens=on_tokens)
+    if streamer is not None:
+        streamer.end()
+    tokens = _pad_after_eos(tokens, ids.shape[1], eos, getattr(model.generation_config, "pad_token_id", None))
+    return (tokens, stats) if return_stats else tokens
+
+
+class _StreamUntilEos:
+    """Hands a streamer the new tokens as they come, up to and including the first EOS."""
+
+    def __init__(self, streamer, eos: list[int]):
+        self.streamer, self.eos, self.ended = streamer, eos, False
+
+    def __call__(self, new: torch.Tensor) -> None:
+        if self.ended:
+            return
+        cut = _until_eos(new, self.eos)
+        self.ended = cut.shape[1] < new.shape[1] or bool(self.eos and cut.numel() and int(cut[0, -1]) in self.eos)
+        if cut.numel():
+            self.streamer.put(cut[0])
+
+
+def _until_eos(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """``new [1, n]`` up to and including its first EOS."""
+    if not eos:
+        return new
+    hits = torch.isin(new[0], torch.tensor(eos)).nonzero()
+    return new if not len(hits) else new[:, :int(hits[0]) + 1]
+
+
+def _pad_after_eos(tokens: torch.Tensor, n_prompt: int, eos: list[int], pad: int | None) -> torch.Tensor:
+    """As transformers' generate returns them: a row stops at its first EOS (later positions hold the pad
+    token, else the EOS), and the sequences end where the last row stopped."""
+    if not eos:
+        return tokens
+    new = tokens[:, n_prompt:]
+    hit = torch.isin(new, torch.tensor(eos, device=new.device))
+    if not bool(hit.any()):
+        return tokens
+    after = hit.int().cumsum(dim=1) - hit.int() > 0  # strictly after the row's first EOS
+    new = new.masked_fill(after, eos[0] if pad is None else pad)
+    stopped = torch.where(hit.any(dim=1), hit.int().argmax(dim=1) + 1, torch.full_like(hit[:, 0], new.shape[1],
+                                                                                          dtype=torch.long))
+    return torch.cat([tokens[:, :n_prompt], new[:, :int(stopped.max())]], dim=1)

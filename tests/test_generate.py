@@ -1,0 +1,112 @@
+"""countdown.generate, the one-call path: the same tokens as transformers' generate (greedy, EOS, padding
+after EOS, batch), a streamer that gets exactly the generated text, and nucleus sampling against a float64
+reference. On CPU it decodes eagerly (the CUDA step preparation is checked by make gpu-test's decode files)."""
+
+import math
+
+import pytest
+import torch
+
+import countdown
+from conftest import tiny_model
+from countdown.decode.decoder import sample_tokens
+from countdown.decode.generate import reset_decoders
+
+PROMPT = 7
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decoders():
+    yield
+    reset_decoders()
+
+
+def _prompt(batch=1, seed=1):
+    return torch.randint(3, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(model, ids, n, eos=None):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)
+
+
+@pytest.mark.parametrize("method", [None, "mono", "dual"])
+def test_greedy_matches_transformers_generate(method):
+    model, ids = tiny_model("llama"), _prompt(batch=2)
+    model.generation_config.eos_token_id = None
+    dense = countdown.generate(model, ids, 10)
+    if method:
+        countdown.sparsify(model, method, 0.7, path="gather")
+    out = countdown.generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 10)
+    assert torch.equal(out, _hf(model, ids, 10))
+    assert out.shape == (2, PROMPT + 10)
+    assert method is None or not torch.equal(out, dense)  # the sparse MLPs ran
+
+
+def test_eos_stops_and_pads_as_transformers_does():
+    model, ids = tiny_model("llama"), _prompt(batch=2, seed=3)
+    model.generation_config.eos_token_id = None
+    free = countdown.generate(model, ids, 30)
+    eos = int(free[0, PROMPT + 2])  # row 0 stops after 3 tokens; row 1 whenever it meets that token
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    out = countdown.generate(model, ids, 30)
+    ref = _hf(model, ids, 30, eos=eos)
+    assert torch.equal(out, ref)
+    assert torch.equal(countdown.generate(model, ids, 30, eos_token_id=[]), free)  # [] never stops early
+
+
+def test_streamer_receives_exactly_the_generated_tokens():
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    model, ids = tiny_model("llama"), _prompt()
+    rec = Recorder()
+    free = countdown.generate(model, ids, 40, eos_token_id=[], streamer=rec)
+    assert rec.ended and rec.puts[0] == ids[0].tolist()  # the prompt first, as transformers' streamers expect
+    assert [len(p) for p in rec.puts[1:]] == [17, 16, 7]  # as they were generated (a read every 16 steps)
+    assert sum(rec.puts[1:], []) == free[0, PROMPT:].tolist()
+    gen = free[0, PROMPT:].tolist()
+    eos = next(t for i, t in enumerate(gen) if i >= 2 and t not in gen[:i])
+    rec = Recorder()
+    out = countdown.generate(model, ids, 40, eos_token_id=eos, streamer=rec)
+    assert out[0, -1] == eos and sum(rec.puts[1:], []) == out[0, PROMPT:].tolist()  # nothing after the EOS
+
+
+def test_sampling_is_seeded_and_padded_prompts_are_refused():
+    model, ids = tiny_model("llama"), _prompt()
+    a = countdown.generate(model, ids, 12, do_sample=True, temperature=1.3, top_p=0.9, seed=4, eos_token_id=[])
+    b = countdown.generate(model, ids, 12, do_sample=True, temperature=1.3, top_p=0.9, seed=4, eos_token_id=[])
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="padded"):
+        countdown.generate(model, {"input_ids": ids, "attention_mask": torch.tensor([[0] + [1] * (PROMPT - 1)])}, 4)
+    with pytest.raises(ValueError, match="temperature"):
+        countdown.generate(model, ids, 4, do_sample=True, temperature=0)
+
+
+def test_top_p_draws_from_the_nucleus():
+    """Nucleus sampling against float64: the smallest set of most likely tokens whose mass reaches p."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]])
+    temperature, top_p, n = 0.8, 0.75, 40000
+    noise = torch.empty(n, 6).exponential_(generator=torch.Generator().manual_seed(0))
+    draws = sample_tokens(logits.expand(n, 6), noise, torch.tensor(1 / temperature), None, top_p)
+    freq = torch.bincount(draws, minlength=6).double() / n
+    p = torch.softmax(logits[0].double() / temperature, 0)
+    order = p.argsort(descending=True)
+    mass, keep = 0.0, []
+    for i in order.tolist():  # by hand: add tokens until the mass reaches top_p
+        keep.append(i)
+        mass += float(p[i])
+        if mass >= top_p:
+            break
+    ref = torch.zeros(6, dtype=torch.float64)
+    ref[keep] = p[keep] / p[keep].sum()
+    assert len(keep) == 3 and freq[ref == 0].sum() == 0
+    assert torch.allclose(freq, ref, atol=4 * math.sqrt(0.25 / n))
