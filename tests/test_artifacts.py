@@ -63,6 +63,14 @@ def test_metadata_records_what_made_the_artifact(mono, dual, model):
     assert dual.meta["training"]["seed"] == 42
 
 
+def test_repr_is_one_short_line(dual):
+    text = repr(dual)
+    n_bytes = sum(t.numel() * t.element_size() for t in dual.tensors.values())
+    assert "\n" not in text and len(text) < 200  # never the tensors
+    assert text.startswith("Artifacts(method='dual', kind='lowrank', d_rank=8, sparsities=[0.7, 0.8]")
+    assert f"{len(dual.tensors)} tensors, {n_bytes / 2**20:.1f} MiB" in text
+
+
 def test_one_file_many_sparsities_picks_the_right_one(mono, model, tmp_path):
     mlps = countdown.find_gated_mlps(model)
     path = mono.save(tmp_path / "mono.safetensors")

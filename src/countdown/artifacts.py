@@ -134,6 +134,16 @@ class Artifacts:
     def selection(self) -> str:
         return self.meta["selection"]
 
+    def __repr__(self) -> str:
+        """One line: what the artifact is for, never its tensors (an 8B model's shadows hold gigabytes)."""
+        meta, model = self.meta, self.meta.get("model", {})
+        n_bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        opts = "".join(f", {k}={meta[k]}" for k in ("bits", "group", "d_rank") if k in meta)
+        shape = f"{model.get('n_layers', '?')} layers, d_model {model.get('d_model', '?')}"
+        return (f"Artifacts(method={meta.get('method')!r}, kind={meta.get('kind')!r}{opts}, "
+                f"sparsities={meta.get('sparsities')}, model: {shape}, {len(self.tensors)} tensors, "
+                f"{n_bytes / 2**20:.1f} MiB)")
+
     def sparsity_index(self, sparsity: float) -> int:
         """Position of ``sparsity`` in :attr:`sparsities`; a clear error if it is not there."""
         k = float(sparsity)
