@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -28,30 +29,24 @@ from countdown.eval.agreement import kl_and_top1
 from countdown.data.texts import cache_root, eval_texts
 from countdown.io import atomic_write, file_lock
 from countdown.eval.perplexity import token_windows
+from countdown.spec import parse_spec, resolve_mode
 
 FIELDS = ["model", "method", "mode", "sparsity", "sparsity_real", "ppl_all", "ppl_decode", "kl", "top1",
           "precision", "recall", "f1", "seconds", "device", "date"]
-# spec -> (method, mode, kind, options)
-SPECS = {
-    "dual": ("dual", "ideal", None, {}),
-    "dual[shadow4]": ("dual", "prac", "shadow", {"bits": 4}),
-    "dual[shadow2]": ("dual", "prac", "shadow", {"bits": 2}),
-    "dual[shadow3]": ("dual", "prac", "shadow", {"bits": 3}),
-    "dual[shadow8]": ("dual", "prac", "shadow", {"bits": 8}),
-    "dual[shadow4-pooled]": ("dual", "prac", "shadow", {"bits": 4, "cut_rule": "pooled"}),
-    "dual[shadow4-g32]": ("dual", "prac", "shadow", {"bits": 4, "group": 32}),
-    # an experiment (session 23): the kept rows' coefficients s = u~ act(g~) taken from the shadows themselves, so
-    # that a kernel would read only W_down's kept rows after the shadow GEMV (see s_from_shadows)
-    "dual[shadow4-s]": ("dual", "prac", "shadow", {"bits": 4}),
-    "dual[hybrid]": ("dual", "prac", "hybrid", {}),
-    "dual[lowrank]": ("dual", "prac", "lowrank", {}),
-    "mono": ("mono", "ideal", None, {}),
-    "mono[threshold]": ("mono", "prac", "threshold", {}),
-    "cats[threshold]": ("cats", "prac", "threshold", {}),
-    "teal": ("teal", "ideal", None, {}),
-    "teal[greedy]": ("teal", "prac", "teal", {}),  # TEAL's per-layer greedy allocation (the kind's default)
-    "teal[uniform]": ("teal", "prac", "teal", {"allocation": "uniform"}),
-}
+# The configurations, as the CSV labels them; countdown.spec parses each (a kind in brackets: SP-Prac, else
+# SP-Ideal; dual[shadow4-g32] / -pooled / teal[greedy] / teal[uniform] are its legacy labels). --specs takes any spec.
+SPECS = ["dual", "dual[shadow4]", "dual[shadow2]", "dual[shadow3]", "dual[shadow8]", "dual[shadow4-pooled]",
+         "dual[shadow4-g32]", "dual[shadow4-s]", "dual[hybrid]", "dual[lowrank]", "mono", "mono[threshold]",
+         "cats[threshold]", "teal", "teal[greedy]", "teal[uniform]"]
+# an experiment (session 23): the kept rows' coefficients s = u~ act(g~) taken from the shadows themselves, so
+# that a kernel would read only W_down's kept rows after the shadow GEMV (see s_from_shadows)
+EXPERIMENTS = {"dual[shadow4-s]": "dual[shadow4]"}
+
+
+def spec_of(label: str):
+    """``(spec, mode)`` of a CSV label."""
+    spec = parse_spec(EXPERIMENTS.get(label, label))
+    return spec, resolve_mode(spec, None)
 
 
 @contextmanager
@@ -131,11 +126,11 @@ def markdown(rows: list[dict], model: str) -> str:
     if dense:
         lines.append(f"| dense | — | " + " | ".join(f"{float(dense['ppl_all']):.2f} / {float(dense['ppl_decode']):.2f}"
                                                    for _ in ks) + " |")
-    for spec in SPECS:
+    for spec in dict.fromkeys([*SPECS, *(r["method"] for r in rows if r["method"] != "dense")]):
         cells = {float(r["sparsity"]): r for r in rows if r["method"] == spec}
         if not cells:
             continue
-        mode = SPECS[spec][1]
+        mode = spec_of(spec)[1]
         out = []
         for k in ks:
             r = cells.get(k)
@@ -156,10 +151,10 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for spec in SPECS:
+    for spec in dict.fromkeys([*SPECS, *(r["method"] for r in rows if r["method"] != "dense")]):
         pts = sorted((float(r["sparsity"]), float(r["ppl_all"])) for r in rows if r["method"] == spec)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=spec, linestyle="--" if SPECS[spec][1] == "ideal" else "-")
+            ax.plot(*zip(*pts), marker="o", label=spec, linestyle="--" if spec_of(spec)[1] == "ideal" else "-")
     dense = next((r for r in rows if r["method"] == "dense"), None)
     if dense:
         ax.axhline(float(dense["ppl_all"]), color="k", lw=0.8, label="dense")
@@ -213,28 +208,29 @@ def main() -> int:
             add(dict(method="dense", mode="-", sparsity="", ppl_all=f"{ppl:.4f}", ppl_decode=f"{ppl:.4f}",
                      kl="0", top1="1", seconds=f"{time.time() - t0:.1f}"))
         cache = cache_root() / "artifacts"
-        for spec in args.specs.split(","):
-            method, mode, kind, options = SPECS[spec]
+        for spec in re.split(r",(?![^\[]*\])", args.specs):
+            config, mode = spec_of(spec)
+            method = config.method
             todo = [k for k in ks if (spec, k) not in done]
             if not todo:
                 continue
             art = None
             if mode == "prac":
                 t0 = time.time()
-                art = countdown.ensure_artifacts(model, tok, method, ks, cache, kind=kind, progress=False, **options)
+                art = countdown.ensure_artifacts(model, tok, config, ks, cache, progress=False)
                 print(f"{spec}: artifacts ready in {time.time() - t0:.0f} s", flush=True)
                 report = countdown.predictor_quality(model, tok, art, num_tokens=args.quality_tokens, progress=False) \
                     if method == "dual" else None
             for k in todo:
                 t0 = time.time()
-                shadow_s = spec.endswith("-s]")
-                countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="all")
+                shadow_s = spec in EXPERIMENTS
+                countdown.sparsify(model, config, k, mode=mode, artifacts=art, scope="all")
                 with s_from_shadows(model, shadow_s):
                     ppl_all = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
                     real = countdown.sparsity_real(model)["mean"]
                     kl, top1 = kl_top1(model, kl_rows, dense_logits)
                 countdown.unsparsify(model)
-                countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="decode")
+                countdown.sparsify(model, config, k, mode=mode, artifacts=art, scope="decode")
                 with s_from_shadows(model, shadow_s):
                     ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
                 countdown.unsparsify(model)

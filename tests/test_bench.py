@@ -13,7 +13,7 @@ from countdown.bench import measure, operating
 from countdown.bench.breakdown import op_breakdown
 from countdown.bench.cli import main as bench_main
 from countdown.bench.runner import private_copy
-from countdown.bench.specs import availability, parse_spec, parse_specs, resolve_kind
+from countdown.spec import parse_spec
 from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
 from countdown.bench.timing import spread, time_graph
 from countdown.eval.cost import mlp_weight_bytes
@@ -32,19 +32,19 @@ class Tok(CharTokenizer):
 TOK = Tok()
 
 
-def test_specs_parse_in_one_place():
-    s = parse_spec("dual[shadow3g64]")
-    assert (s.label, s.method, s.kind, s.options) == ("dual[shadow3g64]", "dual", "shadow", {"bits": 3, "group": 64})
-    assert parse_spec("m-countdown").label == "mono" and parse_spec("mono").kind == "threshold"
-    assert parse_spec("dual[lowrank256]").options == {"d_rank": 256}
-    assert [s.label for s in parse_specs("mono, dual[hybrid],mono,teal")] == ["mono", "dual[hybrid]", "teal"]
-    assert resolve_kind(parse_spec("dual")).label == "dual[shadow4]"  # the library's default kind, named
-    for bad in ("dual[", "mono[lowrank]", "dual[ternary4]", ""):
-        with pytest.raises(ValueError):
-            parse_specs(bad)
-    assert availability(parse_spec("dual[lowrank]")) is None and availability(parse_spec("dense")) is None
-    assert "not in this library" in availability(parse_spec("nosuchmethod"))
-    assert "kind 'nosuch'" in availability(parse_spec("dual[nosuch]"))
+def test_bench_parses_with_the_one_grammar(capsys, tmp_path):
+    import countdown.bench
+    import countdown.bench.specs
+    import countdown.spec
+
+    assert countdown.bench.parse_spec is countdown.spec.parse_spec
+    assert countdown.bench.parse_specs is countdown.spec.parse_specs
+    # what benchmarks/decode.py still builds through the compatibility module: the old positional order
+    old = countdown.bench.specs.Spec("dual[lowrank]", "dual", "lowrank", {"d_rank": 512})
+    assert (old.method, old.kind, old.options, old.label) == ("dual", "lowrank", {"d_rank": 512}, "dual[lowrank]")
+    # a spec the library cannot run is refused before any model is loaded, listing the valid ones
+    assert bench_main(["--model", "tiny", "--methods", "mono,dual[nosuch]", "--out", str(tmp_path)]) == 2
+    assert "no SP-Prac kind 'nosuch'; dual takes dual[hybrid<d_rank>], " in capsys.readouterr().err
 
 
 def test_roofline_bytes_hand_worked_at_the_llama_8b_shape():

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import countdown
 from conftest import tiny_model
 from countdown.bench.quality import decode_quality, held_out, record_masks
-from countdown.bench.qualitygrid import artifact_options, read_rows, run_quality_grid
-from countdown.bench.specs import parse_spec, resolve_kind
+from countdown.bench.qualitygrid import read_rows, run_quality_grid
+from countdown.spec import parse_spec
 from test_calibrate import CharTokenizer, word_texts
 
 TOK = CharTokenizer()
@@ -67,19 +67,6 @@ def test_record_masks_are_the_masks_the_selectors_pick(tmp_path):
         countdown.unsparsify(model)
     assert masks.shape == (2, 8, 97) and masks.dtype == torch.bool
     assert (masks.sum(-1) == countdown.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
-
-
-def test_artifact_options_are_spelled_as_the_sweep_spells_them():
-    assert artifact_options(resolve_kind(parse_spec("dual"))) == {}
-    assert artifact_options(resolve_kind(parse_spec("dual[shadow4]"))) == {}
-    assert artifact_options(resolve_kind(parse_spec("dual[shadow3]"))) == {"kind": "shadow", "bits": 3}
-    assert artifact_options(resolve_kind(parse_spec("dual[hybrid]"))) == {"kind": "hybrid"}
-    assert artifact_options(resolve_kind(parse_spec("dejavu"))) == {}
-    assert artifact_options(resolve_kind(parse_spec("mono"))) == {}
-    from countdown.eval.sweep.cells import parse_method_spec
-
-    for label in ("dual", "dual[hybrid]", "dual[lowrank]", "dejavu", "cats"):
-        assert artifact_options(resolve_kind(parse_spec(label))) == parse_method_spec(label).options
 
 
 def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):

@@ -327,5 +327,5 @@ def test_kinded_method_spec_and_per_document_side_file(setup, tmp_path):
     single = _run(setup, tmp_path / "single", methods=("dense", "dual[lowrank]"), modes=("prac",), ppl_tokens=0,
                   agreement_prompts=0, pass_configs=1)
     assert _comparable(sweep.read_rows(single["csv"])) == _comparable(rows)
-    with pytest.raises(ValueError, match="unknown SP-Prac kind 'fancy'"):
+    with pytest.raises(ValueError, match=r"no SP-Prac kind 'fancy'; dual takes dual\[hybrid<d_rank>\]"):
         _run(setup, out, methods=("dual[fancy]",))

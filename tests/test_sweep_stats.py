@@ -7,30 +7,34 @@ import numpy as np
 import pytest
 
 from countdown.eval import sweep
-from countdown.eval.sweep import parse_method_spec, plan_cells, split_list
+from countdown.eval.sweep import column_label, parse_methods, plan_cells, split_list
 from countdown.eval.sweep.stats import PairedTests, paired_bootstrap, stderr
 from countdown.eval.sweep.store import decode_outcomes, encode_outcomes
 
 
-def test_method_specs():
-    spec = parse_method_spec("dual[lowrank]")
-    assert (spec.method, spec.label, spec.options) == ("dual", "dual[lowrank]", {"kind": "lowrank"})
-    assert parse_method_spec("dual[shadow3]").options == {"kind": "shadow", "bits": 3}
+def test_method_specs_as_the_csv_labels_them():
+    """The sweep parses with countdown.spec; its method column keeps its spelling: the plain method for the
+    method's default kind (dual = dual[shadow4]), the canonical label otherwise."""
+    assert column_label("dual[lowrank]") == "dual[lowrank]" and column_label("dual[shadow3]") == "dual[shadow3]"
     # dual's default kind (4-bit shadows) is plain dual, however it is written
-    assert parse_method_spec("dual[shadow]").label == parse_method_spec("dual[shadow4]").label == "dual"
-    assert parse_method_spec(" dejavu[ternary] ").label == "dejavu[ternary]"
-    assert parse_method_spec("dual[hybrid]").label == "dual[hybrid]"
-    assert parse_method_spec("mono").label == "mono"
-    with pytest.raises(ValueError, match=r"unknown SP-Prac kind 'fancy' in 'dual\[fancy\]'.*hybrid, lowrank"):
-        parse_method_spec("dual[fancy]")
-    with pytest.raises(ValueError, match="unknown SP-Prac kind .lowrank. in .mono.lowrank..: mono takes threshold"):
-        parse_method_spec("mono[lowrank]")
-    with pytest.raises(ValueError, match="only a kind with a bit width"):
-        parse_method_spec("dual[lowrank3]")
+    assert column_label("dual[shadow]") == column_label("dual[shadow4]") == column_label("dual[shadow4g64]") == "dual"
+    assert column_label(" dejavu[ternary] ") == "dejavu[ternary]" and column_label("dejavu[lowrank]") == "dejavu"
+    assert column_label("dual[hybrid]") == "dual[hybrid]" and column_label("d-countdown[hybrid64]") == "dual[hybrid64]"
+    assert column_label("mono") == column_label("mono[threshold]") == "mono" and column_label("dense") == "dense"
+    assert column_label("teal[uniform]") == "teal[allocation=uniform]"
+    # one configuration per CSV label: dual and dual[shadow4] are one, order kept
+    assert [s.label for s in parse_methods(["dual", "mono", "dual[shadow4]", "dual[shadow3]"])] == \
+        ["dual", "mono", "dual[shadow3]"]
+    with pytest.raises(ValueError, match=r"no SP-Prac kind 'fancy'; dual takes .*dual\[lowrank<d_rank>\]"):
+        parse_methods(["dual[fancy]"])
+    with pytest.raises(ValueError, match=r"kind 'lowrank' serves dual and dejavu only; mono takes mono\[threshold\]"):
+        parse_methods(["mono[lowrank]"])
+    with pytest.raises(ValueError, match="kind ternary takes no number"):
+        parse_methods(["dual[ternary3]"])
     with pytest.raises(ValueError, match="cannot read the method spec"):
-        parse_method_spec("dual[")
-    with pytest.raises(ValueError):
-        parse_method_spec("nosuch")
+        parse_methods(["dual["])
+    with pytest.raises(ValueError, match="unknown method 'nosuch'.*valid specs: dense, cats, mono, dual"):
+        parse_methods(["nosuch"])
     assert split_list("dense, dual[shadow4],mono") == ["dense", "dual[shadow4]", "mono"]
 
     # SP-Ideal has no kinds: a kinded spec adds SP-Prac configurations only

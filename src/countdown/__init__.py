@@ -5,6 +5,8 @@ Quick start::
     import countdown
     model, tok = countdown.load_model("smollm2-135m")
     countdown.sparsify(model, "mono", 0.8)          # SP-Ideal, prompt dense, generated tokens sparse
+    # SP-Prac: a method spec names the kind, e.g. countdown.sparsify(model, "dual[shadow4]", 0.8,
+    #          artifacts=countdown.prepare(model, tok, "dual[shadow4]", 0.8))
     print(countdown.perplexity(model, tok))
     countdown.unsparsify(model)
 """
@@ -13,6 +15,7 @@ from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_art
 from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
 from .registry import Method, get_method, kept_rows, methods
 from .sparse import sparsify, unsparsify
+from .spec import Spec, parse_spec
 from .state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)
 from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
 from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors
@@ -76,8 +79,9 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 __all__ = [
     "AlreadySparsifiedError", "ArtifactError", "ArtifactMismatchError", "Artifacts", "GatedMLP", "KINDS", "Method",
-    "NoGatedMLPError", "NotSparsifiedError", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts", "evaluate",
-    "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows", "load_artifacts", "load_model",
-    "load_texts", "methods", "perplexity", "predictor_quality", "prepare", "refine_cuts_on_decode",
+    "NoGatedMLPError", "NotSparsifiedError", "Spec", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts",
+    "evaluate", "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows",
+    "load_artifacts", "load_model", "load_texts", "methods", "parse_spec", "perplexity", "predictor_quality", "prepare",
+    "refine_cuts_on_decode",
     "reset_sparsity_stats", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
 ]

@@ -26,13 +26,14 @@ from . import kernels
 from .mlp import GatedMLP, require_gated_mlps
 from .patched import PatchedMLP
 from .prac.base import RowSelector, selectors_for
+from .artifacts import Artifacts, load_artifacts
 from .registry import Method, check_sparsity, get_method, kept_rows
+from .spec import MODES, Spec, check_artifact, parse_spec, resolve_mode
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
                     is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
 from .teal import InputSparseGatedMLP, TealTopK, refuse_teal_sharded
 from .tp import shard_selectors
 
-MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
 PATHS = ("auto", "masked", "gather", "kernel")
 DEFAULT_SCOPE = "decode"
@@ -176,16 +177,19 @@ def check_mode(method: Method, mode: str, artifacts: Any) -> None:
                          "artifacts=<path or object> (--artifacts PATH), or use mode='ideal'")
 
 
-def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode: str = "ideal",
+def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | None = None, mode: str | None = None,
              scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto",
              tp_topk: str = "exact") -> nn.Module:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
-    method: a name from :func:`countdown.methods` (or an alias such as ``"m-countdown"``).
+    method: a method spec (:mod:`countdown.spec`): a name from :func:`countdown.methods` (or an alias such
+        as ``"m-countdown"``), or a method with its SP-Prac kind in brackets (``"dual[shadow4]"``,
+        ``"dual[hybrid]"``, ``"dual[lowrank]"``), which implies ``mode="prac"`` and must be the artifact's.
     sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense; teal:
         the fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.teal`).
     mode: ``"ideal"`` (exact per-token top-(1-k) of the indicator) or ``"prac"`` (calibrated
-        thresholds / trained predictors from ``artifacts``).
+        thresholds / trained predictors from ``artifacts``); default ``"prac"`` where ``method`` names a
+        kind, else ``"ideal"``. ``"ideal"`` with a kind is refused.
     scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
         with an empty KV cache, stays dense; generated tokens are sparse) or ``"all"`` (every
         position sparse, as in perplexity-style evaluation).
@@ -200,8 +204,10 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
         raise AlreadySparsifiedError(
             "this model is already sparsified; call countdown.unsparsify(model) before patching it again"
         )
-    m = get_method(method)
+    spec = parse_spec(method)
+    m = get_method(spec.method)
     k = None if m.is_dense else check_sparsity(sparsity)
+    mode = resolve_mode(spec, mode)
     check_mode(m, mode, artifacts)
     _check_choice(scope, SCOPES, "scope")
     _check_choice(path, PATHS, "path")
@@ -213,6 +219,9 @@ def sparsify(model: nn.Module, method: str, sparsity: float | None = None, mode:
                          "masked otherwise), 'masked' or 'gather'")
     if m.structure == "inputs":
         refuse_teal_sharded(mlps)
+    if mode == "prac" and not m.is_dense:
+        artifacts = artifacts if isinstance(artifacts, Artifacts) else load_artifacts(artifacts)
+        check_artifact(spec, artifacts)  # a kind in brackets must be the artifact's
     selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 

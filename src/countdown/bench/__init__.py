@@ -2,8 +2,7 @@
 
 * :mod:`~countdown.bench.timing`: device-to-device copy bandwidth, CUDA-graph timing over rotating
   weights (``time_graph``), peak memory, a wall-clock budget;
-* :mod:`~countdown.bench.specs`: method specs (``mono``, ``dual[lowrank]``, ``dual[shadow4]``, ``teal``)
-  parsed in one place, and why a spec cannot run in this library;
+* method specs (``mono``, ``dual[lowrank]``, ``dual[shadow4]``, ``teal``) are :mod:`countdown.spec`'s;
 * :mod:`~countdown.bench.measure`: decode tokens/s through ``countdown.generate_fast``, kept
   fractions, the weight bytes a decode step reads (roofline: :func:`countdown.eval.cost.mlp_weight_bytes`);
 * :mod:`~countdown.bench.speedonly`: speed-only artifacts (random predictors, cuts fitted on the
@@ -25,11 +24,11 @@
 
 from ..eval.cost import mlp_weight_bytes
 from .measure import kept_fractions, model_bytes, step_weight_bytes, time_decode
-from .specs import Spec, availability, parse_spec, parse_specs
+from ..spec import Spec, parse_spec, parse_specs
 from .timing import Budget, PeakMemory, copy_bandwidth, free_memory, spread, time_graph
 
 __all__ = [
-    "Budget", "PeakMemory", "Spec", "availability", "copy_bandwidth", "free_memory", "kept_fractions",
+    "Budget", "PeakMemory", "Spec", "copy_bandwidth", "free_memory", "kept_fractions",
     "mlp_weight_bytes", "model_bytes", "parse_spec", "parse_specs", "spread", "step_weight_bytes", "time_decode",
     "time_graph",
 ]

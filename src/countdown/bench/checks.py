@@ -6,7 +6,7 @@ import torch
 
 from .measure import clear_dynamo_counts, dynamo_counts
 from .speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
-from .specs import parse_spec
+from ..spec import parse_spec
 
 
 def _check_model(device: str):

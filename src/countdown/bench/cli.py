@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a catalogue name (`countdown models`), a .gguf file, a HF folder or a hub id; a "
                              "'*-shape' name gets random weights and a speed-only report")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help="method specs, e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal (those "
-                             "this library cannot run are skipped with the reason)")
+                        help="method specs (countdown.spec), e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal "
+                             "(a spec this library cannot run is refused, listing the valid ones)")
     parser.add_argument("--sparsity", "-k", type=_ks, default=[0.7, 0.8, 0.9], help="target sparsities k")
     parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
@@ -84,7 +84,7 @@ def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
     import countdown
     from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
-    from .specs import parse_specs
+    from ..spec import parse_specs
 
     try:
         specs = parse_specs(args.methods)
@@ -127,8 +127,32 @@ def bench_from_args(args) -> int:
         print(f"{r['method']:16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
               f"{r['decode_speedup']:7.2f}x {r['tokens_per_s']:8.1f}")
     print(paths["recommendation"])
+    if not speed_only:  # the recommended spec, pasteable into the API and the command line
+        for line in usage_lines(rows, args.max_ppl_increase, args.model):
+            print(line)
     print(f"wrote {paths['csv']}, {paths['markdown']}, {paths['plot']}")
     return 0
+
+
+def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> list[str]:
+    """How to run the recommended configuration, pasteable: the Python API and the command line (the
+    same spec in both; the artifacts built once, then passed)."""
+    from ..prac.prepare import TRAINED
+    from ..spec import parse_spec
+    from .opreport import recommended
+
+    best = recommended(rows, max_ppl_increase)
+    if best is None:
+        return []
+    spec, k = parse_spec(best["method"]).resolved(), f"{best['sparsity']:g}"
+    label, model = shlex.quote(spec.label), shlex.quote(model_name)
+    build = "train" if spec.kind in TRAINED else "calibrate"
+    out = f"{spec.slug}-k{k}.safetensors"
+    return [f"  Python: countdown.sparsify(model, \"{spec.label}\", {k}, mode=\"prac\", "
+            f"artifacts=countdown.prepare(model, tokenizer, \"{spec.label}\", {k}))",
+            f"  shell:  countdown {build} --model {model} --method {label} -k {k} --out {out}",
+            f"          countdown generate --model {model} --method {label} -k {k} --mode prac --artifacts {out} "
+            "--prompt '...'"]
 
 
 def main(argv=None) -> int:

@@ -66,14 +66,13 @@ def _interp(points: list[tuple[float, dict]], x: float, key: str):
 
 
 def sweep_label(method_label: str) -> str:
-    """The sweep's name of a bench spec: the plain method where the spec is its default kind."""
-    from .qualitygrid import artifact_options
-    from .specs import parse_spec, resolve_kind
+    """The sweep's name of a bench spec: the plain method where the spec is its default kind
+    (:func:`countdown.eval.sweep.cells.column_label`); a label that is no spec stays as it is."""
+    from ..eval.sweep.cells import column_label
 
-    spec = resolve_kind(parse_spec(method_label))
     try:
-        return spec.label if artifact_options(spec) else spec.method
-    except Exception:  # a kind this library does not know
+        return column_label(method_label)
+    except ValueError:
         return method_label
 
 
@@ -112,10 +111,10 @@ def sweep_cell(method_label: str, kinds: dict) -> str | None:
     """The sweep's method whose SP-Prac artifacts were of the same method and kind as ``method_label``
     (its own spelling first: the sweep's plain ``dual`` was the hybrid kind before shadow became the
     default), or None."""
-    from .specs import parse_spec, resolve_kind
+    from ..spec import parse_spec
 
     try:
-        spec = resolve_kind(parse_spec(method_label))
+        spec = parse_spec(method_label).resolved()
     except ValueError:
         return None
     own = sweep_label(method_label)

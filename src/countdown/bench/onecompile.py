@@ -33,7 +33,7 @@ import torch
 from . import measure
 from .rows import decode_row, shapes_of
 from .speedonly import SpecUnavailable, decode_prompts, retarget
-from .specs import Spec, availability, resolve_kind
+from ..spec import Spec, parse_spec
 from .timing import Budget, PeakMemory, spread
 
 SLOT_HARNESS = "one-compile"
@@ -194,14 +194,10 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
         done()
     # 2. artifacts, cuts and kept fractions of every spec (no compile)
     prepared = []
-    for spec in s.specs:
-        reason = availability(spec)
-        if reason or spec.is_dense:
-            if reason:
-                skipped[spec.label] = reason
-                log(f"skipping {reason}")
+    for spec in map(parse_spec, s.specs):
+        if spec.is_dense:
             continue
-        spec = resolve_kind(spec)
+        spec = spec.resolved()
         start = time.perf_counter()
         try:
             art, label, history = _speed_artifacts(model, spec, s, log)

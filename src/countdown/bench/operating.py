@@ -21,7 +21,7 @@ import torch
 
 from . import measure
 from .opreport import pareto, recommendation, write_operating_points  # noqa: F401  (countdown bench's report)
-from .specs import Spec, availability, resolve_kind
+from ..spec import Spec, parse_spec
 
 COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
            "ppl", "dense_ppl", "top1", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
@@ -61,7 +61,6 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
     from ..prac.prepare import ensure_artifacts
-    from .qualitygrid import artifact_options
 
     if s.artifacts_dir is None:
         from ..data.texts import cache_root
@@ -69,12 +68,12 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         folder = cache_root() / "artifacts"
     else:
         folder = s.artifacts_dir
-    options: dict = {"progress": False, **artifact_options(spec)}  # spelled as the sweep's: one cached file
+    options: dict = {"progress": False}  # the spec's kind and options key the cached file, shared with the sweep
     if s.calib_texts is not None:
         options["texts"] = s.calib_texts
     if s.calib_tokens is not None:
         options["num_tokens"] = s.calib_tokens
-    art = ensure_artifacts(model, tokenizer, spec.method, s.ks, folder, **options)
+    art = ensure_artifacts(model, tokenizer, spec, s.ks, folder, **options)
     return art, f"{art.kind}, {art.meta['data'].get('num_tokens')} tokens of {art.meta['data'].get('name')}"
 
 
@@ -82,7 +81,7 @@ def _quality(model, spec, k, art, held) -> dict:
     from ..sparse import sparsify, unsparsify
     from .quality import decode_quality
 
-    sparsify(model, spec.method, k, mode="prac", artifacts=art, path="masked")
+    sparsify(model, spec, k, mode="prac", artifacts=art, path="masked")
     try:
         return decode_quality(model, held)
     finally:
@@ -141,13 +140,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
         held = held_out(model, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window)
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
-    specs = []
-    for spec in s.specs:
-        reason = availability(spec)
-        if reason:
-            log(f"skipping {reason}")
-        elif not spec.is_dense:
-            specs.append(resolve_kind(spec))
+    specs = [spec.resolved() for spec in map(parse_spec, s.specs) if not spec.is_dense]
     total = 1 + len(specs) * len(s.ks)
     bar = tqdm(total=total, desc="countdown bench", disable=not progress)
     base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
@@ -175,7 +168,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
             if speed_only:
                 from .measure import kept_fractions
 
-                sparsify(model, spec.method, k, mode="prac", artifacts=private_copy(art), path="masked")
+                sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
                 try:
                     quality[k] = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
                 finally:
@@ -184,7 +177,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
             else:
                 quality[k] = _quality(model, spec, k, art, held)
         # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
-        sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path=path)
+        sparsify(model, spec, ks[0], mode="prac", artifacts=private_copy(art), path=path)
         try:
             with _fast_step(model, fast):  # around every k: one compile serves them all
                 for k in ks:

@@ -16,6 +16,17 @@ def _known(value) -> bool:
     return value not in ("", None) and not (isinstance(value, float) and math.isnan(value))
 
 
+def recommended(rows: list[dict], max_ppl_increase: float = 0.05) -> dict | None:
+    """The row :func:`recommendation` names as the one to use: the fastest within the bound (speed only:
+    the fastest), or None where it names none."""
+    every = [r for r in rows if r["method"] != "dense"]
+    sparse = [r for r in every if _known(r.get("decode_speedup"))]
+    if all(not _known(r.get("ppl_increase")) for r in every):
+        return max(sparse, key=lambda r: r["decode_speedup"]) if sparse else None
+    ok = [r for r in sparse if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
+    return max(ok, key=lambda r: r["decode_speedup"]) if ok else None
+
+
 def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str = "") -> str:
     """One line: the fastest configuration within ``max_ppl_increase`` (relative, 0.05 = 5 %) of dense
     decode-style perplexity, and its speed-up (``where``: e.g. " at the Llama-3.1-8B shape on an H200");
@@ -27,7 +38,7 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
     if all(not _known(r.get("ppl_increase")) for r in every):
         if not sparse:
             return "no sparse configuration was measured"
-        best = max(sparse, key=lambda r: r["decode_speedup"])
+        best = recommended(rows, max_ppl_increase)
         return (f"speed only (random weights, quality not measured): the fastest is {best['method']} at "
                 f"k={best['sparsity']:g}: {best['decode_speedup']:.2f}x the dense decoder{where}")
     pct = f"{100 * max_ppl_increase:g} %"
@@ -43,7 +54,7 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
         speed = (f", {closest['decode_speedup']:.2f}x{where}" if _known(closest.get("decode_speedup")) else "")
         return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
                 f"k={closest['sparsity']:g} ({100 * closest['ppl_increase']:+.1f} %{speed}); stay dense or accept more")
-    best = max(ok, key=lambda r: r["decode_speedup"])
+    best = recommended(rows, max_ppl_increase)
     verdict = "faster" if best["decode_speedup"] > 1 else "(not faster than dense here)"
     return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
             f"({100 * best['ppl_increase']:+.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "

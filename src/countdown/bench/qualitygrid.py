@@ -2,12 +2,13 @@
 
 Per model: the dense model's answer on held-out XSum once (:func:`countdown.bench.quality.held_out`),
 then for each method spec its SP-Prac artifacts for every k at once through
-:func:`countdown.prac.prepare.ensure_artifacts` (cached and shared with the lm-eval sweep: the options
-are spelled as the sweep spells them, so a spec that is the method's default kind adds none), and per
+:func:`countdown.prac.prepare.ensure_artifacts` (cached and shared with the lm-eval sweep: an option at its
+kind's default keys the same file as leaving it out, so ``dual[shadow4]`` here is the sweep's ``dual``), and per
 k one decode-style pass (perplexity increase, KL, top-1 agreement, Sparsity-Real). Each finished cell
 is merged into ``<out>/<model>.csv`` at once (atomically, under a lock), so a killed run resumes where
 it stopped; a cell is redone only when its artifact changed (``artifact_tag``) or its text settings did.
-A spec this library cannot build (``teal`` before it lands) is skipped with the reason.
+A spec this library cannot run is refused when parsed (:func:`countdown.spec.parse_specs`, listing the
+valid ones); one whose artifacts cannot be built on this model is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..registry import get_method
-from .specs import Spec, availability, parse_specs, resolve_kind
+from ..spec import parse_specs
 
 QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense_ppl", "ppl_increase", "kl", "top1",
                    "tokens", "window", "text", "artifacts", "artifact_tag", "seconds", "date", "device", "threads",
@@ -34,22 +35,6 @@ KEY = ("model", "method", "sparsity", "window", "text", "artifact_tag")
 DEFAULT_SPECS = "mono,cats,dual,dual[hybrid],dual[lowrank],dejavu,teal"
 DEFAULT_KS = (0.5, 0.6, 0.7, 0.8, 0.9)
 MASK_K = 0.8  # masks recorded for the replay check (countdown.bench.maskreplay) at this k
-
-
-def artifact_options(spec: Spec) -> dict:
-    """``ensure_artifacts`` options of ``spec`` as the sweep spells them (none for the method's
-    default kind with default options), so both reuse one cached file."""
-    from ..prac.base import get_kind
-    from ..prac.prepare import default_kind
-
-    if spec.kind in (None, "threshold"):
-        return {}
-    options = dict(spec.options)
-    defaults = get_kind(spec.kind).defaults
-    options = {k: v for k, v in options.items() if defaults.get(k) != v}
-    if spec.kind == default_kind(spec.method) and not options:
-        return {}
-    return {"kind": spec.kind, **options}
 
 
 def artifact_tag(art) -> str:
@@ -136,16 +121,11 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
         for spec in parsed:
             if spec.is_dense:
                 continue
-            reason = availability(spec)
-            if reason:
-                log(f"skipping {reason}")
-                continue
-            spec = resolve_kind(spec)
-            options = artifact_options(spec)
+            spec = spec.resolved()
             start = time.perf_counter()
-            try:
-                art = ensure_artifacts(model, tokenizer, spec.method, list(ks), artifacts_dir, progress=False,
-                                       **{**options, **(calib or {})})
+            try:  # the spec's kind and options key the cached file (shared with the sweep's)
+                art = ensure_artifacts(model, tokenizer, spec, list(ks), artifacts_dir, progress=False,
+                                       **(calib or {}))
             except (TypeError, ValueError, NotImplementedError) as error:
                 log(f"skipping {spec.label}: the library could not build its artifacts ({type(error).__name__}: "
                     f"{str(error)[:200]})")
@@ -164,7 +144,7 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
                 if row_key in have and not want_masks:
                     continue
                 start = time.perf_counter()
-                sparsify(model, spec.method, k, mode="prac", artifacts=art, path="masked")
+                sparsify(model, spec, k, mode="prac", artifacts=art, path="masked")
                 try:
                     if want_masks:
                         _save_masks(mask_path, record_masks(model, held),

@@ -20,7 +20,7 @@ import torch
 from . import measure
 from .speedonly import (SPEED_ONLY, RANDOM_KINDS, SpecUnavailable, decode_prompts, fit_cuts_on_decode,
                         random_artifacts, retarget)
-from .specs import Spec, availability, resolve_kind
+from ..spec import Spec, parse_spec
 from .timing import Budget, PeakMemory, spread
 
 TIMED_PROMPT_SEED = 3
@@ -122,14 +122,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
     arts = _Artifacts(model, s, log)
     rows: list[dict] = []
     skipped = meta.setdefault("skipped", {})
-    specs = []
-    for spec in s.specs:
-        reason = availability(spec)
-        if reason:
-            skipped[spec.label] = reason
-            log(f"skipping {reason}")
-        elif not spec.is_dense:
-            specs.append(resolve_kind(spec))
+    specs = [spec.resolved() for spec in map(parse_spec, s.specs) if not spec.is_dense]
     prompt_all = torch.randint(0, model.config.vocab_size, (max(s.batches), s.prompt),
                                generator=torch.Generator().manual_seed(TIMED_PROMPT_SEED))
     prompt_all = prompt_all.to(next(model.parameters()).device)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .specs import Spec
+from ..spec import Spec, parse_spec
 
 SPEED_ONLY = "speed-only"
 RANDOM_KINDS = ("threshold", "lowrank", "hybrid", "ternary", "shadow")  # shadow: the model's own weights quantized
@@ -89,14 +89,15 @@ def on_device(art, device):
     return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
 
 
-def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
-    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary, shadow) for ``model`` at ``ks`` with
-    random predictor weights (shadow: the model's own weights quantized) and cuts that keep every row:
-    call :func:`fit_cuts_on_decode` next."""
+def random_artifacts(model, spec: str | Spec, ks: list[float], seed: int = 7):
+    """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary, shadow; a plain method: its default
+    kind) for ``model`` at ``ks`` with random predictor weights (shadow: the model's own weights quantized)
+    and cuts that keep every row: call :func:`fit_cuts_on_decode` next."""
     from ..artifacts import Artifacts, new_meta
     from ..mlp import require_gated_mlps
     from ..registry import get_method
 
+    spec = parse_spec(spec).resolved()
     if spec.kind not in RANDOM_KINDS:
         raise SpecUnavailable(f"{spec.label}: no random stand-in for kind {spec.kind!r}")
     mlps = require_gated_mlps(model)
@@ -107,13 +108,14 @@ def random_artifacts(model, spec: Spec, ks: list[float], seed: int = 7):
     return Artifacts(meta, tensors)
 
 
-def library_artifacts(model, spec: Spec, ks: list[float], texts: list[str], tokenizer, num_tokens: int,
+def library_artifacts(model, spec: str | Spec, ks: list[float], texts: list[str], tokenizer, num_tokens: int,
                       window: int = 128):
     """The library's own builder (``countdown.prac.prepare``) for ``spec`` (a kind this module cannot
     synthesise, e.g. shadow: closed-form, seconds); :class:`SpecUnavailable` with the library's
     message if it refuses."""
     from ..prac.prepare import prepare
 
+    spec = parse_spec(spec).resolved()
     options = dict(spec.options)
     if spec.kind in ("lowrank", "ternary"):
         options.setdefault("epochs", 1)

@@ -11,37 +11,50 @@ from .prac import add_prac_commands
 
 
 def cmd_methods(args) -> int:
+    from ..prac.base import kinds_for
     from ..registry import get_method, methods
+    from ..spec import parse_spec, spec_forms
 
     for name in methods():
         m = get_method(name)
         aliases = f"  (aliases: {', '.join(m.aliases)})" if m.aliases else ""
         print(f"{name:<8} {m.description}{aliases}")
+        kinds = kinds_for(name) if m.prac is not None else []
+        if len(kinds) > 1:
+            print(f"{'':<9}SP-Prac: {', '.join(spec_forms(name)[1:])}; default kind (plain {name}, --mode prac): "
+                  f"{parse_spec(name).resolved().label}")
+        elif kinds:
+            print(f"{'':<9}SP-Prac: {name} with --mode prac, or {name}[{kinds[0]}] (kind {kinds[0]})")
+    print("\nA method spec names the SP-Prac kind in brackets (it implies --mode prac), then its options: "
+          "dual[shadow3g32], dual[lowrank256], dual[shadow4,cut_rule=pooled], mono[rule=pooled] (countdown.spec)")
     return 0
 
 
 def _validated_method(args):
-    """Check method, sparsity, mode and artifacts before the (slow) model load."""
+    """Check the method spec, sparsity, mode and artifacts before the (slow) model load; returns the spec and
+    sets ``args.mode`` (default: prac where the spec names a kind, else ideal)."""
     from ..registry import check_sparsity, get_method
-
     from ..sparse import check_mode
+    from ..spec import parse_spec, resolve_mode
 
-    method = get_method(args.method)
+    spec = parse_spec(args.method)
+    method = get_method(spec.method)
     if not method.is_dense:
         check_sparsity(args.sparsity)
+    args.mode = resolve_mode(spec, args.mode)
     check_mode(method, args.mode, args.artifacts)
-    return method
+    return spec
 
 
 def _load_sparsified(args, scope: str, path: str = "auto"):
-    """Validate, then load ``args.model`` and patch it as the arguments say: (model, tok, method)."""
+    """Validate, then load ``args.model`` and patch it as the arguments say: (model, tok, spec)."""
     import countdown
 
-    method = _validated_method(args)
+    spec = _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    countdown.sparsify(model, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+    countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
                        scope=scope, artifacts=args.artifacts, path=path)
-    return model, tok, method
+    return model, tok, spec
 
 
 def cmd_models(args) -> int:
@@ -55,18 +68,18 @@ def cmd_models(args) -> int:
 def cmd_ppl(args) -> int:
     import countdown
 
-    model, tok, method = _load_sparsified(args, args.scope)
+    model, tok, spec = _load_sparsified(args, args.scope)
     ppl = countdown.perplexity(model, tok, texts=load_text_arg(args.texts), max_tokens=args.max_tokens,
                                window=args.window)
-    result = {"model": args.model, "method": method.name, "mode": args.mode, "scope": args.scope,
-              "sparsity": None if method.is_dense else args.sparsity, "perplexity": ppl,
-              "sparsity_real": None if method.is_dense else countdown.sparsity_real(model)["mean"],
+    result = {"model": args.model, "method": spec.label, "mode": args.mode, "scope": args.scope,
+              "sparsity": None if spec.is_dense else args.sparsity, "perplexity": ppl,
+              "sparsity_real": None if spec.is_dense else countdown.sparsity_real(model)["mean"],
               "tokens": args.max_tokens}
     if args.json:
         print(json.dumps(result))
     else:
-        real = "" if method.is_dense else f"   Sparsity-Real {result['sparsity_real']:.3f}"
-        print(f"{method.name} {args.mode} k={result['sparsity']} scope={args.scope}: perplexity {ppl:.3f}{real}")
+        real = "" if spec.is_dense else f"   Sparsity-Real {result['sparsity_real']:.3f}"
+        print(f"{spec.label} {args.mode} k={result['sparsity']} scope={args.scope}: perplexity {ppl:.3f}{real}")
     return 0
 
 
@@ -96,10 +109,10 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     import countdown
 
-    method = _validated_method(args)
+    spec = _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=method.name,
-                                sparsity=None if method.is_dense else args.sparsity, mode=args.mode,
+    result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=spec,
+                                sparsity=None if spec.is_dense else args.sparsity, mode=args.mode,
                                 artifacts=args.artifacts, batch_size=args.batch_size)
     if args.json:
         print(json.dumps(result, default=str))
@@ -117,9 +130,9 @@ def cmd_agreement(args) -> int:
     import countdown
     from ..eval.agreement import agreement
 
-    method = _validated_method(args)
+    spec = _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    result = agreement(model, tok, method.name, None if method.is_dense else args.sparsity, mode=args.mode,
+    result = agreement(model, tok, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
                        artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
                        judge_url=args.judge_url, judge_model=args.judge_model)
     print(json.dumps(result, indent=2, default=str))

@@ -28,13 +28,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
     p.add_argument("--method", default="mono",
-                   help="dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown; default mono)")
+                   help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
+                        "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
+                        "`countdown methods` lists them; default mono)")
     p.add_argument("--sparsity", "-k", type=float, default=0.8,
                    help="fraction of rows skipped per token, in (0, 1) (teal: of the entries of x and of s; "
                         "default 0.8)")
-    p.add_argument("--mode", default="ideal", choices=["ideal", "prac"],
+    p.add_argument("--mode", default=None, choices=["ideal", "prac"],
                    help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
-                        "--artifacts (default ideal)")
+                        "--artifacts (default: prac where --method names a kind, else ideal)")
     p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
                    help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
                         f"(default {default_scope})")

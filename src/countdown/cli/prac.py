@@ -12,7 +12,7 @@ import json
 from .common import add_model_args, parse_sparsities, load_text_arg
 
 
-def _artifact_out(args, method_name: str, ks: list[float]):
+def _artifact_out(args, slug: str, ks: list[float]):
     """The output path, checked before any work: writable, and not a file of another kind."""
     from pathlib import Path
 
@@ -20,36 +20,41 @@ def _artifact_out(args, method_name: str, ks: list[float]):
     from ..io import check_writable
 
     label = "_".join(f"{k:g}" for k in ks)
-    path = Path(args.out or f"{method_name}-{args.model.replace('/', '_')}-k{label}.safetensors")
+    path = Path(args.out or f"{slug}-{args.model.replace('/', '_')}-k{label}.safetensors")
     if not args.force:
         refuse_foreign(path)
     return check_writable(path)
 
 
 def _summarise_artifact(art, path) -> None:
+    from ..spec import artifact_spec
+
     meta = art.meta
-    print(f"wrote {path}: {meta['method']} {meta['kind']}, k = {', '.join(f'{k:g}' for k in art.sparsities)}, "
-          f"{meta['data']['num_tokens']} tokens of {meta['data']['name']}")
+    print(f"wrote {path}: {meta['method']} {meta['kind']} ({artifact_spec(art).label}), k = "
+          f"{', '.join(f'{k:g}' for k in art.sparsities)}, {meta['data']['num_tokens']} tokens of {meta['data']['name']}")
 
 
 def _build_artifact(args, build) -> int:
     """Check the output (and a checkpoint folder), lock them for the run, build with
-    ``build(model, tok, method, ks)``, save."""
+    ``build(model, tok, spec, kind, ks)`` (``kind``: --kind, else the spec's, else None), save."""
     import contextlib
     from pathlib import Path
 
     import countdown
     from ..io import check_writable_dir, file_lock
+    from ..spec import build_options, parse_spec
 
-    method = countdown.get_method(args.method)
-    # the method check before the (slow) model load
-    if args.command == "calibrate" and args.kind is None and method.prac != "threshold":
+    # the spec and method checks before the (slow) model load
+    spec = parse_spec(args.method)
+    method = countdown.get_method(spec.method)
+    _, kind, _ = build_options(spec, args.kind, {})  # --kind against the brackets
+    if args.command == "calibrate" and kind is None and method.prac != "threshold":
         raise ValueError(f"method {method.name!r} does not use calibrated thresholds: use `countdown train` "
-                         f"(or `countdown calibrate --kind shadow` for dual)")
+                         f"(or `countdown calibrate --method 'dual[shadow4]'` / --kind shadow for dual)")
     if args.command == "train" and method.prac != "predictor":
         raise ValueError(f"method {method.name!r} does not use a trained predictor: use `countdown calibrate`")
     ks = parse_sparsities(args.sparsity)
-    out = _artifact_out(args, method.name, ks)
+    out = _artifact_out(args, spec.slug, ks)
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
         check_writable_dir(checkpoint, "--checkpoint")
@@ -58,7 +63,7 @@ def _build_artifact(args, build) -> int:
         if checkpoint is not None:  # the training takes this lock again (re-entrant): same file
             locks.enter_context(file_lock(Path(checkpoint) / "config.json", what="checkpoint folder"))
         model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-        art = build(model, tok, method, ks)
+        art = build(model, tok, spec, kind, ks)
         art.save(out, force=args.force)
     _summarise_artifact(art, out)
     return 0
@@ -71,10 +76,10 @@ def _kind_options(args, names) -> dict:
 def cmd_calibrate(args) -> int:
     import countdown
 
-    def build(model, tok, method, ks):
-        kind = args.kind or countdown.prac.prepare.default_kind(method)
+    def build(model, tok, spec, kind, ks):
+        kind = kind or countdown.prac.prepare.default_kind(spec.method)
         names = {"threshold": ("rule",), "teal": ("allocation",)}.get(kind) or TRAIN_OPTIONS[kind]
-        return countdown.calibrate(model, tok, method, ks, kind=args.kind, texts=load_text_arg(args.texts),
+        return countdown.calibrate(model, tok, spec, ks, kind=args.kind, texts=load_text_arg(args.texts),
                                    num_tokens=args.num_tokens, refine=not args.no_refine,
                                    **_kind_options(args, names))
 
@@ -89,9 +94,9 @@ TRAINED_OPTIONS = ("d_rank", "epochs", "pos_weight", "init", "seed", "cut_rule")
 def cmd_train(args) -> int:
     import countdown
 
-    def build(model, tok, method, ks):
-        kind = args.kind or countdown.prac.prepare.default_kind(method)
-        art = countdown.train_predictors(model, tok, method, ks, kind=kind, texts=load_text_arg(args.texts),
+    def build(model, tok, spec, kind, ks):
+        kind = kind or countdown.prac.prepare.default_kind(spec.method)
+        art = countdown.train_predictors(model, tok, spec, ks, kind=kind, texts=load_text_arg(args.texts),
                                          num_tokens=args.num_tokens, selection=args.selection,
                                          checkpoint=args.checkpoint, refine=not args.no_refine,
                                          **_kind_options(args, TRAIN_OPTIONS.get(kind, TRAINED_OPTIONS)))
@@ -143,16 +148,17 @@ def cmd_quality(args) -> int:
 
 def add_prac_commands(sub) -> None:
     """Add ``calibrate``, ``train`` and ``quality`` to the subparsers ``sub``."""
-    out_help = "artifact path (default <method>-<model>-k<k>.safetensors in the current folder)"
+    out_help = "artifact path (default <method spec>-<model>-k<k>.safetensors in the current folder, e.g. dual-shadow3-...)"
     force_help = "replace --out even if it is not a countdown artifact (default: refuse)"
     p = sub.add_parser("calibrate", help="SP-Prac artifacts without training: thresholds for cats / mono / teal "
                                          "(several k from one pass); with --kind shadow or hybrid, dual's")
     add_model_args(p)
-    p.add_argument("--method", default="mono", help="cats, mono or teal; dual with --kind shadow/hybrid (default mono)")
+    p.add_argument("--method", default="mono", help="a method spec: cats, mono or teal; dual with its kind, "
+                                                  "'dual[shadow4]' or 'dual[hybrid]' (default mono)")
     p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["threshold", "shadow", "hybrid", "teal"],
-                   help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two), "
-                        "teal (teal's own, its default)")
+                   help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two, here "
+                        "or in --method's brackets), teal (teal's own, its default)")
     p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
     p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 4096 for thresholds, "
                                                                 "8192 otherwise)")
@@ -171,10 +177,12 @@ def add_prac_commands(sub) -> None:
 
     p = sub.add_parser("train", help="SP-Prac predictors for dual / dejavu, streamed layer by layer (resumable)")
     add_model_args(p)
-    p.add_argument("--method", default="dual", help="dual or dejavu (default dual)")
+    p.add_argument("--method", default="dual", help="a method spec: dual or dejavu, or with its kind, e.g. "
+                                                  "'dual[lowrank256]', 'dejavu[ternary]' (default dual)")
     p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["lowrank", "ternary", "hybrid", "shadow"],
-                   help="predictor kind (default: hybrid for dual, lowrank for dejavu)")
+                   help="predictor kind, also writable in --method's brackets (default: shadow for dual, lowrank "
+                        "for dejavu)")
     p.add_argument("--d-rank", type=int, default=None, help="rank (default 64 lowrank, 128 hybrid)")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default 2)")
     p.add_argument("--pos-weight", type=float, default=None, help="> 1 weighs kept rows up (recall; default none)")

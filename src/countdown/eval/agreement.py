@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode.cache import cache_kwargs, output_cache
+from ..spec import parse_spec, resolve_mode
 from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
 PROMPTS_FILE = "agreement_prompts.json"
@@ -117,11 +118,12 @@ def _stop_ids(model, tokenizer) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode: str = "ideal",
+def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode: str | None = None,
               artifacts: Any = None, prompts: list[str] | None = None, max_new_tokens: int = 32,
               chat: bool | None = None, path: str = "masked", judge_url: str | None = None,
               judge_model: str | None = None, judge_api_key: str | None = None) -> dict:
-    """Agreement of ``model`` sparsified with (method, sparsity, mode) with the dense ``model``.
+    """Agreement of ``model`` sparsified with (method, sparsity, mode) with the dense ``model``; ``method`` is
+    a method spec and ``mode`` defaults as for :func:`countdown.sparsify`.
 
     The model must not be patched already; it is patched for this call (``scope="decode"``) and
     restored afterwards. ``prompts`` defaults to :func:`default_prompts`; ``chat`` (default: when the
@@ -134,6 +136,7 @@ def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode
     """
     if is_sparsified(model):
         raise ValueError("agreement() needs the dense model: call countdown.unsparsify(model) first")
+    mode = resolve_mode(method, mode)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if judge_url and not judge_model:
@@ -172,7 +175,7 @@ def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode
     all_kl, all_top1 = torch.cat(kls), torch.cat(top1s)
     n = len(per_prompt)
     result = {
-        "method": method, "sparsity": sparsity, "mode": mode, "n_prompts": n, "max_new_tokens": max_new_tokens,
+        "method": parse_spec(method).label, "sparsity": sparsity, "mode": mode, "n_prompts": n, "max_new_tokens": max_new_tokens,
         "exact_match": sum(p["exact"] for p in per_prompt) / n,
         "prefix_match": sum(p["prefix"] for p in per_prompt) / n,
         "token_match": sum(p["token"] for p in per_prompt) / n,

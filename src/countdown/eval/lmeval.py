@@ -41,6 +41,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from ..spec import parse_spec, resolve_mode
 from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
 MODEL_NAME = "countdown"
@@ -62,7 +63,7 @@ class CountdownLM(HFLM):
     """
 
     def __init__(self, pretrained: Any = "smollm2-135m", tokenizer: Any = None, method: str | None = "dense",
-                 sparsity: float | None = None, mode: str = "ideal", artifacts: Any = None, path: str = "masked",
+                 sparsity: float | None = None, mode: str | None = None, artifacts: Any = None, path: str = "masked",
                  dtype: str = "fp32", device: str | None = "cpu", batch_size: int | str = 8, **kwargs):
         if isinstance(pretrained, str):
             from ..data.models import load_model
@@ -76,12 +77,14 @@ class CountdownLM(HFLM):
                              "(tokenizer=<the model's tokenizer>); the hub is not consulted for one")
         self._patched_here = False
         if method is not None:
+            mode = resolve_mode(method, mode)
             if is_sparsified(model):
                 raise ValueError("the model is already sparsified: pass method=None to evaluate it as patched, "
                                  "or countdown.unsparsify(model) first")
             sparsify(model, method, sparsity, mode=mode, scope="decode", artifacts=artifacts, path=path)
             self._patched_here = True
-        self.countdown_config = {"method": method, "sparsity": sparsity, "mode": mode,
+        self.countdown_config = {"method": None if method is None else parse_spec(method).label,
+                                 "sparsity": sparsity, "mode": mode,
                                  "artifacts": None if artifacts is None else str(artifacts), "path": path}
         try:
             super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
@@ -200,7 +203,7 @@ register()
 
 
 def evaluate(model: Any, tokenizer: Any, tasks: list[str] | str, limit: int | float | None = None,
-             method: str | None = "dense", sparsity: float | None = None, mode: str = "ideal",
+             method: str | None = "dense", sparsity: float | None = None, mode: str | None = None,
              artifacts: Any = None, batch_size: int | str = 8, num_fewshot: int | None = None,
              task_manager: Any = None, seed: int = DEFAULT_SEED, bootstrap_iters: int = 1000,
              path: str = "masked") -> dict:

@@ -24,7 +24,7 @@ from ..registry import kept_rows
 from .stream import like
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture
-from .cuts import calibrated_cuts, check_cut_rule
+from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule
 
 
 def fit_gate_lowrank(mlp: GatedMLP, X: torch.Tensor, d_rank: int) -> dict[str, torch.Tensor]:
@@ -156,6 +156,8 @@ class HybridKind(SelectorKind):
     # d_rank 128: the most rank that stays within the paper's 7 %-of-parameters budget on SmolLM2
     # (128 * (576 + 1536) per layer = 6.1 %); the fit is closed-form, so rank costs no training.
     defaults = {"d_rank": 128, "cut_rule": "mean-quantile", "max_activation_gb": 2.0}
+    spec_number = "d_rank"  # dual[hybrid64]
+    choices = {"cut_rule": CUT_RULES}
 
     def resolve_options(self, method, mlps, given):
         opts = super().resolve_options(method, mlps, given)

@@ -20,29 +20,22 @@ from ..artifacts import SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, 
 from ..mlp import require_gated_mlps
 from ..registry import Method, get_method, sparsity_list
 from .stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts, token_windows)
-from .base import KINDS, FitContext, check_selection, get_kind, kinds_for
+from .base import DEFAULT_KIND, KINDS, FitContext, check_selection, default_kind, get_kind, kinds_for  # noqa: F401
 from .cuts import refine_cuts
+from ..spec import Spec, build_options
 
-# The kind each method gets when none is named. dual's is the most accurate practical kind measured
-# (results/prac_quality: 4-bit shadows within 3 % of dual SP-Ideal on SmolLM2-135M at k = 0.7 / 0.8, where
-# the hybrid kind was 19 % / 18 % above it) that also reads fewer bytes than mono; dejavu has no u to use.
-DEFAULT_KIND = {"cats": "threshold", "mono": "threshold", "dual": "shadow", "dejavu": "lowrank", "teal": "teal"}
 TRAINED = ("lowrank", "ternary")  # the kinds that need gradient training (train_predictors)
 
 
-def default_kind(method: str | Method) -> str:
-    m = get_method(method)
-    if m.prac is None:
-        raise ValueError(f"method {m.name!r} has no SP-Prac artifacts (it skips nothing)")
-    return DEFAULT_KIND[m.name]
-
-
-def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None, texts=None,
+def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None, texts=None,
             num_tokens: int | None = None, window: int = DEFAULT_WINDOW, selection: str | None = None,
             refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS, checkpoint: str | os.PathLike | None = None,
             progress: bool = True, **options: Any) -> Artifacts:
     """Build the SP-Prac artifact of ``method`` at one or more sparsities for ``model``.
 
+    method: a method spec (:mod:`countdown.spec`): ``"mono"``, ``"dual"`` (its default kind) or a kind and its
+        options in brackets, ``"dual[shadow4]"``, ``"dual[lowrank256]"``; an explicit ``kind=`` or option that
+        disagrees with the brackets is refused.
     sparsity: one k in (0, 1) or a list (one data pass serves all of them).
     kind: ``"threshold"`` (cats, mono), ``"hybrid"`` / ``"lowrank"`` / ``"ternary"`` (dual; dejavu:
         lowrank, ternary), ``"teal"`` (teal: thresholds on x and s, :mod:`countdown.prac.teal`) or any registered kind (``countdown.prac.KINDS``); default per method
@@ -60,6 +53,7 @@ def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: s
         e.g. ``rule`` for thresholds, ``d_rank``/``epochs``/``cut_rule`` for predictors.
     Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
     """
+    method, kind, options = build_options(method, kind, options)
     m = get_method(method)
     kind_name = default_kind(m) if kind is None else kind
     if kind_name not in KINDS:
@@ -90,13 +84,14 @@ def prepare(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: s
     return art
 
 
-def calibrate(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None,
+def calibrate(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None,
               **kwargs: Any) -> Artifacts:
     """SP-Prac artifacts that need no gradient training: per-layer thresholds ``tau_hat`` for the
     threshold methods (cats, mono: the paper's mean of per-token k-quantiles, ``rule="pooled"`` the
     quantile of all values; teal: thresholds on x and s with TEAL's greedy per-layer allocation), or,
-    with ``kind=``, the shadow / hybrid kinds of dual.
+    with ``kind=`` or a spec that names it (``"dual[shadow4]"``), the shadow / hybrid kinds of dual.
     Same arguments as :func:`prepare`."""
+    method, kind, kwargs = build_options(method, kind, kwargs)
     m = get_method(method)
     if kind is None and m.prac != "threshold":
         hint = ("train predictors with countdown.train_predictors, or pass kind= (e.g. kind='shadow')"
@@ -107,12 +102,14 @@ def calibrate(model: nn.Module, tokenizer, method: str | Method, sparsity, kind:
     return prepare(model, tokenizer, m, sparsity, kind=kind, **kwargs)
 
 
-def train_predictors(model: nn.Module, tokenizer, method: str | Method, sparsity, kind: str | None = None,
+def train_predictors(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None,
                      **kwargs: Any) -> Artifacts:
     """SP-Prac predictors for the predictor methods (dual, dejavu), one per Gated-MLP and k:
     ``kind="lowrank"`` (the paper's, trained by BCE), ``"ternary"`` (the paper's TernaryLinear),
     ``"hybrid"`` (dual: dense u, closed-form low-rank gate) or ``"shadow"`` (dual's default: low-bit
-    copies of W_gate and W_up). Same arguments as :func:`prepare`."""
+    copies of W_gate and W_up); or a spec that names the kind (``"dual[lowrank256]"``). Same arguments as
+    :func:`prepare`."""
+    method, kind, kwargs = build_options(method, kind, kwargs)
     m = get_method(method)
     if m.prac != "predictor":
         hint = ("calibrate thresholds with countdown.calibrate" if m.prac == "threshold" else "it skips nothing")
@@ -128,16 +125,21 @@ def _options_key(method: Method, options: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir: str | os.PathLike,
+def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: str | os.PathLike,
                      **options: Any) -> Artifacts:
-    """Load cached artifacts for (model, method, sparsity, options) or build and save them.
+    """Load cached artifacts for (model, method spec, sparsity, options) or build and save them.
 
+    ``method`` is a spec as for :func:`prepare` (``"dual[shadow4]"``: kind and options from the brackets).
     ``sparsity`` is one k or a list (one file then holds all of them; a later call for any subset
     reuses it). ``options`` go to :func:`prepare` (``kind=`` included) and are part of the cache key
-    with the library version, so other options build other files. Files are named
+    with the library version, so other options build other files; an option at its kind's default keys
+    the same file as leaving it out (``dual`` and ``dual[shadow4]`` share one). Files are named
     ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``; a corrupt or edited
     cached file is skipped and rebuilt.
     """
+    method, kind, options = build_options(method, options.pop("kind", None), options)
+    if kind is not None:
+        options["kind"] = kind
     m = get_method(method)
     ks = sorted({round(k, 6) for k in sparsity_list(sparsity)})
     default_kind(m)
@@ -147,6 +149,9 @@ def ensure_artifacts(model, tokenizer, method: str | Method, sparsity, cache_dir
     keyed = {key: value for key, value in options.items() if key not in ("progress", "checkpoint")}
     # the kind is part of the key even when left to the default, so a change of default builds anew
     keyed["kind"] = keyed.get("kind") or default_kind(m)
+    if keyed["kind"] in KINDS:  # a kind's option at its default is the same file as the option left out
+        defaults = get_kind(keyed["kind"]).defaults
+        keyed = {key: value for key, value in keyed.items() if key not in defaults or defaults[key] != value}
     stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
     cache = Path(cache_dir).expanduser()
     if cache.is_dir():

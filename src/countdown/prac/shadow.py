@@ -31,7 +31,7 @@ from ..mlp import GatedMLP
 from ..registry import kept_rows
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture
-from .cuts import calibrated_cuts, check_cut_rule
+from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule
 
 DEFAULT_BITS = 4
 DEFAULT_GROUP = 64
@@ -131,6 +131,8 @@ class ShadowKind(SelectorKind):
     selections = ("cut", "topk")
     default_selection = "cut"
     defaults = {"bits": DEFAULT_BITS, "group": DEFAULT_GROUP, "cut_rule": "mean-quantile", "max_activation_gb": 2.0}
+    spec_number, spec_number_shown, spec_letters = "bits", True, {"g": "group"}  # dual[shadow4], dual[shadow3g32]
+    choices = {"bits": BITS, "cut_rule": CUT_RULES}
 
     def resolve_options(self, method, mlps, given):
         opts = super().resolve_options(method, mlps, given)

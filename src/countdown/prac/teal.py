@@ -154,6 +154,7 @@ class TealKind(SelectorKind):
     # Sparsity-Real; greedy_tokens: captured inputs the walk measures output errors on.
     defaults = {"allocation": "greedy", "step": 0.02, "greedy_tokens": 512, "batch_size": 4,
                 "max_activation_gb": 2.0}
+    choices = {"allocation": ALLOCATIONS}
 
     def resolve_options(self, method, mlps, given):
         opts = super().resolve_options(method, mlps, given)

@@ -70,6 +70,7 @@ class TernarySelector(RowSelector):
 class TernaryKind(TrainedKind):
     name = "ternary"
     tensor_names = ("ternary", "scale")
+    spec_number = None  # full rank: no d_rank to write
 
     def resolve_options(self, method, mlps, given):
         opts = super().resolve_options(method, mlps, given)  # d_rank is accepted and unused: full rank

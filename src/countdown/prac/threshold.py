@@ -25,7 +25,7 @@ from ..mlp import GatedMLP
 from ..registry import Method, kept_rows
 from .stream import indicator_of, stream_mlp_inputs
 from .base import FitContext, RowSelector, SelectorKind, register_kind
-from .cuts import CutEstimator
+from .cuts import CUT_RULES, CutEstimator
 
 
 class ThresholdSelector(RowSelector):
@@ -76,6 +76,7 @@ class ThresholdKind(SelectorKind):
     default_tokens = 4096
     # rule: how tau is estimated (mean-quantile: the paper; pooled); batch_size: windows per forward.
     defaults = {"rule": "mean-quantile", "batch_size": 4}
+    choices = {"rule": CUT_RULES}
 
     def refine_rule(self, opts: dict) -> str:
         return opts["rule"]

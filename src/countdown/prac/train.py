@@ -28,7 +28,7 @@ from ..registry import Method, kept_rows
 from .stream import indicator_of
 from .base import SelectorKind
 from .capture import fit_by_capture
-from .cuts import calibrated_cuts, check_cut_rule
+from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule
 from .hybrid import fit_gate_lowrank
 
 INITS = ("gate", "random")
@@ -84,6 +84,8 @@ class TrainedKind(SelectorKind):
     defaults = {"d_rank": None, "epochs": 2, "batch_size": 512, "lr": 1e-3, "weight_decay": 0.0,
                 "pos_weight": None, "init": "gate", "seed": 42, "cut_rule": "mean-quantile",
                 "max_activation_gb": 2.0}
+    spec_number = "d_rank"  # dual[lowrank256]
+    choices = {"cut_rule": CUT_RULES, "init": INITS}
 
     def resolve_options(self, method, mlps, given):
         opts = super().resolve_options(method, mlps, given)

@@ -7,7 +7,7 @@ the sparse second half) or the agreement metrics with the dense model. Dense is 
 
 The package, one concept per module:
 
-* :mod:`.cells`: method specs, configurations, cells and their CSV keys (the grid);
+* :mod:`.cells`: method specs (:mod:`countdown.spec`) as CSV labels, configurations, cells and their keys;
 * :mod:`.measure`: measuring cells; all configurations of an lm-eval task share each prompt's dense
   pass (:mod:`countdown.eval.shared_prompt`);
 * :mod:`.runner`: :func:`run_sweep`, resuming and Ctrl-C;
@@ -24,7 +24,7 @@ and ``<model>.png``. See docs/sweep.md.
 
 from .cells import (AGREEMENT_METRICS, AGREEMENT_TASK, CSV_FIELDS, DEFAULT_METHODS, DEFAULT_MODES,
                     DEFAULT_SPARSITIES, DEFAULT_TASKS, KEY_FIELDS, MODE_LABEL, MODES, PPL_TASKS, CellSpec,
-                    MethodSpec, format_k, model_label, parse_method_spec, parse_methods, plan_cells, row_key)
+                    column_label, format_k, model_label, parse_methods, plan_cells, row_key)
 from .command import add_arguments, split_list, sweep_from_args
 from .orderings import TARGET_K, orderings, orderings_markdown
 from .report import agreement_markdown, plot_scores, write_report

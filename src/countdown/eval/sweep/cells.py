@@ -1,4 +1,4 @@
-"""The grid of a sweep: method specs, configurations, cells and their CSV keys."""
+"""The grid of a sweep: its method specs (:mod:`countdown.spec`) as CSV labels, configurations, cells and their keys."""
 
 from __future__ import annotations
 
@@ -6,14 +6,11 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...prac import kinds as _registered_kinds  # noqa: F401  (importing it fills the kind registry)
-from ...prac.base import get_kind, kinds_for
-from ...prac.prepare import DEFAULT_KIND
-from ...registry import get_method
+from ...spec import Spec, parse_spec, parse_specs
 
 DEFAULT_METHODS = ("dense", "cats", "mono", "dual", "dejavu")
 DEFAULT_MODES = ("ideal", "prac")
@@ -29,9 +26,6 @@ PPL_TASKS = {"ppl_all": "all", "ppl_decode": "decode"}  # task name -> demo.STYL
 AGREEMENT_TASK = "agreement"
 AGREEMENT_METRICS = ("exact_match", "prefix_match", "token_match", "kl", "top1")
 MODE_LABEL = {"ideal": "SP-Ideal", "prac": "SP-Prac"}
-
-# A method's SP-Prac kinds come from countdown.prac's registry (kinds_for); a kind with a ``bits``
-# option takes its bit width as a suffix (``dual[shadow4]``; no suffix: the kind's default).
 
 
 def format_k(k: float | None) -> str:
@@ -50,72 +44,28 @@ def model_label(model_name: str) -> str:
     return label
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method as the sweep names it: ``"mono"`` or ``"dual[lowrank]"``.
-
-    ``method``: the registry name; ``label``: what the CSV's method column holds (the kind in
-    brackets when it is not the method's default SP-Prac kind); ``options``: what the kind adds to
-    the SP-Prac artifact options (``{"kind": "shadow", "bits": 4}``).
-    """
-
-    method: str
-    label: str
-    options: dict = field(default_factory=dict, hash=False, compare=False)
-
-    @property
-    def kinded(self) -> bool:
-        return self.label != self.method
+def column_label(spec: str | Spec) -> str:
+    """What the CSV's method column holds for ``spec``'s SP-Prac configuration: the plain method where the
+    spec is the method's default kind with default options (``dual[shadow4]`` -> ``dual``, as sweeps have
+    always written it), else the canonical label (``dual[hybrid]``, ``dual[shadow3]``)."""
+    spec = parse_spec(spec)
+    if spec.is_dense or spec.resolved() == parse_spec(spec.method).resolved():
+        return spec.method
+    return spec.resolved().label
 
 
-_SPEC = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*(?:\[\s*([A-Za-z]+)(\d*)\s*\])?\s*$")
-
-
-def parse_method_spec(text: str) -> MethodSpec:
-    """``"dual"``, ``"dual[hybrid]"``, ``"dual[lowrank]"``, ``"dual[shadow4]"`` -> :class:`MethodSpec`.
-
-    The kinds a method takes are those of :mod:`countdown.prac`'s registry that serve it. A kind
-    equal to the method's default (``dual[shadow]`` / ``dual[shadow4]``, ``mono[threshold]``) is the plain method.
-    Unknown methods and kinds, a kind on dense, and bits on a kind without a ``bits`` option are
-    ValueErrors naming the spec and the choices.
-    """
-    match = _SPEC.match(str(text))
-    if not match:
-        raise ValueError(f"cannot read the method spec {text!r}: write a method (mono) or a method and an "
-                         "SP-Prac kind (dual[lowrank], dual[shadow4])")
-    name, kind, bits = match.groups()
-    method = get_method(name).name  # unknown method: the registry's error lists the methods
-    if kind is None:
-        return MethodSpec(method, method)
-    kind = kind.lower()
-    if get_method(method).prac is None:
-        raise ValueError(f"{text!r}: {method} has no SP-Prac kinds (it skips nothing); write {method}")
-    choices = kinds_for(method)
-    if kind not in choices:
-        shown = ", ".join(f"{c}<bits>" if "bits" in get_kind(c).defaults else c for c in choices)
-        raise ValueError(f"unknown SP-Prac kind {kind!r} in {text!r}: {method} takes {shown} "
-                         f"(e.g. {method}[{choices[-1]}])")
-    defaults = get_kind(kind).defaults
-    if bits and "bits" not in defaults:
-        raise ValueError(f"{text!r}: only a kind with a bit width (shadow) takes a number; write {method}[{kind}]")
-    if kind == DEFAULT_KIND.get(method) and (not bits or int(bits) == defaults.get("bits")):
-        return MethodSpec(method, method)
-    if "bits" in defaults:
-        n_bits = int(bits) if bits else int(defaults["bits"])
-        return MethodSpec(method, f"{method}[{kind}{n_bits}]", {"kind": kind, "bits": n_bits})
-    return MethodSpec(method, f"{method}[{kind}]", {"kind": kind})
-
-
-def parse_methods(methods: Sequence[str]) -> list[MethodSpec]:
-    """Every spec of ``methods`` parsed, duplicates dropped, order kept."""
-    specs = [parse_method_spec(m) for m in methods]
-    return list({s.label: s for s in reversed(specs)}.values())[::-1]
+def parse_methods(methods: Sequence[str | Spec] | str) -> list[Spec]:
+    """Every spec of ``methods`` (:func:`countdown.spec.parse_specs`), one per CSV label, order kept."""
+    first: dict[str, Spec] = {}
+    for spec in parse_specs(methods):
+        first.setdefault(column_label(spec), spec)
+    return list(first.values())
 
 
 @dataclass(frozen=True)
 class CellSpec:
     """One cell to measure. ``kind`` is ``"lmeval"``, ``"ppl"`` or ``"agreement"``; ``method`` is
-    the spec's label (``"dual[lowrank]"``)."""
+    the CSV's label of the spec (:func:`column_label`: ``"dual[lowrank]"``)."""
 
     method: str
     mode: str  # "" for dense
@@ -161,22 +111,21 @@ def agreement_setting(prompts: list[str] | None, n_default: int, max_new_tokens:
     return f"prompts={len(prompts)}-{short_hash(prompts)};new_tokens={max_new_tokens}"
 
 
-def configurations(specs: Sequence[MethodSpec], modes: Sequence[str],
+def configurations(specs: Sequence[Spec], modes: Sequence[str],
                    sparsities: Sequence[float]) -> list[tuple[str, str, float | None]]:
-    """``(label, mode, k)`` of every configuration, dense first. SP-Ideal has no kinds: a kinded spec
-    adds only SP-Prac configurations (its SP-Ideal is the plain method's)."""
-    labels = [s.label for s in specs]
+    """``(label, mode, k)`` of every configuration, dense first (``label``: :func:`column_label`). SP-Ideal
+    has no kinds: a kinded spec adds only SP-Prac configurations (its SP-Ideal is the plain method's)."""
     configs: list[tuple[str, str, float | None]] = []
-    if "dense" in labels:
+    if any(s.is_dense for s in specs):
         configs.append(("dense", "", None))
     for mode in modes:
-        names = [s.label if mode == "prac" else s.method for s in specs if s.method != "dense"]
+        names = [column_label(s) if mode == "prac" else s.method for s in specs if not s.is_dense]
         for name in dict.fromkeys(names):
             configs.extend((name, mode, k) for k in sparsities)
     return configs
 
 
-def plan_cells(methods: Sequence[str | MethodSpec], modes: Sequence[str], sparsities: Sequence[float],
+def plan_cells(methods: Sequence[str | Spec], modes: Sequence[str], sparsities: Sequence[float],
                tasks: Sequence[str], lmeval: str, ppl: str | None, agreement: str | None,
                artifacts_tag: str = "") -> list[CellSpec]:
     """Every cell of the sweep, configuration by configuration (dense first).
@@ -184,7 +133,7 @@ def plan_cells(methods: Sequence[str | MethodSpec], modes: Sequence[str], sparsi
     Per configuration: each lm-eval task, then perplexity in both styles (if ``ppl``), then
     agreement (if ``agreement``; not for dense, whose agreement with itself is 1 by definition).
     """
-    specs = [m if isinstance(m, MethodSpec) else parse_method_spec(m) for m in methods]
+    specs = [parse_spec(m) for m in methods]
     cells = []
     for method, mode, k in configurations(specs, modes, sparsities):
         tag = artifacts_tag if mode == "prac" else ""

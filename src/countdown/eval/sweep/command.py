@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
     """The arguments of ``countdown sweep`` on an argparse (sub)parser."""
     p.add_argument("--model", default="smollm2-135m", help="catalogue name, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated method specs; an SP-Prac kind in brackets, e.g. "
+                   help="comma-separated method specs (countdown.spec); an SP-Prac kind in brackets, e.g. "
                         "dense,mono,dual,dual[lowrank],dual[shadow4] (default: the five methods)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="ideal,prac (dense has no mode; default both)")
     p.add_argument("--sparsity", "-k", default=",".join(format_k(k) for k in DEFAULT_SPARSITIES),

@@ -10,7 +10,8 @@ from ..agreement import agreement
 from ..grid import STYLES
 from ..perplexity import perplexity
 from ...sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify
-from .cells import AGREEMENT_METRICS, PPL_TASKS, CellSpec, MethodSpec, format_k
+from ...spec import Spec
+from .cells import AGREEMENT_METRICS, PPL_TASKS, CellSpec, format_k
 
 DEFAULT_CHUNK = 16  # prompts per shared batch (countdown.eval.shared_prompt.score_requests)
 # configurations per shared pass: more share each prompt's forward; fewer lose less to an interruption
@@ -98,25 +99,20 @@ def measure_agreement(model, tokenizer, cell: CellSpec, method: str, artifacts, 
             "n": res["n_prompts"], "samples": None, "seconds": time.perf_counter() - start}
 
 
-def ensure_prac(model, tokenizer, spec: MethodSpec, sparsities, artifacts_dir, options: dict | None, progress,
+def ensure_prac(model, tokenizer, spec: Spec, sparsities, artifacts_dir, options: dict | None, progress,
                 log: Callable[[str], None]):
-    """The SP-Prac artifacts of one method spec for every k (built once, cached in ``artifacts_dir``)."""
+    """The SP-Prac artifacts of one method spec for every k (built once, cached in ``artifacts_dir``; the
+    spec's kind and options key the file, an option at its default as if left out)."""
     from ...prac.prepare import ensure_artifacts
 
     if artifacts_dir is None:
         from ...data.texts import cache_root
 
         artifacts_dir = cache_root() / "artifacts"
-    log(f"  SP-Prac artifacts for {spec.label} (k = {', '.join(format_k(k) for k in sparsities)}) from "
-        f"{artifacts_dir} (built and cached on first use)")
-    try:
-        return ensure_artifacts(model, tokenizer, spec.method, list(sparsities), artifacts_dir,
-                                **{"progress": progress, **(options or {}), **spec.options})
-    except TypeError as err:
-        if spec.options and ("kind" in str(err) or "bits" in str(err)):
-            raise ValueError(f"{spec.label}: this countdown cannot build SP-Prac kind {spec.options} yet "
-                             f"({err}); leave {spec.label} out of --methods") from None
-        raise
+    log(f"  SP-Prac artifacts for {spec.resolved().label} (k = {', '.join(format_k(k) for k in sparsities)}) "
+        f"from {artifacts_dir} (built and cached on first use)")
+    return ensure_artifacts(model, tokenizer, spec, list(sparsities), artifacts_dir,
+                            **{"progress": progress, **(options or {})})
 
 
 def artifact_summary(art, tag: str) -> dict:

@@ -18,8 +18,8 @@ from ...io import check_writable_dir
 from ...registry import check_sparsity
 from . import measure, offline
 from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, MODES, CellSpec,
-                    agreement_setting, format_k, lmeval_setting, model_label, parse_methods, plan_cells,
-                    ppl_setting, row_key, short_hash)
+                    agreement_setting, column_label, format_k, lmeval_setting, model_label, parse_methods,
+                    plan_cells, ppl_setting, row_key, short_hash)
 from .report import write_report
 from .store import DEFAULT_WAIT, SweepStore, encode_outcomes
 
@@ -143,8 +143,9 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
               scores: Sequence[str] | None = None, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the quality sweep and write ``<out_dir>/<model>.csv``, ``.docs.csv``, ``.md``, ``.png``.
 
-    methods: method specs, ``"mono"`` or ``"dual[lowrank]"`` / ``"dual[shadow4]"`` (an SP-Prac kind;
-        :func:`~countdown.eval.sweep.cells.parse_method_spec`); dense (if listed) is one configuration.
+    methods: method specs (:mod:`countdown.spec`), ``"mono"`` or ``"dual[lowrank]"`` / ``"dual[shadow3]"`` (an
+        SP-Prac kind; the CSV's method column: :func:`~countdown.eval.sweep.cells.column_label`, the plain
+        method for its default kind); dense (if listed) is one configuration.
         SP-Prac uses thresholds for cats/mono and predictors for dual/dejavu, built once per spec
         for all ``sparsities`` with :func:`countdown.ensure_artifacts` (``artifact_options``
         and the spec's kind passed on) and cached in ``artifacts_dir`` (default ``<cache>/artifacts``).
@@ -197,10 +198,11 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     p_setting = ppl_setting(ppl_tokens, ppl_window, ppl_texts) if ppl_tokens > 0 else None
     artifacts_tag = short_hash(artifact_options) if artifact_options else ""
     cells = plan_cells(specs, modes, sparsities, tasks, lm_setting, p_setting, agree_setting, artifacts_tag)
-    spec_of = {s.label: s for s in specs} | {s.method: s for s in specs if not s.kinded}
-    method_of = {s.label: s.method for s in specs} | {s.method: s.method for s in specs}
-    command = command or command_line(model_name, [s.label for s in specs], modes, sparsities, tasks, limit,
-                                      out_dir, ppl_tokens, len(prompt_list))
+    # CSV label -> the spec its SP-Prac cells build artifacts for, and the method its SP-Ideal cells run
+    spec_of = {column_label(s): s for s in specs}
+    method_of = {column_label(s): s.method for s in specs} | {s.method: s.method for s in specs}
+    command = command or command_line(model_name, [column_label(s) for s in specs], modes, sparsities, tasks,
+                                      limit, out_dir, ppl_tokens, len(prompt_list))
 
     def pending() -> list[CellSpec]:
         done = {row_key(r) for r in store.rows()}  # re-read: another run may have measured some
