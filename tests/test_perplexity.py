@@ -45,20 +45,20 @@ def test_windows_start_with_bos_and_hold_the_stream():
 def test_dense_perplexity_matches_direct_computation():
     model = tiny_model("llama", torch.float64)
     tok = CharTokenizer()
-    rows = token_windows(tok, TEXTS, max_tokens=120, window=24)
-    got = countdown.perplexity(model, tok, TEXTS, max_tokens=120, window=24, batch_size=2, progress=False)
+    rows = token_windows(tok, TEXTS, max_tokens=115, window=24)
+    got = countdown.perplexity(model, tok, TEXTS, max_tokens=115, window=24, batch_size=2, progress=False)
     assert got == pytest.approx(direct_ppl(model, rows, 0), rel=1e-9)
 
 
 def test_decode_style_scores_only_the_sparse_second_half():
     model = tiny_model("gemma3", torch.float64)
     tok = CharTokenizer()
-    rows = token_windows(tok, TEXTS, max_tokens=120, window=24)
-    dense_half = countdown.perplexity(model, tok, TEXTS, max_tokens=120, window=24, prompt_fraction=0.5,
+    rows = token_windows(tok, TEXTS, max_tokens=115, window=24)
+    dense_half = countdown.perplexity(model, tok, TEXTS, max_tokens=115, window=24, prompt_fraction=0.5,
                                       progress=False)
     assert dense_half == pytest.approx(direct_ppl(model, rows, 11), rel=1e-9)
-    countdown.sparsify(model, "dual", 0.8)  # scope decode: decode-style by default
-    sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=120, window=24, progress=False)
+    countdown.sparsify(model, "dual", 0.8)
+    sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=115, window=24, metric="decode", progress=False)
     # Only the 12 sparse positions of each of the 5 windows were counted.
     assert countdown.sparse.state_of(model).layers[0].rows_total == 5 * 12 * 97
     with countdown.dense_prefix(model, 12):
@@ -70,11 +70,42 @@ def test_decode_style_scores_only_the_sparse_second_half():
 def test_all_positions_sparse_differs_from_dense():
     model = tiny_model("phi3", torch.float64)
     tok = CharTokenizer()
-    dense = countdown.perplexity(model, tok, TEXTS, max_tokens=96, window=24, progress=False)
+    dense = countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, progress=False)
     countdown.sparsify(model, "mono", 0.9, scope="all")
-    sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=96, window=24, progress=False)
+    sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, progress=False)
     assert math.isfinite(sparse) and sparse != pytest.approx(dense, rel=1e-6)
     assert countdown.sparsity_real(model)["mean"] == pytest.approx(1 - 9 / 97)
+
+
+def test_the_metric_is_what_is_asked_whatever_the_patch_scope():
+    """metric "all" (the default) scores every position, sparse, on a model patched with scope "decode" too;
+    "decode" is the same number as prompt_fraction 0.5, and an unknown metric names the choices."""
+    model = tiny_model("llama", torch.float64)
+    tok = CharTokenizer()
+    rows = token_windows(tok, TEXTS, max_tokens=92, window=24)
+    countdown.sparsify(model, "mono", 0.7)  # scope "decode"
+    every = countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, progress=False)
+    with countdown.dense_prefix(model, 0):
+        assert every == pytest.approx(direct_ppl(model, rows, 0), rel=1e-9)
+    decode = countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, metric="decode", progress=False)
+    assert decode == countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, prompt_fraction=0.5,
+                                          progress=False)
+    assert decode != pytest.approx(every, rel=1e-6)
+    with pytest.raises(ValueError, match=r"metric must be one of \('all', 'decode'\)"):
+        countdown.perplexity(model, tok, TEXTS, max_tokens=92, window=24, metric="prompt", progress=False)
+
+
+def test_any_max_tokens_works():
+    """Fewer tokens than one window: one shorter window, scored like the others; more: whole windows only."""
+    model = tiny_model("llama", torch.float64)
+    tok = CharTokenizer()
+    stream = tok(TEXTS[0] + "\n\n")["input_ids"]
+    short = countdown.perplexity(model, tok, TEXTS, max_tokens=10, window=24, progress=False)
+    assert short == pytest.approx(direct_ppl(model, torch.tensor([[1] + stream[:10]]), 0), rel=1e-9)
+    whole = countdown.perplexity(model, tok, TEXTS, max_tokens=46, window=24, progress=False)
+    assert countdown.perplexity(model, tok, TEXTS, max_tokens=50, window=24, progress=False) == whole
+    with pytest.raises(ValueError, match="max_tokens must be at least 2"):
+        countdown.perplexity(model, tok, TEXTS, max_tokens=1, window=24, progress=False)
 
 
 def test_too_little_text_is_a_clear_error():

@@ -95,9 +95,11 @@ PRAC_QUALITY = {  # benchmarks/prac_quality.py's labels in results/prac_quality 
 
 
 def test_every_label_of_the_committed_results_parses_or_is_explained():
-    files = [f for pattern in ("results/**/*.csv", "benchmarks/results/**/decode*.csv",
-                               "benchmarks/results/countdown_bench/*.csv", "benchmarks/results/tp_decode.csv")
-             for f in glob.glob(str(ROOT / pattern), recursive=True)]
+    # the results tables whose method column names configurations (kernel tables name kernel routes)
+    patterns = ("results/**/decode.csv", "results/quality/*.csv", "results/prac_quality/*.csv", "results/teal/*.csv",
+                "results/countdown_bench/*.csv", "results/operating_points/**/*.csv", "results/demo/*.csv",
+                "results/tp_decode.csv", "results/decode_cpu.csv")
+    files = [f for pattern in patterns for f in glob.glob(str(ROOT / pattern), recursive=True)]
     labels = set()
     for path in files:
         with open(path, newline="") as f:

@@ -68,10 +68,10 @@ def cmd_models(args) -> int:
 def cmd_ppl(args) -> int:
     import countdown
 
-    model, tok, spec = _load_sparsified(args, args.scope)
+    model, tok, spec = _load_sparsified(args, "decode")  # the metric, not the scope, decides what is sparse
     ppl = countdown.perplexity(model, tok, texts=load_text_arg(args.texts), max_tokens=args.max_tokens,
-                               window=args.window)
-    result = {"model": args.model, "method": spec.label, "mode": args.mode, "scope": args.scope,
+                               window=args.window, metric=args.metric)
+    result = {"model": args.model, "method": spec.label, "mode": args.mode, "metric": args.metric,
               "sparsity": None if spec.is_dense else args.sparsity, "perplexity": ppl,
               "sparsity_real": None if spec.is_dense else countdown.sparsity_real(model)["mean"],
               "tokens": args.max_tokens}
@@ -79,7 +79,7 @@ def cmd_ppl(args) -> int:
         print(json.dumps(result))
     else:
         real = "" if spec.is_dense else f"   Sparsity-Real {result['sparsity_real']:.3f}"
-        print(f"{spec.label} {args.mode} k={result['sparsity']} scope={args.scope}: perplexity {ppl:.3f}{real}")
+        print(f"{spec.label} {args.mode} k={result['sparsity']} metric={args.metric}: perplexity {ppl:.3f}{real}")
     return 0
 
 
@@ -203,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
     add_model_args(p)
-    add_sparse_args(p, default_scope="all")
+    add_sparse_args(p, default_scope=None)
+    p.add_argument("--metric", default="all", choices=["all", "decode"],
+                   help="all: every position scored, every position sparse (the papers' convention); decode: the "
+                        "first half of each window a dense prompt, the second half sparse and scored (default all)")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens of held-out text (default 8192)")
     p.add_argument("--window", type=int, default=512, help="tokens per forward window (default 512)")
     p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")

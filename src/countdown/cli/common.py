@@ -26,7 +26,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
 
-def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -> None:
+def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "decode") -> None:
+    """--method, --sparsity, --mode, --artifacts, and --scope unless ``default_scope`` is None."""
     p.add_argument("--method", default="mono",
                    help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
                         "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
@@ -37,9 +38,10 @@ def add_sparse_args(p: argparse.ArgumentParser, default_scope: str = "decode") -
     p.add_argument("--mode", default=None, choices=["ideal", "prac"],
                    help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
                         "--artifacts (default: prac where --method names a kind, else ideal)")
-    p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
-                   help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
-                        f"(default {default_scope})")
+    if default_scope is not None:
+        p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
+                       help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
+                            f"(default {default_scope})")
     p.add_argument("--artifacts", default=None,
                    help="thresholds/predictors file for --mode prac (default none; needed by --mode prac)")
 

@@ -1,17 +1,16 @@
-"""Perplexity on held-out text, with every position sparse or decode-style.
+"""Perplexity on held-out text: every position (the papers' convention) or decode-style.
 
 The text is tokenized as one stream (documents joined by a blank line), cut to ``max_tokens`` and
 split into non-overlapping windows of ``window`` tokens (each starting with BOS when the tokenizer
-has one). Two ways to score a sparsified model:
+has one; fewer tokens than one window make one shorter window). The ``metric`` says what is measured, whatever the model's
+patch state:
 
-* ``prompt_fraction=0``: every position is scored (and, with ``scope="all"``, every position is
-  sparse): the strict, perplexity-style test;
-* ``prompt_fraction=0.5`` (decode-style): the first half of each window is a dense prompt and only
-  the tokens after it are scored, their positions sparse, exactly as when those tokens are generated
-  one by one after a dense prefill.
+* ``"all"`` (default): every position is scored, and on a sparsified model every position is sparse;
+* ``"decode"``: the first half of each window is a dense prompt and only the tokens after it are
+  scored, their positions sparse, as when those tokens are generated one by one after a dense prefill.
 
-By default a model patched with ``scope="decode"`` is scored decode-style and anything else on
-every position. Pass ``prompt_fraction`` explicitly to compare a dense model with either.
+A dense model is scored the same way, so a ratio of two perplexities of one metric is what the
+sparsity costs. (``sparsify``'s ``scope`` decides what ``generate`` does; it plays no part here.)
 """
 
 from __future__ import annotations
@@ -23,71 +22,92 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..sparse import dense_prefix, is_sparsified, state_of
+from ..sparse import dense_prefix, is_sparsified
 
 
-def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> torch.Tensor:
-    """``[n_windows, window]`` token ids: the first ``max_tokens`` tokens of the joined texts."""
-    if window < 4:
-        raise ValueError(f"window must be at least 4 tokens, got {window}")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    body = window - 1 if bos is not None else window
-    needed = max(body, max_tokens)
+def _token_ids(tokenizer, texts: Sequence[str], needed: int) -> list[int]:
     ids: list[int] = []
     for text in texts:
         ids.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
         if len(ids) >= needed:
             break
-    n_windows = min(len(ids), max_tokens) // body
-    if n_windows == 0:
-        if len(ids) < body:
-            raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of {body}: give more "
-                             f"text or a smaller window")
-        raise ValueError(f"max_tokens={max_tokens} is less than one window of {body} tokens (window {window}"
-                         f"{' with BOS' if bos is not None else ''}): raise max_tokens to at least {body} "
-                         f"or lower the window (--window)")
-    rows = torch.tensor(ids[: n_windows * body]).reshape(n_windows, body)
+    return ids
+
+
+def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> torch.Tensor:
+    """``[n_windows, window]`` token ids: the first ``max_tokens`` tokens of the joined texts, whole windows
+    only (held-out sets that need equal windows; :func:`perplexity` also scores a shorter last one)."""
+    rows = _windows(tokenizer, texts, max_tokens, window)
+    if rows[0].shape[1] < window:
+        body = window - (getattr(tokenizer, "bos_token_id", None) is not None)
+        held = rows[0].shape[1] - (window - body)
+        if held < max_tokens:
+            raise ValueError(f"the texts hold {held} tokens, fewer than one window of {body}: give more text or "
+                             "a smaller window")
+        raise ValueError(f"max_tokens={max_tokens} is less than one window of {body} tokens (window {window}): "
+                         f"raise max_tokens to at least {body} or lower the window")
+    return rows[0]
+
+
+def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> list[torch.Tensor]:
+    """The whole windows ``[n, window]``; fewer tokens than one window make one shorter window ``[1, w]``.
+    Tokens after the last whole window are not scored: a short window there would score them with little
+    context, and the committed tables (2,048 tokens in windows of 511 + BOS) would move."""
+    if window < 4:
+        raise ValueError(f"window must be at least 4 tokens, got {window}")
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (a token and the next one to predict), got {max_tokens}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    body = window - 1 if bos is not None else window
+    ids = _token_ids(tokenizer, texts, max(body, max_tokens))[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"the texts hold {len(ids)} tokens: give at least 2")
+    n_full = len(ids) // body
+    parts = []
+    if n_full:
+        parts.append(torch.tensor(ids[: n_full * body]).reshape(n_full, body))
+    else:
+        parts.append(torch.tensor(ids)[None])
     if bos is not None:
-        rows = torch.cat([torch.full((n_windows, 1), bos), rows], dim=1)
-    return rows
+        parts = [torch.cat([torch.full((p.shape[0], 1), bos), p], dim=1) for p in parts]
+    return parts
 
 
-def _default_prompt_fraction(model) -> float:
-    if is_sparsified(model) and state_of(model).scope == "decode":
-        return 0.5
-    return 0.0
+METRICS = {"all": 0.0, "decode": 0.5}  # metric -> the share of each window that is a dense, unscored prompt
 
 
 @torch.no_grad()
 def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: int = 8192,
-               window: int = 512, prompt_fraction: float | None = None, batch_size: int = 4,
-               progress: bool = True, desc: str = "perplexity") -> float:
+               window: int = 512, metric: str = "all", batch_size: int = 4, progress: bool = True,
+               desc: str = "perplexity", prompt_fraction: float | None = None) -> float:
     """exp(mean next-token NLL) over the scored tokens of ``max_tokens`` tokens of held-out text.
 
     texts: defaults to :func:`countdown.data.texts.eval_texts` (XSum articles, never calibration text).
-    prompt_fraction: share of each window kept dense as a prompt and not scored (see module doc).
+    metric: ``"all"`` (every position scored and sparse) or ``"decode"`` (the first half of each window a
+        dense prompt, the rest sparse and scored); see the module docstring. ``prompt_fraction`` sets that
+        share directly instead (0 is ``"all"``, 0.5 ``"decode"``).
     """
+    if prompt_fraction is None:
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {tuple(METRICS)} (every position, or decode-style), got {metric!r}")
+        prompt_fraction = METRICS[metric]
+    if not 0.0 <= prompt_fraction < 1.0:
+        raise ValueError(f"prompt_fraction must lie in [0, 1), got {prompt_fraction}")
     if texts is None:
         from ..data.texts import eval_texts
 
         texts = eval_texts()
-    if prompt_fraction is None:
-        prompt_fraction = _default_prompt_fraction(model)
-    if not 0.0 <= prompt_fraction < 1.0:
-        raise ValueError(f"prompt_fraction must lie in [0, 1), got {prompt_fraction}")
-    rows = token_windows(tokenizer, texts, max_tokens, window)
-    width = rows.shape[1]
-    prompt = int(width * prompt_fraction)
     device = next(model.parameters()).device
+    sparse = is_sparsified(model)
     total_nll, total_count = 0.0, 0
-    bar = tqdm(range(0, rows.shape[0], batch_size), desc=desc, disable=not progress, leave=False)
-    for start in bar:
-        batch = rows[start: start + batch_size].to(device)
-        if is_sparsified(model) and prompt > 0:
-            with dense_prefix(model, prompt):
-                logits = model(batch).logits
-        elif is_sparsified(model):
-            with dense_prefix(model, 0):
+    batches = [rows[i: i + batch_size] for rows in _windows(tokenizer, texts, max_tokens, window)
+               for i in range(0, rows.shape[0], batch_size)]
+    bar = tqdm(batches, desc=desc, disable=not progress, leave=False)
+    for batch in bar:
+        batch = batch.to(device)
+        prompt = int(batch.shape[1] * prompt_fraction)
+        if sparse:
+            with dense_prefix(model, prompt):  # 0: every position sparse, whatever the patch's scope
                 logits = model(batch).logits
         else:
             logits = model(batch).logits
