@@ -33,11 +33,11 @@ import torch
 
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth
+from countdown.bench.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
+from countdown.bench.sm90 import Compile
 from countdown.io import atomic_write
 from countdown.kernels import _few
 
-from balanced import _cell  # noqa: E402  (benchmarks/balanced.py: one CSV cell)
-from kernels import Compile, Problem, dense_chain, gap_threshold, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 ACT, E, RANK = "silu", 2, 512
 _C = ("TILE", "BK", "BN", "STAGES", "num_warps", "WIDE_BK", "WIDE_BN", "WIDE_STAGES")
@@ -47,6 +47,16 @@ SWEEP = [dict(zip(_C, c)) for c in [
     (64, 128, 256, 3, 4, 64, 128, 4), (64, 128, 128, 3, 8, 64, 128, 3)]]
 METHODS = ("mono", "cats", "dual")
 T0 = time.time()
+
+
+def _cell(v) -> str:
+    """One CSV cell: floats to 4 significant digits, text quoted where it holds a comma or a quote."""
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    text = str(v)
+    return '"' + text.replace('"', '""') + '"' if "," in text or '"' in text else text
 
 
 @contextlib.contextmanager

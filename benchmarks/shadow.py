@@ -33,14 +33,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import countdown.kernels as K
 from countdown.kernels import _common, _select
 from countdown.kernels.quant import shadow_bytes
 
-from kernels import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time  # noqa: E402
-from countdown.bench import copy_bandwidth  # noqa: E402
+from countdown.bench import copy_bandwidth
+from countdown.bench.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
 
 D_MODEL, D_INTER, ACT = 4096, 14336, "silu"
 BITS, GROUP, RANK = 4, 64, 128
