@@ -46,6 +46,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -93,7 +94,8 @@ def parse_args(argv=None):
                     "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode.linears.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
                     "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
-    ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
+    ap.add_argument("--rank", type=int, default=None, help="predictor rank of every spec written [lowrank] without one, e.g. "
+                    "dual[lowrank] -> dual[lowrank256] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
                     help="timings of the dense compiled graph per batch (min / median / max reported)")
     ap.add_argument("--samples", type=int, default=1, help="timings per sparse configuration and k")
@@ -124,13 +126,14 @@ def parse_args(argv=None):
 
 
 def specs_of(args):
-    from countdown.bench.specs import Spec, parse_specs
+    """The specs of ``args.methods``; ``args.rank`` names the rank of every low-rank spec that gives none, in
+    the spec grammar itself (``dual[lowrank]`` -> ``dual[lowrank256]``, also the row's label)."""
+    from countdown.bench.specs import parse_specs
 
-    specs = parse_specs(args.methods)
+    text = args.methods
     if args.rank is not None:
-        specs = [Spec(s.label, s.method, s.kind, {**s.options, "d_rank": s.options.get("d_rank", args.rank)})
-                 if s.kind == "lowrank" else s for s in specs]
-    return specs
+        text = re.sub(r"\[\s*lowrank\s*\]", f"[lowrank{args.rank}]", text)
+    return parse_specs(text)
 
 
 def main(argv=None) -> int:
