@@ -1,6 +1,11 @@
 """One-token attention over a static KV cache: PyTorch SDPA against countdown's flash-decoding kernel.
 
-    PYTHONPATH=src python benchmarks/attention.py --out DIR [--sweep] [--tiny]
+    PYTHONPATH=src python benchmarks/attention.py --sweep --out DIR   # default DIR: results/attention
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/attention.py --tiny --out /tmp/a   # CPU: checks only
+
+results/attention/attention.md / .csv and sweep.csv (H200, 2026-11-23) came from the first command with
+``--out /root/out/attn``; rows print the speed-up over SDPA. (sweep_one_launch.csv there: an earlier run
+the same day, at an earlier commit whose kernel also had LAST_MERGES.)
 
 Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, head size 128), bf16, batch 1 at cache
 640 / 2048 / 8192 and batch 4 at 640 / 4096, a boolean mask with the valid prefix (as transformers
@@ -117,7 +122,7 @@ def sweep(cases, scale, out_dir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="results/attention")
     ap.add_argument("--sweep", action="store_true", help="time the kernel's configurations first, use the best")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test under TRITON_INTERPRET=1 (checks only)")
     args = ap.parse_args()

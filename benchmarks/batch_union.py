@@ -1,6 +1,11 @@
 """How many rows a batch of B decode tokens keeps together, on a real model: the batch rule.
 
-    PYTHONPATH=src python benchmarks/batch_union.py --model smollm2-135m --out benchmarks/results
+    PYTHONPATH=src python benchmarks/batch_union.py --model smollm2-135m --passages 32 --out results
+    PYTHONPATH=src python benchmarks/batch_union.py --model gemma3-270m --passages 16 --out results
+
+results/batch_union_<model>.md / .json / .png (CPU, fp32) came from these commands (with ``--ks 0.7,0.8,0.9
+--batches 1,2,4,8 --tokens 128``, the defaults, and ``benchmarks/results`` for ``--kernels`` and ``--out``
+then).
 
 At batch B a sparse decode step reads the *union* of the B tokens' kept rows (the kernels' batch
 path). If the tokens chose their rows independently the union would keep ``1 - k^B`` of the rows
@@ -9,7 +14,7 @@ fewer. This script measures it: B held-out passages run through the dense model 
 at every position the B tokens (one per passage, what one decode step of a batch of B sequences
 sees) are masked by each method's SP-Ideal indicator (per-token top-k of |u|, |act(g)|, |u * act(g)|);
 the union's kept fraction is averaged over positions and layers. The kernel table
-(``benchmarks/results/kernels.csv``, H200) gives the MLP speed-up as a function of the union's kept
+(``results/kernels.csv``, H200) gives the MLP speed-up as a function of the union's kept
 fraction, and together they give the rule the README states.
 
 Output: ``batch_union.md`` / ``.json`` / ``.png`` in ``--out``.
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import json
 import os
 import time
 from pathlib import Path
@@ -135,8 +139,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--passages", type=int, default=32, help="held-out passages (a multiple of every batch)")
     ap.add_argument("--tokens", type=int, default=128, help="positions per passage")
-    ap.add_argument("--kernels", default="benchmarks/results/kernels.csv")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--kernels", default="results/kernels.csv")
+    ap.add_argument("--out", default="results")
     args = ap.parse_args()
     ks = [float(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

@@ -3,7 +3,10 @@ and sparse, every position sparse. Written for Qwen2.5-Coder-0.5B (a coding mode
 model works.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/code_ppl.py --model qwen2.5-coder-0.5b \
-        --sparsity 0.8 --out results/quality
+        --sparsity 0.7,0.8,0.9 --out results/quality
+
+results/quality/qwen2.5-coder-0.5b-code.csv / .md (CPU, fp32, 2026-11-23) came from that command; the
+table gives each configuration's perplexity increase over dense.
 
 Rows (model, method, mode, sparsity, sparsity_real, ppl, ppl_increase, tokens, python, seconds, date)
 go to ``<out>/<model>-code.csv``, a Markdown table beside it; the run resumes: rows already in the CSV

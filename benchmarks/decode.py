@@ -1,8 +1,12 @@
 """End-to-end decode speed on a GPU: dense and every configuration at every k, one command, one budget.
 
-    PYTHONPATH=src python benchmarks/decode.py --out $OUT                      # the full benchmark
+    PYTHONPATH=src python benchmarks/decode.py --out $OUT --budget-s 420      # the full benchmark
     PYTHONPATH=src python benchmarks/decode.py --smoke --out /tmp/smoke         # a check of this script (CPU)
-    PYTHONPATH=src python benchmarks/decode.py --report RUN1,RUN2 --out benchmarks/results  # merge runs
+    PYTHONPATH=src python benchmarks/decode.py --report RUN1,RUN2 --out results  # merge runs
+
+results/decode.csv / .md / .png: the first command on an H200 (2026-11-25, ``--out /root/out/decode
+--budget-s 420``); results/decode_runs/<run>/ hold later runs, each with its command in decode_meta.json
+and what it compared in its README.md. Speeds are printed as tokens/s and x dense.
 
 A paper-scale shape with random weights (values do not change batch-1 speed; ``--masks`` checks that
 with masks recorded on real models), bf16, a prompt of 64 random tokens, then 512 new tokens, batch 1,
@@ -42,6 +46,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -53,37 +58,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for --smoke 
 SMOKE_OVERRIDES = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 352,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
 DEFAULT_METHODS = "mono,dual[shadow4],teal,cats,dual[hybrid],dual[lowrank],dejavu"  # teal early: a tight budget drops the last
-
-
-def shadow_route() -> str:
-    """The one-token route of the shadow kernels this run uses (COUNTDOWN_SHADOW_ROUTE) and its indicator
-    GEMV (COUNTDOWN_SHADOW_GEMV), e.g. "onepass/int8"."""
-    from countdown.kernels import shadow
-
-    return f"{shadow.ONE_TOKEN_ROUTE}/{shadow.ONE_TOKEN_GEMV}"
-
-
-def pdl_on() -> bool:
-    """Whether programmatic dependent launch is switched on for this run (COUNTDOWN_PDL)."""
-    from countdown.kernels import _pdl
-
-    return _pdl.switched_on()
-
-
-def pdl_settings() -> dict:
-    """Where PDL's signal sits, when the fixed GEMV loads its first tile, which kernels take part."""
-    from countdown.decode import layer as fused_layer
-    from countdown.kernels import _pdl
-
-    return {"trigger": _pdl.TRIGGER, "w_early": _pdl.W_EARLY, "kernels": sorted(_pdl.KERNELS),
-            "fold_add": fused_layer.OWN_ADD}
-
-
-def psum_route() -> str:
-    """Where the sparse kernels' fp32 partials are summed this run (COUNTDOWN_PSUM: auto, kernel, inductor)."""
-    from countdown.kernels import _psum
-
-    return _psum.ROUTE
 
 
 def log(*parts) -> None:
@@ -120,7 +94,8 @@ def parse_args(argv=None):
                     "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode.linears.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
                     "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
-    ap.add_argument("--rank", type=int, default=None, help="predictor rank of dual[lowrank] (default 512)")
+    ap.add_argument("--rank", type=int, default=None, help="predictor rank of every spec written [lowrank] without one, e.g. "
+                    "dual[lowrank] -> dual[lowrank256] (default 512)")
     ap.add_argument("--dense-samples", type=int, default=3,
                     help="timings of the dense compiled graph per batch (min / median / max reported)")
     ap.add_argument("--samples", type=int, default=1, help="timings per sparse configuration and k")
@@ -142,7 +117,7 @@ def parse_args(argv=None):
                     help="quick: dense and mono, eager and compile; full: also dual[lowrank] and cudagraph")
     ap.add_argument("--inductor-cache", default=None,
                     help="Inductor's cache folder for the whole run (default: a fresh folder in /tmp)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--smoke", action="store_true", help="a 2-layer version of the shape, on CPU if no GPU "
                     "(checks this script; its numbers mean nothing)")
     ap.add_argument("--report", help="comma-separated result folders (decode.csv + decode_meta.json) to merge "
@@ -151,13 +126,14 @@ def parse_args(argv=None):
 
 
 def specs_of(args):
-    from countdown.bench.specs import Spec, parse_specs
+    """The specs of ``args.methods``; ``args.rank`` names the rank of every low-rank spec that gives none, in
+    the spec grammar itself (``dual[lowrank]`` -> ``dual[lowrank256]``, also the row's label)."""
+    from countdown.bench.specs import parse_specs
 
-    specs = parse_specs(args.methods)
+    text = args.methods
     if args.rank is not None:
-        specs = [Spec(s.label, s.method, s.kind, {**s.options, "d_rank": s.options.get("d_rank", args.rank)})
-                 if s.kind == "lowrank" else s for s in specs]
-    return specs
+        text = re.sub(r"\[\s*lowrank\s*\]", f"[lowrank{args.rank}]", text)
+    return parse_specs(text)
 
 
 def main(argv=None) -> int:
@@ -186,16 +162,6 @@ def main(argv=None) -> int:
     from countdown.bench.runner import DecodeSettings, decode_sweep
 
     countdown.prac.lowrank.IN_KERNEL = args.predictor_route == "fused"
-    if DEVICE == "cuda" and psum_route() == "tail":  # its counters, made before anything is compiled
-        from countdown.kernels import _psum
-
-        _psum.prepare_tail(torch.device("cuda", torch.cuda.current_device()))
-    from countdown.kernels import _onepass
-
-    if DEVICE == "cuda" and _onepass.SPARSE_KERNEL == "overlap":  # its chunk counters, likewise
-        from countdown.kernels import _overlap
-
-        _overlap.prepare(torch.device("cuda", torch.cuda.current_device()))
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "dynamo.log"))
     torch._logging.set_logs(graph_breaks=True, recompiles=True)
@@ -206,8 +172,7 @@ def main(argv=None) -> int:
             "run": datetime.datetime.now().strftime("%Y%m%dT%H%M%S"), "date": datetime.date.today().isoformat(),
             "config": args.config, "prompt": args.prompt, "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
-            "predictor_route": args.predictor_route, "shadow_route": shadow_route(), "pdl": pdl_on(), "pdl_settings": pdl_settings(),
-            "psum_route": psum_route(),
+            "predictor_route": args.predictor_route,
             "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
             "command": "PYTHONPATH=src python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     log(json.dumps(meta))

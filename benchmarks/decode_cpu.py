@@ -1,6 +1,9 @@
 """Decode speed on the CPU: the real SmolLM2-135M, dense against patched (gather and masked paths).
 
-    PYTHONPATH=src python benchmarks/decode_cpu.py --out benchmarks/results [--new-tokens 64] [--repeats 3]
+    PYTHONPATH=src python benchmarks/decode_cpu.py --out results --repeats 3   # [--new-tokens 64]
+
+results/decode_cpu.md / .csv (2-core CPU) came from that command (``--out benchmarks/results`` then); each
+row prints its speed-up over dense (the median of paired ratios).
 
 Batch 1, fp32, a 64-token prompt (the start of the first held-out XSum article), greedy, through
 ``countdown.decode.generate.generate_fast`` in eager mode (no compile on CPU: the same harness for every row).
@@ -140,7 +143,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="results")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,12 +1,17 @@
-"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/_few.py)
-against the chained kernels it replaces (_glu.py, _down.py) and dense cuBLAS.
+"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/_few.py) against
+dense cuBLAS and its roofline.
 
-    cd benchmarks && PYTHONPATH=../src:. python few.py --out DIR [--budget SECONDS]
-    cd benchmarks && PYTHONPATH=../src:. python few.py --compile-check   # no GPU: registers, shared memory
-    cd benchmarks && PYTHONPATH=../src:. python few.py --smoke --out /tmp/f   # CPU: checks the script
+    PYTHONPATH=src python benchmarks/few.py --out DIR --budget 150
+    PYTHONPATH=src python benchmarks/few.py --compile-check           # no GPU: registers, shared memory
+    PYTHONPATH=src python benchmarks/few.py --smoke --out /tmp/f      # CPU: checks the script
+
+results/few/ (H200, 2026-11-25) came from `cd benchmarks && PYTHONPATH=../src:. python few.py --out DIR
+--budget 150` at commit 12e5c91, which also timed the chained kernels (_glu.py, then _down.py) that _few.py
+replaced, switched back on by COUNTDOWN_FEW=0 (its "chain" columns; the switch is gone, the chain is not
+timed any more).
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
-inputs (benchmarks/kernels.py's Problem: random weights, so the tokens' masks are independent and the
+inputs (countdown.bench.mlpbench's Problem: random weights, so the tokens' masks are independent and the
 union keeps about 1 - k^T of the rows, as on the real models: README, "Batch 2-8"). Every time is the
 public op as a decode step calls it, indicator included (mono: u = x W_up^T; dual: the rank-512
 predictor's (x A) B). Roofline = the bytes that op must read (the indicator's matrix or the predictor,
@@ -16,7 +21,9 @@ written after each; a stage is skipped once --budget seconds have passed):
 1. check: at the real shape, T = 2 / 4 / 8, every method's output against float64 (flash-attention rule).
 2. sweep: T = 4, dual and mono at k = 0.9 and dual at k = 0.7 (where chunks keep more rows than a tile),
    the kernel under each configuration of SWEEP; the fastest (summed) becomes the configuration of the table.
-3. table: T = 2 / 4 / 8 x k = 0.7 / 0.8 / 0.9 x mono / cats / dual: dense, chain, few.
+3. parts: T = 4, k = 0.9: the indicator alone, the kernel alone (also with nothing / everything kept), the sum.
+4. table: T = 2 / 4 / 8 x k = 0.7 / 0.8 / 0.9 x mono / cats / dual: dense and the op (few); prints the
+   speed-up over dense and the ratio to the roofline.
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ import torch
 
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth
+from countdown.bench.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
+from countdown.bench.sm90 import Compile
 from countdown.io import atomic_write
 from countdown.kernels import _few
 
-from balanced import _cell  # noqa: E402  (benchmarks/balanced.py: one CSV cell)
-from kernels import Compile, Problem, dense_chain, gap_threshold, log, safe_time  # noqa: E402  (benchmarks/kernels.py)
 
 ACT, E, RANK = "silu", 2, 512
 _C = ("TILE", "BK", "BN", "STAGES", "num_warps", "WIDE_BK", "WIDE_BN", "WIDE_STAGES")
@@ -49,16 +56,24 @@ METHODS = ("mono", "cats", "dual")
 T0 = time.time()
 
 
+def _cell(v) -> str:
+    """One CSV cell: floats to 4 significant digits, text quoted where it holds a comma or a quote."""
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    text = str(v)
+    return '"' + text.replace('"', '""') + '"' if "," in text or '"' in text else text
+
+
 @contextlib.contextmanager
-def few_route(on: bool, cfg: dict | None = None):
-    """The public ops with the few-token kernel on (under ``cfg``) or off (the chained kernels)."""
-    old_on, old_cfg = _few.ENABLED, dict(_few.CONFIG)
-    _few.ENABLED = on
+def few_config(cfg: dict | None = None):
+    """The public ops with the few-token kernel under launch configuration ``cfg`` (entries of _few.CONFIG)."""
+    old_cfg = dict(_few.CONFIG)
     _few.CONFIG.update(cfg or {})
     try:
         yield
     finally:
-        _few.ENABLED = old_on
         _few.CONFIG.clear()
         _few.CONFIG.update(old_cfg)
 
@@ -121,8 +136,7 @@ def check(p: Problem) -> dict:
             x, w = p.xs[i], p.w(i)
             ref64 = K.gated_mlp_masked_ref(*[t.double() for t in (x, w["wg"], w["wu"], w["wdt"])], keep, ACT)
             ref_t = op(p, method, thr, dtype_ref=True)(i)
-            with few_route(True):
-                y = op(p, method, thr)(i)
+            y = op(p, method, thr)(i)
             err = (y.double() - ref64).abs()
             margin = (err - 2 * (ref_t.double() - ref64).abs() - 1e-2 * ref64.abs().max()).max().item()
             res["worst"] = max(res["worst"], err.max().item())
@@ -149,10 +163,9 @@ def sweep(p: Problem, bw, rows) -> dict:
     for method, k in (("dual", 0.9), ("mono", 0.9), ("dual", 0.7)):  # k = 0.7: chunks past TILE kept rows
         thr = p.thresholds(k)[method]
         fr = fractions(p, method, thr)
-        with few_route(True):
-            want = op(p, method, thr)(0).float()
+        want = op(p, method, thr)(0).float()
         for j, cfg in enumerate(SWEEP):
-            with few_route(True, cfg):
+            with few_config(cfg):
                 try:
                     got = op(p, method, thr)(0).float()
                 except Exception as e:  # noqa: BLE001
@@ -175,7 +188,7 @@ def parts(p: Problem, bw, rows, best) -> None:
     with the indicator given (also with nothing and everything kept: its fixed cost and its streaming rate),
     the partials' sum alone."""
     n = len(p.xs)
-    with few_route(True, best):
+    with few_config(best):
         for method in ("dual", "mono"):
             mode, gate, up = ("gt", True, True) if method == "dual" else ("abs", True, False)
             ind = [p.score[i] if method == "dual" else p.u[i] for i in range(n)]
@@ -211,11 +224,9 @@ def table(p: Problem, bw, rows, best, ks) -> None:
         for k in ks:
             thr = p.thresholds(k)[method]
             fr = fractions(p, method, thr)
-            for path, on in (("chain", False), ("few", True)):
-                with few_route(on, best):
-                    us = safe_time(f"{method} {k} {path}", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-                add(rows, "table", p, method, k, path, us, fr, bw, dense_us, cfg=best if on else None,
-                    kern=_few.LAST_KERNEL if on else None)
+            with few_config(best):
+                us = safe_time(f"{method} {k} few", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
+            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=_few.LAST_KERNEL)
 
 
 def compile_check() -> bool:
@@ -239,24 +250,21 @@ def write(out: str, rows: list, meta: dict) -> None:
             "config", "regs", "spills"]
     lines = [",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]
     atomic_write(os.path.join(out, "few.csv"), "\n".join(lines) + "\n")
-    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (_few.py) vs the chained kernels ({meta['shape']})", "",
+    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (_few.py) against dense ({meta['shape']})", "",
           f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s; "
           f"torch {meta['torch']}", f"- command: `{meta['command']}`", f"- checks: {meta.get('check')}",
           f"- configuration of the table: {meta.get('best')}", "",
           "us = median per call in one CUDA graph (8 calls, 4 weight sets), indicator included; x dense = dense "
           "cuBLAS time / us; union = rows the batch reads.", "",
-          "| batch | method | k | union | dense us | chain us | few us | roofline us | few x roofline | chain x dense "
-          "| few x dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| batch | method | k | union | dense us | few us | roofline us | few x roofline | few x dense |",
+          "|---|---|---|---|---|---|---|---|---|"]
     tab = [r for r in rows if r["stage"] == "table"]
     for r in tab:
         if r["path"] != "few":
             continue
-        chain = next((c for c in tab if c["batch"] == r["batch"] and c["method"] == r["method"] and c["k"] == r["k"]
-                      and c["path"] == "chain"), None)
         dense = next((c for c in tab if c["batch"] == r["batch"] and c["method"] == "dense"), None)
         md.append(f"| {r['batch']} | {r['method']} | {r['k']} | {r['union']:.3f} | {dense['us']:.1f} | "
-                  f"{chain['us'] if chain else float('nan'):.1f} | {r['us']:.1f} | {r['roofline_us']:.1f} | "
-                  f"{r['x_roofline']:.2f} | {chain['speedup'] if chain else float('nan'):.2f}x | {r['speedup']:.2f}x |")
+                  f"{r['us']:.1f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {r['speedup']:.2f}x |")
     pa = [r for r in rows if r["stage"] == "parts"]
     if pa:
         md += ["", "Parts (T = 4): the indicator alone; the kernel alone with it given at k = 0.9, with nothing kept "
@@ -286,11 +294,10 @@ def plot(out: str, tab: list, meta: dict) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), sharey=True, squeeze=False)
     for ax, b in zip(axes[0], batches):
         for method, color in zip(METHODS, ("C0", "C1", "C2")):
-            for path, style in (("chain", ":"), ("few", "-")):
-                pts = sorted((r["k"], r["speedup"]) for r in tab if r["batch"] == b and r["method"] == method
-                             and r["path"] == path)
-                if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=color, label=f"{method} {path}")
+            pts = sorted((r["k"], r["speedup"]) for r in tab if r["batch"] == b and r["method"] == method
+                         and r["path"] == "few")
+            if pts:
+                ax.plot(*zip(*pts), "-", marker="o", color=color, label=method)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"batch {b}")
         ax.set_xlabel("k (sparsity per token)")
@@ -322,7 +329,7 @@ def main() -> int:
     bw = copy_bandwidth() if torch.cuda.is_available() else 1e12
     meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
                 date=datetime.date.today().isoformat(), bw=bw, shape=f"{d_model} x {d_inter}",
-                command="cd benchmarks && PYTHONPATH=../src:. python few.py " + " ".join(sys.argv[1:]),
+                command="PYTHONPATH=src python benchmarks/few.py " + " ".join(sys.argv[1:]),
                 torch=torch.__version__, check={})
     rows: list = []
     stages = set(args.stages.split(","))
@@ -350,15 +357,13 @@ def main() -> int:
                 break
             table(p, bw, rows, best, (0.7, 0.8, 0.9))
             write(args.out, rows, meta)
-    log("batch method k    union  dense   chain   few     roof   few x dense")
+    log("batch method k    union  dense   few     roof   few x roof  few x dense")
     tab = [r for r in rows if r["stage"] == "table"]
     for r in tab:
         if r["path"] == "few":
-            chain = next(c for c in tab if c["batch"] == r["batch"] and c["method"] == r["method"]
-                         and c["k"] == r["k"] and c["path"] == "chain")
             dense = next(c for c in tab if c["batch"] == r["batch"] and c["method"] == "dense")
-            log(f"{r['batch']:<5} {r['method']:6s} {r['k']:<4} {r['union']:.3f}  {dense['us']:6.1f}  {chain['us']:6.1f}  "
-                f"{r['us']:6.1f}  {r['roofline_us']:5.1f}  {r['speedup']:.2f}x")
+            log(f"{r['batch']:<5} {r['method']:6s} {r['k']:<4} {r['union']:.3f}  {dense['us']:6.1f}  {r['us']:6.1f}  "
+                f"{r['roofline_us']:5.1f}  {r['x_roofline']:9.2f}  {r['speedup']:.2f}x")
     ok = all(c["ok"] for c in meta["check"].values())
     return 0 if ok else 1
 

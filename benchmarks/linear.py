@@ -1,6 +1,10 @@
 """One-token linear layers of a decode step: Inductor's tuned GEMV vs cuBLAS vs kernels/_linear.py.
 
-    PYTHONPATH=src python benchmarks/linear.py --out $OUT [--tokens 1] [--quick]
+    PYTHONPATH=src python benchmarks/linear.py --out $OUT [--tokens 1] [--quick]   # default --out results/linear
+
+results/linear/ (H200, 2026-11-23; README.md there): linear.* from ``--out $OUT/linear --budget-s 230``,
+linear_sweep2.* from ``--shapes o_proj,down --out $OUT/linear2 --budget-s 120`` (whose winners are
+kernels/_linear.py's CONFIGS), pred/ from ``--shapes pred_b,pred_a,gate_or_up --budget-s 45 --out $OUT/linear``.
 
 Per Llama-3.1-8B projection shape (bf16; W [N, K]): every route timed as CUDA-graph replays of calls
 cycling over enough weight copies that none is found in L2 (countdown.bench.time_graph), median us,
@@ -87,7 +91,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/linear"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/linear"))
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="two triton configurations only")
@@ -147,7 +151,7 @@ def main(argv=None) -> None:
                 log(f"  {name:10s} {r['route']:8s} {r['us']:8.1f} us  {r['share']:.0%}")
         if best:
             log(f"  {name:10s} triton   {best['us']:8.1f} us  {best['share']:.0%}  {best['config']}")
-        del ws, xs
+        ws = xs = None  # frees the copies (the closures above are done with them)
         torch.cuda.empty_cache()
 
     buf = io.StringIO()

@@ -10,6 +10,10 @@ against the mean of the GPU-scored per-document outcomes of those same documents
         --job JOB --scores results/quality/smollm2-135m.scores.json.gz --docs results/quality/smollm2-135m.docs.csv \\
         --tasks arc_easy,hellaswag,piqa --configs 'dense||,mono|ideal|0.8,dual|prac|0.8,cats|prac|0.8' \\
         --limit 100 --requests 200 --out results/quality/smollm2-135m-gpu-vs-cpu.md
+
+results/quality/smollm2-135m-gpu-vs-cpu.md (2026-11-23) came from that command (JOB: the exported
+smollm2-135m.job.json.gz). Its last table (the CPU path against itself under another batch layout) came
+from benchmarks/offline_sensitivity.py, deleted in issue 42 (last at commit 12e5c91).
 """
 
 from __future__ import annotations

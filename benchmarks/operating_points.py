@@ -8,7 +8,11 @@
     #    carry folder:
     PYTHONPATH=src python benchmarks/decode.py --out $OUT --new-tokens 256 --masks <copy of that folder>
     # 3. merge: results/operating_points/<model>.csv / .md / .png and the recommendation per model
-    PYTHONPATH=src python benchmarks/operating_points.py merge --speed benchmarks/results/decode_runs/<run>
+    PYTHONPATH=src python benchmarks/operating_points.py merge --speed results/decode_runs/<run>
+
+results/operating_points/<model>.csv / .md / .png (2026-11-25): step 1 with the models above; step 2 as
+``--out /root/out/ops --ks 0.5,0.6,0.7,0.8,0.9 --new-tokens 256 --no-breakdown --budget-s 380`` (H200, run
+results/decode_runs/H200-run-BK); step 3 with ``--speed results/decode_runs/H200-run-BK``.
 
 Quality (``countdown.bench.qualitygrid``): decode-style perplexity increase over dense, KL(dense ||
 sparse) and top-1 agreement on the same positions, Sparsity-Real, on 2,048 held-out XSum tokens;

@@ -1,7 +1,12 @@
 """SP-Prac on the real SmolLM2-135M: build cost, predictor quality, perplexity and Sparsity-Real.
 
-    python benchmarks/prac.py                      # writes benchmarks/results/prac.json and prac.md
-    python benchmarks/prac.py --eval-tokens 16384  # a longer perplexity run
+    PYTHONPATH=src python benchmarks/prac.py                      # writes results/prac.json and prac.md
+    PYTHONPATH=src python benchmarks/prac.py --eval-tokens 16384  # a longer perplexity run
+
+results/prac.json / .md (2-core CPU, 2026-11-21, 1 torch thread, the default token counts) came from the
+first command with ``--demo-build`` naming a ``--build-only`` run's .json (the demo budget, 2 threads);
+the exact command lines were not recorded (prac.json holds the device, threads and token counts).
+Prints the perplexity ratios to dense and the mask F1 per configuration.
 
 1. Build cost of the demo's artifacts with the library defaults (``ensure_artifacts`` into a fresh
    cache): mono and cats thresholds, dual and dejavu predictors, at k = 0.7 / 0.8 / 0.9 each.
@@ -56,7 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--eval-tokens", type=int, default=8192, help="perplexity tokens (XSum)")
     parser.add_argument("--quality-tokens", type=int, default=4096, help="held-out tokens for F1")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "prac"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "prac"),
+                        help="path stem: writes <out>.json and <out>.md (default: results/prac)")
     parser.add_argument("--cache", default=None, help="artifact cache (default: a fresh temporary folder)")
     parser.add_argument("--build-tokens", type=int, default=None,
                         help="override the library's calibration/training token counts (smoke runs only)")

@@ -2,6 +2,11 @@
 
     PYTHONPATH=src python benchmarks/prac_quality.py --model smollm2-135m --out results/prac_quality
 
+results/prac_quality/<model>.csv / .md / .png hold the rows of every run into that folder (each row's
+device and date in the CSV; the .md names the last run's command, e.g. ``--model smollm2-135m --specs
+dual[shadow4-s] --sparsity 0.5,0.7,0.8,0.9 --out results/prac_quality``, 2026-11-27, and for gemma3-270m
+``--model gemma3-270m --specs dual[shadow4-g32] --sparsity 0.7,0.8 --threads 1``, 2026-11-23).
+
 Per configuration (method spec x k): perplexity with every position sparse and decode-style (first
 half of each window a dense prompt), teacher-forced KL(dense || sparse) and top-1 agreement on the
 same windows, Sparsity-Real, and for SP-Prac kinds the mask precision / recall / F1 against the
@@ -124,7 +129,7 @@ def markdown(rows: list[dict], model: str) -> str:
              "|---|---|" + "---|" * len(ks)]
     dense = next((r for r in rows if r["method"] == "dense"), None)
     if dense:
-        lines.append(f"| dense | — | " + " | ".join(f"{float(dense['ppl_all']):.2f} / {float(dense['ppl_decode']):.2f}"
+        lines.append("| dense | — | " + " | ".join(f"{float(dense['ppl_all']):.2f} / {float(dense['ppl_decode']):.2f}"
                                                    for _ in ks) + " |")
     for spec in dict.fromkeys([*SPECS, *(r["method"] for r in rows if r["method"] != "dense")]):
         cells = {float(r["sparsity"]): r for r in rows if r["method"] == spec}

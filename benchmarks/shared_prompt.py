@@ -6,6 +6,10 @@
 Prints, per configuration, the old and new score and seconds, whether every per-document outcome is
 equal, the largest per-request log-likelihood difference, then the speed-up per cell (seconds per
 document per configuration, old / new).
+
+Its result is recorded in docs/sweep.md (the shared-prompt section: scores equal on arc_easy at
+``--limit 50``, per-request log-likelihoods within 4e-5 but for one SP-Ideal boundary flip); it writes no
+file, and the exact command line of that run was not recorded.
 """
 
 import argparse

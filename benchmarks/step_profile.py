@@ -2,6 +2,10 @@
 
     PYTHONPATH=src python benchmarks/step_profile.py --variants sdpa,countdown,fused --out $OUT
 
+Committed results (H200): results/step_profile/ from ``--variants countdown,fused --out /root/out``;
+results/step_profile_gemv/ from ``--variants fused,fused+down,fused+down+o --samples 2 --out /root/out/step``;
+results/step_profile_qkv/ from ``--variants fused+down+o,fused+down+o+qkv --samples 3 --out /root/out/step``.
+
 Per variant (one model, random weights, bf16, batch 1; the variant applied, the step compiled as
 ``generate_fast`` compiles it: full graph, CUDA graphs, coordinate-descent tuning): tokens/s of
 ``--samples`` timed runs (min / median / max), the step's weight + KV-cache bytes against the copy
@@ -49,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/step_profile"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/step_profile"))
     ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (a quick check)")
     ap.add_argument("--check-only", action="store_true", help="only compare the fused path with transformers'")
     ap.add_argument("--smoke", action="store_true", help="2 layers on CPU, eager (checks this script only)")

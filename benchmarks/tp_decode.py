@@ -4,6 +4,10 @@
     PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/tp_decode.py --out $OUT
     PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/tp_decode.py --smoke --out /tmp/tp  # CPU, gloo
 
+results/tp_decode.md / .csv / _meta.json (2 H200s on NVLink, 2026-11-23): the first two lines as
+``PYTHONPATH=src timeout 420 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/tp_decode.py
+--out $OUT`` (log: results/tp_decode_runs/H200x2-20261123/run.log); rows print the speed-up over dense.
+
 Shapes, random bf16 weights (values do not change speed): ``llama-3.1-8b-shape`` and a 70B-shaped
 Llama cut to 8 layers (``llama-70b-shape-8l``: d_model 8192, d_inter 28672, 64 heads, 8 KV heads;
 the full 80 layers would not fit one GPU, which the 1-GPU rows need).
@@ -408,7 +412,7 @@ def main() -> None:
                     help="the sharded compile rows start only before this many seconds into the run (the "
                          "1-GPU ones before this + 140 s)")
     ap.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes (CPU and gloo without GPUs)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:

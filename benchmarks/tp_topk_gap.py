@@ -1,6 +1,10 @@
 """How far SP-Ideal's cheap per-shard top-k is from the exact global top-k, on a real model.
 
-    PYTHONPATH=src python benchmarks/tp_topk_gap.py --out benchmarks/results
+    PYTHONPATH=src python benchmarks/tp_topk_gap.py --out results
+
+results/tp_topk_gap.md / .json (2-core CPU, 36 min) came from ``--model smollm2-135m --methods mono,dual
+--ks 0.7,0.8,0.9 --worlds 2,4,8 --tokens 1024 --ppl-tokens 2048 --ppl-k 0.8`` (the defaults) with
+``--out benchmarks/results`` then.
 
 Under tensor parallelism each rank holds ``d_inter / world`` rows of every Gated-MLP. The exact
 SP-Ideal mask keeps the ``n_keep`` rows of largest indicator over ALL rows (``tp_topk="exact"``: one
@@ -60,7 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens for the per-layer figures")
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--ppl-k", type=float, default=0.8)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="results")
     args = ap.parse_args()
     start = time.perf_counter()
     model, tok = countdown.load_model(args.model)

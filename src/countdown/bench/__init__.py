@@ -17,6 +17,10 @@
 * :mod:`~countdown.bench.merge`: quality (real models) joined with speed (8B shape) per model;
 * :mod:`~countdown.bench.breakdown`: the dense step per operation, and the compiled step profiled;
 * :mod:`~countdown.bench.report`: decode.csv / .md / .png;
+* :mod:`~countdown.bench.mlpbench`: the Gated-MLP kernel-timing harness (random problems at real shapes,
+  CUDA-graph timing over rotating weights) of ``benchmarks/kernels.py``, ``few.py`` and ``shadow.py``;
+  :mod:`~countdown.bench.kernelchecks`, :mod:`~countdown.bench.kerneltable`: the kernel table's float64
+  checks and rows; :mod:`~countdown.bench.sm90`: Triton kernels compiled for sm_90 without a GPU;
 * :mod:`~countdown.bench.operating`, :mod:`~countdown.bench.cli`: ``countdown bench``, speed and quality
   on the user's own model, with a recommendation; :mod:`~countdown.bench.opreport`: the operating-point
   CSV / Markdown / plot (Pareto frontier) and the recommendation line.
