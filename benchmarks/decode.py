@@ -11,7 +11,7 @@ and what it compared in its README.md. Speeds are printed as tokens/s and x dens
 A paper-scale shape with random weights (values do not change batch-1 speed; ``--masks`` checks that
 with masks recorded on real models), bf16, a prompt of 64 random tokens, then 512 new tokens, batch 1,
 k = 0.7 / 0.8 / 0.9, for dense and every method spec (``--methods``: mono, cats, dual[lowrank],
-dual[hybrid], dual[shadow4], dejavu, teal; parsed by ``countdown.bench.specs``; a spec this library
+dual[hybrid], dual[shadow4], dejavu, teal; parsed by ``countdown.spec``; a spec this library
 cannot run yet is skipped with the reason printed). Every row runs the fastest decode step the library
 has: the fused attention block (``--attention fused``) and every projection on the fixed GEMV
 (``--decode-gemv auto``); on an H200 the whole default run takes about five minutes (run AB,
@@ -71,7 +71,7 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama-3.1-8b-shape", help="a shape name from countdown.catalogue()")
-    ap.add_argument("--methods", default=DEFAULT_METHODS, help="method specs (countdown.bench.specs)")
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help="method specs (countdown.spec)")
     ap.add_argument("--runner", choices=("one-compile", "per-compile"), default="one-compile")
     ap.add_argument("--ks", default="0.7,0.8,0.9")
     ap.add_argument("--batches", default="1", help="batch sizes (per-compile runner only; one-compile: batch 1)")
@@ -128,7 +128,7 @@ def parse_args(argv=None):
 def specs_of(args):
     """The specs of ``args.methods``; ``args.rank`` names the rank of every low-rank spec that gives none, in
     the spec grammar itself (``dual[lowrank]`` -> ``dual[lowrank256]``, also the row's label)."""
-    from countdown.bench.specs import parse_specs
+    from countdown.spec import parse_specs
 
     text = args.methods
     if args.rank is not None:

@@ -65,7 +65,7 @@ def parse_args(argv=None):
     q = sub.add_parser("quality", help="the quality columns on the CPU (resumable)")
     q.add_argument("--models", default="smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b")
     q.add_argument("--methods", default="mono,cats,dual,dual[hybrid],dual[lowrank],dejavu,teal",
-                   help="method specs (countdown.bench.specs); those this library cannot build are skipped")
+                   help="method specs (countdown.spec); those this library cannot build are skipped")
     q.add_argument("--ks", default="0.5,0.6,0.7,0.8,0.9")
     q.add_argument("--tokens", type=int, default=2048, help="held-out XSum tokens (as the demo)")
     q.add_argument("--window", type=int, default=512)

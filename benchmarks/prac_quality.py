@@ -210,7 +210,8 @@ def main() -> int:
         if ("dense", math.nan) not in done and not any(r["method"] == "dense" for r in rows):
             t0 = time.time()
             ppl = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
-            add(dict(method="dense", mode="-", sparsity="", ppl_all=f"{ppl:.4f}", ppl_decode=f"{ppl:.4f}",
+            ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, metric="decode", progress=False)
+            add(dict(method="dense", mode="-", sparsity="", ppl_all=f"{ppl:.4f}", ppl_decode=f"{ppl_dec:.4f}",
                      kl="0", top1="1", seconds=f"{time.time() - t0:.1f}"))
         cache = cache_root() / "artifacts"
         for spec in re.split(r",(?![^\[]*\])", args.specs):
@@ -237,7 +238,7 @@ def main() -> int:
                 countdown.unsparsify(model)
                 countdown.sparsify(model, config, k, mode=mode, artifacts=art, scope="decode")
                 with s_from_shadows(model, shadow_s):
-                    ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, progress=False)
+                    ppl_dec = countdown.perplexity(model, tok, max_tokens=args.tokens, metric="decode", progress=False)
                 countdown.unsparsify(model)
                 q = report["by_sparsity"][k] if art is not None and method == "dual" else {}
                 add(dict(method=spec, mode=mode, sparsity=f"{k:g}", sparsity_real=f"{real:.4f}",

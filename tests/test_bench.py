@@ -34,14 +34,10 @@ TOK = Tok()
 
 def test_bench_parses_with_the_one_grammar(capsys, tmp_path):
     import countdown.bench
-    import countdown.bench.specs
     import countdown.spec
 
     assert countdown.bench.parse_spec is countdown.spec.parse_spec
     assert countdown.bench.parse_specs is countdown.spec.parse_specs
-    # what benchmarks/decode.py still builds through the compatibility module: the old positional order
-    old = countdown.bench.specs.Spec("dual[lowrank]", "dual", "lowrank", {"d_rank": 512})
-    assert (old.method, old.kind, old.options, old.label) == ("dual", "lowrank", {"d_rank": 512}, "dual[lowrank]")
     # a spec the library cannot run is refused before any model is loaded, listing the valid ones
     assert bench_main(["--model", "tiny", "--methods", "mono,dual[nosuch]", "--out", str(tmp_path)]) == 2
     assert "no SP-Prac kind 'nosuch'; dual takes dual[hybrid<d_rank>], " in capsys.readouterr().err
