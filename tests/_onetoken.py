@@ -1,6 +1,6 @@
 """One token's sparse Gated-MLP for the kernel tests: the one-launch kernel switched on for them, each method's
 indicator values, a threshold in a gap between them, and the kernel's output next to its plain PyTorch output
-(tests/test_kernels.py, tests/test_onepass_tma.py, tests/test_sum_tail.py)."""
+(tests/test_kernels.py, tests/test_block.py, tests/test_block_norm.py)."""
 
 import torch
 

@@ -21,8 +21,7 @@ from .timing import time_graph
 KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
     # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
     ("countdown sparse kernels", ("_sparse_glu_kernel", "_down_kernel", "_onepass_kernel", "_sum_partials", "_psum_kernel",
-                                  "_balanced_kernel", "_few_kernel", "_stream_kernel", "_select_kernel", "_consume_kernel",
-                                  "_produce_kernel", "_coef_kernel", "_teal_")),
+                                  "_few_kernel", "_select_kernel", "_teal_")),
     ("countdown shadow GEMV", ("_gemv_i8_kernel", "_gemv_kernel", "_xprep_kernel")),
     ("attention", ("fmha", "attention", "flash", "sdpa", "_split_kernel", "_combine_kernel")),  # ours: kernels/_attention.py, _rope_attention.py
     ("countdown fixed GEMV (projections, indicators)", ("_linear_kernel",)),

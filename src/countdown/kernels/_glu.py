@@ -112,7 +112,7 @@ def _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE: tl.constexpr, UP: tl.con
 @triton.jit
 def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
     """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (the one-token sparse
-    kernels: _onepass.py, _balanced.py, _stream.py, _select.py)."""
+    kernels: _onepass.py, _select.py)."""
     if BIG:
         off = pid.to(tl.int64) * d_model + kd
     else:
@@ -374,7 +374,7 @@ def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
         DENSE=dense is not None, BLOCK_KD=block_kd, EVEN_KD=k_dense % block_kd == 0,
         ZERO=zero is not None, ZBLK=_pow2(max(1, triton.cdiv(n_y, grid[0]))),
         # fp32 tiles are twice the bytes: half the pipeline depth keeps them within shared memory
-        # (4 stages of fp32 [32, 256] tiles need 240 KB, over the H200's 227 KB).
+        # (4 stages of fp32 [32, 256] tiles need 240 KB, over Hopper's 227 KB).
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if x.element_size() <= 2 else max(1, cfg["num_stages"] // 2),
     )
