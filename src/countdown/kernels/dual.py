@@ -6,13 +6,12 @@
     s[b, i] = (x W_up[i]^T) * act(x W_gate[i]^T)   for kept rows only, else 0
     y[b] = sum_i s[b, i] * w_down_t[i, :]
 
-The fused kernel reads the scores and applies the cut itself (no mask tensor is written), computes
+The fused kernels read the scores and apply the cut themselves (no mask tensor is written), compute
 both GEMVs for kept rows with the activation fused, then the masked down projection. Bytes read:
 d_model r + r d_inter + 3 d_model n_kept (+ vectors).
 
-Store the predictor's B transposed (``pred_b = bt.t()`` with ``bt`` a contiguous [d_inter, r]) and,
-where ``_glu.FUSE_DENSE`` says so, the scores are computed inside the fused kernel too (the second
-predictor GEMV and its launch disappear); a contiguous B takes the cuBLAS path.
+Store the predictor's A and B as the transposed views of contiguous A^T [r, d_model] and B^T [d_inter, r]:
+for one token both GEMVs then run on kernels/_linear.py's fixed GEMV, which reads rows.
 """
 
 from __future__ import annotations
@@ -46,22 +45,8 @@ def dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activatio
 def _dual_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
              pred_a: torch.Tensor, pred_b: torch.Tensor, cut_t: Optional[torch.Tensor], cut_f: float,
              activation: str, per_token: bool) -> torch.Tensor:
-    from ._glu import fuse_dense
-
-    if fuse_dense(x) and _rows_of_bt(pred_b):
-        # scores = (x A) B^T-rows inside the fused kernel: B is read once, by the kernel
-        latent = x.to(pred_a.dtype) @ pred_a
-        src = dict(dense=(latent, pred_b.t()))
-    else:
-        src = dict(ind=dual_scores(x, pred_a, pred_b))
-    return gated_chain(x, w_gate, w_up, w_down_t, **src, thr_t=cut_t, thr_f=cut_f, mode="gt",
-                       activation=activation, gate=True, up=True, per_token=per_token)
-
-
-def _rows_of_bt(pred_b: torch.Tensor) -> bool:
-    """Whether B [r, d_inter] is the transposed view of a contiguous B^T [d_inter, r]: then each score
-    is a contiguous row dot product and the fused kernel can compute it."""
-    return pred_b.dim() == 2 and pred_b.stride(0) == 1 and pred_b.stride(1) == pred_b.shape[0]
+    return gated_chain(x, w_gate, w_up, w_down_t, ind=dual_scores(x, pred_a, pred_b), thr_t=cut_t, thr_f=cut_f,
+                       mode="gt", activation=activation, gate=True, up=True, per_token=per_token)
 
 
 @_dual_op.register_fake

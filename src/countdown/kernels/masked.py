@@ -28,7 +28,7 @@ def gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation: str) -> to
 masked_gated_mlp_ref = gated_mlp_masked_ref
 
 
-def gated_chain(x, w_gate, w_up, w_down_t, *, ind=None, dense=None, thr_t=None, thr_f=0.0,
+def gated_chain(x, w_gate, w_up, w_down_t, *, ind, thr_t=None, thr_f=0.0,
                 mode: str, activation: str, gate: bool, up: bool, per_token: bool = False):
     """The fused gate / up kernel followed by the masked down projection: GLU kernel, down kernel (fp32
     atomics), cast to x's dtype. The GLU kernel clears the down projection's fp32 accumulator on its way, so
@@ -40,7 +40,7 @@ def gated_chain(x, w_gate, w_up, w_down_t, *, ind=None, dense=None, thr_t=None, 
     plan = DownPlan(n_tok, w_down_t.shape[0], d_model, per_token)
     work = plan.workspace(x.device, zeroed=False) if plan.atomic else None
     s = sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode, activation, gate=gate, up=up,
-                   per_token=per_token, dense=dense, zero=work)
+                   per_token=per_token, zero=work)
     return sparse_down(s, None, w_down_t, per_token=per_token, plan=plan, workspace=work)
 
 

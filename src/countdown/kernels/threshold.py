@@ -52,13 +52,9 @@ def cats_gated_mlp_ref(x, w_gate, w_up, w_down_t, threshold, activation: str = "
 
 def _chain(method, x, w_gate, w_up, w_down_t, thr_t, thr_f, activation, per_token):
     """The fused gate / up kernel, then the masked down projection (any number of tokens)."""
-    from ._glu import fuse_dense
-
     mode, ind_weight, gate, up = _ROLES[method]
     w_ind = w_up if ind_weight == "w_up" else w_gate
-    # the indicator by cuBLAS first, or (FUSE_DENSE) inside the fused kernel, which then reads all of W_ind itself
-    src = dict(dense=(x, w_ind)) if fuse_dense(x) else dict(ind=x @ w_ind.t())
-    return gated_chain(x, w_gate, w_up, w_down_t, **src, thr_t=thr_t, thr_f=thr_f, mode=mode,
+    return gated_chain(x, w_gate, w_up, w_down_t, ind=x @ w_ind.t(), thr_t=thr_t, thr_f=thr_f, mode=mode,
                        activation=activation, gate=gate, up=up, per_token=per_token)
 
 
