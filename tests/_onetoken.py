@@ -1,18 +1,16 @@
 """One token's sparse Gated-MLP for the kernel tests: the one-launch kernel switched on for them, each method's
 indicator values, a threshold in a gap between them, and the kernel's output next to its plain PyTorch output
-(tests/test_kernels.py, tests/test_onepass_tma.py, tests/test_sum_tail.py)."""
+(tests/test_kernels.py, tests/test_block.py, tests/test_block_norm.py)."""
 
 import torch
 
 import countdown.kernels as K
-from countdown.kernels import _common, _glu, _onepass
+from countdown.kernels import _common, _onepass
 
 
 def onepass_on(monkeypatch) -> None:
-    """The one-launch kernel for one token on any device, its outputs poisoned with NaN first, the dense
-    indicator left to cuBLAS elsewhere (as the references compute it)."""
+    """The one-launch kernel for one token on any device, its outputs poisoned with NaN first."""
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
     monkeypatch.setattr(_onepass, "ONEPASS", True)
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
 

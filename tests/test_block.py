@@ -1,6 +1,6 @@
 """kernels/_block.py: a folded decode layer's MLP half, out = h + mlp(RMSNorm(h)), in two launches (the norm
-computed inside the sparse kernel, the residual added by the partials' sum); kernels/dual.py's dual_block, the
-same with a low-rank predictor whose first GEMV folds the norm in (four launches, no norm kernel).
+computed inside the sparse kernel, the residual added by the partials' sum); the public ops' ``residual``; the
+folded layers' routes (kernels/dual.py's dual_block itself: tests/test_block_norm.py).
 
 Against float64 (h's norm as transformers rounds it, the kept rows' MLP, the add) and, bit for bit under the
 interpreter, against the three ops it replaces (the norm kernel, mono's one-launch MLP, decode_add); the
@@ -84,9 +84,6 @@ def test_the_block_serves_only_its_route(monkeypatch):
     assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is not None
     assert K.threshold_block(torch.cat([h, h]), norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None  # 2 tokens
     assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "cats", "silu") is None  # cats: indicator outside
-    monkeypatch.setattr(_onepass, "SPARSE_KERNEL", "split")
-    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
-    monkeypatch.setattr(_onepass, "SPARSE_KERNEL", "onepass")
     monkeypatch.setitem(_onepass.CONFIGS, "abs", {**_onepass.CONFIGS["abs"], "IND": "torch"})
     assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
     with pytest.raises(ValueError, match="'mono' or 'cats'"):
@@ -96,76 +93,11 @@ def test_the_block_serves_only_its_route(monkeypatch):
 def test_bad_norm_inputs_are_named():
     h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
     with pytest.raises(ValueError, match="norm's weight must be"):
-        _onepass.onepass_partials(h, h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+        _onepass.onepass_partials(h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
                                   norm=(norm_w[:-1], EPS))
-    with pytest.raises(ValueError, match="needs the indicator given"):  # v another vector than x
-        _onepass.onepass_partials(h, h.clone(), wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+    with pytest.raises(ValueError, match="indicator's rows must be"):  # rows that do not read x
+        _onepass.onepass_partials(h, wu[:, :-1], wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
                                   norm=(norm_w, EPS))
-
-
-def _predictor(dtype, rank=8):
-    """A [d_model, r] as the view of a contiguous A^T and B [r, d_inter] as the view of a contiguous B^T (the
-    layout countdown.prac's low-rank selectors hold), scaled so the scores spread around 1."""
-    at = (torch.randn(rank, D_MODEL, device=DEVICE) / D_MODEL**0.5).to(dtype)
-    bt = (torch.randn(D_INTER, rank, device=DEVICE) / rank**0.5).to(dtype)
-    return at.t(), bt.t()
-
-
-@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh"),
-                                       (torch.float32, "silu")])
-def test_dual_block_is_the_norm_the_predictor_the_mlp_and_the_add(dtype, act, monkeypatch):
-    """kernels/dual.py dual_block: the latent from the norm-folded GEMV, the scores, the sparse kernel normalising h
-    itself and the add, against float64 and the chain it replaces (norm kernel, dual_gated_mlp, decode_add)."""
-    from countdown.kernels import dual
-
-    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)  # opt-in (COUNTDOWN_DUAL_BLOCK=1)
-    h, norm_w, wg, wu, wdt = _layer(dtype)
-    pa, pb = _predictor(dtype)
-    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
-    h64 = h.double()
-    x64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * norm_w.double()  # the GEMV's, unrounded
-    scores = (x64 @ pa.double()) @ pb.double()
-    cut = gap_threshold(scores[0].float(), 0.7, gap=0.05)  # wide: the latent is rounded to the dtype on its way
-    keep = scores > cut
-    assert 0 < int(keep.sum()) < D_INTER
-    got = K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, cut, act)
-    assert got is not None and got.shape == h.shape and got.dtype == dtype and not torch.isnan(got).any()
-    exact = h64 + K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, act)
-    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[dtype]
-    xd = x.double()
-    s64 = torch.where(keep, (xd @ wu.double().t()) * _common.act_torch(xd @ wg.double().t(), act), 0.0)
-    scale = h64.abs() + s64.abs() @ wdt.double().abs()
-    assert ((got.double() - exact).abs() <= ulp * scale + 1e-5).all()
-    chain = _rmsnorm.decode_add(h, K.dual_gated_mlp(_rmsnorm.rms_norm(h, norm_w, EPS), wg, wu, wdt, pa, pb, cut, act))
-    if EXACT:  # the same kept rows, the same x in the sparse kernel, the same sums
-        assert torch.equal(got, chain)
-    else:
-        assert ((got.double() - chain.double()).abs() <= ulp * scale + 1e-5).all()
-    # a cut that keeps nothing: h itself, rounded through the add of a zero MLP
-    assert torch.equal(K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 1e9, act), h)
-
-
-def test_dual_block_serves_only_its_route(monkeypatch):
-    from countdown.kernels import dual
-
-    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
-    pa, pb = _predictor(torch.bfloat16)
-    run = lambda h, pa, pb: K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 0.3, "silu")  # noqa: E731
-    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", False)
-    monkeypatch.setattr(dual, "X_FROM_PREDICTOR", False)
-    assert run(h, pa, pb) is None  # both ways off
-    monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
-    assert run(h, pa, pb) is not None
-    assert run(torch.cat([h, h]), pa, pb) is None  # two tokens
-    assert run(h, pa.float(), pb.float()) is None  # the predictor in another dtype than h
-    assert run(h, pa.contiguous(), pb) is None  # A^T not contiguous
-    monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "kernel"})
-    assert run(h, pa, pb) is None  # the scores computed inside the sparse kernel
-    monkeypatch.setitem(_onepass.CONFIGS, "gt", {**_onepass.CONFIGS["gt"], "IND": "torch"})
-    with pytest.raises(ValueError, match="predictor must be"):
-        run(h, pa[:, :-1], pb)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -210,13 +142,13 @@ def test_the_residual_is_added_as_decode_add_adds_it(op, n_tok):
 
 
 @pytest.mark.parametrize("kind,compiled", [("mono", False), ("mono", True), ("lowrank", False),
-                                           ("lowrank-block", False)])
+                                           ("lowrank-xn", False)])
 def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     import countdown
     from countdown.decode import attention as fused_attention
-    from countdown.decode import layer as fused_layer
     from countdown.decode.generate import generate_fast
     from countdown.decode.linears import route_linears
+    from countdown.patched import PatchedMLP
     from countdown.prac.lowrank import LowRankSelector
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
@@ -237,20 +169,15 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
             tensors = {"A": torch.randn(d_model, 8, generator=g), "B": torch.randn(8, d_inter, generator=g),
                        "bias": torch.zeros(d_inter), "cut": torch.tensor(0.5)}
             layer.selector = LowRankSelector(tensors, "cut", d_inter // 2).to(DEVICE)
-    monkeypatch.setattr(fused_layer, "OWN_ADD", True)
-    monkeypatch.setattr(fused_layer, "FOLD_MLP", False)
-    with captured_logits(model) as ref_logits:
+    with monkeypatch.context() as m, captured_logits(model) as ref_logits:  # no block route: the norm kernel,
+        m.setattr(PatchedMLP, "block_forward", lambda self, *a: None)  # the module, decode_add
         ref, _ = generate_fast(model, prompt, NEW, compile=False)
-    monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     hits = []
-    if kind == "lowrank-block":  # dual_block (opt-in): the predictor's GEMV with the norm folded in, here too
-        from countdown.kernels import dual
-
-        monkeypatch.setattr(dual, "NORM_IN_PREDICTOR", True)
+    if kind == "lowrank-xn":  # dual_block: the predictor's first GEMV with the norm folded in, which also writes x
         monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    # mono: the norm, the MLP and the add in two launches; dual's default: the add in the partials' sum; dual_block:
-    # no norm kernel
-    op = {"mono": "gated_block", "lowrank": "sum_partials_add", "lowrank-block": "gated_block_given"}[kind]
+    # mono: the norm, the MLP and the add in two launches; dual off the fixed GEMV: the add in the partials' sum;
+    # dual_block: no norm kernel
+    op = {"mono": "gated_block", "lowrank": "sum_partials_add", "lowrank-xn": "decode_norm_linear_x"}[kind]
     real = getattr(torch.ops.countdown, op)
     if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
         monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))
@@ -272,7 +199,6 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     takes h, so a sparsified MLP's block route runs there too; the tokens are the folded model's own."""
     import countdown
     from countdown.decode import attention as fused_attention
-    from countdown.decode import layer as fused_layer
     from countdown.bench.slots import CapturedDecoder, SlotModel
     from countdown.decode.generate import generate_fast
     from countdown.decode.linears import route_linears
@@ -285,8 +211,6 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
         for layer in state_of(target).layers:
             layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
 
-    monkeypatch.setattr(fused_layer, "OWN_ADD", True)
-    monkeypatch.setattr(fused_layer, "FOLD_MLP", True)
     model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)

@@ -1,6 +1,6 @@
-"""fold_norms (countdown/fused_layer.py): each layer's RMSNorms on kernels/_rmsnorm.py (or the input norm
-folded into the QKV GEMV, FOLD_QKV), the attention's residual add into the output projection, for batch-1
-decode steps; and the norm kernel itself against transformers' module and float64.
+"""fold_norms (countdown/decode/layer.py): each layer's RMSNorms on kernels/_rmsnorm.py, the attention's residual
+add into the output projection and the MLP's on kernels/_rmsnorm.py's decode_add, for batch-1 decode steps; and
+the norm kernel itself against transformers' module and float64.
 
 Against the same model with the attention fused and the QKV GEMV routed but nothing folded (itself
 tested against transformers in test_fused_attention.py): the same greedy tokens, eager and compiled
@@ -47,7 +47,7 @@ def _model_and_prompt(arch):
 @functools.lru_cache(maxsize=None)
 def _unfolded_references(arch):
     """The unfolded decodes the folded ones are compared with, once per architecture (shared by the cases of
-    one architecture: nothing folded yet, so FOLD_QKV and OWN_ADD play no part): the attention fused and the
+    one architecture: nothing folded yet): the attention fused and the
     QKV GEMV routed, dense and then sparsified (mono, 0.5); the greedy tokens, each step's logits, and
     _step_logits_and_cache's logits and cache. Read only by the tests."""
     from countdown import sparsify, unsparsify
@@ -65,21 +65,18 @@ def _unfolded_references(arch):
     return ref_tokens, ref_steps, ref_logits, ref_cache, ref_sparse, ref_sparse_steps
 
 
-@pytest.mark.parametrize("arch,fold_qkv,own_add", [("llama", False, False), ("qwen2", False, False),
-                                                   ("llama", True, False), ("llama", False, True)])
-def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
     from countdown import sparsify, unsparsify
 
     ref_tokens, ref_steps, ref_logits, ref_cache, ref_sparse, ref_sparse_steps = _unfolded_references(arch)
-    monkeypatch.setattr(fused_layer, "FOLD_QKV", fold_qkv)
-    monkeypatch.setattr(fused_layer, "OWN_ADD", own_add)
     from countdown.kernels import _rmsnorm  # noqa: F401  (registers countdown::decode_add)
 
     adds = []
     real_add = torch.ops.countdown.decode_add
     monkeypatch.setattr(torch.ops.countdown, "decode_add", lambda *a: adds.append(a[0].shape) or real_add(*a))
-    op = "decode_norm_linear" if fold_qkv else "decode_rms_norm"
-    per_layer = 1 if fold_qkv else 2  # the folded QKV GEMV, or the two norms
+    op = "decode_rms_norm"
+    per_layer = 2  # the two norms
     model, prompt = _model_and_prompt(arch)
     n_layers = model.config.num_hidden_layers
     fused_attention.fuse_attention(model)
@@ -99,7 +96,7 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     assert torch.equal(out, ref_tokens)
     assert_same_logits(steps, ref_steps)
     assert hits == [1] * ((NEW - 1) * n_layers * per_layer)  # NEW - 1 decode steps; none for the prompt
-    assert len(adds) == ((NEW - 1) * n_layers if own_add else 0)  # the MLP's residual on our add, when asked
+    assert len(adds) == (NEW - 1) * n_layers  # the MLP's residual on our add
     logits, cache = _step_logits_and_cache(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     for (k, v, n), (k0, v0, n0) in zip(cache, ref_cache):
@@ -117,7 +114,7 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, fold_qkv, own_add, monk
     assert_same_logits(sparse_steps, ref_sparse_steps)
     monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
     monkeypatch.setattr(torch.ops.countdown, "decode_add", real_add)
-    if arch == "llama" and not fold_qkv:  # Dynamo takes the folded forward (and our add, when asked)
+    if arch == "llama":  # Dynamo takes the folded forward and our add
         # (its logits not captured: Dynamo would guard on the list they go to, recompiling each step)
         compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)

@@ -98,11 +98,10 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     from countdown.kernels import _linear
 
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "IND_GEMV", "fixed")  # the indicator's GEMV on kernels/_linear.py
-    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
+    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)  # the indicator's GEMV on kernels/_linear.py
     launches, gemvs = [], []
     real = _onepass.onepass_partials
-    monkeypatch.setattr(_onepass, "onepass_partials", lambda *a, **k: launches.append(a[8]) or real(*a, **k))
+    monkeypatch.setattr(_onepass, "onepass_partials", lambda *a, **k: launches.append(a[7]) or real(*a, **k))
     real_linear = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda *a, **k: gemvs.append(1) or real_linear(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"

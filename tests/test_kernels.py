@@ -35,10 +35,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    # the indicator by cuBLAS, as the references compute it (test_fused_dense_indicator covers the
-    # kernel computing it itself, where a different summation order may move a threshold tie)
-    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: False, 16: False})
-    monkeypatch.setattr(_onepass, "ONEPASS", False)  # test_onepass covers it (same reason)
+    # one token on the chained kernels too (test_onepass covers the one-launch kernel, whose in-kernel
+    # indicator has another summation order that may move a threshold tie)
+    monkeypatch.setattr(_onepass, "ONEPASS", False)
     torch.manual_seed(0)
 
 
@@ -164,20 +163,16 @@ def test_threshold_tensor_and_leading_dims():
            K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["cublas-scores", "fused-scores"])
 @pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 1), (torch.float16, 5)], ids=["bfloat16-b1", "float16-b5"])
-def test_dual_per_row_cut(dtype, batch, fused, monkeypatch):
+def test_dual_per_row_cut(dtype, batch):
     """A cut per row ([d_inter]: a trained predictor's ``cut - bias``): row i is kept where
     (x A B)[i] > cut[i]. Reference: the mask computed by hand in float32 from the same scores."""
-    if fused:
-        monkeypatch.setattr(_glu, "FUSE_DENSE", {1: True, 16: True})
-        monkeypatch.setattr(_glu, "FUSE_DENSE_OFF_CUDA", True)
     x, wg, wu, wdt = _mlp(batch, dtype)
     pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
     pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()
     scores = K.dual_scores(x, pa, pb).float()
     # each row keeps a random number of the batch's tokens; the cut sits in a gap wide enough that
-    # another summation order (the fused kernel's) cannot move a score across it
+    # another summation order cannot move a score across it
     gen = torch.Generator().manual_seed(1)
     cut = torch.empty(D_INTER)
     for i in range(D_INTER):
@@ -197,42 +192,15 @@ def test_dual_per_row_cut(dtype, batch, fused, monkeypatch):
         K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut[None, :], "silu")
 
 
-@pytest.mark.parametrize("op", ["mono", "cats", "dual"])
-@pytest.mark.parametrize("dtype,batch", [(torch.float32, 3), (torch.bfloat16, 1), (torch.float16, 8)],
-                         ids=["float32-b3", "bfloat16-b1", "float16-b8"])
-def test_fused_dense_indicator(op, dtype, batch, monkeypatch):
-    """mono / cats / dual computing u / g / the scores inside the fused kernel (FUSE_DENSE) instead of
-    cuBLAS first. The threshold sits in a wide gap so that the kernel's own indicator (another
-    summation order) keeps the same rows."""
-    monkeypatch.setattr(_glu, "FUSE_DENSE", {1: True, 16: True})
-    monkeypatch.setattr(_glu, "FUSE_DENSE_OFF_CUDA", True)
-    act = "gelu_tanh" if op == "cats" else "silu"
-    x, wg, wu, wdt = _mlp(batch, dtype)
-    if op == "mono":
-        thr = _threshold((x @ wu.t()).float().abs(), 0.7, gap=0.05)
-        keep = K.mono_keep(x, wu, thr)
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.mono_gated_mlp, K.mono_gated_mlp_ref))
-    elif op == "cats":
-        thr = _threshold(_common.act_torch((x @ wg.t()).float(), act).abs(), 0.7, gap=0.05)
-        keep = K.cats_keep(x, wg, thr, act)
-        out, out_torch = (f(x, wg, wu, wdt, thr, act) for f in (K.cats_gated_mlp, K.cats_gated_mlp_ref))
-    else:
-        pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
-        pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
-        cut = _threshold(K.dual_scores(x, pa, pb).float(), 0.7, gap=0.05)
-        keep = K.dual_keep(x, pa, pb, cut)
-        out, out_torch = (f(x, wg, wu, wdt, pa, pb, cut, act) for f in (K.dual_gated_mlp, K.dual_gated_mlp_ref))
-    _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
-
-
 ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
     ("mono", torch.bfloat16, "silu", {}, False),  # per program
-    ("mono", torch.float32, "gelu_tanh", dict(PREFETCH=True, CHUNK=16, BLOCK_M=4, ROWS=None, RB=0), False),
+    ("mono", torch.float32, "gelu_tanh", dict(CHUNK=16, BLOCK_M=4, ROWS=None), False),
     ("cats", torch.float16, "gelu_tanh", {}, False),
-    ("cats", torch.bfloat16, "silu", dict(PREFETCH=True, BLOCK_M=1, ROWS=None, RB=0), False),
+    ("cats", torch.bfloat16, "silu", dict(BLOCK_M=1), False),
+    ("cats", torch.float32, "silu", dict(CHUNK=16), False),
     ("dual", torch.bfloat16, "silu", {}, False),
     ("dual", torch.bfloat16, "silu", {}, True),
-    ("dual", torch.float16, "gelu_tanh", dict(PREFETCH=True, CHUNK=32, BLOCK_M=8, ROWS=None, RB=0), True),
+    ("dual", torch.float16, "gelu_tanh", dict(CHUNK=32, BLOCK_M=8), True),
     ("mono", torch.bfloat16, "silu", dict(ROWS="auto", BLOCK_M=4), False),  # 131 rows over 3 programs: 44 a chunk
     ("dual", torch.float32, "silu", dict(ROWS="auto", BLOCK_M=2), True),
     ("cats", torch.float16, "silu", dict(STAGES=2, BLOCK_M=2), False),  # the tile loop software-pipelined
@@ -240,31 +208,28 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
     ("mono", torch.bfloat16, "silu", dict(RB=4, ISTAGES=2, CHUNK=16, W_EARLY=True), False),  # early: 1st chunk
     ("cats", torch.float16, "gelu_tanh", dict(RB=2, CHUNK=32, BLOCK_M=2), False),
     ("mono", torch.bfloat16, "silu", dict(ROWS="auto", RB=8, ISTAGES=3, BLOCK_M=4), False),  # 48 rows a program
-    ("dual", torch.bfloat16, "gelu_tanh", dict(ROWS="auto", RB=8, ISTAGES=3, W_EARLY=True), True),
-    # ... or as a matrix product over K (tl.dot), IND_DOT columns a step: 3 masked steps of 32 for d_model 67
-    ("mono", torch.bfloat16, "silu", dict(ROWS="auto", IND_DOT=32, ISTAGES=2), False),
-    ("dual", torch.float16, "gelu_tanh", dict(IND_DOT=16, CHUNK=32), True),
-    ("cats", torch.float32, "silu", dict(IND_DOT=32, CHUNK=16), False),  # fp32 rows: the register route
-    ("dual", torch.bfloat16, "silu", dict(ROWS="auto", RB=4, ISTAGES=2, STAGES=2, W_EARLY=True), True),  # 44 rows
-    # ... or IND_DOT's K walk on the CUDA cores (IND_FMA; fp32 rows too): 3 masked steps of 32 for d_model 67
-    ("mono", torch.bfloat16, "silu", dict(ROWS="auto", IND_DOT=32, IND_FMA=True, ISTAGES=2), False),
-    ("dual", torch.float32, "gelu_tanh", dict(IND_DOT=16, IND_FMA=True, CHUNK=32), True),
+    ("dual", torch.bfloat16, "gelu_tanh", dict(ROWS="auto", STAGES=2), True),
 ]
+# mono and cats take their indicator given (computed before the launch) or computed in the kernel; dual's scores
+# always come from the predictor's GEMVs before it
+ONEPASS_RUNS = [(case, ind) for case in ONEPASS_CASES for ind in ("torch", "kernel")
+                if case[0] != "dual" or ind == "torch"]
 
 
-@pytest.mark.parametrize("ind", ["torch", "kernel"], ids=["ind-torch", "ind-kernel"])
-@pytest.mark.parametrize("op,dtype,act,config,per_row", ONEPASS_CASES,
-                         ids=[f"{o}-{str(d)[6:]}-{a}-{'cfg' if c else 'default'}{'-per-row' if r else ''}"
-                              for o, d, a, c, r in ONEPASS_CASES])
+@pytest.mark.parametrize("op,dtype,act,config,per_row,ind", [(*c, ind) for c, ind in ONEPASS_RUNS],
+                         ids=[f"{o}-{str(d)[6:]}-{a}-{'cfg' if c else 'default'}{'-per-row' if r else ''}-ind-{i}"
+                              for (o, d, a, c, r), i in ONEPASS_RUNS])
 def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     """The one-launch kernel for a single token (decode steps): indicator, compaction, kept GEMVs
     and down projection in one persistent grid, fp32 partials summed outside; the indicator given
-    (computed by torch) or computed in the kernel. Thresholds sit in wide gaps (the kernel's own
-    indicator has another summation order); per-row thresholds (dual: a trained predictor's
-    ``cut - bias``) give every row its own value."""
+    (computed by torch) or computed in the kernel, RB rows a step (RB 2 where the case gives none).
+    Thresholds sit in wide gaps (the kernel's own indicator has another summation order); per-row thresholds
+    (dual: a trained predictor's ``cut - bias``) give every row its own value."""
     monkeypatch.setattr(_onepass, "ONEPASS", True)
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, **config, "IND": ind} for m, c in _onepass.CONFIGS.items()})
+    rb = {"RB": 2} if ind == "kernel" else {}  # (mono's own RB, or the case's, where they give one)
+    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**rb, **c, **config, "IND": ind}
+                                              for m, c in _onepass.CONFIGS.items()})
     x, wg, wu, wdt = _mlp(1, dtype)
     pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
     pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
@@ -301,10 +266,10 @@ def test_sum_partials_matches_float64(rows, d, dtype):
         _psum.sum_partials(p.to(torch.bfloat16), dtype)
 
 
-def test_sum_partials_of_a_few_tokens_and_the_auto_route(monkeypatch):
+def test_sum_partials_of_a_few_tokens_and_the_route(monkeypatch):
     """3-D partials [rows, tokens, d] (the few-token and TEAL kernels') sum to [tokens, d] against float64;
-    the default route takes the op when the call runs eagerly and PyTorch's sum while torch.compile
-    traces it (where Inductor fuses it), and "inductor" / "kernel" force one of them."""
+    the route takes the op when the call runs eagerly and PyTorch's sum while torch.compile traces it (where
+    Inductor fuses it)."""
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(96, 3, 40, generator=gen).to(DEVICE)
     exact = p.double().sum(0)
@@ -316,33 +281,28 @@ def test_sum_partials_of_a_few_tokens_and_the_auto_route(monkeypatch):
     taken = []
     real = _psum.sum_partials
     monkeypatch.setattr(_psum, "sum_partials", lambda *a: taken.append(a[0].shape) or real(*a))
-    for route, compiling, want in [("auto", False, True), ("auto", True, False), ("kernel", True, True),
-                                   ("inductor", False, False)]:
-        monkeypatch.setattr(_psum, "ROUTE", route)
+    for compiling in (False, True):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
         taken.clear()
         y = _psum.reduce(p, like)
-        assert bool(taken) == want, (route, compiling)
-        assert y.shape == (3, 40) and torch.equal(y, got if want else p.sum(0).to(torch.bfloat16))
-    monkeypatch.setattr(_psum, "ROUTE", "auto")
+        assert bool(taken) == (not compiling)
+        assert y.shape == (3, 40) and torch.equal(y, p.sum(0).to(torch.bfloat16) if compiling else got)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     assert _psum.reduce(p[:, 0], like).shape == (1, 40)  # one token's 2-D partials keep the row dim
 
 
 @pytest.mark.parametrize("op", ["mono", "dual"])
 def test_onepass_indicator_on_the_fixed_gemv(op, monkeypatch):
-    """With IND_GEMV "fixed" the one-token indicator (mono's u; dual's x A and (x A) B, A and B held as
-    views of contiguous A^T and B^T) runs on kernels/_linear.py's GEMV, once per GEMV, and the MLP
+    """The one-token indicator given to the kernel (mono's u with IND "torch"; dual's x A and (x A) B, A and B
+    held as views of contiguous A^T and B^T) runs on kernels/_linear.py's GEMV, once per GEMV, and the MLP
     still matches float64; a predictor whose A is a plain contiguous [d_model, r] falls back to x @ A."""
     from countdown.kernels import _linear
 
     monkeypatch.setattr(_onepass, "ONEPASS", True)
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "IND_GEMV", "fixed")
     monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
     monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, "IND": "torch"} for m, c in _onepass.CONFIGS.items()})
-    monkeypatch.setattr(_psum, "ROUTE", "kernel")  # and the partials summed by kernels/_psum.py
-    monkeypatch.setattr(_psum, "OFF_CUDA", True)
+    monkeypatch.setattr(_psum, "OFF_CUDA", True)  # and the partials summed by kernels/_psum.py
     calls = []
     real = _linear.decode_linear
     monkeypatch.setattr(_linear, "decode_linear", lambda x, w, *a, **k: calls.append(tuple(w.shape)) or real(x, w, *a, **k))
@@ -384,14 +344,13 @@ def test_onepass_really_runs(monkeypatch):
         K.mono_gated_mlp(x, wg, wu, wdt, 0.5, "silu")
     assert calls == [1]
     with pytest.raises(ValueError, match="one token"):
-        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
+        real(x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
     x = x[:1]
-    with pytest.raises(ValueError, match="RB"):
-        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=3))
-    with pytest.raises(ValueError, match="IND_DOT"):
-        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(IND_DOT=24))
-    with pytest.raises(ValueError, match="PREFETCH"):
-        real(x, x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=4, PREFETCH=True, ROWS=None))
+    for rb in (3, 0):  # the in-kernel indicator streams a power of two of rows a step
+        with pytest.raises(ValueError, match="RB"):
+            real(x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False, config=dict(RB=rb))
+    with pytest.raises(ValueError, match="indicator's rows"):
+        real(x, wu[:, :-1], wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
 
 
 VARIANTS = [  # kernel options the benchmark compares; each must be right too

@@ -76,8 +76,10 @@ def test_decode_linear_folds_the_rmsnorm(t, n, k, dtype, bias):
         assert ((y.double() - ref64).abs() <= tol).all(), (y.double() - ref64).abs().max()
     torch.testing.assert_close(_linear.decode_linear_ref(x, w, b, None, g, eps).double(), ref64, rtol=ULP[dtype],
                                atol=1e-5)
-    assert torch.equal(torch.ops.countdown.decode_norm_linear(x, g, eps, w, b), _linear.decode_linear(
-        x, w, b, None, norm_weight=g, eps=eps))
+    if not bias:  # the op the routes call: the same GEMV, and x = RMSNorm(x) written beside it
+        y, xn = torch.ops.countdown.decode_norm_linear_x(x, g, eps, w)
+        assert torch.equal(y, _linear.decode_linear(x, w, None, None, norm_weight=g, eps=eps))
+        assert xn.shape == x.shape and torch.isfinite(xn).all()
     with pytest.raises(ValueError, match="norm_weight must be"):
         _linear.decode_linear(x, w, b, None, norm_weight=g[:-1])
 
@@ -183,7 +185,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     from countdown.kernels import _pdl
 
     assert sum(m in _pdl.folded for m in model.modules()) == fused
-    if _pdl.ENABLED == "auto" and fused:
+    if fused:
         assert _pdl.switched_on()  # PDL on while layers are folded
     calls = []
     real = _linear.decode_linear
@@ -201,7 +203,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert fastest_step(model, on=False) == []
     assert not any(is_routed(m) or is_fused(m) or is_folded(m) or getattr(m, QKV_FIXED, False)
                    for m in model.modules())
-    assert not any(m in _pdl.folded for m in model.modules())  # PDL "auto" no longer counts this model
+    assert not any(m in _pdl.folded for m in model.modules())  # PDL no longer counts this model
     with _fast_step(model, True):
         assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     with _fast_step(model, False):
@@ -241,3 +243,36 @@ def test_fastest_step_leaves_unfoldable_layers_alone():
     with pytest.raises(ValueError, match="OtherNorm"):
         route_linears(model, ("norm",))
     fastest_step(model, on=False)
+
+
+def test_pdl_is_on_while_layers_are_folded_and_never_under_the_interpreter(monkeypatch):
+    import weakref
+
+    from countdown.kernels import _pdl
+
+    x = torch.zeros(1, 8, device=DEVICE)
+    monkeypatch.setattr(_pdl, "folded", weakref.WeakSet())
+    assert not _pdl.switched_on() and not _pdl.active(x) and _pdl.mode(x) == 0
+    assert _pdl.launch_kwargs(False) == {} and _pdl.launch_kwargs(True) == {"launch_pdl": True}
+    layer = torch.nn.Linear(1, 1)
+    _pdl.folded.add(layer)
+    assert _pdl.switched_on()
+    if not torch.cuda.is_available():  # CPU / TRITON_INTERPRET: the grid-dependency ops do not exist there
+        assert not _pdl.active(x) and _pdl.mode(x) == 0
+    monkeypatch.setattr(_pdl, "active", lambda t: True)
+    assert _pdl.mode(x) == 1  # every program signals at its start
+
+
+def test_weights_early_only_for_grids_that_fit_at_once(monkeypatch):
+    """The fixed GEMV loads its first weight tile before the wait only when all its programs are resident at
+    once: 132 SMs x min(32, 64 // warps) programs (8 warps: 1056; 1 warp: 4224)."""
+    from types import SimpleNamespace
+
+    from countdown.kernels import _pdl
+
+    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
+    t = SimpleNamespace(device=torch.device("cuda", 0))
+    assert _pdl.weights_early(t, 1056, 8) and not _pdl.weights_early(t, 1057, 8)
+    assert _pdl.weights_early(t, 4224, 1) and not _pdl.weights_early(t, 4225, 1)
+    assert not _pdl.weights_early(t, 6144, 8)  # Llama-3.1-8B's QKV GEMV: many waves
+    assert _pdl.weights_early(t, 512, 8) and _pdl.weights_early(t, 3584, 1)  # the predictor's x A, (x A) B

@@ -3,9 +3,9 @@
 Against float64: u~ = x w~_up^T and g~ = x w~_gate^T of the dequantized shadows, within the kernel's
 error bound (fp16 products and lane sums: |err| <= 5 * 2**-11 * (|x| |w~|^T), plus the float32
 sums); the indicator |u~ act(g~)| against the same computed in float64 from the kernel's own u~, g~;
-the whole one-token route (indicator from the kernel, then _onepass.py's sparse kernel) against the
-float64 MLP on the rows the indicator keeps, and those rows against float64's keep mask wherever a
-score is farther from the cut than its error bound. Under TRITON_INTERPRET=1 the portable path runs;
+its op (countdown::shadow_gemv) against the launch; the indicator fed to _onepass.py's sparse kernel
+against the float64 MLP on the rows it keeps, and those rows against float64's keep mask wherever a
+score is farther from the cut than its error bound. (The routes' one-token shadow GEMV is _gemv_i8.py's.) Under TRITON_INTERPRET=1 the portable path runs;
 on a GPU both paths (inline asm and portable) are checked.
 """
 
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _gemv, _onepass, shadow  # noqa: E402
+from countdown.kernels import _common, _gemv, _onepass  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U16 = 2.0**-11
@@ -27,7 +27,6 @@ U16 = 2.0**-11
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(shadow, "ONE_TOKEN_GEMV", "fp16x2")  # this kernel's tests (int8 x: test_shadow_gemv_i8.py)
 
 
 def _shadows(d_model, d_inter, group, bits, dtype, seed):
@@ -124,30 +123,23 @@ def test_gemv_bad_input():
         _gemv.launch(torch.randn(2, 64, device=DEV), prep["q"], prep["scale"], None)
 
 
-def test_shadow_scores_one_token_uses_it(monkeypatch):
-    """shadow_scores of one token goes through _gemv.py, several tokens through _select.py; both agree
-    with float64 within their bounds."""
+def test_the_op_is_the_launch():
+    """countdown::shadow_gemv (an opaque op, torch.compile-able): (u~, g~) or the indicator, as the launch gives
+    them, and within the kernel's bound of float64."""
     (qg, sg, qu, su), prep = _shadows(128, 40, 32, 4, torch.bfloat16, seed=5)
-    calls = []
-    real = _gemv.launch
-    monkeypatch.setattr(_gemv, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x = torch.randn(2, 128).bfloat16()
-    u1, g1 = K.shadow_scores(x[:1].to(DEV), prep)
-    assert len(calls) == 1
-    u2, g2 = K.shadow_scores(x.to(DEV), prep)
-    assert len(calls) == 1
+    x = torch.randn(1, 128).bfloat16()
+    o = torch.ops.countdown.shadow_gemv(x.to(DEV), prep["q"], prep["scale"], "silu", False)
+    assert o.shape == (2, 1, 40) and torch.equal(o, _gemv.launch(x.to(DEV), prep["q"], prep["scale"], None))
+    ind = torch.ops.countdown.shadow_gemv(x.to(DEV), prep["q"], prep["scale"], "silu", True)
+    assert ind.shape == (1, 40) and torch.equal(ind, _gemv.launch(x.to(DEV), prep["q"], prep["scale"], "silu"))
     du = K.dequantize(qu, su, torch.float64)
-    u64 = x.double() @ du.t()
-    assert ((u1.cpu().double() - u64[:1]).abs() <= _bound(x[:1].double(), du, 128, 4)).all()
-    assert ((u2.cpu().double() - u64).abs() <= 2 * 128 * 2.0**-24 * (x.double().abs() @ du.abs().t()) + 1e-30).all()
+    assert ((o[0].cpu().double() - x.double() @ du.t()).abs() <= _bound(x.double(), du, 128, 4)).all()
 
 
 @pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "silu"), (torch.float32, "gelu_tanh")])
-def test_one_token_route(dtype, act, monkeypatch):
-    """The default one-token route: indicator from _gemv.py, sparse MLP from _onepass.py. Exact MLP on
-    the rows the indicator keeps; those rows are float64's wherever the score is clear of the cut."""
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(shadow, "ONE_TOKEN_ROUTE", "onepass")
+def test_indicator_into_the_sparse_kernel(dtype, act):
+    """The indicator from _gemv.py into _onepass.py's sparse kernel. Exact MLP on the rows the indicator keeps;
+    those rows are float64's wherever the score is clear of the cut."""
     d_model, d_inter = 128, 160
     (qg, sg, qu, su), prep = _shadows(d_model, d_inter, 64, 4, dtype, seed=11)
     torch.manual_seed(12)
@@ -167,12 +159,8 @@ def test_one_token_route(dtype, act, monkeypatch):
     slope = 1.2 * (a64.abs() * _bound(x64, du, d_model, 2) + u64.abs() * _bound(x64, dg, d_model, 2))
     clear = (score64 - cut).abs() > slope + 1e-5 * score64
     assert clear.float().mean() > 0.5 and torch.equal(keep[clear], (score64 > cut)[clear])
-    calls = []
-    real = _gemv.launch
-    monkeypatch.setattr(_gemv, "launch", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    out = K.shadow_dual_gated_mlp(x.to(DEV), prep, torch.tensor(cut, device=DEV), wg.to(DEV), wu.to(DEV),
-                                  wdt.to(DEV), act).cpu()
-    assert calls == [act]  # the indicator came from the GEMV kernel, straight into _onepass.py
+    out = _onepass.onepass_mlp(x.to(DEV), wg.to(DEV), wu.to(DEV), wdt.to(DEV), torch.tensor(cut, device=DEV), 0.0,
+                               "gt", act, gate=True, up=True, ind=ind.to(DEV)).cpu()
     ref64 = K.gated_mlp_masked_ref(x64, wg.double(), wu.double(), wdt.double(), keep, act)
     ref_t = K.gated_mlp_masked_ref(x, wg, wu, wdt, keep, act)
     err = (out.double() - ref64).abs()

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _gemv_i8, _onepass, shadow  # noqa: E402
+from countdown.kernels import _common, _gemv_i8, _onepass  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -169,11 +169,9 @@ def test_gemv_i8_zero_rows_and_bad_input():
 
 
 def test_one_token_route_takes_it(monkeypatch):
-    """With ONE_TOKEN_GEMV = "int8" the shadow MLP's indicator and shadow_scores come from this kernel;
-    the MLP is exact on the rows it keeps."""
+    """The shadow MLP's one-token indicator and shadow_scores come from this kernel; the MLP is exact on the rows
+    it keeps."""
     monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(shadow, "ONE_TOKEN_ROUTE", "onepass")
-    monkeypatch.setattr(shadow, "ONE_TOKEN_GEMV", "int8")
     d_model, d_inter = 128, 96
     (qg, sg, qu, su), prep = _shadows(d_model, d_inter, 64, 4, torch.bfloat16, seed=11)
     torch.manual_seed(12)

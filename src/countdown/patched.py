@@ -69,7 +69,7 @@ class PatchedMLP(nn.Module):
 
     def block_forward(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``h + module(RMSNorm(h))`` (weight ``norm_w``, ``eps``) where a kernel route computes the norm and
-        the residual add with the MLP (a folded layer's batch-1 decode step: countdown.decode.layer.FOLD_MLP,
+        the residual add with the MLP (a folded layer's batch-1 decode step: countdown.decode.layer.mlp_half,
         kernels/_block.py), else None: the caller runs the norm, this module and the add itself."""
         if self.selector is None or self.mlp.tp is not None or self.state.sparse_positions(h) is not True:
             return None

@@ -139,11 +139,6 @@ def fuse_attention(model: nn.Module, on: bool = True) -> list[str]:
         elif not is_fused(attn):
             _fuse(attn)
     if len(skipped) < len(modules):
-        device = next(model.parameters()).device
-        if device.type == "cuda":  # the one-launch attention's counters, made now: never inside a graph's memory pool
-            from ..kernels import _rope_attention
-
-            _rope_attention.tickets(device, 1)
         if getattr(model.config, "_attn_implementation", None) != NAME:
             use_decode_attention(model)
             setattr(model, _SWITCHED, True)

@@ -5,38 +5,31 @@ folded into the output projection.
     fold_norms(model)          # after fuse_attention(model) and route_linears(model, ("qkv",))
     fold_norms(model, False)   # back to transformers' layer forward
 
-Why (docs/decode.md, session 13): in a compiled batch-1 decode step each layer's two RMSNorms are
-Inductor reductions of their own, fused with the residual adds before them and tuned per compile: 1.9
-to 5.5 us a call on an H200 for 16 KB of data, about 0.4 ms of a 2.4-4.3 ms step (`benchmarks/decode.py
---profile`, 2026-11-25). A decode step of a folded layer (one token per row, the fused attention path
+Why: in a compiled batch-1 decode step each layer's two RMSNorms are Inductor reductions of their own,
+fused with the residual adds before them and tuned per compile, and each breaks the chain of programmatic
+dependent launches. A decode step of a folded layer (one token per row, the fused attention path
 available, the fixed GEMV serving) is
 
-    x   = RMSNorm_in(h)                    kernels/_rmsnorm.py (or, FOLD_QKV, folded into the next GEMV)
+    x   = RMSNorm_in(h)                    kernels/_rmsnorm.py
     qkv = x W_qkv^T                        kernels/_linear.py
     a   = attention(qkv)                   kernels/_rope_attention.py (rotary, cache write, attention)
     h'  = h + a W_o^T                      kernels/_linear.py with the residual: no add of its own
-    out = h' + mlp(RMSNorm_post(h'))       the norm on kernels/_rmsnorm.py, the add its decode_add (OWN_ADD);
-                                           or all three by the sparse MLP's kernels (FOLD_MLP, kernels/_block.py)
+    out = h' + mlp(RMSNorm_post(h'))       by the sparse MLP's kernels where its route takes the norm and the
+                                           add (:func:`mlp_half`), else the norm on kernels/_rmsnorm.py and
+                                           the add on its decode_add
 
 Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the
 layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
 must be the weight-times-normalised RMSNorm; :func:`why_not_foldable` names what stops a layer.
 
-Measured (H200, 2026-11-25): alone, no faster than Inductor's own norms (session 13: dual[lowrank]'s kernels
-2.287 against 2.244 ms a step; Inductor's norm kernels 1.9-5.5 us across compiles). With the MLP's residual
-add on our kernel too (OWN_ADD), every kernel of a folded layer's step is ours, and programmatic dependent
-launch (kernels/_pdl.py, on while layers are folded) overlaps each with the one before: the compiled dense
-step 4 % faster, the sparse ones 4-7 % (means of 4-5 runs each; session 14, runs AS-AU,
-benchmarks/results/decode_runs/SESSION14.md). So the fold is part of ``decode_gemv.fastest_step`` since.
-
-FOLD_QKV folds the input norm into the QKV GEMV instead (kernels/_linear.py's norm_weight: the sum of
-squares in the GEMV's own K loop): measured slower on an H200 (the QKV GEMV 15.4-16.1 us against 15.8 for
-a norm kernel plus the plain GEMV; in the step +96-114 us of GEMV for -54 us of norms), so off.
+So every kernel of a folded layer's step is ours, and programmatic dependent launch (kernels/_pdl.py, on
+while layers are folded) overlaps each with the one before; that is why the fold is part of
+``countdown.decode.linears.fastest_step``. The input norm stays a kernel of its own: folded into the QKV
+GEMV (the sum of squares in the GEMV's K loop) it made that GEMV slower than the norm it saved.
 """
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -48,18 +41,6 @@ from ..kernels import _common
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
             "MistralDecoderLayer": "MistralRMSNorm"}
 _BEFORE = "_countdown_layer_forward_before"
-FOLD_QKV = False
-# The MLP's residual add on kernels/_rmsnorm.py's decode_add instead of Inductor's (COUNTDOWN_FOLD_ADD=0:
-# Inductor's): every kernel of a folded layer's step is then ours, so programmatic dependent launch
-# (kernels/_pdl.py, on while layers are folded) reaches across the whole layer (docs/decode.md, session 14).
-OWN_ADD = os.environ.get("COUNTDOWN_FOLD_ADD", "1") not in ("", "0")
-# A sparsified MLP whose kernel route can take the post-attention norm and the residual add with it gets h and
-# returns h + mlp(RMSNorm(h)) (PatchedMLP.block_forward; COUNTDOWN_FOLD_MLP=0: the norm, the MLP and the add as
-# before). mono, one token: two launches (kernels/_block.py: the norm inside its sparse kernel, the add in the
-# partials' sum) instead of four or five; dual (low-rank, shadow) and cats: the add in the partials' sum. Needs
-# OWN_ADD. Measured on an H200 (per-compile mono k = 0.9: 355.5-361.9 against 340.6-350.2 tokens/s; docs/decode.md
-# session 22).
-FOLD_MLP = os.environ.get("COUNTDOWN_FOLD_MLP", "1") not in ("", "0")
 
 
 def why_not_foldable(layer: nn.Module) -> str | None:
@@ -132,11 +113,8 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     B = hidden_states.shape[0]
     h = hidden_states.reshape(B, -1)
     norm, post = self.input_layernorm, self.post_attention_layernorm
-    if FOLD_QKV:
-        qkv = torch.ops.countdown.decode_norm_linear(h, norm.weight, float(norm.variance_epsilon), weight, bias)
-    else:
-        x = torch.ops.countdown.decode_rms_norm(h, norm.weight, float(norm.variance_epsilon))
-        qkv = torch.ops.countdown.decode_linear(x, weight, bias, None)
+    x = torch.ops.countdown.decode_rms_norm(h, norm.weight, float(norm.variance_epsilon))
+    qkv = torch.ops.countdown.decode_linear(x, weight, bias, None)
     a = attend(attn, qkv, layer, row, position_embeddings)
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
@@ -149,14 +127,16 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
 
 def mlp_half(mlp: nn.Module, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
     """A folded layer's ``h + mlp(RMSNorm(h))`` for one decode step's h [B, 1, d_model]: by a sparsified MLP's
-    block route where it serves (FOLD_MLP), else the norm kernel, the module and the add (OWN_ADD: decode_add)."""
-    sparse = getattr(mlp, "countdown_sparse", None) if FOLD_MLP and OWN_ADD else None
-    if sparse is not None:  # the norm, a sparse MLP and the add in two or three launches, where its route serves
+    block route where it serves (the norm, the sparse MLP and the add in its own launches: fewer launches than
+    three separate steps), else the norm kernel, the module and the add on kernels/_rmsnorm.py's decode_add
+    (a kernel of ours, so the chain of dependent launches reaches across the whole layer)."""
+    sparse = getattr(mlp, "countdown_sparse", None)
+    if sparse is not None:
         out = sparse.block_forward(h, norm_w, eps)
         if out is not None:
             return out
     x = torch.ops.countdown.decode_rms_norm(h.reshape(h.shape[0], -1), norm_w, eps)
     m = mlp(x.view_as(h))
-    if OWN_ADD and m.dtype == h.dtype:
+    if m.dtype == h.dtype:
         return torch.ops.countdown.decode_add(h, m)
     return h + m

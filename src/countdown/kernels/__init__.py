@@ -12,13 +12,10 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
     dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
     dual_block(h, norm_w, eps, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
                                         h + dual_gated_mlp of RMSNorm(h), one token, the norm folded into
-                                        the predictor's GEMV and the sparse kernel, or None (dual.py)
+                                        the predictor's first GEMV (which also writes x), or None (dual.py)
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
     shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
                                         keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
-    shadow_dual_block(h, norm_w, eps, prepared, cut, w_gate, w_up, w_down_t, activation)
-                                        h + that MLP of RMSNorm(h), one token, the norm inside the shadow
-                                        GEMV's x-prep launch (_shadow_block.py), or None
     hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
                                         keep |u| |act(latent bt^T + bias)| > cut, u given (hybrid.py)
     teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
@@ -35,27 +32,27 @@ tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference in
 
 from ._block import block_input, threshold_block
 from ._common import available
-from .cats import cats_gated_mlp, cats_gated_mlp_ref, cats_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
-from .dual import dual_block, dual_block_int8, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
+from .dual import dual_block, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
 from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
 from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
-from .mono import mono_gated_mlp, mono_gated_mlp_ref, mono_keep
 from .quant import (dequantize, pack_bits, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp_ref,
                     shadow_keep_ref, shadow_scores_ref, unpack_bits)
-from .shadow import prepare_shadow, shadow_dual_block, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
+from .shadow import prepare_shadow, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
 from .teal import teal_gated_mlp, teal_gated_mlp_ref, teal_keep_x, teal_masked_ref
+from .threshold import (cats_gated_mlp, cats_gated_mlp_ref, cats_keep, mono_gated_mlp, mono_gated_mlp_ref,
+                        mono_keep)
 
 __all__ = [
     "available",
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",
-    "dual_block", "dual_block_int8", "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
+    "dual_block", "dual_gated_mlp", "dual_gated_mlp_ref", "dual_keep", "dual_scores",
     "sparse_down_proj", "sparse_down_proj_ref",
     "quantize_rtn", "dequantize", "pack_bits", "unpack_bits", "shadow_bytes",
     "shadow_scores_ref", "shadow_keep_ref", "shadow_dual_gated_mlp_ref",
-    "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp", "shadow_dual_block",
+    "prepare_shadow", "unpack_prepared", "shadow_scores", "shadow_dual_gated_mlp",
     "hybrid_gated_mlp", "hybrid_gated_mlp_ref", "hybrid_keep",
     "teal_gated_mlp", "teal_gated_mlp_ref", "teal_keep_x", "teal_masked_ref",
 ]

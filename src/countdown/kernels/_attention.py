@@ -1,12 +1,11 @@
 """Triton kernels: attention of one query token over a (static) KV cache, split along the keys.
 
-Why: in the compiled dense decode step of a Llama-3.1-8B-shaped model on an H200 (run K,
-``decode_meta.json`` profiles) attention took 0.41 ms a step, 12.9 us a layer, for 2.6 MB of keys
-and values. One query token gives one row per head: too little work per head to fill the GPU, so
-the keys are split ("flash decoding"). Each program of ``_split_kernel`` takes one (batch row, KV
-head, split of the keys) and the G = heads / KV heads query heads that share that KV head, padded
-to 16 rows so that both products are tensor-core ``tl.dot`` s; the split's keys and values are read
-once, BLOCK_N positions at a time, with an online softmax in fp32 (base 2)::
+Why: one query token gives one row per head, too little work per head to fill the GPU, so a decode
+step's attention is latency-bound far from its bytes; the keys are therefore split ("flash decoding").
+Each program of ``_split_kernel`` takes one (batch row, KV head, split of the keys) and the G = heads /
+KV heads query heads that share that KV head, padded to 16 rows so that both products are tensor-core
+``tl.dot`` s; the split's keys and values are read once, BLOCK_N positions at a time, with an online
+softmax in fp32 (base 2)::
 
     s[g, t] = scale * q[g] . k[t] + bias[t]       (bias: 0 / -inf from a boolean mask, or additive)
     m[g] = max_t s[g, t],   l[g] = sum_t exp(s - m),   o[g] = sum_t exp(s - m) v[t]     per split
@@ -34,13 +33,8 @@ from . import _common
 # BLOCK_N keys per step; PER_SM programs per SM aimed for; MAX_SPLITS caps the partials (the combine
 # loads them all at once); SPLITS forces a number of splits (tests); SKIP_MASKED: K/V loads wait for
 # the mask and skip masked keys (False: they read every key of the split, masked or not, without
-# waiting). Chosen by ``benchmarks/attention.py --sweep`` on an H200 (see docs/decode.md).
-# COUNTDOWN_ATTENTION_CONFIG='{"SKIP_MASKED": false}' (JSON) overrides entries, for tuning runs in the step.
-# ONE_LAUNCH (kernels/_rope_attention.py only): the last split of each KV head merges the partials itself (a ticket
-# counter per head), no combine launch.
-CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2,
-              ONE_LAUNCH=False)
-_common.env_config("COUNTDOWN_ATTENTION_CONFIG", CONFIG, '{"BLOCK_N": 32}')
+# waiting). Chosen by ``benchmarks/attention.py --sweep``.
+CONFIG = dict(BLOCK_N=64, PER_SM=4, MAX_SPLITS=128, SPLITS=None, SKIP_MASKED=True, num_warps=4, num_stages=2)
 LOG2E = 1.4426950408889634
 
 
@@ -144,23 +138,17 @@ def _combine_kernel(P, OUT, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD
 
 
 @triton.jit
-def combine_partials(P, OUT, bh, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr, CB: tl.constexpr,
-                     CG: tl.constexpr = False):
-    """The merge of one (batch row, head) ``bh``'s n_splits partials, shared with kernels/_rope_attention.py (CG:
-    load them past L1, as the one program that merges what other programs of its own grid wrote)."""
+def combine_partials(P, OUT, bh, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr,
+                     CB: tl.constexpr):
+    """The merge of one (batch row, head) ``bh``'s n_splits partials, shared with kernels/_rope_attention.py."""
     b = bh // H
     di = tl.arange(0, BD)
     ci = tl.arange(0, CB)
     cm = ci < n_splits
     rows = bh * n_splits + ci
-    if CG:
-        m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0, cache_modifier=".cg")
-        o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"))
-        lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0)
-        o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0)
+    m = tl.load(P + n_rows * BD + rows, mask=cm, other=float("-inf"))
+    lsum = tl.load(P + n_rows * (BD + 1) + rows, mask=cm, other=0.0)
+    o = tl.load(P + rows[:, None] * BD + di[None, :], mask=cm[:, None], other=0.0)
     mref = tl.max(m, axis=0)
     mref = tl.where(mref == float("-inf"), 0.0, mref)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mref))

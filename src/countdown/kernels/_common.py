@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import math
 import os
 
@@ -16,34 +15,6 @@ import torch
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 GELU_TANH_C = math.sqrt(2.0 / math.pi)  # gelu_tanh(g) = g * sigmoid(2 c (g + 0.044715 g^3))
-
-
-def env_config(var: str, config: dict, example: str) -> None:
-    """``config`` updated in place from the JSON object in the environment variable ``var`` (tuning runs);
-    bad JSON or a key ``config`` lacks raises ValueError naming ``var``, its keys and ``example``."""
-    raw = os.environ.get(var)
-    if not raw:
-        return
-    try:
-        extra = json.loads(raw)
-        unknown = set(extra) - set(config)
-        if unknown:
-            raise KeyError(f"unknown keys {sorted(unknown)}")
-        config.update(extra)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{var} must be JSON like '{example}' with keys {sorted(config)}: {error}") from None
-
-
-def env_configs(var: str, configs: dict, example: str) -> None:
-    """:func:`env_config` for configurations by mode: ``{"mode": {...}}`` merges into ``configs[mode]``."""
-    raw = os.environ.get(var)
-    if not raw:
-        return
-    try:
-        for mode, cfg in json.loads(raw).items():
-            configs[mode] = {**configs[mode], **cfg}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{var} must be JSON like '{example}' with modes {sorted(configs)}: {error}") from None
 
 
 # Tests set this to fill every buffer a kernel must write with NaN first (proves full coverage).
@@ -112,8 +83,8 @@ def interpreting() -> bool:
 
 DECODE_GEMV_MAX_TOKENS = 8  # the most rows kernels/_linear.py's decode GEMV takes
 # The most rows the routes (countdown.decode.linears, the fused attention's QKV) send to it: one. Its
-# launch configurations are tuned for one token, and at batch 4 the routed 8B decode step ran at 455
-# tokens/s against 800 with Inductor's GEMVs (H200, 2026-11-23, runs AD and U, docs/decode.md).
+# launch configurations are tuned for one token, and a routed step of several tokens was slower than with
+# Inductor's GEMVs.
 DECODE_GEMV_ROUTE_TOKENS = 1
 
 

@@ -16,7 +16,7 @@ rows and reduces over chunks one of two ways (``reduce=``):
 
 The reduction over chunks is finished by a *separate launch* on purpose. A single-launch version
 (the last program of a column block to bump an arrival counter writes y) was measured and raced on
-the H200: bar.sync plus one thread's acq_rel atomic does not order the other threads' in-flight
+the GPU: bar.sync plus one thread's acq_rel atomic does not order the other threads' in-flight
 atomics and stores before the counter, so the last program could read an incomplete sum.
 """
 

@@ -21,16 +21,12 @@ loops software-pipelined by Triton (STAGES deep, cp.async into shared memory). A
 same program adds to the partial the first one stored (its own row of P: no atomics), so the result
 does not depend on timing.
 
-Measured (H200, 2026-11-24, Llama-3.1-8B MLP, T = 4, k = 0.9; benchmarks/results/few/): 43.6 us alone
-for 28.9 us of kept rows, but 33 us with nothing kept: every tile walks d_model in 48 dependent
-pipelined steps (about 0.7 us each, the latency of a step more than its bytes; the rows masked in a
-tile still pass through shared memory), which is this design's floor. An earlier version without
-compaction (every tile the whole chunk, masked) took 48-50 us at k = 0.9 and 48 us with nothing kept.
+Why tiles of kept rows: every tile walks d_model in dependent pipelined steps whose latency, more than
+their bytes, sets the time, so a tile holds kept rows only (compacted), never the whole chunk masked.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -42,21 +38,16 @@ from ._common import act_code
 from ._glu import MODES, _act, _keep, _pow2, _round_to
 
 MIN_TOKENS, MAX_TOKENS = 2, 8  # the batches this kernel serves (one token: _onepass.py)
-ENABLED = os.environ.get("COUNTDOWN_FEW", "1") not in ("", "0")  # COUNTDOWN_FEW=0: the chained kernels
 OFF_CUDA = False  # under the CPU interpreter too (tests only)
 
-# Launch configuration: the fastest of `benchmarks/few.py`'s sweep on an H200, 2026-11-25 (T = 4: dual and
-# mono at k = 0.9, dual at k = 0.7, summed; benchmarks/results/few/). ROWS: rows per program, CHUNK (a power of two) or "auto":
-# d_inter split evenly over PER_SM programs per SM (in a CHUNK of the next power of two, the rest masked);
-# TILE kept rows per tile; BK, BN the K and N blocks of the two phases, pipelined STAGES deep; WIDE_* the
-# same for a program whose chunk keeps more than TILE rows (one tile of the whole chunk).
-# COUNTDOWN_FEW_CONFIG='{"TILE": 32}' overrides entries, for tuning runs.
+# Launch configuration: the fastest of `benchmarks/few.py`'s sweep (four tokens: dual and mono at k = 0.9, dual
+# at k = 0.7, summed). ROWS: rows per program, CHUNK (a power of two) or "auto": d_inter split evenly over PER_SM
+# programs per SM (in a CHUNK of the next power of two, the rest masked); TILE kept rows per tile; BK, BN the K and
+# N blocks of the two phases, pipelined STAGES deep; WIDE_* the same for a program whose chunk keeps more than TILE
+# rows (one tile of the whole chunk).
 CONFIG = dict(ROWS="auto", PER_SM=1, CHUNK=128, TILE=64, BK=128, BN=256, STAGES=3, num_warps=4,
               WIDE_BK=64, WIDE_BN=128, WIDE_STAGES=4)
 INTERPRETER_PROGS = 3  # programs under the interpreter with ROWS "auto"
-
-
-_common.env_config("COUNTDOWN_FEW_CONFIG", CONFIG, '{"TILE": 32}')
 
 
 @triton.jit
@@ -71,7 +62,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
           MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr, THR_VEC: tl.constexpr,
           TP: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, EVEN_D: tl.constexpr,
-          BIG: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr, PHASES: tl.constexpr):
+          BIG: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
     """Every kept row of the program (cnt <= TILE of them, compacted to the tile's first slots): phase A,
     s, phase B into the program's partial."""
     m = tl.arange(0, TILE)
@@ -85,7 +76,7 @@ def _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model
     # phase A: the GEMV(s) that are not the indicator, [TP, BK] @ [BK, TILE] per K block
     acc_g = tl.zeros([TP, TILE], dtype=tl.float32)
     acc_u = tl.zeros([TP, TILE], dtype=tl.float32)
-    for k0 in tl.range(0, d_model if PHASES & 1 else 0, BK, num_stages=STAGES):  # PHASES: timing only
+    for k0 in tl.range(0, d_model, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
         if EVEN_D:
             xm = tmask[:, None]
@@ -121,7 +112,7 @@ def _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model
     if not IEEE:
         sv = sv.to(X.dtype.element_ty)
     # phase B: the down projection of the kept rows, [TP, TILE] @ [TILE, BN] per column block
-    for n0 in tl.range(0, d_model if PHASES & 2 else 0, BN, num_stages=STAGES):
+    for n0 in tl.range(0, d_model, BN, num_stages=STAGES):
         nn = n0 + tl.arange(0, BN)
         if EVEN_D:
             dm = valid[:, None]
@@ -141,7 +132,7 @@ def _few_kernel(
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, TP: tl.constexpr, CHUNK: tl.constexpr,
     TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
     WIDE_BK: tl.constexpr, WIDE_BN: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    EVEN_D: tl.constexpr, BIG: tl.constexpr, IEEE: tl.constexpr, PHASES: tl.constexpr = 3,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.arange(0, TP)
@@ -169,16 +160,16 @@ def _few_kernel(
         thr = thr_f
     if cnt <= TILE:  # the kept rows fit one small tile: every step moves kept rows only
         _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
-              MODE, GATE, UP, ACT, THR_VEC, TP, TILE, BK, BN, EVEN_D, BIG, IEEE, STAGES, PHASES)
+              MODE, GATE, UP, ACT, THR_VEC, TP, TILE, BK, BN, EVEN_D, BIG, IEEE, STAGES)
     else:  # one tile of the whole chunk: never a second pass over d_model (each pass costs its steps)
         _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model, stride_x, stride_ind,
-              MODE, GATE, UP, ACT, THR_VEC, TP, CHUNK, WIDE_BK, WIDE_BN, EVEN_D, BIG, IEEE, WIDE_STAGES, PHASES)
+              MODE, GATE, UP, ACT, THR_VEC, TP, CHUNK, WIDE_BK, WIDE_BN, EVEN_D, BIG, IEEE, WIDE_STAGES)
 
 
 def applies(x2: torch.Tensor) -> bool:
     """Whether this kernel serves the [n_tok, d_model] input: 2-8 tokens on CUDA (or the interpreter
-    where a test asks), unless switched off (COUNTDOWN_FEW=0)."""
-    return ENABLED and MIN_TOKENS <= x2.shape[0] <= MAX_TOKENS and (x2.is_cuda or OFF_CUDA)
+    where a test asks)."""
+    return MIN_TOKENS <= x2.shape[0] <= MAX_TOKENS and (x2.is_cuda or OFF_CUDA)
 
 
 def _split(device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
@@ -230,7 +221,7 @@ def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activa
         TILE=max(16, min(_pow2(cfg["TILE"]), chunk)), **blocks, WIDE_STAGES=int(cfg["WIDE_STAGES"]),
         EVEN_D=all(d_model % b == 0 for b in blocks.values()),
         BIG=(grid * rows + chunk) * max(d_model, n_tok) >= 2**31, IEEE=ieee,
-        STAGES=int(cfg["STAGES"]), PHASES=int(cfg.get("PHASES", 3)), num_warps=int(cfg["num_warps"]),
+        STAGES=int(cfg["STAGES"]), num_warps=int(cfg["num_warps"]),
     )
     return p
 

@@ -7,7 +7,7 @@ For the prepared shadows of ``shadow.prepare_shadow`` (4 or 8 bits, int32 words,
     out = |u~ * act(g~)| as [1, d_inter]                    (SCORE=True: the shadow indicator)
 
 Why a kernel of its own: the shadow GEMV of _select.py (fp32 per value, x re-read from memory per
-tile) is bound by instructions and L1 traffic, not by bytes (40 % of the copy bandwidth on an H200).
+tile) is bound by instructions and L1 traffic, not by bytes.
 Here each persistent program loads x once, keeps it in registers for every row it visits, and turns
 the words into fp16 pairs with one integer operation per two values.
 
@@ -44,8 +44,8 @@ Grid: PROGS persistent programs (PER_SM per SM) walk blocks of R rows (p, p + PR
 block the gate and up words of R rows, [R, G groups, WPG words] each, with the next block's words
 requested first (PREFETCH; the first block's before x is prepared). AHEAD=2 requests two blocks
 ahead; PIN keeps the requests above the block's arithmetic (ptxas otherwise sinks them below it): a
-barrier, then x's pairs OR-ed with a value loaded after it and masked by ``zmask`` = 0. Both measured
-slower on an H200 (docs/kernels_shadow.md) and stay for other GPUs' sweeps.
+barrier, then x's pairs OR-ed with a value loaded after it and masked by ``zmask`` = 0. Both are off in
+CONFIG (they did not pay) and stay as options for other GPUs' sweeps.
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ import triton.language as tl
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents
 
-# Launch configuration, one token: the fastest of `benchmarks/shadow_gemv.py`'s sweep on an H200,
-# 2026-11-23, Llama-3.1-8B shape (26.3 us for gate and up, 56 % of copy bandwidth; 163 registers, so
-# 3 programs fit an SM: PER_SM 4 runs a second wave, 37 us). R: rows per block (a power of two);
+# Launch configuration, one token: the fastest of `benchmarks/shadow_gemv.py`'s sweep at the Llama-3.1-8B shape
+# (its registers fit 3 programs an SM: PER_SM 4 would run a second wave). R: rows per block (a power of two);
 # PER_SM: persistent programs per SM; ASM: the inline-asm dequantization on CUDA.
 CONFIG = dict(R=4, num_warps=4, PER_SM=3, PREFETCH=True, AHEAD=1, PIN=False, ASM=True)
 INTERPRETER_PROGS = 3
@@ -237,21 +236,14 @@ def _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gcol, gm,
 
 
 @triton.jit(do_not_specialize=["zmask"])
-def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, n_groups, n_blocks, n_progs, zmask,
+def _gemv_kernel(X, Q, SC, OUT, n_rows, d_model, n_words, n_groups, n_blocks, n_progs, zmask,
                  BITS: tl.constexpr, ACT: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
                  WPG: tl.constexpr, XL: tl.constexpr, ASM: tl.constexpr, SCORE: tl.constexpr,
-                 LIST: tl.constexpr, CUT_PTR: tl.constexpr,
                  PREFETCH: tl.constexpr, AHEAD: tl.constexpr, PIN: tl.constexpr, BIG: tl.constexpr,
                  PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
-    if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
+    if PDL:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
         gdc_launch_dependents()
-    if LIST:  # the kept rows of the blocks this program visits, in visit order, at OUT[pid * cap ...]
-        if CUT_PTR:
-            cut = tl.load(CUT).to(tl.float32)
-        else:
-            cut = cut_f
-        n_kept = tl.full([], 0, tl.int32)
     VPW: tl.constexpr = 32 // BITS
     gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)                # wcol: [G, WPG] word index
     ri = tl.arange(0, R)
@@ -323,19 +315,11 @@ def _gemv_kernel(X, Q, SC, OUT, CNT, CUT, cut_f, cap, n_rows, d_model, n_words, 
         g = tl.sum(tl.sum(dg, axis=2) * sg, axis=1) * down
         u = tl.sum(tl.sum(du, axis=2) * su, axis=1) * down
         rm = rows < n_rows
-        if LIST:
-            keep = ((tl.abs(u * _act(g, ACT)) > cut) & rm).to(tl.int32)
-            tl.store(OUT + pid * cap + n_kept + tl.cumsum(keep, axis=0) - 1, rows, mask=keep > 0)
-            n_kept += tl.sum(keep, axis=0)
-        elif SCORE:
+        if SCORE:
             tl.store(OUT + rows, tl.abs(u * _act(g, ACT)), mask=rm)
         else:
             tl.store(OUT + rows, u, mask=rm)
             tl.store(OUT + n_rows + rows, g, mask=rm)
-    if PDL == 2:
-        gdc_launch_dependents()
-    if LIST:
-        tl.store(CNT + pid, n_kept)
 
 
 def supports(n_tok: int, bits: int, wpg: int) -> bool:
@@ -356,58 +340,27 @@ def problem_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel:
     return n_rows, d_model, n_words, n_groups, bits, wpg
 
 
-def n_programs(device: torch.device, n_rows: int, config: dict | None = None) -> int:
-    """The kernel's persistent programs for ``n_rows`` rows on ``device`` (the kept lists' count)."""
-    from ._common import persistent_programs
-
-    cfg = {**CONFIG, **(config or {})}
-    n_blocks = -(-n_rows // cfg["R"])
-    return max(1, min(n_blocks, persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
-
-
-def list_capacity(n_rows: int, progs: int, config: dict | None = None) -> int:
-    """Slots per program in the kept-row lists: every row the program visits."""
-    R = {**CONFIG, **(config or {})}["R"]
-    return -(-(-(-n_rows // R)) // progs) * R
-
-
 def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str | None,
-           config: dict | None = None, cut=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           config: dict | None = None) -> torch.Tensor:
     """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
-    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32; with ``cut`` (a
-    0-dim tensor or a float) the kept rows instead, ``(lists, counts)``: lists int32 [programs * cap]
-    (program p's kept rows, ascending, at p * cap, ``list_capacity``), counts int32 [programs]."""
+    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
     global LAST_KERNEL
     from . import _pdl
-    from ._common import act_code, interpreting, new_output, split_threshold
+    from ._common import act_code, interpreting, new_output, persistent_programs
 
     cfg = {**CONFIG, **(config or {})}
     n_rows, d_model, n_words, n_groups, bits, wpg = problem_shape(x, q, scale, "shadow GEMV")
-    if cut is not None and activation is None:
-        raise ValueError("kept-row lists need the activation of the score |u~ act(g~)|")
     x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
     R = cfg["R"]
     n_blocks = -(-n_rows // R)
-    progs = n_programs(x.device, n_rows, cfg)
+    progs = max(1, min(n_blocks, persistent_programs(x.device, cfg["PER_SM"], INTERPRETER_PROGS)))
     asm = bool(cfg["ASM"]) and x.device.type == "cuda" and not interpreting()
-    cut_t, cut_f, cap, counts = None, 0.0, 0, None
-    if cut is not None:
-        cut_t, cut_f = split_threshold(cut)
-        if cut_t is not None and cut_t.dim() != 0:
-            raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
-        cap = list_capacity(n_rows, progs, cfg)
-        out = new_output((progs * cap,), torch.int32, x.device)
-        counts = new_output((progs,), torch.int32, x.device)
-    elif activation is None:
-        out = new_output((2, 1, n_rows), torch.float32, x.device)
-    else:
-        out = new_output((1, n_rows), torch.float32, x.device)
+    shape = (2, 1, n_rows) if activation is None else (1, n_rows)
+    out = new_output(shape, torch.float32, x.device)
     LAST_KERNEL = _gemv_kernel[(progs,)](
-        x, q, scale, out, counts if counts is not None else out, cut_t if cut_t is not None else scale,
-        float(cut_f), cap, n_rows, d_model, n_words, n_groups, n_blocks, progs, 0,
+        x, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs, 0,
         BITS=bits, ACT=act_code(activation or "silu"), R=R, G=_pow2(n_groups), WPG=wpg,
-        XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, LIST=cut is not None,
-        CUT_PTR=cut_t is not None, PREFETCH=bool(cfg["PREFETCH"]),
+        XL=10 if bits == 4 else 7, ASM=asm, SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]),
         AHEAD=int(cfg.get("AHEAD", 1)), PIN=bool(cfg.get("PIN", False)),
-        BIG=n_rows * 2 * n_words >= 2**31, PDL=_pdl.mode(x, "gemv"), num_warps=cfg["num_warps"], num_stages=1)
-    return (out, counts) if cut is not None else out
+        BIG=n_rows * 2 * n_words >= 2**31, PDL=_pdl.mode(x), num_warps=cfg["num_warps"], num_stages=1)
+    return out

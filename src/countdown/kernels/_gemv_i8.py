@@ -3,9 +3,8 @@
 The same problem and outputs as _gemv.py (prepared shadows of ``shadow.prepare_shadow``, 4 or 8 bits,
 int32 words, fp16 group scales; out (u~, g~) as [2, 1, d_inter] or |u~ act(g~)| as [1, d_inter]),
 computed another way. _gemv.py turns each word into fp16 pairs and multiplies in fp16: about 22
-instructions a word, which keeps it at 56 % of the copy bandwidth on an H200 (instruction-bound,
-docs/kernels_shadow.md). Here x is rounded once per program to int8 per weight group and each word
-costs two masks, a shift and two integer dot products of four bytes (``dp4a``):
+instructions a word, which keeps it instruction-bound, well short of the copy bandwidth. Here x is rounded
+once per program to int8 per weight group and each word costs two masks, a shift and two integer dot products of four bytes (``dp4a``):
 
     xs_g  = max_{j in g} |x_j| / 127,   xq_j = round(x_j / xs_g) in [-127, 127]   (per group g)
     4 bits, word c = nibbles n_0..n_7 (n_j = q_j + 8 at bits 4j, ``quant.pack_bits``):
@@ -37,23 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _gemv, _pdl
+from . import _gemv, _pdl
 from ._gemv import _tile, _word_grid, _word_grid_from
 from ._glu import _act, _pow2
 from ._pdl import gdc_launch_dependents, gdc_wait
 
-# Launch configuration, one token: the fastest of benchmarks/shadow_dp4a.py's sweep on an H200, 2026-11-25,
-# with PDL on (as in the folded decode step): gate and up 21.1 us (69 % of copy bandwidth; _gemv.py 26.4),
-# 236 registers. R: rows per block; PER_SM: persistent programs per SM (0: one program per block);
-# XPRE: x rounded by a small kernel first (whose run the first block's loads overlap under PDL).
-# XPRE_GB: groups of x a program of that kernel rounds, XPRE_WARPS its warps. One program for all 64 groups
-# took 4.2 us a layer in the decode step's profile (PDL off; run BG) and, under PDL, held up the GEMV waiting
-# for it: with 4 groups a program (16 one-warp programs) one shadow MLP alone took 42.6 against 45.4 us and
-# dual[shadow4]'s step 366.2 against 356.3 tokens/s (8 groups, 2 warps: 43.6 us, 359.6; 1 group, 1 warp:
-# 42.8 us, 356.1; H200, 2026-11-25, four processes in one call, benchmarks/results/decode_runs/SESSION18.md).
-# COUNTDOWN_GEMV_I8_CONFIG='{"XPRE_GB": 8}' (JSON) overrides entries, for tuning runs.
+# Launch configuration, one token: the fastest of benchmarks/shadow_dp4a.py's sweep with PDL on (as in the folded
+# decode step). R: rows per block; PER_SM: persistent programs per SM (0: one program per block); XPRE: x rounded
+# by a small kernel first, whose run the first block's loads overlap under PDL (otherwise every program rounds x
+# itself). XPRE_GB: groups of x a program of that kernel rounds, XPRE_WARPS its warps: many small programs, since
+# the GEMV under PDL waits for the slowest of them.
 CONFIG = dict(R=8, num_warps=4, PER_SM=2, PREFETCH=True, ASM=True, XPRE=True, XPRE_GB=4, XPRE_WARPS=1, STAGES=1)
-_common.env_config("COUNTDOWN_GEMV_I8_CONFIG", CONFIG, '{"XPRE_GB": 8}')
 INTERPRETER_PROGS = 3
 LAST_KERNEL = None
 
@@ -178,17 +171,9 @@ def _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, 
 def _xprep_kernel(X, XA, XB, XS, XSUM, n_groups, GB: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
                   PDL: tl.constexpr = 0):
     """XPRE: x prepared once for every program of the GEMV, GB groups a program."""
-    if PDL == 1:
+    if PDL:  # launched early (_pdl.py): x is the previous kernel's output; a small grid, signal at once
         gdc_launch_dependents()
-    if PDL != 0:
         gdc_wait()
-    xprep_store(X, XA, XB, XS, XSUM, n_groups, GB, WPG, BITS)
-
-
-@triton.jit
-def xprep_store(X, XA, XB, XS, XSUM, n_groups, GB: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr):
-    """This program's GB groups of x rounded to int8 (_x_prepare) into the GEMV's XPRE buffers; shared with
-    kernels/_shadow_block.py."""
     VPW: tl.constexpr = 32 // BITS
     gi, gm, wcol, wm = _word_grid_from(tl.program_id(0) * GB, n_groups, GB, WPG)
     xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
@@ -204,7 +189,7 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
                     ASM: tl.constexpr, SCORE: tl.constexpr, PREFETCH: tl.constexpr, BIG: tl.constexpr,
                     XPRE: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
-    if PDL == 1:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
+    if PDL:  # the sparse kernel may launch now; it waits for this grid before reading what it writes
         gdc_launch_dependents()
     VPW: tl.constexpr = 32 // BITS
     gi, gm, wcol, wm = _word_grid(n_groups, G, WPG)                # wcol: [G, WPG] word index
@@ -212,7 +197,7 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
     if PREFETCH:  # the first block's words, requested before x is prepared (weights are no grid's output)
         nwg, nwu, nsg, nsu = _tile(Q, SC, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
     if XPRE:  # x prepared by _xprep_kernel: loaded (from L2) once that grid is done
-        if PDL != 0:
+        if PDL:
             gdc_wait()
         xa = tl.load(XA + wcol, mask=wm, other=0)
         xb = tl.load(XB + wcol, mask=wm, other=0)
@@ -225,7 +210,7 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
             q0, q1, q2, q3 = _byte(xa, 0), _byte(xa, 1), _byte(xa, 2), _byte(xa, 3)
             q4, q5, q6, q7 = q0 * 0, q0 * 0, q0 * 0, q0 * 0
     else:
-        if PDL != 0:
+        if PDL:
             gdc_wait()
         xs, xsum, xa, xb, q0, q1, q2, q3, q4, q5, q6, q7 = _x_prepare(X, wcol, wm, VPW, BITS)
     xs2, xsum2 = xs[None, :], xsum[None, :]
@@ -244,15 +229,12 @@ def _gemv_i8_kernel(X, XA, XB, XS, XSUM, Q, SC, OUT, n_rows, d_model, n_words, n
             wg, wu, sg, su = _tile(Q, SC, rows, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
             _block(OUT, rows, n_rows, wg, wu, sg, su, xs2, xsum2, xa3, xb3, e0, e1, e2, e3, e4, e5, e6, e7,
                    BITS, ACT, ASM, SCORE)
-    if PDL == 2:
-        gdc_launch_dependents()
 
 
 def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str | None,
-           config: dict | None = None, prep: tuple | None = None) -> torch.Tensor:
+           config: dict | None = None) -> torch.Tensor:
     """x [1, d_model] (fp32/fp16/bf16); q int32 [N, 2, W], scale fp16 [N, 2, G] from prepare_shadow.
-    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32. ``prep``: x's int8 words,
-    group scales and sums (xa, xb, xs, xsum) already made (kernels/_shadow_block.py), no x-prep launch here."""
+    activation None: (u~, g~) as [2, 1, N] fp32; else |u~ act(g~)| as [1, N] fp32."""
     global LAST_KERNEL
     from ._common import act_code, interpreting, new_output, persistent_programs
 
@@ -266,11 +248,9 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
     progs = n_blocks if per_sm == 0 else max(1, min(n_blocks, persistent_programs(x.device, per_sm, INTERPRETER_PROGS)))
     asm = bool(cfg["ASM"]) and x.device.type == "cuda" and not interpreting()
     out = new_output((2, 1, n_rows) if activation is None else (1, n_rows), torch.float32, x.device)
-    pdl, G = _pdl.mode(x, "gemv"), _pow2(n_groups)
-    xpre = bool(cfg.get("XPRE", False)) or prep is not None
-    if prep is not None:
-        xa, xb, xs, xsum = prep
-    elif xpre:  # x's int8 words, scales and sums once, XPRE_GB groups a program (one int32 scratch buffer)
+    pdl, G = _pdl.mode(x), _pow2(n_groups)
+    xpre = bool(cfg.get("XPRE", False))
+    if xpre:  # x's int8 words, scales and sums once, XPRE_GB groups a program (one int32 scratch buffer)
         buf = torch.empty(2 * n_words + 2 * n_groups, dtype=torch.int32, device=x.device)
         xa, xb = buf[:n_words], buf[n_words:2 * n_words]
         xs = buf[2 * n_words:2 * n_words + n_groups].view(torch.float32)
@@ -284,5 +264,6 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: st
         x, xa, xb, xs, xsum, q, scale, out, n_rows, d_model, n_words, n_groups, n_blocks, progs,
         BITS=bits, ACT=act_code(activation or "silu"), R=R, G=G, WPG=wpg, ASM=asm,
         SCORE=activation is not None, PREFETCH=bool(cfg["PREFETCH"]), BIG=n_rows * 2 * n_words >= 2**31,
-        XPRE=xpre, STAGES=int(cfg.get("STAGES", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        XPRE=xpre, STAGES=int(cfg.get("STAGES", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=1,
+        **_pdl.launch_kwargs(pdl))
     return out

@@ -13,9 +13,8 @@ keep[b, i] comes from the indicator:
     MODE 2  |ind| > thr                   (mono, ind = u)
     MODE 3  |act(ind)| > thr              (cats, ind = g)
 
-The indicator is either a tensor written before (cuBLAS) or, with DENSE, computed here for all rows
-of the chunk as ``ind = v W_d^T`` (mono: v = x, W_d = W_up; cats: W_d = W_gate; dual: v = x A, the
-predictor's latent, W_d = B^T), rounded to v's dtype as a dense GEMV would return it.
+The indicator is a tensor written before the launch (PyTorch's dense GEMV for u or g, the predictor's
+scores, or the mask).
 
 One program owns CHUNK consecutive rows. It takes the union of their kept rows over its token group,
 compacts them in registers (prefix sum, then a [BLOCK_M, CHUNK] one-hot select) and runs GEMVs over
@@ -112,7 +111,7 @@ def _accumulate_rows(yacc, wg, wu, wd, xv, valid, GATE: tl.constexpr, UP: tl.con
 @triton.jit
 def _store_partial(P, pid, yacc, kd, d_model, BIG: tl.constexpr, EVEN_D: tl.constexpr):
     """Program ``pid``'s fp32 partial sum [d_model] into row ``pid`` of P (the one-token sparse
-    kernels: _onepass.py, _balanced.py, _stream.py, _select.py)."""
+    kernels: _onepass.py, _select.py)."""
     if BIG:
         off = pid.to(tl.int64) * d_model + kd
     else:
@@ -193,14 +192,13 @@ def _gemv_rows(V, stride_v, tok0, n_tok, WA, WB, roff, valid, K,
 
 @triton.jit
 def _sparse_glu_kernel(
-    X, WG, WU, IND, WD, DV, THR, S, YACC,
-    thr_f, n_tok, d_model, d_inter, k_dense, n_y,
-    stride_x, stride_ind, stride_s, stride_dv,
+    X, WG, WU, IND, THR, S, YACC,
+    thr_f, n_tok, d_model, d_inter, n_y,
+    stride_x, stride_ind, stride_s,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr,
-    BIG: tl.constexpr, DENSE: tl.constexpr, BLOCK_KD: tl.constexpr, EVEN_KD: tl.constexpr,
-    ZERO: tl.constexpr, ZBLK: tl.constexpr,
+    BIG: tl.constexpr, ZERO: tl.constexpr, ZBLK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tok0 = tl.program_id(1) * BP
@@ -220,16 +218,7 @@ def _sparse_glu_kernel(
         thr = thr_f
 
     m2 = bmask[:, None] & rmask[None, :]
-    if DENSE:  # the indicator GEMV itself, for all CHUNK rows
-        if BIG:
-            roff_r = r.to(tl.int64) * k_dense
-        else:
-            roff_r = r * k_dense
-        accd, _accd_b = _gemv_rows(DV, stride_dv, tok0, n_tok, WD, WD, roff_r, rmask, k_dense,
-                                   False, BP, CHUNK, BLOCK_KD, USE_DOT, DOT_PREC, EVEN_KD)
-        ind = _round_to(accd, DV.dtype.element_ty)  # what a dense GEMV in v's dtype would return
-    else:
-        ind = tl.load(IND + b[:, None] * stride_ind + r[None, :], mask=m2, other=0)
+    ind = tl.load(IND + b[:, None] * stride_ind + r[None, :], mask=m2, other=0)
     keep = _keep(ind, thr, MODE, ACT) & m2
     anyk = tl.max(keep.to(tl.int32), axis=0)  # union over the token group, [CHUNK]
     cnt = tl.sum(anyk, axis=0)
@@ -247,11 +236,7 @@ def _sparse_glu_kernel(
         else:
             roff = rows * d_model
         mt = bmask[:, None] & valid[None, :]
-        if DENSE:  # gather the tile's indicators from registers (one-hot over the chunk)
-            sel = pos[None, None, :] == m[None, :, None]
-            it = tl.sum(tl.where(sel, ind[:, None, :], 0.0), axis=2)
-        else:
-            it = tl.load(IND + b[:, None] * stride_ind + rows[None, :], mask=mt, other=0)
+        it = tl.load(IND + b[:, None] * stride_ind + rows[None, :], mask=mt, other=0)
         if GATE and UP:
             g, u = _gemv_rows(X, stride_x, tok0, n_tok, WG, WU, roff, valid, d_model,
                               True, BP, BLOCK_M, BLOCK_K, USE_DOT, DOT_PREC, EVEN_K)
@@ -274,11 +259,6 @@ def _sparse_glu_kernel(
 
 MODES = {"mask": 0, "gt": 1, "abs": 2, "abs_act": 3}
 
-# Whether mono / cats / dual compute their indicator (u / g / predictor scores) inside the fused
-# kernel instead of cuBLAS first, by batch bucket (1 token; 2-16 tokens); measured with
-# benchmarks/kernels.py (variants "[fused]"). Dual needs B^T contiguous for it (see dual.py).
-FUSE_DENSE = {1: True, 16: False}
-
 # Launch configurations by batch bucket, measured on the device with benchmarks/kernels.py --sweep
 # (docs/kernels.md). BLOCK_K = 0 means whole rows (next power of two >= d_model) in one step.
 GLU_CONFIGS = {
@@ -291,18 +271,6 @@ def glu_config(n_tok: int) -> dict:
     return GLU_CONFIGS[1 if n_tok == 1 else 16]
 
 
-# FUSE_DENSE changes which GEMV computes the indicator (another summation order, so a row tied with the
-# threshold to the last bit may flip): it applies on CUDA, where it was measured faster; elsewhere (the CPU
-# interpreter) the indicator comes from torch first, bit for bit what the *_ref functions use, unless a
-# test sets this.
-FUSE_DENSE_OFF_CUDA = False
-
-
-def fuse_dense(x: torch.Tensor) -> bool:
-    return FUSE_DENSE[1 if x.shape[0] == 1 else 16] and (x.is_cuda or FUSE_DENSE_OFF_CUDA)
-
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -311,26 +279,17 @@ LAST_KERNEL = None  # the last compiled kernel launched (benchmarks read its reg
 
 
 def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
-               gate: bool, up: bool, per_token: bool = False, config: dict | None = None,
-               dense=None, zero=None):
-    """s [n_tok, d_inter] in x's dtype from x [n_tok, d_model] and the indicator: ``ind``
-    [n_tok, d_inter], or ``dense = (v [n_tok, k], w_d [d_inter, k])`` to compute ind = v w_d^T here.
+               gate: bool, up: bool, per_token: bool = False, config: dict | None = None, zero=None):
+    """s [n_tok, d_inter] in x's dtype from x [n_tok, d_model] and the indicator ``ind`` [n_tok, d_inter].
     ``zero`` (the down projection's fp32 accumulator) is cleared on the way (see _down.py)."""
     global LAST_KERNEL
     n_tok, d_model = x.shape
     d_inter = w_up.shape[0]
     cfg = {**glu_config(n_tok), **(config or {})}
     x = x.contiguous()
-    if dense is not None:
-        dv, wd = dense[0].contiguous(), dense[1]
-        assert wd.is_contiguous() and wd.shape[0] == d_inter and dv.shape == (n_tok, wd.shape[1])
-        ind = x  # placeholder pointer, never read
-    else:
-        dv, wd = x, x
-        ind = ind.contiguous()
-        if ind.dtype == torch.bool:
-            ind = ind.view(torch.uint8)
-    k_dense = dv.shape[1]
+    ind = ind.contiguous()
+    if ind.dtype == torch.bool:
+        ind = ind.view(torch.uint8)
     w_gate = w_gate.contiguous()
     w_up = w_up.contiguous()
     # The interpreter truncates fp32 -> bf16 (real GPUs round to nearest even): there, write fp32
@@ -353,9 +312,6 @@ def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
         block_k = max(16, _pow2(d_model))
         if not use_dot:
             block_m = max(1, min(block_m, block_m * 4096 // block_k))
-    # the dense indicator phase runs [CHUNK, BLOCK_KD] tiles: about 8K elements unless configured
-    block_kd = cfg.get("BLOCK_KD") or max(64, 8192 // chunk)
-    block_kd = min(block_kd, max(16, _pow2(k_dense)))
     grid = (triton.cdiv(d_inter, chunk), triton.cdiv(n_tok, bp))
     yacc = zero if zero is not None else s
     n_y = zero.numel() if zero is not None else 0
@@ -364,17 +320,16 @@ def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
     if thr_vec and thr_t.numel() != d_inter:
         raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
     LAST_KERNEL = _sparse_glu_kernel[grid](
-        x, w_gate, w_up, ind, wd, dv, thr_arg, s, yacc,
-        float(thr_f), n_tok, d_model, d_inter, k_dense, n_y,
-        x.stride(0), ind.stride(0), s.stride(0), dv.stride(0),
+        x, w_gate, w_up, ind, thr_arg, s, yacc,
+        float(thr_f), n_tok, d_model, d_inter, n_y,
+        x.stride(0), ind.stride(0), s.stride(0),
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k,
         USE_DOT=use_dot, DOT_PREC="ieee" if s_dtype == torch.float32 else "default",
-        EVEN_K=d_model % block_k == 0, BIG=d_inter * max(d_model, k_dense) >= 2**31,
-        DENSE=dense is not None, BLOCK_KD=block_kd, EVEN_KD=k_dense % block_kd == 0,
+        EVEN_K=d_model % block_k == 0, BIG=d_inter * d_model >= 2**31,
         ZERO=zero is not None, ZBLK=_pow2(max(1, triton.cdiv(n_y, grid[0]))),
         # fp32 tiles are twice the bytes: half the pipeline depth keeps them within shared memory
-        # (4 stages of fp32 [32, 256] tiles need 240 KB, over the H200's 227 KB).
+        # (4 stages of fp32 [32, 256] tiles need 240 KB, over Hopper's 227 KB).
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if x.element_size() <= 2 else max(1, cfg["num_stages"] // 2),
     )

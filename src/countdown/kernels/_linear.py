@@ -3,11 +3,10 @@ optionally with the RMSNorm before it folded in: y = RMSNorm(x) W^T.
 
 Why: under torch.compile with coordinate-descent tuning, Inductor turns each one-token matrix product
 into a Triton reduction, fuses it with its neighbours and tunes it per compile. In the decode step the
-wide-and-short products came out at 44-72 % (W_o [4096, 4096], fused with the residual add) and 50-83 %
-(W_down [4096, 14336], fused with act(g) * u) of copy bandwidth on an H200, varying from compile to
-compile, where each GEMV alone reaches 80 / 97 % (docs/decode.md, "A fixed GEMV for W_down and W_o").
-This kernel has a fixed launch configuration per shape and is an opaque custom op to Inductor, so what
-it reaches does not depend on a compile's tuning (countdown.decode.linears routes layers to it).
+wide-and-short products (W_o fused with the residual add, W_down fused with act(g) * u) came out well below
+the copy bandwidth each GEMV reaches alone, and differently from compile to compile. This kernel has a fixed
+launch configuration per shape and is an opaque custom op to Inductor, so what it reaches does not depend on a
+compile's tuning (countdown.decode.linears routes layers to it).
 
 Layout: W row-major [N, K] (nn.Linear's weight), x [T, K] with T <= 8 tokens. Program p owns BN
 output rows and walks K in BK steps, loading a [BN, BK] tile of W and the [T, BK] tile of x, so each
@@ -16,10 +15,10 @@ weight byte is read once for all T tokens; fp32 accumulation, one store per outp
 
 The RMSNorm fold (``norm_weight`` g and ``eps`` given): RMSNorm(x) W^T = rsqrt(mean(x^2) + eps) (x * g) W^T,
 so each program multiplies its x tile by g's, accumulates sum(x^2) over the same K loop it already walks,
-and scales its dot products once at the end: the norm costs no launch and no pass of its own (a decode
-step's separate norm kernel took 3.5-4.3 us a layer on an H200). Everything in fp32 and rounded once,
-where transformers' eager RMSNorm rounds x / rms and g * that to the model's dtype first (torch.compile
-keeps them in fp32 too).
+and scales its dot products once at the end: the norm costs no launch and no pass of its own. Everything in
+fp32 and rounded once, where transformers' eager RMSNorm rounds x / rms and g * that to the model's dtype first
+(torch.compile keeps them in fp32 too). With ``x_out`` the programs also write RMSNorm(x) itself, rounded as
+transformers rounds it, for the kernels after the GEMV that read x (dual[lowrank]'s sparse kernel).
 """
 
 from __future__ import annotations
@@ -36,13 +35,10 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 MAX_TOKENS = _common.DECODE_GEMV_MAX_TOKENS
 INTERPRETER_BN = 16
-# Launch configurations by the shape's K (the reduction length): the fastest of `benchmarks/linear.py`'s
-# sweep on an H200, 2026-11-23 (benchmarks/results/linear/), one token: W_o [4096, 4096] 9.9 us (80 % of
-# copy bandwidth; Inductor's tuned GEMV alone 9.9-11.9, cuBLAS 12.8-13.4), W_down [4096, 14336] 28.6 us
-# (97 %; Inductor alone 28.4-28.5, cuBLAS 31.9). One row per program: x is re-read per row, from L2.
-# "narrow" (K <= 1024: the low-rank predictor's second factor, B^T [14336, 512]) takes several rows per
-# program, one row being too little work for a program: 5.5 us (62 %; BN 8 with 4 warps 6.8, Inductor
-# 6.3, cuBLAS 6.5), same sweep. The first factor A^T [512, 4096] takes "short": 3.2 us (Inductor 2.9).
+# Launch configurations by the shape's K (the reduction length): the fastest of `benchmarks/linear.py`'s sweep,
+# one token. One row per program for the wide projections (x is re-read per row, from L2). "narrow" (K <= 1024:
+# the low-rank predictor's second factor, B^T [d_inter, r]) takes several rows per program, one row being too
+# little work for a program; its first factor A^T [r, d_model] takes "short".
 CONFIGS = {
     "narrow": dict(BN=4, BK=1024, num_warps=1, num_stages=1),  # K <= 1024
     "short": dict(BN=1, BK=4096, num_warps=8, num_stages=1),  # K <= 8192
@@ -50,16 +46,11 @@ CONFIGS = {
 }
 # The norm fold reads g with x in every program: more rows per program read both fewer times (from L2).
 NORM_CONFIG = dict(BN=2)
-# int8 rows (w_scale given): benchmarks/linear_i8.py's sweep on an H100, 2026-11-27 (benchmarks/results/predictor_int8/)
-# found the bf16 configurations fastest for them too: B^T [14336, 512] 5.70 us against bf16's 6.85 (BN 4, one warp),
-# A^T [512, 4096] 2.70 against 2.62 (BN 1). COUNTDOWN_LINEAR_I8_CONFIG='{"narrow": {"BN": 16}}' (JSON) overrides.
-CONFIGS_I8 = {"narrow": {}, "short": {}, "long": {}}
-_common.env_configs("COUNTDOWN_LINEAR_I8_CONFIG", CONFIGS_I8, '{"narrow": {"BN": 16}}')
 
 
-def config_for(k: int, config: dict | None = None, norm: bool = False, int8: bool = False) -> dict:
+def config_for(k: int, config: dict | None = None, norm: bool = False) -> dict:
     name = "narrow" if k <= 1024 else "short" if k <= 8192 else "long"
-    return {**CONFIGS[name], **(NORM_CONFIG if norm else {}), **(CONFIGS_I8[name] if int8 else {}), **(config or {})}
+    return {**CONFIGS[name], **(NORM_CONFIG if norm else {}), **(config or {})}
 
 
 @triton.jit
@@ -74,8 +65,7 @@ def _w_tile(W, wrow, kk, K, EVEN_K: tl.constexpr):
 def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, stride_y,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, EVEN_K: tl.constexpr, BIG: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True, XN=None, XN_CH: tl.constexpr = 0,
-                   WS=None, HAS_WS: tl.constexpr = False):
+                   PDL: tl.constexpr = 0, W_EARLY: tl.constexpr = True, XN=None, XN_CH: tl.constexpr = 0):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -88,7 +78,7 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
         wrow = rows_c[:, None] * K
     acc = tl.zeros([BT, BN], dtype=tl.float32)
     ssq = tl.zeros([BT], dtype=tl.float32)  # sum(x^2) per token, for the norm fold
-    if PDL == 1:  # launched early (_pdl.py), the next grid may launch now (TRIGGER "start")
+    if PDL:  # launched early (_pdl.py), the next grid may launch now
         gdc_launch_dependents()
     if PDL:  # the weights do not depend on the previous kernel (W_EARLY: first tile before the wait), x may
         if W_EARLY:
@@ -123,8 +113,6 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
             else:
                 xj = tl.sum(tl.where(t[:, None] == j, xf, 0.0), axis=0)
                 acc = tl.where(t[:, None] == j, acc + tl.sum(wf * xj[None, :], axis=1)[None, :], acc)
-    if PDL == 2:  # TRIGGER "end": the next grid launches once every program is past its weights
-        gdc_launch_dependents()
     if NORM:
         rstd = 1.0 / tl.sqrt(ssq / K + eps)
         acc = acc * rstd[:, None]
@@ -136,8 +124,6 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
             DT: tl.constexpr = XN.dtype.element_ty
             xn = _round_to(gv[None, :] * _round_to(xv * rstd[:, None], DT), DT)
             tl.store(XN + t[:, None] * K + c[None, :], xn.to(DT), mask=cm)
-    if HAS_WS:  # int8 rows: each row's scale
-        acc = acc * tl.load(WS + rows_c).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + rows_c).to(tl.float32)[None, :]
     omask = tmask[:, None] & rmask[None, :]
@@ -147,14 +133,8 @@ def _linear_kernel(X, W, BIAS, RES, Y, G, eps, n_tok, N, K, stride_x, stride_r, 
     tl.store(Y + t[:, None] * stride_y + rows[None, :], acc.to(Y.dtype.element_ty), mask=omask)
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=None, w_scale=None) -> None:
+def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=None) -> None:
     """Named errors for arguments the kernel cannot take."""
-    if w_scale is not None:
-        if weight.dtype != torch.int8 or w_scale.dtype != torch.float32 or w_scale.shape != (weight.shape[0],) \
-                or w_scale.device != weight.device:
-            raise ValueError(f"w_scale goes with int8 rows: weight int8 [N, K] and w_scale float32 [N] on its device, "
-                             f"got {weight.dtype} {tuple(weight.shape)} and {w_scale.dtype} {tuple(w_scale.shape)} "
-                             "(kernels.quant.quantize_rows_int8 makes both)")
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"decode_linear takes x [tokens, K] and weight [N, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -162,7 +142,7 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=Non
         raise ValueError(f"x has {x.shape[1]} features but the weight expects {weight.shape[1]}")
     if not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"decode_linear serves 1 to {MAX_TOKENS} tokens, got {x.shape[0]}: use F.linear")
-    if (x.dtype != weight.dtype and w_scale is None) or x.device != weight.device:
+    if x.dtype != weight.dtype or x.device != weight.device:
         raise ValueError(f"x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must match")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
@@ -175,18 +155,16 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias, residual, norm_weight=Non
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: dict | None = None,
-                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, x_out: torch.Tensor | None = None,
-                  w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  x_out: torch.Tensor | None = None) -> torch.Tensor:
     """(residual +) x W^T (+ bias) for x [T <= 8, K], W [N, K]: y [T, N] in x's dtype. With
     ``norm_weight`` g [K]: RMSNorm(x) W^T (+ bias) (+ residual), RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g; and
     with ``x_out`` (contiguous [T, K] of x's dtype) RMSNorm(x) itself written there, rounded as transformers'
-    RMSNorm rounds it (kernels/_rmsnorm.py), a few columns by each program: no norm launch for its other readers.
-    With ``w_scale`` [N] float32 the weight is int8 rows, W = w_scale[:, None] * weight (quant.quantize_rows_int8):
-    half the bytes of a bf16 weight."""
-    check(x, weight, bias, residual, norm_weight, w_scale)
+    RMSNorm rounds it (kernels/_rmsnorm.py), a few columns by each program: no norm launch for its other readers."""
+    check(x, weight, bias, residual, norm_weight)
     n_tok, k = x.shape
     n = weight.shape[0]
-    cfg = config_for(k, config, norm=norm_weight is not None, int8=w_scale is not None)
+    cfg = config_for(k, config, norm=norm_weight is not None)
     if _common.interpreting() and not config:  # the CPU interpreter pays per program: fewer, larger blocks
         cfg["BN"] = max(cfg["BN"], INTERPRETER_BN)
     x = x.contiguous() if x.stride(-1) != 1 else x
@@ -196,7 +174,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _common.new_output((n_tok, n), x.dtype, x.device)
     bk = min(cfg["BK"], max(16, _pow2(k)))
     bn = cfg["BN"]
-    pdl = _pdl.mode(x, "linear")
+    pdl = _pdl.mode(x)
     grid = triton.cdiv(n, bn)
     xn_ch = 0
     if x_out is not None:
@@ -213,7 +191,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, NORM=norm_weight is not None, BT=max(1, _pow2(n_tok)), BN=bn, BK=bk,
         EVEN_K=k % bk == 0, BIG=n * k >= 2**31, NUM_STAGES=cfg["num_stages"], PDL=pdl,
         W_EARLY=bool(pdl) and _pdl.weights_early(x, grid, cfg["num_warps"]), XN=x_out, XN_CH=xn_ch,
-        WS=w_scale, HAS_WS=w_scale is not None,
         num_warps=cfg["num_warps"], **_pdl.launch_kwargs(pdl))
     return y
 
@@ -229,17 +206,6 @@ def _(x, weight, bias, residual):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("countdown::decode_norm_linear", mutates_args=())
-def _decode_norm_linear_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                           bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return decode_linear(x, weight, bias, None, norm_weight=norm_weight, eps=eps)
-
-
-@_decode_norm_linear_op.register_fake
-def _(x, norm_weight, eps, weight, bias):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
 @torch.library.custom_op("countdown::decode_norm_linear_x", mutates_args=())
 def _decode_norm_linear_x_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,30 +216,6 @@ def _decode_norm_linear_x_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 
 @_decode_norm_linear_x_op.register_fake
 def _(x, norm_weight, eps, weight):
-    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x)
-
-
-@torch.library.custom_op("countdown::decode_linear_q", mutates_args=())
-def _decode_linear_q_op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x (w_scale[:, None] * weight)^T for int8 rows ``weight``."""
-    return decode_linear(x, weight, w_scale=w_scale)
-
-
-@_decode_linear_q_op.register_fake
-def _(x, weight, w_scale):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-@torch.library.custom_op("countdown::decode_norm_linear_x_q", mutates_args=())
-def _decode_norm_linear_x_q_op(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                               w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode_norm_linear_x with int8 rows ``weight`` and their scales."""
-    xn = _common.new_output(tuple(x.shape), x.dtype, x.device)
-    return decode_linear(x, weight, None, None, norm_weight=norm_weight, eps=eps, x_out=xn, w_scale=w_scale), xn
-
-
-@_decode_norm_linear_x_q_op.register_fake
-def _(x, norm_weight, eps, weight, w_scale):
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x)
 
 

@@ -3,17 +3,17 @@
     y = g * round(x / sqrt(mean(x^2) + eps))       (computed in fp32, rounded as transformers rounds)
 
 Why: in a compiled batch-1 decode step Inductor emits each layer's RMSNorm as a reduction of its own and
-tunes it per compile; on an H200 the same norm came out at 1.9 to 5.5 us a call in one step
-(`benchmarks/decode.py --profile`, 2026-11-25), about 0.4 ms of a 2.4-4.3 ms step. This op is opaque to
-Inductor (countdown.decode.layer calls it), one program per token row holding the whole row in registers.
+tunes it per compile, so the same norm's latency varies from call to call and compile to compile. This op
+is opaque to Inductor (countdown.decode.layer calls it), one program per token row holding the whole row in
+registers.
 
 Rounding as transformers' LlamaRMSNorm: x / rms in fp32, rounded to x's dtype, then times the weight
 (the product rounded to x's dtype again), so on the same input it gives the eager module's output up to
 the order of the fp32 sum of squares.
 
 ``decode_add`` (h + m, rounded once, as PyTorch adds two bf16 tensors) is the folded layer's MLP residual on
-a kernel of ours, opt-in (countdown.decode.layer.OWN_ADD): with programmatic dependent launch on, a layer of
-folded norms is then a chain of our kernels only, each able to launch while the one before finishes.
+a kernel of ours (countdown.decode.layer.mlp_half): with programmatic dependent launch on, a layer of folded
+norms is then a chain of our kernels only, each able to launch while the one before finishes.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n, d = x.shape
     y = _common.new_output((n, d), x.dtype, x.device)
     bd = max(16, _pow2(d))
-    pdl = _pdl.mode(x, "norm")
+    pdl = _pdl.mode(x)
     _rmsnorm_kernel[(n,)](x, weight.contiguous(), y, float(eps), d, x.stride(0), y.stride(0), BD=bd, EVEN=bd == d,
                           PDL=pdl, num_warps=8 if bd >= 4096 else 4, **_pdl.launch_kwargs(pdl))
     return y
@@ -97,7 +97,7 @@ def decode_add(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     h, m = h.contiguous(), m.contiguous()
     y = _common.new_output(tuple(h.shape), h.dtype, h.device)
     n = h.numel()
-    pdl = _pdl.mode(h, "norm")
+    pdl = _pdl.mode(h)
     _add_kernel[(triton.cdiv(n, ADD_BLOCK),)](h, m, y, n, BLOCK=ADD_BLOCK, PDL=pdl, num_warps=4,
                                               **_pdl.launch_kwargs(pdl))
     return y

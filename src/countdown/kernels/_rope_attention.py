@@ -18,16 +18,8 @@ a few kilobytes of work. Here one layer's block after the (fused) QKV projection
    (the write position of the next step), read by every split program before, so it can only move
    once they are all done.
 
-ONE_LAUNCH (``_attention.CONFIG``, ``COUNTDOWN_ATTENTION_CONFIG='{"ONE_LAUNCH": true}'``): no second launch.
-Each split program, after storing its partials, takes a ticket from its (batch row, KV head)'s counter
-(an atomic add, acquire-release at GPU scope, after a barrier so that all its threads' stores are out);
-the one that draws the last ticket merges that head group's partials (read past L1) into the output and
-resets the counter, and the last of those merges moves ``pos``. The counters are one persistent int32
-buffer per device (:func:`tickets`), zero between launches; two launches at once on one device (two
-streams) would share them, which a decode step never does.
-
 ``pos`` is a device tensor: no host synchronisation, the launch depends on shapes only (CUDA graphs,
-torch.compile through the custom op in countdown/fused_attention.py). A ``pos`` outside the cache
+torch.compile through the custom op in countdown/decode/attention.py). A ``pos`` outside the cache
 writes nothing (transformers would raise there; the caller sizes the cache).
 """
 
@@ -55,9 +47,8 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
                        s_qkv, s_cos, s_sin, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
                        G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = 0,
-                       OUT=None, CNT=None, so_b=0, so_h=0, CB: tl.constexpr = 2, ONE_LAUNCH: tl.constexpr = False):
-    if PDL == 1:  # launched early (_pdl.py); the combine may launch now
+                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL:  # launched early (_pdl.py); the combine may launch now
         gdc_launch_dependents()
     if PDL:  # qkv is the previous kernel's output
         gdc_wait()
@@ -84,8 +75,6 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
     q = q.to(K.dtype.element_ty)
     m, lsum, acc = attend_split(q, K, V, MASK, b, hk, sp, split_len, T, pos, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                                 sm_b, sm_t, qk_scale, di, dm, GP, BD, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
-    if PDL == 2:
-        gdc_launch_dependents()
     if sp == 0:  # the new token: from registers, then into the cache
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
@@ -110,47 +99,16 @@ def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len
         tl.store(k_base + pos * sk_t + di, k_new, mask=wm)
         tl.store(v_base + pos * sv_t + di, v_new, mask=wm)
     store_partials(P, acc, m, lsum, b, h, gm, sp, n_splits, H, di, BD)
-    if ONE_LAUNCH:  # the last split of this (batch row, KV head) to finish merges its G heads' partials
-        tl.debug_barrier()  # every thread's partials stored before the ticket (release at GPU scope)
-        group = b * KVH + hk
-        ticket = tl.atomic_add(CNT + group, 1, sem="acq_rel")
-        if ticket == n_splits - 1:
-            tl.store(CNT + group, 0)  # reset for the next launch: no other program takes this ticket again
-            n_rows = tl.num_programs(2) * H * n_splits
-            for g in tl.static_range(G):
-                combine_partials(P, OUT, b * H + hk * G + g, n_splits, so_b, so_h, H, n_rows, D, BD, CB, True)
-            n_groups = tl.num_programs(2) * KVH
-            last = CNT + n_groups  # the last merge of the grid moves pos: every program has read it by then
-            if tl.atomic_add(last, 1, sem="acq_rel") == n_groups - 1:
-                tl.store(last, 0)
-                tl.store(POS, pos + 1)
-
-
-_TICKETS: dict = {}
-
-
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The one-launch mode's counters on ``device``: int32 zeros, at least ``n`` (1024 at first), kept (every launch
-    leaves them at zero). countdown.decode.attention.fuse_attention makes them when it fuses a model on a GPU: made
-    lazily inside a compiled step, they would land in the CUDA graph's memory pool (torch.compile refuses that)."""
-    key = (device.type, device.index)
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _TICKETS[key] = t
-    return t
 
 
 @triton.jit
 def _rope_combine_kernel(P, OUT, POS, n_splits, so_b, so_h, H, n_rows, D: tl.constexpr, BD: tl.constexpr,
                          CB: tl.constexpr, PDL: tl.constexpr = 0):
-    if PDL == 1:  # launched early (_pdl.py); the next grid may launch now
+    if PDL:  # launched early (_pdl.py); the next grid may launch now
         gdc_launch_dependents()
     if PDL:  # the partials are the previous kernel's output
         gdc_wait()
     combine_partials(P, OUT, tl.program_id(0), n_splits, so_b, so_h, H, n_rows, D, BD, CB)
-    if PDL == 2:
-        gdc_launch_dependents()
     if tl.program_id(0) == 0:
         tl.store(POS, tl.load(POS) + 1)
 
@@ -205,9 +163,8 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     out = _common.new_output((B, H, D), k_cache.dtype, qkv.device)
     n_rows = B * H * n_splits
     part = _common.new_output((n_rows * (BD + 2),), torch.float32, qkv.device)
-    pdl = _pdl.mode(qkv, "attention")
+    pdl = _pdl.mode(qkv)
     cb = max(2, _attention._pow2(n_splits))
-    one = bool(cfg.get("ONE_LAUNCH"))
     _rope_split_kernel[(n_splits, KVH, B)](
         qkv, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T, split_len,
         qkv.stride(0), s_cos, s_sin, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -215,10 +172,7 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         G=G, D=D, BD=BD, GP=max(16, _attention._pow2(G)), BLOCK_N=cfg["BLOCK_N"],
         BOOL_MASK=mask.dtype == torch.uint8, IEEE=k_cache.dtype == torch.float32 or _common.interpreting(),
         NUM_STAGES=cfg["num_stages"], SKIP_MASKED=bool(cfg["SKIP_MASKED"]), PDL=pdl, num_warps=cfg["num_warps"],
-        OUT=out if one else None, CNT=tickets(qkv.device, B * KVH + 1) if one else None,
-        so_b=out.stride(0), so_h=out.stride(1), CB=cb, ONE_LAUNCH=one, **_pdl.launch_kwargs(pdl))
-    if one:
-        return out
+        **_pdl.launch_kwargs(pdl))
     _rope_combine_kernel[(B * H,)](part, out, pos, n_splits, out.stride(0), out.stride(1), H, n_rows, D=D, BD=BD,
                                    CB=cb, PDL=pdl, num_warps=4 if cb <= 32 else 8, **_pdl.launch_kwargs(pdl))
     return out

@@ -14,7 +14,7 @@ then, for the union of the batch's kept rows (a token's unkept rows contribute 0
 
 A program owns blocks of ROWS consecutive rows (blocks p, p + PROGS, ...). Per block, phase 1 streams
 the shadow words of its rows in tiles [ROWS, GPT groups, WPG words of a group], gate and up of a row
-side by side in memory, with the next tile requested before the current one is used (PREFETCH);
+side by side in memory (NEXT: with one tile a block, the next block's requested before this block's work);
 phase 2 compacts the block's kept rows in registers (prefix sum + one-hot select, as _glu.py) and
 loads BLOCK_M kept rows of every full-precision matrix at once.
 
@@ -124,20 +124,13 @@ def _tile_scores(wg, wu, sg, su, XS, g0, tok0, n_tok, n_words, n_groups,
 @triton.jit
 def _shadow_gemv(XS, Q, SC, rows, rmask, tok0, n_tok, n_words, n_groups,
                  BITS: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr,
-                 WPG: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr):
+                 WPG: tl.constexpr, BIG: tl.constexpr):
     """(u~, g~) [BT, ROWS] fp32 for tokens tok0 .. tok0 + BT of the rows ``rows``, tile after tile."""
     qbase, sbase = _bases(rows, n_words, n_groups, BIG)
     acc_g = tl.zeros([BT, ROWS], dtype=tl.float32)
     acc_u = tl.zeros([BT, ROWS], dtype=tl.float32)
-    if PREFETCH:
-        wg_n, wu_n, sg_n, su_n = _load_tile(Q, SC, qbase, sbase, 0, rmask, n_words, n_groups, GPT, WPG)
     for g0 in range(0, n_groups, GPT):
-        if PREFETCH:  # this tile arrived during the last one; request the next (masked past the end)
-            wg, wu, sg, su = wg_n, wu_n, sg_n, su_n
-            wg_n, wu_n, sg_n, su_n = _load_tile(Q, SC, qbase, sbase, g0 + GPT, rmask, n_words, n_groups,
-                                                GPT, WPG)
-        else:
-            wg, wu, sg, su = _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups, GPT, WPG)
+        wg, wu, sg, su = _load_tile(Q, SC, qbase, sbase, g0, rmask, n_words, n_groups, GPT, WPG)
         pu, pg = _tile_scores(wg, wu, sg, su, XS, g0, tok0, n_tok, n_words, n_groups, BITS, BT, ROWS, GPT, WPG)
         acc_u += pu
         acc_g += pg
@@ -238,7 +231,7 @@ def _select_kernel(
     KIND: tl.constexpr, BITS: tl.constexpr, ACT: tl.constexpr, CUT_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
-    PREFETCH: tl.constexpr, NEXT: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr,
+    NEXT: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr,
     OUT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -274,7 +267,7 @@ def _select_kernel(
                                         BITS, BT, ROWS, GPT, WPG)
             else:
                 u_s, g_s = _shadow_gemv(XS, Q, SC, rows, rmask, tok0, n_tok, n_words, n_groups,
-                                        BITS, BT, ROWS, GPT, WPG, BIG, PREFETCH)
+                                        BITS, BT, ROWS, GPT, WPG, BIG)
         if SCORES:
             off = (tok0 + bi)[:, None] * d_inter + rows[None, :]
             tl.store(OUT + off, u_s, mask=m2)
@@ -299,17 +292,16 @@ def _select_kernel(
         _store_partial(OUT, pid, yacc, kd, d_model, BIG, EVEN_D)
 
 
-# Launch configurations by (kind, one token or several), tuned on an H200 at Llama-3.1-8B's shape with
-# benchmarks/shadow.py --sweep (docs/kernels_shadow.md). ROWS: rows per block (power of two); TILE_W:
+# Launch configurations by (kind, one token or several), tuned at Llama-3.1-8B's shape with
+# benchmarks/shadow.py --sweep. ROWS: rows per block (power of two); TILE_W:
 # shadow words per row and tile; PER_SM: persistent programs per SM (0: one program per block).
 # NEXT: with TILE_W covering whole shadow rows, request the next block's rows before this block's work.
-# Batch-1 entries: the fastest of `benchmarks/shadow.py --sweep` on an H200, 2026-11-23 (k = 0.9).
 CONFIGS = {
-    ("shadow", 1): dict(ROWS=2, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=4, PREFETCH=False, NEXT=True),
-    ("shadow", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False, NEXT=False),
-    ("hybrid", 1): dict(ROWS=64, TILE_W=64, BLOCK_M=2, num_warps=8, PER_SM=2, PREFETCH=False, NEXT=False),
-    ("hybrid", 8): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, PREFETCH=False, NEXT=False),
-    ("scores", 8): dict(ROWS=4, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=3, PREFETCH=False, NEXT=True),
+    ("shadow", 1): dict(ROWS=2, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=4, NEXT=True),
+    ("shadow", 8): dict(ROWS=16, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, NEXT=False),
+    ("hybrid", 1): dict(ROWS=64, TILE_W=64, BLOCK_M=2, num_warps=8, PER_SM=2, NEXT=False),
+    ("hybrid", 8): dict(ROWS=32, TILE_W=64, BLOCK_M=2, num_warps=4, PER_SM=0, NEXT=False),
+    ("scores", 8): dict(ROWS=4, TILE_W=512, BLOCK_M=1, num_warps=4, PER_SM=3, NEXT=True),
 }
 INTERPRETER_PROGS = 3  # persistent programs under the interpreter: few, so each walks several blocks
 MAX_TOKENS = 8  # tokens per program (grid axis 1 splits more, for the scores only)
@@ -408,7 +400,7 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
         KIND=0 if kind == "shadow" else 1, BITS=bits, ACT=act_code(activation), CUT_PTR=cut_t is not None,
         HAS_BIAS=bias is not None, BT=bt_tok, ROWS=cfg["ROWS"], GPT=gpt, WPG=wpg, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_R=block_r, EVEN_D=block_d == d_model, BIG=big,
-        PREFETCH=bool(cfg["PREFETCH"]), NEXT=bool(cfg.get("NEXT")) and kind == "shadow" and gpt >= n_groups,
+        NEXT=bool(cfg.get("NEXT")) and kind == "shadow" and gpt >= n_groups,
         FUSE_DOWN=out == "partials", SCORES=out == "scores",
         OUT_F32=cpu_bf16,
         num_warps=cfg["num_warps"], num_stages=1,

@@ -82,7 +82,7 @@ def _teal_gateup_kernel(
 ):
     if PDL:  # x may come from the kernel before
         gdc_wait()
-    if PDL == 1:  # the (small) finish kernel may launch now (_pdl.TRIGGER "start")
+    if PDL:  # the (small) finish kernel may launch now
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,8 +127,6 @@ def _teal_gateup_kernel(
         acc_g = _acc_tile(acc_g, xt, wg, BP, DOT_PREC)
         acc_u = _acc_tile(acc_u, xt, wu, BP, DOT_PREC)
         rows, xt = rows_n, xt_n
-    if PDL == 2:
-        gdc_launch_dependents()
     if BP == 1:
         g = tl.sum(acc_g, axis=0)[None, :]
         u = tl.sum(acc_u, axis=0)[None, :]
@@ -235,8 +233,8 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inte
 # By batch bucket (1 token; 2-16 tokens): gate/up (KS input channels per split, BN columns, BM kept
 # rows a tile) and down (FB intermediate channels a block, BN2 columns, BM2 rows a tile; FUSE: the
 # finish step inside each down program instead of its own launch). FB is shared by the buckets (it
-# fixes the op's output shape). Batch 1: the fastest of `benchmarks/teal_kernel.py --sweep` on an H200,
-# 2026-11-23 (benchmarks/results/teal_kernel/); batch 2-16 not swept.
+# fixes the op's output shape). Batch 1: the fastest of `benchmarks/teal_kernel.py --sweep`; batch 2-16 not
+# swept.
 FB = 512
 TEAL_CONFIGS = {
     1: dict(KS=1024, BN=64, BM=32, warps=4, stages=1, BN2=256, BM2=32, warps2=4, stages2=1, FUSE=True),
@@ -288,7 +286,7 @@ def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, ac
     nb = triton.cdiv(d_inter, fb)
     cpu_bf16 = dev.type == "cpu" and x.dtype != torch.float32 and _common.interpreting()
     prec = "ieee" if (x.dtype == torch.float32 or cpu_bf16) else "default"
-    pdl = _pdl.mode(x, "teal")  # COUNTDOWN_PDL=1: each launch overlaps the previous kernel's tail
+    pdl = _pdl.mode(x)  # each launch overlaps the previous kernel's tail
     grid1 = (triton.cdiv(d_inter, bn), splits)
     scr_i = torch.empty((grid1[0] * splits * ks,), dtype=torch.int32, device=dev)
     scr_x = torch.empty((grid1[0] * splits * ks * bpd,), dtype=torch.float32, device=dev)

@@ -5,7 +5,8 @@
 
 Only kept rows of all three matrices are read: one fused Triton kernel computes the gate and up
 GEMVs for the union of the batch's kept rows with the activation and product fused (``_glu.py``),
-then the masked down projection (``_down.py``).
+then the masked down projection (``_down.py``). :func:`gated_chain` is that chain for every method that
+takes it (mono, cats and dual beyond one token too, where the indicator selects the rows).
 """
 
 from __future__ import annotations
@@ -27,11 +28,25 @@ def gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation: str) -> to
 masked_gated_mlp_ref = gated_mlp_masked_ref
 
 
+def gated_chain(x, w_gate, w_up, w_down_t, *, ind, thr_t=None, thr_f=0.0,
+                mode: str, activation: str, gate: bool, up: bool, per_token: bool = False):
+    """The fused gate / up kernel followed by the masked down projection: GLU kernel, down kernel (fp32
+    atomics), cast to x's dtype. The GLU kernel clears the down projection's fp32 accumulator on its way, so
+    the chain needs no memset."""
+    from ._down import DownPlan, sparse_down  # Triton: only where the kernels run
+    from ._glu import sparse_glu
+
+    n_tok, d_model = x.shape
+    plan = DownPlan(n_tok, w_down_t.shape[0], d_model, per_token)
+    work = plan.workspace(x.device, zeroed=False) if plan.atomic else None
+    s = sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode, activation, gate=gate, up=up,
+                   per_token=per_token, zero=work)
+    return sparse_down(s, None, w_down_t, per_token=per_token, plan=plan, workspace=work)
+
+
 @torch.library.custom_op("countdown::masked_gated_mlp", mutates_args=())
 def _masked_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
                keep: torch.Tensor, activation: str, per_token: bool) -> torch.Tensor:
-    from ._chain import gated_chain
-
     return gated_chain(x, w_gate, w_up, w_down_t, ind=keep, mode="mask", activation=activation,
                        gate=True, up=True, per_token=per_token)
 

@@ -37,19 +37,6 @@ def _check_bits(bits: int) -> int:
     return int(bits)
 
 
-def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (any float dtype) -> (q int8 [N, K], scale float32 [N]): symmetric round-to-nearest per row,
-    scale = max |w_row| / 127 (1 for an all-zero row), q = round(w / scale) in [-127, 127]; w ~ scale[:, None] * q.
-    The int8 rows kernels/_linear.py's GEMV reads with ``w_scale`` (a predictor's factors: half their bytes)."""
-    if w.dim() != 2 or not w.dtype.is_floating_point:
-        raise ValueError(f"quantize_rows_int8 takes a float matrix [N, K], got {w.dtype} {tuple(w.shape)}")
-    wf = w.detach().float()
-    amax = wf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale.contiguous()
-
-
 def quantize_rtn(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (q int8 [N, K], scale float16 [N, K // group]).
 

@@ -5,15 +5,15 @@ compute the exact Gated-MLP on the kept rows only.
     keep    = |u~ * act(g~)| > cut                      (cut: float32, a 0-dim tensor or a float)
     y       = sum over kept rows i of (x W_up[i]^T) act(x W_gate[i]^T) w_down_t[i]   (x's precision)
 
-Bytes read per token: the two shadows (``quant.shadow_bytes``: 2 x 29.4 MB at 4 bits, group 64, for
-Llama-3.1-8B) plus 3 d_model x 2 bytes per kept row. One token on CUDA (the default route, "onepass"):
-``_gemv_i8.py``'s kernel writes the indicator |u~ act(g~)| (x rounded to int8 per weight group, integer
-dot products: error bound in its docstring; ``_gemv.py``'s fp16x2 kernel with ONE_TOKEN_GEMV "fp16x2") and ``_onepass.py``'s kernel computes the kept rows in one launch. The
-selecting kernel (``_select.py``, fp32 products) computes the shadow GEMVs, the cut and the kept rows
-of the three full-precision matrices in one launch (route "fused" for one token); for 2-8 tokens it
-takes the union of the batch's kept rows (each token's own rows nonzero only) and runs the masked down
-projection after; beyond 8 tokens (prefill) the shadow scores come from it and the masked kernel
-(masked.py) does the rest.
+Bytes read per token: the two shadows (``quant.shadow_bytes``) plus 3 d_model x 2 bytes per kept row. One token
+on CUDA: ``_gemv_i8.py``'s kernel writes the indicator |u~ act(g~)| (x rounded to int8 per weight group, integer
+dot products: error bound in its docstring; fewer instructions a word than a float dequantization, so nearer the
+copy bandwidth) and ``_onepass.py``'s kernel computes the kept rows in one launch. For 2-8 tokens the selecting
+kernel (``_select.py``, fp32 products) computes the shadow GEMVs, the cut and the kept rows of the three
+full-precision matrices (the union of the batch's kept rows, each token's own rows nonzero only) and the masked
+down projection runs after; beyond 8 tokens (prefill) the shadow scores come from it and the masked kernel
+(masked.py) does the rest. Off CUDA (the interpreter) one token takes the selecting kernel's one-launch form,
+whose fp32 scores are exactly the reference's.
 
 GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 32 a power of two
 (groups of 32, 64, 128 at 4 bits). Other widths (2, 3 bits) and groups run the float32 reference
@@ -22,7 +22,6 @@ GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -32,28 +31,6 @@ from .masked import gated_mlp_masked_ref, masked_gated_mlp
 from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
 MAX_FUSED_TOKENS = 8
-# One token on CUDA: "fused" runs the selecting kernel (_select.py: shadow GEMVs, cut and kept rows in
-# one launch); "onepass" runs the shadow GEMVs alone (the same kernel, SCORES), the score |u~ act(g~)|
-# in PyTorch (fused by torch.compile) and the one-launch sparse kernel of _onepass.py with that score as
-# its indicator. benchmarks/shadow.py times both (rows dual[shadow4] = fused, dual[shadow4-onepass]);
-# on an H200, 2026-11-23, k = 0.9: 77.6 vs 69.5 us eager, 66.3 vs 60.6 us compiled (docs/kernels_shadow.md).
-# "stream": _gemv.py's kernel applies the cut and writes the kept rows as lists, _stream.py's kernel
-# splits them evenly over its programs (needs the fp16x2 GEMV; measured no faster than "onepass" as a
-# whole MLP on an H200, 2026-11-23, benchmarks/results/stream/: opt-in).
-ONE_TOKEN_ROUTE = os.environ.get("COUNTDOWN_SHADOW_ROUTE") or "onepass"  # the environment picks it for a whole run
-if ONE_TOKEN_ROUTE not in ("fused", "onepass", "stream"):
-    raise ValueError(f"COUNTDOWN_SHADOW_ROUTE={ONE_TOKEN_ROUTE!r}: expected fused, onepass or stream "
-                     "(unset it for the default, onepass)")
-# The shadow GEMVs of one token on CUDA (or the interpreter): "int8" (the default since 2026-11-25),
-# _gemv_i8.py's kernel (x rounded to int8 per weight group, integer dot products: 21.1 against 26.4 us for
-# gate and up on an H200, the decode step's dual[shadow4] 351.3 against 335.8 tokens/s at k = 0.9; on
-# SmolLM2, Gemma-3 and Qwen2.5 1.0-2.4 % of the kept rows differ from the exact shadow's and the MLP output
-# error is unchanged to 1e-4: benchmarks/results/shadow_dp4a/), "fp16x2", _gemv.py's kernel (fp16 pairs made with one integer
-# op), or "fp32", _select.py's SCORES kernel (the earlier one, fp32 per value).
-ONE_TOKEN_GEMV = os.environ.get("COUNTDOWN_SHADOW_GEMV") or "int8"
-if ONE_TOKEN_GEMV not in ("fp16x2", "int8", "fp32"):
-    raise ValueError(f"COUNTDOWN_SHADOW_GEMV={ONE_TOKEN_GEMV!r}: expected fp16x2, int8 or fp32 "
-                     "(unset it for the default, int8)")
 
 
 def prepare_shadow(q_gate, s_gate, q_up, s_up, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -112,19 +89,13 @@ def _fast(x, q) -> bool:
 
 
 def _one_token_gemv(x2, q, scale) -> bool:
-    """Whether _gemv.py's (or _gemv_i8.py's) kernel takes these shadow GEMVs (one token, 4 or 8 bits)."""
-    if ONE_TOKEN_GEMV not in ("fp16x2", "int8") or x2.shape[0] != 1:
+    """Whether _gemv_i8.py's kernel takes these shadow GEMVs (one token, 4 or 8 bits, whole words a group)."""
+    if x2.shape[0] != 1:
         return False
     d_model = x2.shape[1]
     bits = 32 * q.shape[2] // d_model
     return bits in (4, 8) and q.shape[2] * 32 == d_model * bits and q.shape[2] % scale.shape[2] == 0 \
         and _pow2_ok(q.shape[2] // scale.shape[2])
-
-
-def _gemv_call(x2, q, scale, activation: str, score: bool) -> torch.Tensor:
-    """The one-token shadow GEMV op that ONE_TOKEN_GEMV names ("fp16x2" or "int8")."""
-    op = torch.ops.countdown.shadow_gemv_i8 if ONE_TOKEN_GEMV == "int8" else torch.ops.countdown.shadow_gemv
-    return op(x2, q, scale, activation, score)
 
 
 def _pow2_ok(n: int) -> bool:
@@ -133,15 +104,15 @@ def _pow2_ok(n: int) -> bool:
 
 def shadow_scores(x, prepared) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d_model] -> (u~, g~) float32 [..., d_inter] (the two shadow GEMVs alone). One token
-    on the fast path: ONE_TOKEN_GEMV's kernel (_gemv_i8.py's int8 x by default, _gemv.py's fp16x2;
-    error bounds in their docstrings); otherwise float32 products (_select.py)."""
+    on the fast path: _gemv_i8.py's kernel (x rounded to int8; error bound in its docstring); otherwise
+    float32 products (_select.py)."""
     q, scale = _check(x, prepared)
     if not _fast(x, q):
         qg, sg, qu, su = unpack_prepared(prepared, x.shape[-1])
         return shadow_scores_ref(x, qg, sg, qu, su)
     x2 = x.reshape(-1, x.shape[-1])
     if _one_token_gemv(x2, q, scale):
-        o = _gemv_call(x2, q, scale, "silu", False)
+        o = torch.ops.countdown.shadow_gemv_i8(x2, q, scale, "silu", False)
     else:
         o = torch.ops.countdown.shadow_scores(x2, q, scale)
     lead = x.shape[:-1]
@@ -193,21 +164,18 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
     x2 = x.reshape(-1, d_model)
     n_tok = x2.shape[0]
-    if n_tok == 1 and ONE_TOKEN_ROUTE == "stream" and _onepass_applies(x2) and _one_token_gemv(x2, q, scale):
-        p = torch.ops.countdown.shadow_stream(x2, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation)
-        return _reduce(p, x2, residual).reshape(x.shape)
-    if n_tok == 1 and ONE_TOKEN_ROUTE in ("onepass", "stream") and _onepass_applies(x2):
+    if n_tok == 1 and _onepass_applies(x2):
         from . import _onepass
 
         if _one_token_gemv(x2, q, scale):  # the indicator |u~ act(g~)| straight from the GEMV kernel
-            ind = _gemv_call(x2, q, scale, activation, True)
+            ind = torch.ops.countdown.shadow_gemv_i8(x2, q, scale, activation, True)
         else:
             u_t, g_t = shadow_scores(x2, prepared)
             ind = shadow_score(u_t, g_t, activation)
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
                                  ind=ind, residual=residual)
         return y.reshape(x.shape)
-    if n_tok == 1:
+    if n_tok == 1:  # off CUDA: the selecting kernel in one launch (exact fp32 scores), its partials summed
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
                                                 w_gate, w_up, w_down_t, activation)
         return _reduce(p, x2, residual).reshape(x.shape)
@@ -221,28 +189,6 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
 
 
 # ------------------------------------------------------------------ the custom ops (shadow and hybrid)
-def shadow_dual_block(h, norm_w, eps: float, prepared, cut, w_gate, w_up, w_down_t,
-                      activation: str = "silu") -> torch.Tensor | None:
-    """h + shadow_dual_gated_mlp(RMSNorm(h)) for one token of a folded decode layer (the norm's weight and eps):
-    the norm inside the shadow GEMV's x-prep launch, four launches (kernels/_shadow_block.py), or None where that
-    route does not serve (not one token on the one-launch sparse kernel with the int8 GEMV, h and the norm weight
-    of different dtypes, COUNTDOWN_SHADOW_BLOCK=0): the caller then runs the norm and ``residual=h``."""
-    from . import _shadow_block
-
-    d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
-    q, scale = _check(h, prepared)
-    h2 = h.reshape(-1, d_model)
-    if not (_shadow_block.ENABLED and q.shape[0] == d_inter and _fast(h2, q) and h2.shape[0] == 1
-            and ONE_TOKEN_ROUTE == "onepass" and ONE_TOKEN_GEMV == "int8" and _onepass_applies(h2)
-            and _one_token_gemv(h2, q, scale) and norm_w.dtype == h2.dtype and norm_w.shape == (d_model,)):
-        return None
-    cut_t, cut_f = split_threshold(cut)
-    if cut_t is not None and cut_t.dim() != 0:
-        raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
-    return _shadow_block.shadow_block(h2, norm_w, eps, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t,
-                                      activation).reshape(h.shape)
-
-
 @torch.library.custom_op("countdown::shadow_scores", mutates_args=())
 def _scores_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     from . import _select
@@ -257,7 +203,8 @@ def _(x, q, scale):
 
 @torch.library.custom_op("countdown::shadow_gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activation: str, score: bool) -> torch.Tensor:
-    """One token: (u~, g~) as [2, 1, d_inter] fp32, or (score) |u~ act(g~)| as [1, d_inter] fp32."""
+    """One token: (u~, g~) as [2, 1, d_inter] fp32, or (score) |u~ act(g~)| as [1, d_inter] fp32, with x in fp16
+    pairs (kernels/_gemv.py; the routes take countdown::shadow_gemv_i8)."""
     from . import _gemv
 
     return _gemv.launch(x, q, scale, activation if score else None)
@@ -280,25 +227,6 @@ def _gemv_i8_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, activatio
 
 
 _gemv_i8_op.register_fake(_gemv_fake)
-
-
-@torch.library.custom_op("countdown::shadow_stream", mutates_args=())
-def _stream_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cut_t: Optional[torch.Tensor], cut_f: float,
-               w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, activation: str) -> torch.Tensor:
-    """One token: the kept-row lists from the shadow GEMV with the cut, then the evenly split sparse
-    phase; fp32 partial sums [programs, d_model] (y = their sum)."""
-    from . import _gemv, _stream
-
-    lists, counts = _gemv.launch(x, q, scale, activation, cut=cut_t if cut_t is not None else cut_f)
-    cap = lists.numel() // counts.numel()
-    return _stream.stream_partials(x, lists, counts, cap, w_gate, w_up, w_down_t, activation)
-
-
-@_stream_op.register_fake
-def _(x, q, scale, cut_t, cut_f, w_gate, w_up, w_down_t, activation):
-    from . import _stream
-
-    return x.new_empty((_stream.n_programs(x.device), x.shape[1]), dtype=torch.float32)
 
 
 def _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t):

@@ -72,7 +72,7 @@ class RowSelector(nn.Module):
     def kernel_block(self, h2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor, norm_w: torch.Tensor,
                      eps: float) -> torch.Tensor | None:
         """``h2 + mlp(RMSNorm(h2))`` (the norm's weight and eps) by a kernel route that computes the norm and
-        the residual add too (a folded decode layer, countdown.decode.layer.FOLD_MLP), or None: the caller
+        the residual add too (a folded decode layer, countdown.decode.layer.mlp_half), or None: the caller
         then runs the norm, :meth:`kernel_forward` and the add. Default None; the threshold kinds have one."""
         return None
 

@@ -3,15 +3,14 @@
 ``A [d_model, d_rank]``, ``B [d_rank, d_inter]``, ``b [d_inter]``, trained by
 :class:`countdown.prac.train.TrainedKind`. Saved tensors: ``k=<k>/layer<i>/{A, B, bias, cut}``.
 
-Kernel: the predictor runs inside the fused dual kernel (``x A`` by cuBLAS, the ``B`` side and the
-cut in the kernel: rows with ``x A B > cut - bias`` are kept) when :data:`IN_KERNEL` is True and the
-selection is a cut or the logit; else the mask is computed in PyTorch and the masked kernel runs.
+Kernel: the predictor's scores ``x A B`` go straight to the dual kernels, which apply the cut themselves
+(rows with ``x A B > cut - bias`` are kept: no mask tensor is written) when :data:`IN_KERNEL` is True and
+the selection is a cut or the logit; else the mask is computed in PyTorch and the masked kernel runs.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -25,10 +24,6 @@ from .train import TrainedKind
 # True: the low-rank predictor runs inside the fused dual kernel; False: mask in PyTorch + masked
 # kernel. benchmarks/decode.py --predictor-route compares them.
 IN_KERNEL = True
-# A speed probe, opt-in (COUNTDOWN_PREDICTOR_INT8=1, session 24): on CUDA the one-token block route reads the factors as
-# int8 rows with float32 scales (kernels.dual_block_int8: half the predictor's bytes); every other path keeps the
-# half-precision factors, so the prompt and the decode steps see slightly different scores.
-INT8 = os.environ.get("COUNTDOWN_PREDICTOR_INT8", "0") not in ("", "0")
 
 
 class LowRankPredictor(nn.Module):
@@ -81,24 +76,9 @@ class LowRankSelector(LowRankFactors):
         return kernels.dual_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
                                       mlp.act_name)
 
-    def to_model_dtype(self, dtype: torch.dtype) -> None:
-        super().to_model_dtype(dtype)
-        if INT8 and self.A.is_cuda:  # made at patch time: never inside a compiled step's graph pool
-            from ..kernels.quant import quantize_rows_int8
-
-            for name, w in (("A", self.A.t()), ("B", self.Bt)):
-                q, scale = quantize_rows_int8(w)
-                self.register_buffer(f"{name}_q", q)
-                self.register_buffer(f"{name}_scale", scale)
-
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
         if not IN_KERNEL or self.selection == "topk":
             return None
-        if INT8 and getattr(self, "A_q", None) is not None:
-            out = kernels.dual_block_int8(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.A_q, self.A_scale,
-                                          self.B_q, self.B_scale, self.row_cut, mlp.act_name)
-            if out is not None:
-                return out
         out = kernels.dual_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
                                  mlp.act_name)  # no norm kernel: the norm folded into the predictor's GEMV
         if out is None:  # the norm on its kernel, the add in the partials' sum

@@ -15,9 +15,9 @@ each) plus the kept rows of the three full-precision matrices; on a Llama-3.1-8B
 about 12 % of a bf16 model at 4 bits (3 bits: about 9 %).
 
 Saved tensors: ``shared/layer<i>/{gate_q, up_q}`` (uint8, packed by ``quant.pack_bits``),
-``shared/layer<i>/{gate_scale, up_scale}`` (float16) and ``k=<k>/layer<i>/cut``. Kernel: one launch
-per token at batch 1 (shadow GEMVs, cut and kept rows in one persistent grid; ``kernels.shadow``);
-4 and 8 bits on the GPU, other widths on the reference path.
+``shared/layer<i>/{gate_scale, up_scale}`` (float16) and ``k=<k>/layer<i>/cut``. Kernel: at batch 1
+the int8 shadow GEMV writes the scores and the one-launch sparse kernel keeps the rows over the cut
+(``kernels.shadow``); 4 and 8 bits on the GPU, other widths on the reference path.
 """
 
 from __future__ import annotations
@@ -95,12 +95,9 @@ class ShadowSelector(RowSelector):
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
         if self.selection != "cut":
             return None
-        out = kernels.shadow_dual_block(h2, norm_w, eps, self._prepare(), self.cut, mlp.w_gate, mlp.w_up, w_down_t,
-                                        mlp.act_name)  # the norm inside the shadow GEMV's x-prep launch
-        if out is None:  # the norm on its kernel, the add in the partials' sum
-            out = kernels.shadow_dual_gated_mlp(kernels.block_input(h2, norm_w, eps), self._prepare(), self.cut,
-                                                mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2)
-        return out
+        # the norm on its kernel, the add in the partials' sum
+        return kernels.shadow_dual_gated_mlp(kernels.block_input(h2, norm_w, eps), self._prepare(), self.cut,
+                                             mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2)
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, selection={self.selection}, n_keep={self.n_keep}"
