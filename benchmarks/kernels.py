@@ -31,7 +31,7 @@ import torch
 
 from countdown.bench import copy_bandwidth
 from countdown.bench.kernelchecks import CHECK_OK, check_real_shapes
-from countdown.bench.kerneltable import bench_shape, choose_combos, plot, sweep, write_outputs
+from countdown.bench.kerneltable import bench_shape, plot, sweep, write_outputs
 from countdown.bench.mlpbench import DEV, DOWN_SWEEP, GLU_SWEEP, MAIN, SHAPES, log
 from countdown.bench.sm90 import compile_check
 from countdown.kernels import _down, _glu
@@ -90,11 +90,10 @@ def main():
             log("REFUSING TO TIME: a default kernel is wrong at real shapes")
             sys.exit(1)
     if args.sweep:
-        sweep_out["combos"] = choose_combos(args.rank, main_shape)
         sweep_out["check_ok"] = CHECK_OK
         with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
             json.dump(sweep_out, f, indent=1)
-    configs = dict(glu=_glu.GLU_CONFIGS, down=_down.DOWN_CONFIGS, fuse_dense=_glu.FUSE_DENSE)
+    configs = dict(glu=_glu.GLU_CONFIGS, down=_down.DOWN_CONFIGS)
     rows = []
     meta = dict(device=dev, date=datetime.date.today().isoformat(), bw=bw, rank=args.rank,
                 command="PYTHONPATH=src python benchmarks/kernels.py " + " ".join(sys.argv[1:]),

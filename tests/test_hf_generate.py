@@ -54,3 +54,31 @@ def test_static_cache_fullgraph_compiled_generate_matches_eager(method):
     assert sparse_shift > 1e-2
     assert (compiled_logits - eager_logits).abs().max() < 1e-3 * sparse_shift
     assert real == pytest.approx(0.5, abs=0.02)  # the decode steps were sparse (the prompt is not counted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel route's CUDA graphs need a GPU")
+@pytest.mark.parametrize("method", ["mono", "dual[shadow4]"])
+def test_eager_generate_replays_each_layers_kernel_route_from_a_cuda_graph(method):
+    """transformers' eager generate on CUDA: each sparse MLP's decode step is captured once and replayed,
+    giving the logits of the uncaptured kernel route (the same kernels) and of the masked path (same rows)."""
+    from countdown.state import state_of
+    from test_calibrate import TOK, word_texts
+
+    model = tiny_model("llama")
+    art = countdown.prepare(model, TOK, method, 0.7, texts=word_texts(0), num_tokens=256, window=64, progress=False)
+    model = model.cuda()
+    ids = torch.randint(3, 120, (1, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    runs = {}
+    for path in ("masked", "kernel"):
+        countdown.sparsify(model, method, 0.7, mode="prac", artifacts=art, path=path)
+        try:
+            runs[path] = model.generate(ids, **kw)
+            graphs = [len(getattr(layer, "_graphs", {})) for layer in state_of(model).layers]
+        finally:
+            countdown.unsparsify(model)
+        if path == "kernel":
+            assert graphs == [1] * len(graphs)  # one graph per layer (batch 1, one token), replayed every step
+    assert runs["kernel"].sequences.tolist() == runs["masked"].sequences.tolist()
+    torch.testing.assert_close(torch.stack(runs["kernel"].logits), torch.stack(runs["masked"].logits),
+                               rtol=1e-3, atol=1e-3)

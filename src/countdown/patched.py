@@ -59,13 +59,34 @@ class PatchedMLP(nn.Module):
         token_sparse = None if sparse is True else sparse.reshape(-1)
         path = self.state.path
         if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
-            return self.mlp.finish(self._kernel(x2)).reshape(shape)
+            return self.mlp.finish(self._kernel_call(x2)).reshape(shape)
         if path == "gather":
             y = self._gather(x2, token_sparse)
         else:
             y = self._masked(x2, token_sparse)
         y = self.mlp.finish(y)  # tensor parallel: the ranks' partial outputs summed (once)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _kernel_call(self, x2: torch.Tensor) -> torch.Tensor:
+        """The kernel route. Called eagerly on CUDA (transformers' own generate), it is replayed from a CUDA
+        graph captured on this layer's first call of the shape: at batch 1 launching the route's few kernels
+        from Python costs more than running them, and one replay is cheaper than the dense MLP's launches.
+        Under torch.compile or inside a capture the kernels are called directly (the caller graphs them)."""
+        if not x2.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return self._kernel(x2)
+        key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in self.selector.buffers()))
+        graphs = self.__dict__.setdefault("_graphs", {})
+        entry = graphs.get(key[:2])
+        if entry is None or entry[0] != key:
+            entry = (key, _capture(self._kernel, x2, self.state))
+            graphs[key[:2]] = entry
+        captured = entry[1]
+        if captured is None:  # the route could not be captured: run it directly
+            return self._kernel(x2)
+        graph, x_in, y_out = captured
+        x_in.copy_(x2)
+        graph.replay()
+        return y_out.clone()  # the next replay overwrites y_out
 
     def block_forward(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``h + module(RMSNorm(h))`` (weight ``norm_w``, ``eps``) where a kernel route computes the norm and
@@ -123,6 +144,31 @@ class PatchedMLP(nn.Module):
             for weight in getattr(self, "relaid", ()):
                 store_transposed(weight, False)
             object.__setattr__(self, "relaid", [])
+
+
+def _capture(fn, x: torch.Tensor, state: SparsityState):
+    """(graph, static input, static output) of ``fn`` on a copy of ``x``, or None if the route cannot be
+    captured. The layers of one model share a memory pool (they replay in the order they were captured)."""
+    x_in = x.clone()
+    try:
+        stream = torch.cuda.Stream(device=x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):  # warm-up off the capture stream: Triton compiles, the allocator settles
+            for _ in range(2):
+                fn(x_in)
+        torch.cuda.current_stream(x.device).wait_stream(stream)
+        if state.graph_pool is None:
+            state.graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=state.graph_pool):
+            y_out = fn(x_in)
+    except RuntimeError as err:  # an op that cannot be captured: say so once, keep the direct calls
+        import warnings
+
+        warnings.warn(f"countdown: the sparse MLP's kernel route could not be captured in a CUDA graph ({err}); "
+                      "it runs launch by launch", stacklevel=3)
+        return None
+    return graph, x_in, y_out
 
 
 def _column_major(weight: torch.Tensor) -> bool:

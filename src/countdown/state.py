@@ -39,6 +39,7 @@ class SparsityState:
     prompt_pass: bool = False  # scope="decode": this forward is the (dense) prompt
     dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
     hook: Any = None
+    graph_pool: Any = None  # the CUDA graphs of the layers' eager kernel calls share it (patched._capture)
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""

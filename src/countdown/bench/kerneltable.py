@@ -11,13 +11,13 @@ Per model shape (:data:`~countdown.bench.mlpbench.SHAPES`), batch and target spa
     dual       countdown.kernels.dual_gated_mlp     (predictor (x A) B included)
     dual_excl  countdown.kernels.masked_gated_mlp   (the same keep mask given: predictor excluded)
 
-and on the main shape (``variants``) the per-token rows (batch > 1), mono with the split-K reduction,
-and each op with its indicator by cuBLAS first or inside the fused kernel (``[cublas]`` / ``[fused]``).
+and on the main shape (``variants``) the per-token rows (batch > 1) and mono with the split-K reduction
+(each op takes its indicator computed before it, by cuBLAS: the ``[cublas]`` rows of earlier tables).
 Thresholds are the empirical k-quantiles of the indicators on the random inputs, so the kept fraction
 matches k; the real kept fraction (per token, and the batch's union) is written next to each row. The
 roofline time is the bytes a method must read (weights; vectors are < 0.1 %) over the copy bandwidth
-measured in the same run. :func:`sweep` / :func:`choose_combos` first pick the launch configurations and
-the indicator's place (``--sweep``); :func:`write_outputs` writes kernels.csv / .md / .png.
+measured in the same run. :func:`sweep` first picks the launch configurations (``--sweep``);
+:func:`write_outputs` writes kernels.csv / .md / .png.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from countdown.eval.cost import mlp_weight_bytes
 from countdown.kernels import _common, _down, _glu
 
 from .kernelchecks import CHECK_OK
-from .mlpbench import (COMBOS, DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, combo,
-                       current_tag, dense_chain, down_reduce, log, patched, safe_time)
+from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, dense_chain, down_reduce,
+                       log, patched, safe_time)
 from .timing import time_graph
 
 
@@ -130,40 +130,6 @@ def sweep(rank, name=MAIN):
     return best, rows
 
 
-def choose_combos(rank, name=MAIN):
-    """Per batch bucket, the FUSE_DENSE setting (among those that passed their checks) with the least
-    mono + dual time at k = 0.7 and 0.9; sets the kernel module's table."""
-    d_model, d_inter, act = SHAPES[name]
-    rows = []
-    for batch in (1, 8):
-        b = 1 if batch == 1 else 16
-        p = Problem(d_model, d_inter, act, batch, rank)
-        res = []
-        for dense in COMBOS:
-            with combo(dense) as cb:
-                if not all(CHECK_OK.get(f"{m}[{cb.tag}]", True) for m in ("mono", "dual")):
-                    log(f"combo b{batch} {cb.tag}: skipped (failed its check)")
-                    continue
-                tot = 0.0
-                for k in (0.7, 0.9):
-                    t = p.thresholds(k)
-                    tot += safe_time(cb.tag, [lambda i=i: K.mono_gated_mlp(
-                        p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"], t["mono"], act) for i in range(NSLOTS)])
-                    tot += safe_time(cb.tag, [lambda i=i: K.dual_gated_mlp(
-                        p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"], p.w(i)["pa"], p.w(i)["pbt"].t(),
-                        t["dual"], act) for i in range(NSLOTS)])
-                log(f"combo b{batch} {cb.tag}: mono + dual at k 0.7, 0.9: {tot:.1f} us")
-                rows.append(dict(batch=batch, combo=cb.tag, us=tot))
-                if tot == tot:
-                    res.append((tot, dense))
-        if res:
-            _glu.FUSE_DENSE[b] = min(res)[1]
-        p = None  # frees the weights (the closures above are done with them)
-        torch.cuda.empty_cache()
-    log(f"chosen: FUSE_DENSE {_glu.FUSE_DENSE}")
-    return rows
-
-
 def bench_shape(name, batches, ks, rank, bw, device_name, variants):
     d_model, d_inter, act = SHAPES[name]
     out = []
@@ -221,7 +187,7 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
                       "dual_excl": 3 * d_model * n_u["dual"] * E}  # the mask given: the kept rows of all three
             mask_of = dict(cats="cats", mono="mono", dual="dual", dual_excl="dual")
             for m, fn in sparse.items():
-                ok = CHECK_OK.get(f"{m}[{current_tag(batch, m)}]", True)
+                ok = CHECK_OK.get(f"{m}[cublas]", True)
                 us = safe_time(f"{name} b{batch} k{k} {m}", [lambda i=i: fn(i) for i in range(NSLOTS)]) \
                     if ok else float("nan")
                 r = row(m, k, us, nbytes[m], frac[mask_of[m]], uni[mask_of[m]],
@@ -237,17 +203,9 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
                         nb = nbytes[m] - (3 if m == "dual" else 2) * d_model * n_u[mask_of[m]] * E \
                             + (3 if m == "dual" else 2) * per_tok * E
                         row(m + "[per_token]", k, us, nb, frac[mask_of[m]], uni[mask_of[m]])
-                with combo(False), down_reduce("splitk"):
+                with down_reduce("splitk"):
                     us = safe_time("mono[splitk]", [lambda i=i: sparse["mono"](i) for i in range(NSLOTS)])
                 row("mono[cublas,splitk]", k, us, nbytes["mono"], frac["mono"], uni["mono"])
-                for dense in COMBOS:
-                    with combo(dense) as cb:
-                        for m in ("mono", "cats", "dual", "dual_excl"):
-                            if m == "dual_excl" and dense:
-                                continue
-                            us = safe_time(f"{m}[{cb.tag}]", [lambda i=i: sparse[m](i) for i in range(NSLOTS)]) \
-                                if CHECK_OK.get(f"{m}[{cb.tag}]", True) else float("nan")
-                            row(f"{m}[{cb.tag}]", k, us, nbytes[m], frac[mask_of[m]], uni[mask_of[m]])
             wd_views = None
         log(f"{name:13s} b{batch} dense {dense_us:.1f} us")
         p = None  # frees the weights (the closures above are done with them)

@@ -9,7 +9,7 @@ Shared by ``benchmarks/kernels.py`` (the kernel table, :mod:`~countdown.bench.ke
   rotating with the slot), NaN and a log line when a variant fails to compile or run;
 * :func:`dense_chain` (the cuBLAS baseline), :func:`gap_threshold` (a cut between two distinct values, so an
   ulp of difference in an activation cannot flip a row tied with the cut);
-* :class:`patched`, :func:`down_reduce`, :class:`combo`: the kernel modules' per-batch-bucket tables
+* :class:`patched`, :func:`down_reduce`: the kernel modules' per-batch-bucket tables
   switched for a block (launch configurations, the down projection's reduction, where the indicator is
   computed); ``GLU_SWEEP`` / ``DOWN_SWEEP``: the candidate launch configurations ``--sweep`` compares.
 """
@@ -96,31 +96,6 @@ class patched:
 def down_reduce(mode):
     """Switch the down projection's reduction ("atomic", "splitk")."""
     return patched(_down, "DOWN_CONFIGS", reduce=mode)
-
-
-class combo:
-    """FUSE_DENSE: the indicator (u, g, predictor scores) inside the fused kernel, or cuBLAS first."""
-
-    def __init__(self, dense: bool):
-        self.ctx = [patched(_glu, "FUSE_DENSE", value=dense)]
-        self.tag = "fused" if dense else "cublas"
-
-    def __enter__(self):
-        for c in self.ctx:
-            c.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctx):
-            c.__exit__(*exc)
-
-
-COMBOS = [False, True]
-
-
-def current_tag(batch, m) -> str:
-    b = 1 if batch == 1 else 16
-    return "fused" if _glu.FUSE_DENSE[b] and m != "dual_excl" else "cublas"
 
 
 def log(*a):

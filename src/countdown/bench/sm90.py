@@ -102,17 +102,15 @@ def compile_check(shapes, only_defaults=False) -> bool:
             dtypes = (DTYPE, torch.float16, torch.float32) if name == MAIN else (DTYPE,)
             for dt in dtypes:
                 e = lambda *shape, d=dt: torch.empty(shape, dtype=d)
-                x, w, ind, lat, bt = e(batch, d_model), e(d_inter, d_model), e(batch, d_inter), e(batch, 64), e(d_inter, 64)
+                x, w, ind = e(batch, d_model), e(d_inter, d_model), e(batch, d_inter)
                 mask = torch.empty(batch, d_inter, dtype=torch.uint8)
                 plan = _down.DownPlan(batch, d_inter, d_model)
                 work = plan.workspace("cpu", zeroed=False)
                 thr_t = torch.empty((), dtype=torch.float32)
                 for cfg in glu_cfgs if dt == DTYPE else [None]:
                     for mode, gate, up, kw in (("abs", True, False, {}), ("abs_act", False, True, {}),
-                                               ("gt", True, True, {}), ("mask", True, True, {}),
-                                               ("abs", True, False, dict(dense=(x, w))),
-                                               ("gt", True, True, dict(dense=(lat, bt)))):
-                        src = mask if mode == "mask" else (None if "dense" in kw else ind)
+                                               ("gt", True, True, {}), ("mask", True, True, {})):
+                        src = mask if mode == "mask" else ind
                         _glu.sparse_glu(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
                                         config=cfg, zero=work, **kw)
                     if cfg is None and batch > 1:
