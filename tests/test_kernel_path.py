@@ -4,12 +4,20 @@ import pytest
 import torch
 
 import countdown
+from countdown import patched
 from countdown.prac.base import RowSelector
 from countdown.prac.threshold import ThresholdSelector
 from countdown.state import state_of
 from conftest import tiny_model
 
 pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_calls_uncaptured(monkeypatch):
+    """These tests count the kernel route's Python calls: on CUDA, no CUDA graph of it (whose capture calls it
+    three times and whose replays not at all; tests/test_hf_generate.py checks the captured route)."""
+    monkeypatch.setattr(patched, "EAGER_GRAPHS", False)
 
 
 class FirstRowsSelector(RowSelector):

@@ -18,6 +18,7 @@ from .mlp import GatedMLP
 from .state import SparsityState
 
 KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
+EAGER_GRAPHS = True  # eager CUDA calls of the kernel route replay a CUDA graph (tests that count calls turn it off)
 
 
 class PatchedMLP(nn.Module):
@@ -72,7 +73,8 @@ class PatchedMLP(nn.Module):
         graph captured on this layer's first call of the shape: at batch 1 launching the route's few kernels
         from Python costs more than running them, and one replay is cheaper than the dense MLP's launches.
         Under torch.compile or inside a capture the kernels are called directly (the caller graphs them)."""
-        if not x2.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if not (EAGER_GRAPHS and x2.is_cuda) or torch.compiler.is_compiling() \
+                or torch.cuda.is_current_stream_capturing():
             return self._kernel(x2)
         key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in self.selector.buffers()))
         graphs = self.__dict__.setdefault("_graphs", {})
