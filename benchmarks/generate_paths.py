@@ -117,7 +117,7 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOKE)).eval()
         paths = [p for p in paths if p != "hf-static-compile"]
     else:
-        model, _ = countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device)
+        model, _ = countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True)
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
     copy_bps = copy_bandwidth() if device == "cuda" else float("nan")
