@@ -5,6 +5,7 @@ and countdown.generate, dense and sparsified, on one GPU, in one call.
     PYTHONPATH=src python benchmarks/generate_paths.py --out results --run B --paths hf-static-compile \\
         --methods "dual[shadow4]"                                   # spread the slow compiles over calls
     PYTHONPATH=src python benchmarks/generate_paths.py --smoke --out /tmp/gp     # a check of this script (CPU)
+    PYTHONPATH=src python benchmarks/generate_paths.py --report --out results       # generate_paths.md / .png
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16, batch 1, a prompt of 64
 random tokens, ``--new-tokens`` greedy tokens (EOS off). Sparse rows use speed-only artifacts whose cuts are
@@ -86,6 +87,50 @@ def undo_fast_step(model):
     reset_decoders(model)
 
 
+def report(out: str) -> None:
+    """generate_paths.md (one table per run, each row against its own call's dense row of the same path)
+    and generate_paths.png from ``<out>/generate_paths.csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(os.path.join(out, "generate_paths.csv"), newline="")))
+    lines = ["# Generation paths: what a user gets", "",
+             "Llama-3.1-8B shape (random weights), bf16, batch 1, 64-token prompt, 128 greedy tokens (prefill "
+             "included), speed-only artifacts; each row against the dense row of the same path and call. "
+             "`PYTHONPATH=src python benchmarks/generate_paths.py` (see its docstring for the calls).", ""]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, values, colors = [], [], []
+    palette = {"hf-eager": "tab:gray", "hf-static-compile": "tab:blue", "countdown": "tab:orange"}
+    for run in dict.fromkeys(r["run"] for r in rows):
+        mine = [r for r in rows if r["run"] == run]
+        dense = {r["path"]: float(r["tokens_per_s"]) for r in mine if r["method"] == "dense"}
+        lines += [f"## Run {run} ({mine[0]['device']}, {mine[0]['date']})", "",
+                  "| path | method | k | tokens/s | vs dense, same path | share of copy bandwidth |",
+                  "|---|---|---|---|---|---|"]
+        for r in mine:
+            tps = float(r["tokens_per_s"])
+            vs = f"{tps / dense[r['path']]:.2f}x" if r["path"] in dense else "-"
+            lines.append(f"| {r['path']} | {r['method']} | {r['sparsity'] or '-'} | {tps:.1f} | {vs} | "
+                         f"{float(r['bw_share']):.0%} |")
+            labels.append(f"{run} {r['method']} {r['sparsity']}".strip())
+            values.append(tps)
+            colors.append(palette.get(r["path"], "k"))
+        lines.append("")
+    ax.barh(range(len(values)), values, color=colors)
+    ax.set_yticks(range(len(values)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (batch 1)")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in palette.values()], labels=list(palette),
+              loc="upper right", fontsize=8)
+    ax.set_title("transformers' generate (eager, static + compile) and countdown.generate")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "generate_paths.png"), dpi=120)
+    with open(os.path.join(out, "generate_paths.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results")
@@ -96,7 +141,10 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks this script only)")
+    ap.add_argument("--report", action="store_true", help="write generate_paths.md / .png from the CSV in --out")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(args.out)
 
     import countdown
     from countdown.bench import copy_bandwidth, parse_specs
