@@ -236,7 +236,7 @@ class CapturedDecoder:
         """``new_tokens`` greedy tokens after ``input_ids``: ``(tokens [batch, new_tokens], prefill_s,
         decode_s)``, on the captured graph if there is one, else step by step. ``prefills`` > 1: the prompt
         is run that many times (the decode follows the last) and ``prefill_s`` is their median (the eager
-        prefill is host-bound: 30-58 ms between rows of one H200 run with one, 27-52 ms with three)."""
+        prefill is host-bound and varies from row to row)."""
         cuda = self.device.type == "cuda"
         marks = []
 

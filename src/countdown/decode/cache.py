@@ -12,7 +12,7 @@ import transformers
 from packaging.version import Version
 
 # Read once, at import: torch.compile traces cache_kwargs inside the decode step, and an import or a
-# version parse there would break its graph (run AN on an H200, 2026-11-25: "graph break" at the import).
+# version parse there would break its graph.
 RENAMED = Version(transformers.__version__).release >= (5, 24)
 
 

@@ -21,9 +21,8 @@ from .cache import cache_kwargs
 MODES = ("eager", "compile", "cudagraph")
 # What compile=True means on CUDA: CUDA graphs (all that mode="reduce-overhead" sets) plus Inductor's
 # coordinate-descent tuning, gpt-fast's setting, which turns each matrix-vector product into a tuned
-# Triton reduction fused with its neighbours. Measured on an H200, Llama-3.1-8B shape, bf16, batch 1
-# (benchmarks/results/decode.md): dense 205 tokens/s against 174 with reduce-overhead alone, M-CountDown
-# k=0.9 246 against 221; it costs about 20 s more compile time.
+# Triton reduction fused with its neighbours: faster steps than reduce-overhead alone for some more compile
+# time (docs/decode.md).
 CUDA_INDUCTOR_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 WARMUP_STEPS = 3  # Inductor's CUDA-graph trees: warm-up run, recording run, then replays
 EOS_CHECK_EVERY = 16  # with eos_token_id, the host looks at the tokens once per this many steps

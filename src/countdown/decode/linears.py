@@ -11,8 +11,8 @@
 
 Why (docs/decode.md, "A fixed GEMV for W_down"): under torch.compile with coordinate-descent tuning,
 Inductor fuses act(g) * u into the down projection's reduction, and that kernel re-reads g and u for
-every block of output rows it tunes: on an H200 it took 33 to 56 us per layer over four compiles of
-the same code, where the GEMV alone takes 28.5 us (98 % of copy bandwidth, benchmarks/linear.py).
+every block of output rows it tunes, and what it reaches changes from compile to compile, where the
+fixed GEMV alone reads W_down near the copy bandwidth (docs/decode.md, benchmarks/linear.py).
 A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
 most ``_common.DECODE_GEMV_ROUTE_TOKENS`` rows (one: batch-1 decode steps) and no gradient is wanted;
 every other call (batch > 1, the prompt, training) is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
@@ -36,8 +36,8 @@ _ROUTED = "_countdown_decode_gemv"
 def step_targets(fused: bool) -> tuple[str, ...]:
     """The targets the fastest decode step routes: qkv and norm (the layer folded, countdown.decode.layer)
     only when the attention is fused. The fold with its MLP residual on our add makes each layer a chain of
-    our kernels, and programmatic dependent launch (on while layers are folded) then made the compiled step
-    4-7 % faster on an H200 (2026-11-25, runs AS-AU; the fold alone, session 13, was not faster)."""
+    our kernels, and programmatic dependent launch (on while layers are folded) then overlaps each kernel
+    with the one before; the fold alone was not faster (docs/decode.md)."""
     return tuple(t for t in TARGETS if fused or t not in ("qkv", "norm"))
 
 
