@@ -61,7 +61,8 @@ class PatchedMLP(nn.Module):
         path = self.state.path
         if path in ("auto", "kernel") and token_sparse is None and self._kernel_ready(x2, path):
             return self.mlp.finish(self._kernel_call(x2)).reshape(shape)
-        if path == "gather":
+        if path == "gather" or (path == "auto" and not x2.is_cuda and x2.shape[0] <= KERNEL_MAX_TOKENS):
+            # CPU decode steps: reading only the kept rows is the faster CPU path (results/decode_cpu.md)
             y = self._gather(x2, token_sparse)
         else:
             y = self._masked(x2, token_sparse)

@@ -193,8 +193,8 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
         with an empty KV cache, stays dense; generated tokens are sparse) or ``"all"`` (every
         position sparse, as in perplexity-style evaluation).
-    path: ``"auto"`` (default: the Triton kernels for decode steps on CUDA with SP-Prac selectors,
-        ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
+    path: ``"auto"`` (default: decode steps take the Triton kernels on CUDA with SP-Prac selectors, replayed
+        from a CUDA graph when called eagerly, and ``"gather"`` on the CPU; ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
         (only kept rows are read: fewer FLOPs, for CPU decoding) or ``"kernel"`` (the kernels
         wherever Triton can run, e.g. under TRITON_INTERPRET=1). All compute the same function.
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is

@@ -89,11 +89,12 @@ def cmd_generate(args) -> int:
     import countdown
     from .demo import chat_prompt
 
-    model, tok, _ = _load_sparsified(args, "decode", path="gather" if args.device == "cpu" else "auto")
+    model, tok, _ = _load_sparsified(args, "decode")
     ids = chat_prompt(tok, args.prompt).to(next(model.parameters()).device)
-    if ids.is_cuda:  # static KV cache + CUDA graphs, sparse kernels for the decode steps
-        out, stats = countdown.generate_fast(model, ids, args.max_new_tokens, temperature=args.temperature,
-                                             top_k=args.top_k, seed=args.seed, eos_token_id=tok.eos_token_id)
+    if ids.is_cuda:  # countdown.generate: the fastest step, compiled (static KV cache, CUDA graphs, sparse kernels)
+        out, stats = countdown.generate(model, ids, args.max_new_tokens, do_sample=args.temperature > 0,
+                                        temperature=args.temperature or 1.0, top_k=args.top_k, seed=args.seed,
+                                        eos_token_id=tok.eos_token_id, return_stats=True)
         print(f"{stats['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     else:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

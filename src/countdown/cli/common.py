@@ -22,7 +22,7 @@ def parse_sparsities(text: str) -> list[float]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="catalogue name, .gguf file, Hugging Face folder or hub id (default: smollm2-135m)")
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--dtype", default="auto", help="fp32, bf16, fp16 or auto: bf16 on cuda, fp32 on cpu (default auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
 

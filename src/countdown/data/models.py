@@ -323,15 +323,16 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
 
     name_or_path: a catalogue name (see ``catalogue()``), a local ``.gguf`` file, a local Hugging
         Face folder, or a hub id. See the module docstring for the order of resolution.
-    dtype: "fp32", "bf16", "fp16" (or "float32", "bfloat16", "float16", or a torch.dtype).
+    dtype: "fp32", "bf16", "fp16" (or "float32", "bfloat16", "float16", or a torch.dtype), or "auto": bf16 on
+        a GPU (what the kernels and the compiled decode step are built for), fp32 on the CPU.
     device: "cpu", "cuda", "cuda:N" or a torch.device.
     random_weights: build the architecture only, with random weights (for speed work); works for the
         ``*-shape`` names and for local folders with a config.json. The tokenizer is then None.
     config_overrides: with random_weights, config fields to change, e.g.
         ``{"num_hidden_layers": 2}`` for a small version of a shape.
     """
-    dtype = parse_dtype(dtype)
     device = parse_device(device)
+    dtype = parse_dtype(("bf16" if device.type == "cuda" else "fp32") if dtype == "auto" else dtype)
     name = os.fspath(name_or_path)
     if config_overrides and not random_weights:
         raise ValueError("config_overrides only applies with random_weights=True "
