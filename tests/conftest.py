@@ -126,3 +126,32 @@ def assert_same_logits(got, want, atol=1e-4, rtol=1e-4):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+_BF16_FLASH_ATTENTION_WORKS = None
+
+
+@pytest.fixture
+def working_bf16_attention():
+    """The test runs with SDPA's math backend where, and only where, PyTorch's CPU flash attention fails in
+    bfloat16. From 64 tokens on that kernel packs its operands (pack_vnni2) whenever oneDNN offers AVX-512 BF16 or
+    AMX, but the packing is compiled into ATen's AVX-512 kernels only: on such a CPU under
+    ATEN_CPU_CAPABILITY=default or avx2 (oneDNN not held to AVX2) every call raises "pack_vnni2 is only supported
+    when avx512 is supported". A real AVX2 machine has no AMX for oneDNN either; elsewhere nothing changes."""
+    global _BF16_FLASH_ATTENTION_WORKS
+    if _BF16_FLASH_ATTENTION_WORKS is None:
+        q = torch.zeros(1, 1, 64, 16, dtype=torch.bfloat16)
+        try:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            _BF16_FLASH_ATTENTION_WORKS = True
+        except RuntimeError as error:
+            if "pack_vnni2" not in str(error):
+                raise
+            _BF16_FLASH_ATTENTION_WORKS = False
+    if _BF16_FLASH_ATTENTION_WORKS:
+        yield
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
