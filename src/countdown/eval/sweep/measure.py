@@ -59,6 +59,11 @@ def measure_task_shared(model, tokenizer, task: str, cells: Sequence[CellSpec], 
                           artifacts.get(c.method) if c.mode == "prac" else None) for c in cells]
     results = evaluate_configs(model, tokenizer, task, configs, limit=limit, batch_size=batch_size,
                                num_fewshot=num_fewshot, task_manager=task_manager, chunk=chunk)
+    return task_rows(cells, results, task)
+
+
+def task_rows(cells, results: list[dict], task: str) -> list[dict]:
+    """One row of metrics per cell from lm-eval's results for ``task`` (shared with the offline scorer)."""
     out = []
     for cell, res in zip(cells, results):
         if task not in res["tasks"]:

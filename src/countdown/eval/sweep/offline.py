@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from ..offline.files import (JOB_FORMAT, answers, artifact_identity, config_key, read_scores, requests_digest,
                              strip_shadows, trim_artifacts, write_gz_json)
 from .cells import CellSpec
+from .measure import task_rows
 
 PLACEHOLDER = (0.0, False)
 
@@ -160,11 +161,4 @@ def replay_task(model, tokenizer, task: str, cells: Sequence[CellSpec], methods:
                                num_fewshot=num_fewshot, task_manager=task_manager, supply=supply,
                                sparsity=[g["sparsity_real"] for g in got],
                                seconds=[g["seconds"] + g["prompt_seconds"] for g in got])
-    out = []
-    for cell, res in zip(cells, results):
-        if task not in res["tasks"]:
-            raise RuntimeError(f"lm-eval returned no results for task {task!r} (got {sorted(res['tasks'])})")
-        out.append({"metrics": sorted(res["tasks"][task].items()),
-                    "real": 0.0 if cell.method == "dense" else res["sparsity_real"],
-                    "n": res["n_samples"].get(task, ""), "samples": res["samples"], "seconds": res["seconds"]})
-    return out
+    return task_rows(cells, results, task)
