@@ -39,11 +39,30 @@ def load_texts(source: str = "xsum", limit: int | None = None) -> list:
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
-    """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id.
+    """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id. A folder written
+    by :func:`save` (or ``save_pretrained`` of a sparsified model) comes back sparsified as it was saved.
     See :func:`countdown.data.models.load_model`."""
-    from .data.models import load_model as _load
+    from pathlib import Path
 
-    return _load(name_or_path, dtype=dtype, device=device, **kwargs)
+    from .data.models import load_model as _load
+    from .saving import ARTIFACTS_NAME, saved_config
+
+    model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
+    folder = Path(name_or_path).expanduser()
+    record = saved_config(folder) if folder.is_dir() and not kwargs.get("random_weights") else None
+    if record is not None:
+        artifacts = folder / ARTIFACTS_NAME if record["artifacts"] else None
+        sparsify(model, record["spec"], record["sparsity"], mode=record["mode"], scope=record["scope"],
+                 artifacts=artifacts, path=record["path"])
+    return model, tokenizer
+
+
+def save(model, folder, tokenizer=None, overwrite: bool = False, **kwargs):
+    """Save a dense or sparsified model so that :func:`load_model` gives it back the same.
+    See :func:`countdown.saving.save`."""
+    from .saving import save as _save
+
+    return _save(model, folder, tokenizer=tokenizer, overwrite=overwrite, **kwargs)
 
 
 def evaluate(model, tokenizer, tasks, **kwargs) -> dict:
@@ -83,5 +102,5 @@ __all__ = [
     "evaluate", "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows",
     "load_artifacts", "load_model", "load_texts", "methods", "parse_spec", "perplexity", "predictor_quality", "prepare",
     "refine_cuts_on_decode",
-    "reset_sparsity_stats", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
+    "reset_sparsity_stats", "save", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
 ]

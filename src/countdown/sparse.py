@@ -225,7 +225,8 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
-    state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path)
+    state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path, spec=spec,
+                          artifacts=artifacts if mode == "prac" and not m.is_dense else None)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
         layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
         layer = layer_class(mlp, selector, state, index)
@@ -244,6 +245,10 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
             layer.store_for_kernels(path, True)
     state.hook = model.register_forward_pre_hook(mark_prompt_pass(state), with_kwargs=True)
     object.__setattr__(model, STATE_ATTR, state)
+    if hasattr(type(model), "save_pretrained") and "save_pretrained" not in model.__dict__:
+        from .saving import save_pretrained_method  # model.save_pretrained keeps the sparsity (countdown.save)
+
+        object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
     return model
 
 
@@ -259,6 +264,7 @@ def unsparsify(model: nn.Module) -> nn.Module:
         layer.store_for_kernels(state.path, False)
     state.hook.remove()
     object.__delattr__(model, STATE_ATTR)
+    model.__dict__.pop("save_pretrained", None)
     return model
 
 

@@ -40,6 +40,8 @@ class SparsityState:
     dense_prefix: tuple | None = None  # (prefix, end) set by dense_prefix(); overrides scope
     hook: Any = None
     graph_pool: Any = None  # the CUDA graphs of the layers' eager kernel calls share it (patched._capture)
+    spec: Any = None  # the method spec sparsify was given (countdown.spec.Spec)
+    artifacts: Any = None  # the SP-Prac artifact the selectors came from (countdown.save writes it)
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""

@@ -1,0 +1,132 @@
+"""Saving a sparsified model and loading it back the same.
+
+    countdown.save(model, "my-model", tokenizer)      # or model.save_pretrained("my-model") on a sparsified model
+    model, tok = countdown.load_model("my-model")     # the same sparsified model: same logits
+
+A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit) plus
+``countdown.json`` (the spec, k, mode, scope and path ``sparsify`` was given) and, for SP-Prac,
+``countdown_artifacts.safetensors`` (the selectors, checksummed). ``transformers.from_pretrained`` alone loads the
+dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A
+configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac selectors replaced by hand) is
+refused before anything is written. The folder is written beside its place and renamed into it, so a failed save
+leaves no half folder and an existing folder is replaced only with ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+CONFIG_NAME = "countdown.json"
+ARTIFACTS_NAME = "countdown_artifacts.safetensors"
+FORMAT = "countdown-sparsified"
+PATCH_ATTR = "countdown_sparse"  # the patched layer sparsify hangs on each Gated-MLP module (not saved)
+
+
+def _record(model: nn.Module) -> dict | None:
+    """What ``countdown.json`` holds for ``model`` (None: a dense model), refusing what cannot round-trip."""
+    from . import __version__
+    from .state import STATE_ATTR
+
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return None
+    if any(layer.mlp.tp is not None for layer in state.layers):
+        raise ValueError("a tensor-parallel shard cannot be saved as a sparsified model: save the model dense "
+                         "(countdown.unsparsify first) with its artifacts, and sparsify it again after loading")
+    if state.mode == "prac" and state.artifacts is None:
+        raise ValueError("this SP-Prac model's selectors did not come from an artifact, so they cannot be saved; "
+                         "build them with countdown.prepare and sparsify(..., artifacts=...) to save the model")
+    return {"format": FORMAT, "format_version": 1, "countdown": __version__, "spec": state.spec.label,
+            "sparsity": state.sparsity, "mode": state.mode, "scope": state.scope, "path": state.path,
+            "artifacts": ARTIFACTS_NAME if state.mode == "prac" else None}
+
+
+def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite: bool = False,
+         **save_pretrained_kwargs) -> Path:
+    """Write ``model`` (dense or sparsified) and its sparsity configuration to ``folder``; returns the folder.
+    ``tokenizer`` is saved with it when given; other keyword arguments go to ``save_pretrained``. The folder is
+    written beside its place and renamed into it; an existing, non-empty one is replaced only with
+    ``overwrite=True``."""
+    folder = Path(folder)
+    record = _record(model)  # refuses before any write
+    if folder.exists() and not (folder.is_dir() and not any(folder.iterdir())) and not overwrite:
+        raise FileExistsError(f"{folder} exists and is not empty: pass overwrite=True to replace it, or another folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.saving-", dir=folder.parent))
+    try:
+        _write(model, record, work, tokenizer, save_pretrained_kwargs)
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.replaced-{os.getpid()}")
+            os.replace(folder, old)
+            os.replace(work, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(work, folder)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwargs: dict) -> None:
+    """The weights as loaded (the patch's own buffers left out), the tokenizer, the record and the artifact, into
+    ``folder``."""
+    from .io import atomic_write
+    from .state import STATE_ATTR
+
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None and "state_dict" not in kwargs:
+        kwargs = {**kwargs, "state_dict": {name: t for name, t in model.state_dict().items()
+                                           if f".{PATCH_ATTR}." not in f".{name}"}}
+    _save_pretrained(model, folder, **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if record is not None:
+        if record["artifacts"]:
+            state.artifacts.save(folder / ARTIFACTS_NAME)
+        atomic_write(folder / CONFIG_NAME, json.dumps(record, indent=2) + "\n")
+
+
+def _save_pretrained(model: nn.Module, folder: Path, **kwargs) -> None:
+    """transformers' own save_pretrained (the class's: a sparsified model's instance routes here). A model
+    loaded from a GGUF file holds de-quantized weights: its GGUF quantizer, which refuses to save, is dropped."""
+    if getattr(getattr(model, "hf_quantizer", None), "quantization_config", None) is not None and \
+            getattr(model.hf_quantizer.quantization_config, "quant_method", None) == "gguf":
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    type(model).save_pretrained(model, folder, **kwargs)
+
+
+def saved_config(folder: str | os.PathLike) -> dict | None:
+    """``countdown.json`` of a saved folder, or None where the folder holds a dense model."""
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a countdown save (format {record.get('format')!r}); remove it or "
+                         "save the model again with countdown.save")
+    return record
+
+
+def save_pretrained_method(model: nn.Module):
+    """The ``save_pretrained`` a sparsified model carries: transformers' own (into the folder, which keeps its
+    other files, as transformers does), plus the sparsity record and the artifact."""
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        if args:
+            raise TypeError("save_pretrained on a sparsified model takes the folder and keyword arguments")
+        folder = Path(save_directory)
+        record = _record(model)  # refuses before any write
+        folder.mkdir(parents=True, exist_ok=True)
+        _write(model, record, folder, None, kwargs)
+        return folder
+
+    return save_pretrained
