@@ -89,7 +89,10 @@ def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwarg
         tokenizer.save_pretrained(folder)
     if record is not None:
         if record["artifacts"]:
-            state.artifacts.save(folder / ARTIFACTS_NAME)
+            from .artifacts import Artifacts, load_artifacts
+
+            art = state.artifacts
+            (art if isinstance(art, Artifacts) else load_artifacts(art)).save(folder / ARTIFACTS_NAME)
         atomic_write(folder / CONFIG_NAME, json.dumps(record, indent=2) + "\n")
 
 

@@ -219,6 +219,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
                          "masked otherwise), 'masked' or 'gather'")
     if m.structure == "inputs":
         refuse_teal_sharded(mlps)
+    given = artifacts  # kept as given (a path is not held in memory as its tensors: countdown.save re-reads it)
     if mode == "prac" and not m.is_dense:
         artifacts = artifacts if isinstance(artifacts, Artifacts) else load_artifacts(artifacts)
         check_artifact(spec, artifacts)  # a kind in brackets must be the artifact's
@@ -226,7 +227,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
     state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path, spec=spec,
-                          artifacts=artifacts if mode == "prac" and not m.is_dense else None)
+                          artifacts=given if mode == "prac" and not m.is_dense else None)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
         layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
         layer = layer_class(mlp, selector, state, index)

@@ -41,7 +41,7 @@ class SparsityState:
     hook: Any = None
     graph_pool: Any = None  # the CUDA graphs of the layers' eager kernel calls share it (patched._capture)
     spec: Any = None  # the method spec sparsify was given (countdown.spec.Spec)
-    artifacts: Any = None  # the SP-Prac artifact the selectors came from (countdown.save writes it)
+    artifacts: Any = None  # the SP-Prac artifact (object or path, as given) the selectors came from (countdown.save)
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
