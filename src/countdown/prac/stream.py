@@ -195,14 +195,18 @@ def token_quantiles(score: torch.Tensor, n_keeps: list[int]) -> torch.Tensor:
     for each ``n_keep``: ``[len(n_keeps), N]``. With ``n_keep == d_inter`` there is no such entry
     and the cut is -inf (keep everything)."""
     d = score.shape[-1]
-    top = min(max(n_keeps) + 1, d)
-    values = score.topk(top, dim=-1, sorted=True).values
+    live = [n for n in n_keeps if n < d]
+    if len(live) == 1:  # one selection is cheaper than a sorted top-k (the same value: both are exact)
+        picked = {live[0]: score.kthvalue(d - live[0], dim=-1).values}
+    elif live:
+        values = score.topk(max(live) + 1, dim=-1, sorted=True).values
+        picked = {n: values[:, n] for n in live}
     rows = []
     for n in n_keeps:
         if n >= d:
             rows.append(torch.full(score.shape[:-1], -math.inf, dtype=score.dtype, device=score.device))
         else:
-            rows.append(values[:, n])
+            rows.append(picked[n])
     return torch.stack(rows)
 
 
