@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..artifacts import SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta
 from ..mlp import require_gated_mlps
@@ -74,13 +76,20 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     data = {"name": data_name, "num_tokens": sum(w.numel() for w in windows), "window": window}
     ctx = FitContext(model=model, kind=kind_name, mlps=mlps, method=m, ks=ks, windows=windows, opts=opts,
                      progress=progress, checkpoint=checkpoint, extra_meta={"data": data})
+    start = time.perf_counter()
     tensors = spec.fit(ctx)
+    fit_s = time.perf_counter() - start
     refine_windows = first_windows(windows, refine_tokens) if refine else []
     meta = new_meta(m, kind_name, ks, mlps, selection=selection, data=data, **spec.meta(opts),
                     refine=bool(refine), refine_tokens=sum(w.numel() for w in refine_windows))
     art = Artifacts(meta, tensors)
+    start = time.perf_counter()
     if refine and not spec.refine(model, mlps, m, art, refine_windows, progress, opts):
         refine_cuts(model, mlps, m, art, refine_windows, progress, rule=spec.refine_rule(opts))
+    if progress:  # say what was built: most kinds are closed-form (quantized, fitted, calibrated), not trained
+        how = "trained" if kind_name in TRAINED else "built in closed form (no training)"
+        tqdm.write(f"{m.name} {kind_name}: {how} on {data['num_tokens']} tokens in {fit_s:.0f} s"
+                   + (f", cuts refined on the sparse model in {time.perf_counter() - start:.0f} s" if refine else ""))
     return art
 
 
