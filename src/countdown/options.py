@@ -236,11 +236,11 @@ def sparsities(text: str) -> list[float]:
     if not values:
         raise argparse.ArgumentTypeError(f"must be {SPARSITIES_TEXT}, got {text!r}")
     if len({round(k, 6) for k in values}) != len(values):
-        raise argparse.ArgumentTypeError(f"must be distinct k values, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {SPARSITIES_TEXT}, got {text!r} (a k twice)")
     return values
 
 
-SPARSITIES_TEXT = "numbers in (0, 1) separated by commas"
+SPARSITIES_TEXT = "distinct numbers in (0, 1) separated by commas"
 sparsities.range_text = SPARSITIES_TEXT  # type: ignore[attr-defined]
 
 

@@ -103,7 +103,7 @@ def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: 
     from ..options import check, check_optional
 
     d_m, d_i, d_r = check("d_model", d_model), check("d_inter", d_inter), check("d_rank", d_rank)
-    c_act = check("c_act", c_act)
+    check("c_act", c_act)  # validated; an int stays an int (integer FLOP counts)
     dtype_bytes = check_optional("dtype_bytes", dtype_bytes)
     s = kept_rows(d_i, sparsity)
     s_x = kept_rows(d_m, sparsity)

@@ -53,7 +53,9 @@ class CountdownLM(HFLM):
     """lm-eval's Hugging Face causal LM with countdown's sparse Gated-MLPs.
 
     pretrained: a model object (then ``tokenizer`` is required) or a name/path for
-        :func:`countdown.load_model` (catalogue name such as ``"smollm2-135m"``, a .gguf file, a folder).
+        :func:`countdown.load_model` (catalogue name such as ``"smollm2-135m"``, a .gguf file, a folder), read by
+        the one rule of ``--model`` (:func:`countdown.data.models.model_source`). ``artifacts``: a path or an
+        :class:`~countdown.artifacts.Artifacts`.
     method, sparsity, mode, artifacts, path: as for :func:`countdown.sparsify`; the model is patched
         in place with ``scope="decode"`` and :meth:`restore` undoes it. ``method=None`` leaves the
         model as it is (already patched by the caller, or dense).

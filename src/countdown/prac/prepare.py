@@ -57,9 +57,12 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     Numbers out of their range (:data:`countdown.options.RANGES`, the command line's) are refused before any
     work. Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
     """
+    from ..data.models import require_tokenizer
+
     num_tokens = check_optional("num_tokens", num_tokens)
     window = check("calib_window", window, "window")
     refine_tokens = check("refine_tokens", refine_tokens)
+    require_tokenizer(tokenizer, "building SP-Prac artifacts")
     method, kind, options = build_options(method, kind, options)
     m = get_method(method)
     kind_name = default_kind(m) if kind is None else kind

@@ -93,7 +93,9 @@ def predictor_quality(model: nn.Module, tokenizer, artifacts, texts=None, num_to
     """Per-layer precision / recall / F1 of the SP-Prac keep masks against the SP-Ideal (oracle) mask
     of the artifact's method, and the fraction of rows they skip, on held-out text.
 
-    texts: default :func:`countdown.data.texts.eval_texts` (XSum; never the calibration text).
+    texts: default :func:`countdown.data.texts.eval_texts` (XSum; never the calibration text); a string is a source
+        name or a .txt / .jsonl path (as ``--texts``), a list of strings the text itself. num_tokens: an integer
+        >= 64; window: an integer >= 2 (:data:`countdown.options.RANGES`). artifacts: an Artifacts or a path.
     Works for threshold artifacts too (the mask of ``indicator > tau``).
     Returns ``{"method", "kind", "selection", "num_tokens", "by_sparsity": {k: {"precision",
     "recall", "f1", "sparsity", "per_layer": [{"precision", "recall", "f1", "sparsity"}, ...]}}}``
