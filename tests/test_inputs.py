@@ -140,6 +140,20 @@ def test_bench_and_lm_eval_entry_points(no_load, capsys):
         assert len(err) == 1 and "is not a limit" in err[0] and "leave --limit out" in err[0], err
 
 
+def test_the_device_entry_point_checks_its_numbers(capsys):
+    from countdown.eval.offline.device import _parser
+
+    parser = _parser()
+    numeric = [a for a in parser._actions if a.option_strings and a.type is not None]
+    assert {a.option_strings[0] for a in numeric} == {"--chunk", "--batch-tokens", "--stop-after", "--threads"}
+    assert all(getattr(a.type, "range_text", "") in a.help for a in numeric)
+    for flag, value in (("--chunk", "0"), ("--batch-tokens", "-1"), ("--stop-after", "nan"), ("--threads", "0")):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(["--job", "j", "--weights", "w", "--config-dir", "c", "--out", "o", flag, value])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and f"argument {flag}: must be" in err[0], err
+
+
 def test_bench_ppl_tokens_below_one_window(no_load, capsys):
     from countdown.bench.cli import main as bench_main
 

@@ -169,6 +169,7 @@ RANGES: dict[str, Range] = {
     "ppl_tokens": _int(2, off=0, off_means="skip"),
     "agreement_prompts": _int(0, 20),
     "chunk": _int(1),
+    "batch_tokens": _int(1),
     "pass_configs": _int(1),
     "threads": _int(1),
     "wait": _real(0),
