@@ -176,7 +176,7 @@ def test_driver_leaves_no_hooks_and_rejects_empty(tiny_llama):
     before = [len(layer.mlp._forward_pre_hooks) for layer in tiny_llama.model.layers]
     with pytest.raises(ValueError, match="no tokens"):
         collect_indicator_stats(tiny_llama, ByteTokenizer(), [""], [0.7])
-    collect_indicator_stats(tiny_llama, ByteTokenizer(), "hello", [0.7], max_tokens=3)
+    collect_indicator_stats(tiny_llama, ByteTokenizer(), ["hello"], [0.7], max_tokens=3)  # a list: the text
     assert [len(layer.mlp._forward_pre_hooks) for layer in tiny_llama.model.layers] == before
 
 

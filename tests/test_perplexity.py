@@ -104,7 +104,7 @@ def test_any_max_tokens_works():
     assert short == pytest.approx(direct_ppl(model, torch.tensor([[1] + stream[:10]]), 0), rel=1e-9)
     whole = countdown.perplexity(model, tok, TEXTS, max_tokens=46, window=24, progress=False)
     assert countdown.perplexity(model, tok, TEXTS, max_tokens=50, window=24, progress=False) == whole
-    with pytest.raises(ValueError, match="max_tokens must be at least 2"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 2"):
         countdown.perplexity(model, tok, TEXTS, max_tokens=1, window=24, progress=False)
 
 
@@ -118,8 +118,8 @@ def test_too_little_text_is_a_clear_error():
 
 @pytest.mark.parametrize("argv, message", [
     (["ppl", "--method", "topk"], "unknown method 'topk'"),
-    (["ppl", "--sparsity", "1.5"], "strictly between 0 and 1"),
-    (["generate", "--prompt", "hi", "--sparsity", "0"], "strictly between 0 and 1"),
+    (["ppl", "--sparsity", "1.5"], "--sparsity/-k: must be a number in (0, 1)"),
+    (["generate", "--prompt", "hi", "--sparsity", "0"], "--sparsity/-k: must be a number in (0, 1)"),
     (["cost", "--d-model", "64"], "--d-inter"),
 ])
 def test_cli_reports_bad_input_before_loading_anything(argv, message, capsys):

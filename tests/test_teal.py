@@ -188,7 +188,7 @@ def test_bad_input_is_a_clear_error():
         teal_artifact(model, allocation="best")
     with pytest.raises(TypeError, match="takes no option"):
         teal_artifact(model, rule="pooled")
-    with pytest.raises(ValueError, match="step must lie"):
+    with pytest.raises(ValueError, match=r"step must be a number in \(0, 0.25\]"):
         teal_artifact(model, step=0.5)
     with pytest.raises(ValueError, match="does not use a trained predictor"):
         countdown.train_predictors(model, TOK, "teal", 0.5)

@@ -32,24 +32,29 @@ def catalogue() -> dict:
 
 
 def load_texts(source: str = "xsum", limit: int | None = None) -> list:
-    """Held-out English text: "xsum" (evaluation), "wiki" (calibration), or a .txt/.jsonl file."""
+    """Held-out English text: "xsum" (evaluation), "wiki" (calibration), or a .txt/.jsonl file (a string is a
+    source name if it is one, else a path). See :func:`countdown.data.texts.load_texts`."""
     from .data.texts import load_texts as _load_texts
 
     return _load_texts(source, limit=limit)
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
-    """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id. A folder written
+    """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id (a string is a
+    catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,
+    the same rule as ``--model``). A folder written
     by :func:`save` (or ``save_pretrained`` of a sparsified model) comes back sparsified as it was saved.
     See :func:`countdown.data.models.load_model`."""
     from pathlib import Path
 
-    from .data.models import load_model as _load
+    from .data.models import load_model as _load, model_source
     from .saving import ARTIFACTS_NAME, saved_config
 
     model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
-    folder = Path(name_or_path).expanduser()
-    record = saved_config(folder) if folder.is_dir() and not kwargs.get("random_weights") else None
+    # the folder as load_model read the string (a catalogue name is never a folder of that name)
+    folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
+        Path(model_source(name_or_path)[1])
+    record = saved_config(folder) if folder is not None else None
     if record is not None:
         artifacts = folder / ARTIFACTS_NAME if record["artifacts"] else None
         sparsify(model, record["spec"], record["sparsity"], mode=record["mode"], scope=record["scope"],

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .fingerprint import dtype_name, model_fingerprint, model_meta, model_probe, other_weights  # noqa: F401
 from .io import atomic_path, read_safetensors
 from .mlp import GatedMLP
 from .registry import Method, check_sparsity, get_method
@@ -53,48 +54,6 @@ class ArtifactError(ValueError):
 
 class ArtifactMismatchError(ArtifactError):
     """An artifact does not fit the model, method or sparsity it is being used with."""
-
-
-# --------------------------------------------------------------------------------------------
-# Model fingerprint
-# --------------------------------------------------------------------------------------------
-
-
-def _slice_bytes(mlp: GatedMLP, which: str) -> bytes:
-    """Rows 0, middle and last of the (global) weight ``which``, rounded to bfloat16 so that an fp32
-    model and its bf16 copy share one fingerprint (the artifact is valid for both). On a
-    tensor-parallel model the rows are gathered across ranks: the fingerprint is the one-process one."""
-    n = mlp.weight_shape(which)[0]
-    rows = sorted({0, n // 2, n - 1})
-    part = mlp.weight_rows(which, rows).to(device="cpu", dtype=torch.bfloat16).contiguous()
-    return part.view(torch.int16).numpy().tobytes()
-
-
-def model_fingerprint(mlps: list[GatedMLP]) -> str:
-    """sha256 over every Gated-MLP's weight shapes and three fixed rows of W_gate, W_up, W_down.
-
-    Cheap (reads ~9 rows per layer) and enough to tell models apart: two checkpoints of one
-    architecture differ in these rows, a different architecture differs in shapes or layer count.
-    """
-    h = hashlib.sha256()
-    h.update(f"layers={len(mlps)}".encode())
-    for m in mlps:
-        for name in ("gate", "up", "down"):
-            h.update(f"{name}{m.weight_shape(name)}".encode())
-            h.update(_slice_bytes(m, name))
-    return h.hexdigest()
-
-
-def model_meta(mlps: list[GatedMLP]) -> dict:
-    """What an artifact records about the model it was made for."""
-    return {
-        "fingerprint": model_fingerprint(mlps),
-        "n_layers": len(mlps),
-        "d_model": mlps[0].d_model if mlps else None,
-        "d_inter": [m.d_inter for m in mlps],
-        "act": mlps[0].act_name if mlps else None,
-        "layers": [m.name for m in mlps],
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +202,19 @@ def is_artifact_file(path: str | os.PathLike) -> bool:
         return False
 
 
+def read_meta(path: str | os.PathLike) -> dict | None:
+    """The countdown metadata of an artifact file from its header alone (no tensors read, nothing checked), or None
+    where the file has none; for choosing among cached files before :func:`load_artifacts` checks one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["countdown"])
+        return meta if isinstance(meta, dict) else None
+    except Exception:  # not safetensors, no countdown metadata, bad JSON: not a candidate
+        return None
+
+
 def refuse_foreign(path: str | os.PathLike) -> None:
     """Raise :class:`ArtifactError` if ``path`` exists and is not a countdown artifact."""
     path = Path(path)
@@ -269,12 +241,38 @@ def _check_meta(meta: Any, path: Path) -> None:
         raise ArtifactError(f"artifact {path} has a malformed metadata field 'sparsities'; {REBUILD}")
 
 
+def _not_safetensors(path: Path) -> str | None:
+    """What ``path`` is when it is no safetensors file at all (a text file passed by mistake), or None when it starts
+    like one (8 bytes of header length, then a JSON object): a damaged safetensors file is "corrupt", another file
+    "not an artifact"."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(4096)
+    if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") < 100 * 2 ** 20:
+        return None
+    if not head:
+        return "an empty file"
+    try:
+        head.decode("utf-8")
+        return f"a text file of {size} bytes, not a safetensors file"
+    except UnicodeDecodeError as error:
+        return f"a text file of {size} bytes, not a safetensors file" if error.start > len(head) - 4 else \
+            f"a file of {size} bytes that is not a safetensors file"
+
+
 def load_artifacts(path: str | os.PathLike) -> Artifacts:
     """Read an artifact file written by :meth:`Artifacts.save`, verifying metadata and checksum."""
     path = Path(path)
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a folder, not an artifact file: give the .safetensors file (a folder saved by "
+                            "countdown.save keeps it as countdown_artifacts.safetensors)")
     if not path.is_file():
         raise ArtifactError(f"no artifact file at {path}: build one with countdown.calibrate / "
                             "countdown.train_predictors and save it, or use ensure_artifacts")
+    what = _not_safetensors(path)
+    if what is not None:
+        raise ArtifactError(f"{path} is not a countdown artifact ({what}): give the .safetensors file written by "
+                            "`countdown calibrate` / `countdown train` (Artifacts.save)")
     try:
         header, tensors = read_safetensors(path)  # one open file: never one write's header with another's tensors
     except Exception as err:  # safetensors raises its own error types for truncated headers/data
@@ -349,13 +347,9 @@ def check_artifacts(artifacts: Artifacts, mlps: list[GatedMLP], method: str | Me
             f"(d_model {mlps[0].d_model if mlps else None}, d_inter {sorted(set(have_shapes))}): "
             "build artifacts for this model"
         )
-    have = model_fingerprint(mlps)
-    if have != want["fingerprint"]:
-        raise ArtifactMismatchError(
-            f"these artifacts were made for a model with other weights (fingerprint "
-            f"{want['fingerprint'][:12]}, this model {have[:12]}; same shapes, so probably another "
-            "checkpoint or a fine-tune): build artifacts for this model"
-        )
+    why = other_weights(want, mlps)  # the same model in fp32, bf16 or fp16 fits
+    if why is not None:
+        raise ArtifactMismatchError(why)
     return index
 
 

@@ -123,15 +123,15 @@ def check_sparsity(sparsity: float) -> float:
     """
     import numbers
 
+    from .options import RANGES
+
     if isinstance(sparsity, (str, bytes)) or isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
         hint = " (parse it first: float(text))" if isinstance(sparsity, (str, bytes)) else ""
         raise TypeError(f"sparsity must be a real number in (0, 1), got {type(sparsity).__name__} {sparsity!r}{hint}")
     k = float(sparsity)
-    if math.isnan(k) or not (0.0 < k < 1.0):
-        raise ValueError(
-            f"sparsity must lie strictly between 0 and 1 (the fraction of rows skipped), got {sparsity!r}; "
-            "use method='dense' for no sparsity"
-        )
+    if math.isnan(k) or not RANGES["sparsity"].holds(k):
+        raise ValueError(f"sparsity must be {RANGES['sparsity'].text}, strictly between 0 and 1 (the fraction of rows "
+                         f"skipped), got {sparsity!r}; use method='dense' for no sparsity")
     return k
 
 

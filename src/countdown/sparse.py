@@ -197,6 +197,8 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         from a CUDA graph when called eagerly, and ``"gather"`` on the CPU; ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
         (only kept rows are read: fewer FLOPs, for CPU decoding) or ``"kernel"`` (the kernels
         wherever Triton can run, e.g. under TRITON_INTERPRET=1). All compute the same function.
+    artifacts: for ``mode="prac"``, an :class:`~countdown.artifacts.Artifacts` or the path of its file (a string is
+        always a path, as ``--artifacts``); it fits the model it was built on in fp32, bf16 and fp16 alike.
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
     """

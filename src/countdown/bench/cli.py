@@ -14,17 +14,9 @@ import argparse
 import shlex
 import sys
 
+from ..options import Parser, add_number
+
 DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
-
-
-def _ks(text: str) -> list[float]:
-    try:
-        ks = [float(k) for k in text.split(",") if k.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sparsity takes numbers in (0, 1) separated by commas, got {text!r}")
-    if not ks or not all(0 < k < 1 for k in ks):
-        raise argparse.ArgumentTypeError(f"--sparsity takes numbers in (0, 1) separated by commas, got {text!r}")
-    return ks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,21 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="method specs (countdown.spec), e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal "
                              "(a spec this library cannot run is refused, listing the valid ones)")
-    parser.add_argument("--sparsity", "-k", type=_ks, default=[0.7, 0.8, 0.9], help="target sparsities k")
+    add_number(parser, "--sparsity", "-k", range="sparsities", default=[0.7, 0.8, 0.9], help="target sparsities k")
     parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl")
-    parser.add_argument("--calib-texts", default=None, help="calibration / training text (default: the library's)")
-    parser.add_argument("--calib-tokens", type=int, default=None, help="calibration / training tokens (default: the library's)")
-    parser.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens for perplexity, KL and top-1")
-    parser.add_argument("--window", type=int, default=512, help="perplexity window (its first half a dense prompt)")
-    parser.add_argument("--batch", type=int, default=1, help="rows decoded at once in the speed test")
-    parser.add_argument("--prompt", type=int, default=64, help="prompt length of the speed test (random tokens)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per speed test")
-    parser.add_argument("--samples", type=int, default=3, help="speed tests per configuration (median)")
-    parser.add_argument("--max-ppl-increase", type=float, default=0.05,
-                        help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
+    parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl "
+                                                      "(a source name if it is one, else a path)")
+    parser.add_argument("--calib-texts", default=None, help="calibration / training text: a source name or a "
+                                                            ".txt/.jsonl (default: the library's)")
+    add_number(parser, "--calib-tokens", range="num_tokens", default=None,
+               help="calibration / training tokens (default: the library's)")
+    add_number(parser, "--ppl-tokens", range="max_tokens", default=4096,
+               help="held-out tokens for perplexity, KL and top-1, at least one --window")
+    add_number(parser, "--window", range="window", default=512,
+               help="perplexity window (its first half a dense prompt), at most the model's positions")
+    add_number(parser, "--batch", range="batch", default=1, help="rows decoded at once in the speed test")
+    add_number(parser, "--prompt", range="prompt", default=64, help="prompt length of the speed test (random tokens)")
+    add_number(parser, "--new-tokens", range="max_new_tokens", default=128, help="tokens generated per speed test")
+    add_number(parser, "--samples", range="samples", default=3, help="speed tests per configuration (median)")
+    add_number(parser, "--max-ppl-increase", range="max_ppl_increase", default=0.05,
+               help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
     parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
     parser.add_argument("--speed-only", action="store_true", help="skip quality; speed-only artifacts")
     parser.add_argument("--plain-step", action="store_true",
@@ -73,6 +70,15 @@ def _load(args):
     return model.eval(), tok, random_weights
 
 
+def _is_folder(name: str) -> bool:
+    from ..data.models import model_source
+
+    try:
+        return model_source(name)[0] == "folder"
+    except (ValueError, FileNotFoundError):
+        return False
+
+
 def _command(args) -> str:
     argv = getattr(args, "argv", None)
     if argv is not None:  # python -m countdown.bench.cli
@@ -91,20 +97,26 @@ def bench_from_args(args) -> int:
     except ValueError as error:
         print(f"countdown bench: {error}", file=sys.stderr)
         return 2
-    for name, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new-tokens", args.new_tokens),
-                        ("--samples", args.samples), ("--ppl-tokens", args.ppl_tokens)):
-        if value < 1:
-            print(f"countdown bench: {name} must be at least 1, got {value}", file=sys.stderr)
-            return 2
+    if not args.speed_only and args.ppl_tokens < args.window - 1:
+        print(f"countdown bench: error: --ppl-tokens {args.ppl_tokens} is less than one --window of {args.window} "
+              f"(the window less its BOS): give --ppl-tokens >= {args.window - 1} or a smaller --window",
+              file=sys.stderr)
+        return 2
+    try:  # read now: a wrong --texts / --calib-texts is named before the model load
+        texts = countdown.load_texts(args.texts) if args.texts else None
+        calib_texts = countdown.load_texts(args.calib_texts) if args.calib_texts else None
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"countdown bench: error: {error}", file=sys.stderr)
+        return 2
     model, tok, random_weights = _load(args)
     speed_only = args.speed_only or tok is None
     if speed_only:
-        why = "random weights (a paper-scale shape)" if random_weights or tok is None else "--speed-only"
+        why = ("--speed-only" if args.speed_only and tok is not None else "the model folder has no tokenizer"
+               if not random_weights and _is_folder(args.model) else "random weights (a paper-scale shape)")
         print(f"countdown bench: {args.model}: speed only ({why}): quality columns are not measured; "
               "SP-Prac artifacts are speed-only (random predictors, cuts fitted on the model's own decode steps)")
     settings = BenchSettings(
-        specs=specs, ks=list(args.sparsity), texts=countdown.load_texts(args.texts) if args.texts else None,
-        calib_texts=countdown.load_texts(args.calib_texts) if args.calib_texts else None,
+        specs=specs, ks=list(args.sparsity), texts=texts, calib_texts=calib_texts,
         calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
         samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only, fast_step=not args.plain_step)
     skipped: list[str] = []
@@ -157,8 +169,8 @@ def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> l
 
 def main(argv=None) -> int:
     """``python -m countdown.bench.cli ...`` (the same as ``countdown bench ...``)."""
-    parser = add_arguments(argparse.ArgumentParser(prog="countdown bench", description=__doc__,
-                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = add_arguments(Parser(prog="countdown bench", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter))
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv

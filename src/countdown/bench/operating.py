@@ -47,6 +47,21 @@ class BenchSettings:
     speed_only: bool = False
     fast_step: bool = True  # CUDA: time every row on countdown.decode.linears.fastest_step (undone after)
 
+    def __post_init__(self):
+        """The numbers against countdown.options.RANGES (those of ``countdown bench``), before any work; texts
+        as ``--texts`` reads them (a source name or a file path; a list of strings is the text itself)."""
+        from ..data.texts import as_texts
+        from ..options import check_all, check_optional
+        from ..registry import sparsity_list
+
+        self.ks = sparsity_list(self.ks)
+        check_all(window=self.window, batch=self.batch, prompt=self.prompt, max_new_tokens=self.new_tokens,
+                  samples=self.samples)
+        check_optional("max_tokens", self.ppl_tokens, "ppl_tokens")
+        check_optional("num_tokens", self.calib_tokens, "calib_tokens")
+        self.texts = None if self.texts is None else as_texts(self.texts)
+        self.calib_texts = None if self.calib_texts is None else as_texts(self.calib_texts)
+
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
     if speed_only:

@@ -55,17 +55,18 @@ def held_out(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: i
              window: int = DEFAULT_WINDOW, prompt_fraction: float = PROMPT_FRACTION, text_name: str = "xsum") -> HeldOut:
     """Tokenize ``texts`` (default :func:`countdown.data.texts.eval_texts`, XSum) into windows and run the
     dense (unpatched) ``model`` over them once."""
-    from ..eval.perplexity import token_windows
+    from ..data.models import require_tokenizer
+    from ..data.texts import as_texts
+    from ..eval.perplexity import check_window, token_windows
     from ..state import is_sparsified
 
     if is_sparsified(model):
         raise ValueError("held_out needs the dense model: call countdown.unsparsify(model) first")
     if not 0.0 < prompt_fraction < 1.0:
         raise ValueError(f"prompt_fraction must lie in (0, 1) for decode-style scores, got {prompt_fraction}")
-    if texts is None:
-        from ..data.texts import eval_texts
-
-        texts = eval_texts()
+    check_window(model, window)  # past the model's positions the perplexity would say nothing of the model
+    require_tokenizer(tokenizer, "held_out")
+    texts = as_texts(texts)  # None: XSum; a source name or a file path; a list of strings is the text itself
     rows = token_windows(tokenizer, texts, max_tokens, window)
     prompt = int(rows.shape[1] * prompt_fraction)
     held = HeldOut(rows=rows, prompt=prompt, first=max(prompt - 1, 0), text=text_name)

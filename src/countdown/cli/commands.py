@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from .common import add_model_args, add_sparse_args, parse_sparsities, load_text_arg
+from ..options import Parser, add_number
+from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg
 from .prac import add_prac_commands
 
 
@@ -31,8 +32,8 @@ def cmd_methods(args) -> int:
 
 
 def _validated_method(args):
-    """Check the method spec, sparsity, mode and artifacts before the (slow) model load; returns the spec and
-    sets ``args.mode`` (default: prac where the spec names a kind, else ideal)."""
+    """Check the method spec, sparsity, mode, artifacts and model argument before the (slow) model load; returns
+    the spec and sets ``args.mode`` (default: prac where the spec names a kind, else ideal)."""
     from ..registry import check_sparsity, get_method
     from ..sparse import check_mode
     from ..spec import parse_spec, resolve_mode
@@ -43,14 +44,20 @@ def _validated_method(args):
         check_sparsity(args.sparsity)
     args.mode = resolve_mode(spec, args.mode)
     check_mode(method, args.mode, args.artifacts)
+    if args.artifacts is not None and not hasattr(args, "artifacts_path"):  # read now: a wrong file is named
+        from ..artifacts import load_artifacts                               # before the model load
+
+        args.artifacts_path, args.artifacts = args.artifacts, load_artifacts(args.artifacts)
+    check_model_arg(args.model)
     return spec
 
 
-def _load_sparsified(args, scope: str, path: str = "auto"):
-    """Validate, then load ``args.model`` and patch it as the arguments say: (model, tok, spec)."""
+def _load_sparsified(args, scope: str, path: str = "auto", spec=None):
+    """Validate (unless ``spec``: validated already), then load ``args.model`` and patch it as the arguments say:
+    (model, tok, spec)."""
     import countdown
 
-    spec = _validated_method(args)
+    spec = spec or _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
                        scope=scope, artifacts=args.artifacts, path=path)
@@ -68,8 +75,10 @@ def cmd_models(args) -> int:
 def cmd_ppl(args) -> int:
     import countdown
 
-    model, tok, spec = _load_sparsified(args, "decode")  # the metric, not the scope, decides what is sparse
-    ppl = countdown.perplexity(model, tok, texts=load_text_arg(args.texts), max_tokens=args.max_tokens,
+    spec = _validated_method(args)
+    texts = load_text_arg(args.texts)  # a wrong --texts stops before the model load
+    model, tok, spec = _load_sparsified(args, "decode", spec=spec)  # the metric, not the scope, decides what is sparse
+    ppl = countdown.perplexity(model, tok, texts=texts, max_tokens=args.max_tokens,
                                window=args.window, metric=args.metric)
     result = {"model": args.model, "method": spec.label, "mode": args.mode, "metric": args.metric,
               "sparsity": None if spec.is_dense else args.sparsity, "perplexity": ppl,
@@ -115,6 +124,8 @@ def cmd_eval(args) -> int:
     result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=spec,
                                 sparsity=None if spec.is_dense else args.sparsity, mode=args.mode,
                                 artifacts=args.artifacts, batch_size=args.batch_size)
+    if args.artifacts is not None:
+        result["config"]["artifacts"] = str(args.artifacts_path)  # the file, not the object read from it
     if args.json:
         print(json.dumps(result, default=str))
         return 0
@@ -148,8 +159,8 @@ def cmd_demo(args) -> int:
         return 0
     from .demo import run_demo
 
-    run_demo(args.model, sparsities=parse_sparsities(args.sparsities), max_tokens=args.max_tokens, out_dir=args.out,
-             prac_sparsities=[] if args.no_prac else parse_sparsities(args.prac_sparsities))
+    run_demo(args.model, sparsities=args.sparsities, max_tokens=args.max_tokens, out_dir=args.out,
+             prac_sparsities=[] if args.no_prac else args.prac_sparsities)
     return 0
 
 
@@ -180,8 +191,9 @@ def cmd_analyze(args) -> int:
     import countdown
     from ..eval.analysis import collect_indicator_stats, format_indicator_stats, plot_tornado
 
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    check_model_arg(args.model)
     texts = load_text_arg(args.texts)
+    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     if texts is None:
         from ..data.texts import eval_texts
 
@@ -197,8 +209,20 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+TEXTS_HELP = "held-out text: xsum (default), wiki, or a .txt/.jsonl file (a source name if it is one, else a path)"
+
+
+def parse_args(argv: list[str] | None):
+    """The parsed arguments, or the exit status where the parse ended (2 for a bad argument, its one-line message
+    already printed; 0 after --help)."""
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 2
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="countdown", description=__doc__)
+    parser = Parser(prog="countdown", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list the sparsification methods")
@@ -213,9 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="all", choices=["all", "decode"],
                    help="all: every position scored, every position sparse (the papers' convention); decode: the "
                         "first half of each window a dense prompt, the second half sparse and scored (default all)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens of held-out text (default 8192)")
-    p.add_argument("--window", type=int, default=512, help="tokens per forward window (default 512)")
-    p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
+    add_number(p, "--max-tokens", range="max_tokens", default=8192, help="tokens of held-out text (default 8192)")
+    add_number(p, "--window", range="window", default=512,
+               help="tokens per forward window, at most the model's positions (default 512)")
+    p.add_argument("--texts", default=None, help=TEXTS_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a line of text)")
     p.set_defaults(func=cmd_ppl)
 
@@ -225,25 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sparse_args(p)
     p.add_argument("--prompt", required=True, help="the user message (required)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
+    add_number(p, "--max-new-tokens", range="max_new_tokens", default=64, help="tokens to generate (default 64)")
+    add_number(p, "--temperature", range="temperature", default=0.0,
+               help="sampling temperature; 0 = greedy (default 0)")
+    add_number(p, "--top-k", range="top_k", default=None,
+               help="sample from the k most likely tokens (default: all)")
+    add_number(p, "--seed", range="seed", default=None, help="sampling seed (default: not seeded)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="downstream tasks through lm-evaluation-harness (prompt dense, continuation sparse)")
     add_model_args(p)
     add_sparse_args(p)
     p.add_argument("--tasks", default="arc_easy", help="comma-separated offline task names (default arc_easy)")
-    p.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    add_number(p, "--limit", range="limit", default=None,
+               help="first N items of each task, or this fraction of them (default: all)")
+    add_number(p, "--batch-size", range="batch_size", default=8, help="lm-eval batch size (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("agreement", help="agreement with the dense model: match rate, KL, top-1 (optional judge)")
     add_model_args(p)
     add_sparse_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    add_number(p, "--max-new-tokens", range="max_new_tokens", default=32, help="tokens generated per prompt (default 32)")
     p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint for a pairwise judge (default: none, no judge)")
     p.add_argument("--judge-model", default=None, help="model name at --judge-url (default: the endpoint's own)")
     p.set_defaults(func=cmd_agreement)
@@ -263,33 +291,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
     p.add_argument("--full", action="store_true",
                    help="the full grid: every method, SP-Ideal and SP-Prac, at several k (about 13 min on 2 cores)")
-    p.add_argument("--sparsities", default="0.5,0.7,0.8,0.9",
-                   help="with --full: k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of XSum per perplexity (default 2048)")
+    add_number(p, "--sparsities", range="sparsities", default="0.5,0.7,0.8,0.9",
+               help="with --full: k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
+    add_number(p, "--max-tokens", range="max_tokens", default=2048, help="tokens of XSum per perplexity (default 2048)")
     p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png (default demo_out)")
-    p.add_argument("--prac-sparsities", default="0.7,0.8,0.9", help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
+    add_number(p, "--prac-sparsities", range="sparsities", default="0.7,0.8,0.9",
+               help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
     p.add_argument("--no-prac", action="store_true",
                    help="SP-Ideal rows only, no calibration or training (default: SP-Prac rows too)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
-    p.add_argument("--d-model", type=int, help="hidden size (default: from --model; one of the two is needed)")
-    p.add_argument("--d-inter", type=int, help="Gated-MLP width (default: from --model)")
-    p.add_argument("--d-rank", type=int, default=512, help="predictor rank for dual / dejavu (default 512)")
-    p.add_argument("--sparsity", type=float, nargs="+", default=[0.7, 0.8, 0.9], help="k values (default 0.7 0.8 0.9)")
-    p.add_argument("--c-act", type=float, default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
-    p.add_argument("--dtype-bytes", type=int, default=None,
-                   help="add real bytes for this element size (default: none, FLOPs and elements only)")
+    add_number(p, "--d-model", range="d_model", help="hidden size (default: from --model; one of the two is needed)")
+    add_number(p, "--d-inter", range="d_inter", help="Gated-MLP width (default: from --model)")
+    add_number(p, "--d-rank", range="d_rank", default=512, help="predictor rank for dual / dejavu (default 512)")
+    add_number(p, "--sparsity", range="sparsity", nargs="+", default=[0.7, 0.8, 0.9],
+               help="k values (default 0.7 0.8 0.9)")
+    add_number(p, "--c-act", range="c_act", default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
+    add_number(p, "--dtype-bytes", range="dtype_bytes", default=None,
+               help="add real bytes for this element size (default: none, FLOPs and elements only)")
     p.add_argument("--model", default=None, help="read d_model / d_inter from this model instead (default none)")
     p.add_argument("--json", action="store_true", help="print JSON (default: tables)")
     p.set_defaults(func=cmd_cost)
 
     p = sub.add_parser("analyze", help="CIF / CAF of u and h against s (M-CountDown vs CATS analysis)")
     add_model_args(p)
-    p.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9],
-                   help="k values (default 0.5 0.6 0.7 0.8 0.9)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of text (default 2048)")
-    p.add_argument("--texts", default=None, help="xsum (default), wiki, or a .txt/.jsonl file")
+    add_number(p, "--sparsity", range="sparsity", nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9],
+               help="k values (default 0.5 0.6 0.7 0.8 0.9)")
+    add_number(p, "--max-tokens", range="analysis_tokens", default=2048, help="tokens of text (default 2048)")
+    p.add_argument("--texts", default=None, help=TEXTS_HELP)
     p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
     p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
     p.set_defaults(func=cmd_analyze)
@@ -316,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..data.models import CorruptDownloadError
     from ..state import AlreadySparsifiedError, NotSparsifiedError
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    if isinstance(args, int):
+        return args
     try:
         return args.func(args)
     except KeyboardInterrupt as err:

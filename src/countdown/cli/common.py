@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-
-def parse_sparsities(text: str) -> list[float]:
-    """Comma-separated k from the command line (the only place sparsities arrive as text)."""
-    from ..registry import sparsity_list
-
-    values = []
-    for part in str(text).split(","):
-        if part.strip():
-            try:
-                values.append(float(part))
-            except ValueError:
-                raise ValueError(f"--sparsity takes numbers in (0, 1) separated by commas, got {part.strip()!r}") from None
-    return sparsity_list(values)
+from ..options import add_number
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="catalogue name, .gguf file, Hugging Face folder or hub id (default: smollm2-135m)")
+                   help="catalogue name, .gguf file, Hugging Face folder or hub id: a catalogue name if it is one, "
+                        "else a path if it exists, else a hub id org/name (default: smollm2-135m)")
     p.add_argument("--dtype", default="auto", help="fp32, bf16, fp16 or auto: bf16 on cuda, fp32 on cpu (default auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
@@ -32,9 +21,8 @@ def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "dec
                    help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
                         "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
                         "`countdown methods` lists them; default mono)")
-    p.add_argument("--sparsity", "-k", type=float, default=0.8,
-                   help="fraction of rows skipped per token, in (0, 1) (teal: of the entries of x and of s; "
-                        "default 0.8)")
+    add_number(p, "--sparsity", "-k", range="sparsity", default=0.8,
+               help="fraction of rows skipped per token (teal: of the entries of x and of s; default 0.8)")
     p.add_argument("--mode", default=None, choices=["ideal", "prac"],
                    help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
                         "--artifacts (default: prac where --method names a kind, else ideal)")
@@ -43,10 +31,12 @@ def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "dec
                        help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
                             f"(default {default_scope})")
     p.add_argument("--artifacts", default=None,
-                   help="thresholds/predictors file for --mode prac (default none; needed by --mode prac)")
+                   help="thresholds/predictors file for --mode prac, a path (default none; needed by --mode prac)")
 
 
 def load_text_arg(source: str | None):
+    """``--texts``: None (the command's default text), else the texts of a source name or a .txt / .jsonl file,
+    read now, before the model load (the rule of countdown.data.texts.as_texts)."""
     if source is None:
         return None
     from ..data.texts import load_texts
@@ -54,3 +44,15 @@ def load_text_arg(source: str | None):
     return load_texts(source)
 
 
+def check_model_arg(name: str) -> None:
+    """Before the load: a ``--model`` folder without a tokenizer (or a random-weights shape) stops here, for the
+    commands that tokenize text. What is no model at all is load_model's first answer (model_source), before
+    anything slow, and is left to it."""
+    from ..data.models import NoTokenizerError, check_tokenizer_source
+
+    try:
+        check_tokenizer_source(name)
+    except NoTokenizerError:
+        raise
+    except (ValueError, FileNotFoundError):
+        pass

@@ -76,7 +76,12 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac."""
     from .. import load_model
     from ..data.texts import eval_texts
+    from ..options import check
+    from ..registry import sparsity_list
 
+    max_tokens = check("max_tokens", max_tokens)  # the numbers before any work (countdown.options.RANGES)
+    sparsities = sparsity_list(list(sparsities))
+    prac_sparsities = sparsity_list(list(prac_sparsities)) if len(prac_sparsities) else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

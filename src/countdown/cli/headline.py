@@ -44,8 +44,11 @@ def run_headline(model_name: str = "smollm2-135m", out_dir: str | os.PathLike = 
     from .. import ensure_artifacts, load_model, perplexity, sparsify, sparsity_real, unsparsify
     from ..data.texts import cache_root, eval_texts
     from ..decode.generate import generate
+    from ..options import check_all
     from .demo import chat_prompt
 
+    check_all(max_tokens=max_tokens, max_new_tokens=new_tokens, samples=repeats)  # before any work
+    check_all(max_new_tokens=speed_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

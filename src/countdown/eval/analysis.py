@@ -85,7 +85,8 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
     forward pre-hook on every Gated-MLP found by
     :func:`countdown.mlp.find_gated_mlps` takes its input ``x`` and computes ``u, g = parts(x)``,
     ``h = act(g)``, ``s = u * h`` (in at least float32) for every token. At most ``max_tokens``
-    tokens are used in all, the last text cut short if needed.
+    tokens are used in all (an integer >= 1), the last text cut short if needed. ``texts``: a source name or a
+    .txt / .jsonl path (as ``--texts``: :func:`countdown.data.texts.as_texts`), or a list of strings, the text.
 
     Returns ``{"sparsities", "tokens", "texts", "overall": {k: factors}, "layers": {name: {k: factors}}}``
     with ``factors`` as in :func:`factors_from_counts`; "overall" pools the counts of all layers.
@@ -95,11 +96,12 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
 
     if is_sparsified(model):
         raise ValueError("the model is sparsified: call countdown.unsparsify(model) first")
+    from ..data.texts import as_texts
+    from ..options import check
+
     ks = _sparsities(sparsities)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens!r}")
-    if isinstance(texts, str):
-        texts = [texts]
+    max_tokens = check("analysis_tokens", max_tokens, "max_tokens")
+    texts = as_texts(texts)  # a source name or a .txt / .jsonl path (as --texts); a list of strings is the text
     mlps = require_gated_mlps(model)
     counts = {view.name: {k: {} for k in ks} for view in mlps}
 

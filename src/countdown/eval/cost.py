@@ -90,12 +90,6 @@ def _memory_terms(d_m: int, d_i: int, d_r: int, s: int, s_x: int) -> dict[str, l
     }
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: float = 5,
                dtype_bytes: int | None = None) -> dict[str, dict]:
     """Theoretical cost of one token through one Gated-MLP, per method.
@@ -106,13 +100,11 @@ def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: 
     With ``dtype_bytes`` (e.g. 2 for bf16) each entry also gets ``mem_bytes`` and
     ``mem_mib = mem_bytes / 2**20``, the real traffic at that element size.
     """
-    d_m = _positive_int("d_model", d_model)
-    d_i = _positive_int("d_inter", d_inter)
-    d_r = _positive_int("d_rank", d_rank)
-    if isinstance(c_act, bool) or not isinstance(c_act, (int, float)) or not c_act >= 0:
-        raise ValueError(f"c_act must be a non-negative number, got {c_act!r}")
-    if dtype_bytes is not None:
-        dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
+    from ..options import check, check_optional
+
+    d_m, d_i, d_r = check("d_model", d_model), check("d_inter", d_inter), check("d_rank", d_rank)
+    check("c_act", c_act)  # validated; an int stays an int (integer FLOP counts)
+    dtype_bytes = check_optional("dtype_bytes", dtype_bytes)
     s = kept_rows(d_i, sparsity)
     s_x = kept_rows(d_m, sparsity)
     flops = _flops_terms(d_m, d_i, d_r, s, c_act, s_x)

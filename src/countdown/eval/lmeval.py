@@ -53,7 +53,9 @@ class CountdownLM(HFLM):
     """lm-eval's Hugging Face causal LM with countdown's sparse Gated-MLPs.
 
     pretrained: a model object (then ``tokenizer`` is required) or a name/path for
-        :func:`countdown.load_model` (catalogue name such as ``"smollm2-135m"``, a .gguf file, a folder).
+        :func:`countdown.load_model` (catalogue name such as ``"smollm2-135m"``, a .gguf file, a folder), read by
+        the one rule of ``--model`` (:func:`countdown.data.models.model_source`). ``artifacts``: a path or an
+        :class:`~countdown.artifacts.Artifacts`.
     method, sparsity, mode, artifacts, path: as for :func:`countdown.sparsify`; the model is patched
         in place with ``scope="decode"`` and :meth:`restore` undoes it. ``method=None`` leaves the
         model as it is (already patched by the caller, or dense).
@@ -211,7 +213,8 @@ def evaluate(model: Any, tokenizer: Any, tasks: list[str] | str, limit: int | fl
 
     tasks: names from :func:`countdown.eval.tasks.available_tasks` (offline data, generated YAMLs) or,
         with ``task_manager`` given, any task that manager knows.
-    limit: the first ``limit`` documents of each task (a float in (0, 1) is a fraction), as lm-eval does.
+    limit: the first ``limit`` documents of each task (an integer >= 1; a float in (0, 1) is a fraction), as
+        lm-eval does; None for every document (0 is refused: lm-eval would run none).
     seed: fixes python/numpy/torch/few-shot sampling seeds. ``bootstrap_iters``: for the stderr of
         metrics without a closed form (lm-eval's default, 100000, is slow on 2 cores).
 
@@ -222,6 +225,13 @@ def evaluate(model: Any, tokenizer: Any, tasks: list[str] | str, limit: int | fl
     """
     import lm_eval
 
+    from ..data.models import require_tokenizer
+    from ..options import check_all, check_optional
+
+    check_optional("limit", limit)  # 0 is no limit: lm-eval would read it as "no documents"
+    check_all(num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters, seed=seed,
+              batch_size=None if str(batch_size).startswith("auto") else batch_size)
+    require_tokenizer(tokenizer, "evaluate")
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t]
     if task_manager is None:
@@ -279,6 +289,24 @@ def _requested_tasks(argv: list[str]) -> list[str]:
     return names
 
 
+def _check_limit(argv: list[str]) -> None:
+    """lm-eval's ``--limit`` / ``-L`` against :data:`countdown.options.RANGES` before lm-eval starts: ``--limit 0``
+    would run no document (and a negative one a slice from the end); one line and exit status 2 instead."""
+    from ..options import RANGES
+
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag not in ("--limit", "-L"):
+            continue
+        value = value if sep else (argv[i + 1] if i + 1 < len(argv) else "")
+        try:
+            RANGES["limit"].parse(value)
+        except ValueError:
+            print(f"countdown-lm-eval: error: --limit {value} is not a limit: give {RANGES['limit'].text}, or leave "
+                  "--limit out to score every document", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m countdown.eval.lmeval <lm-eval arguments>``: registers the ``countdown`` model, writes the
     YAMLs of any offline task named in ``--tasks`` and adds their folder as ``--include_path`` (unless
@@ -288,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     from .tasks import is_offline_task, write_task_yamls
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _check_limit(argv)
     offline = [t for t in _requested_tasks(argv) if is_offline_task(t)]
     has_include = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
     if offline and not has_include:

@@ -73,6 +73,15 @@ def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> l
     return parts
 
 
+def check_window(model, window: int) -> None:
+    """A window longer than the model's positions (``config.max_position_embeddings``) is refused: past them
+    the model's position encoding is extrapolated and the perplexity says nothing about the model."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and window > positions:
+        raise ValueError(f"window={window} is longer than the model's {positions} positions "
+                         f"(config.max_position_embeddings): give a window of at most {positions}")
+
+
 METRICS = {"all": 0.0, "decode": 0.5}  # metric -> the share of each window that is a dense, unscored prompt
 
 
@@ -82,21 +91,28 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
                desc: str = "perplexity", prompt_fraction: float | None = None) -> float:
     """exp(mean next-token NLL) over the scored tokens of ``max_tokens`` tokens of held-out text.
 
-    texts: defaults to :func:`countdown.data.texts.eval_texts` (XSum articles, never calibration text).
+    texts: defaults to :func:`countdown.data.texts.eval_texts` (XSum articles, never calibration text); a string
+        is a source name or a .txt / .jsonl path (as ``--texts``), a list of strings the text itself.
+    max_tokens: an integer >= 2; window: an integer >= 4, at most the model's positions
+        (``config.max_position_embeddings``); batch_size: an integer >= 1 (:data:`countdown.options.RANGES`).
     metric: ``"all"`` (every position scored and sparse) or ``"decode"`` (the first half of each window a
         dense prompt, the rest sparse and scored); see the module docstring. ``prompt_fraction`` sets that
         share directly instead (0 is ``"all"``, 0.5 ``"decode"``).
     """
+    from ..data.models import require_tokenizer
+    from ..data.texts import as_texts
+    from ..options import check
+
+    max_tokens, window = check("max_tokens", max_tokens), check("window", window)
+    batch_size = check("batch_size", batch_size)
     if prompt_fraction is None:
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {tuple(METRICS)} (every position, or decode-style), got {metric!r}")
         prompt_fraction = METRICS[metric]
-    if not 0.0 <= prompt_fraction < 1.0:
-        raise ValueError(f"prompt_fraction must lie in [0, 1), got {prompt_fraction}")
-    if texts is None:
-        from ..data.texts import eval_texts
-
-        texts = eval_texts()
+    prompt_fraction = check("prompt_fraction", prompt_fraction)
+    check_window(model, window)
+    require_tokenizer(tokenizer, "perplexity")
+    texts = as_texts(texts)
     device = next(model.parameters()).device
     sparse = is_sparsified(model)
     total_nll, total_count = 0.0, 0

@@ -32,7 +32,14 @@ from torch import nn
 from .. import kernels
 from ..artifacts import ArtifactError, Artifacts, check_artifacts, load_artifacts
 from ..mlp import GatedMLP
+from ..options import check
 from ..registry import Method, get_method
+
+# The kinds' numeric options and their ranges in countdown.options.RANGES (the same as the command line's)
+KIND_OPTION_RANGES = {"d_rank": "d_rank", "epochs": "epochs", "pos_weight": "pos_weight", "bits": "bits",
+                      "group": "group", "seed": "seed", "lr": "lr", "weight_decay": "weight_decay",
+                      "batch_size": "batch_size", "max_activation_gb": "max_activation_gb",
+                      "greedy_tokens": "refine_tokens", "step": "teal_step"}
 
 
 class RowSelector(nn.Module):
@@ -130,7 +137,11 @@ class SelectorKind:
         if unknown:
             raise TypeError(f"kind {self.name!r} takes no option(s) {', '.join(unknown)}; its options are "
                             f"{', '.join(sorted(self.defaults)) or 'none'}")
-        return {**self.defaults, **given}
+        opts = {**self.defaults, **given}
+        for key, value in opts.items():  # the numbers of countdown.options' table, before any work
+            if key in KIND_OPTION_RANGES and value is not None:
+                opts[key] = check(KIND_OPTION_RANGES[key], value, key)
+        return opts
 
     def fit(self, ctx: FitContext) -> dict[str, torch.Tensor]:
         """Every tensor of the artifact (all layers, all k), from the calibration text."""

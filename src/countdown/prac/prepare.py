@@ -18,8 +18,10 @@ from typing import Any
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..artifacts import SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta
+from ..artifacts import (SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta, other_weights,
+                         read_meta)
 from ..mlp import require_gated_mlps
+from ..options import check, check_optional
 from ..registry import Method, get_method, sparsity_list
 from .stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts, token_windows)
 from .base import DEFAULT_KIND, KINDS, FitContext, check_selection, default_kind, get_kind, kinds_for  # noqa: F401
@@ -43,8 +45,9 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
         lowrank, ternary), ``"teal"`` (teal: thresholds on x and s, :mod:`countdown.prac.teal`) or any registered kind (``countdown.prac.KINDS``); default per method
         (:data:`DEFAULT_KIND`).
     texts / num_tokens / window: calibration text (default :func:`countdown.data.texts.calibration_texts`,
-        never the evaluation text), how many tokens of it (default: the kind's, 4,096 for
-        thresholds, 8,192 otherwise), in windows of ``window`` tokens starting with BOS.
+        never the evaluation text; a string is a source name or a .txt / .jsonl path, as ``--texts`` on the
+        command line, a list of strings the text itself), how many tokens of it (default: the kind's, 4,096
+        for thresholds, 8,192 otherwise; at least 64), in windows of ``window`` tokens starting with BOS.
     selection: the run-time rule stored in the artifact (default: the kind's).
     refine / refine_tokens: re-estimate each layer's cut on the model sparsified with the first cuts
         (one pass per k over the first ``refine_tokens`` tokens), so each layer sees the inputs that
@@ -53,8 +56,15 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
         a rerun with the same settings continues after the last finished layer, with the same result.
     options: the kind's own (``countdown.prac.get_kind(kind).defaults`` lists them with defaults),
         e.g. ``rule`` for thresholds, ``d_rank``/``epochs``/``cut_rule`` for predictors.
-    Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
+    Numbers out of their range (:data:`countdown.options.RANGES`, the command line's) are refused before any
+    work. Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
     """
+    from ..data.models import require_tokenizer
+
+    num_tokens = check_optional("num_tokens", num_tokens)
+    window = check("calib_window", window, "window")
+    refine_tokens = check("refine_tokens", refine_tokens)
+    require_tokenizer(tokenizer, "building SP-Prac artifacts")
     method, kind, options = build_options(method, kind, options)
     m = get_method(method)
     kind_name = default_kind(m) if kind is None else kind
@@ -71,7 +81,7 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     check_unpatched(model)
     opts = spec.resolve_options(m, mlps, options)
     texts, data_name = resolve_texts(texts)
-    n = spec.default_tokens if num_tokens is None else int(num_tokens)
+    n = spec.default_tokens if num_tokens is None else num_tokens
     windows = token_windows(tokenizer, texts, n, window)
     data = {"name": data_name, "num_tokens": sum(w.numel() for w in windows), "window": window}
     ctx = FitContext(model=model, kind=kind_name, mlps=mlps, method=m, ks=ks, windows=windows, opts=opts,
@@ -161,10 +171,20 @@ def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, ca
     if keyed["kind"] in KINDS:  # a kind's option at its default is the same file as the option left out
         defaults = get_kind(keyed["kind"]).defaults
         keyed = {key: value for key, value in keyed.items() if key not in defaults or defaults[key] != value}
-    stem = f"{m.name}-{fp}-{_options_key(m, keyed)}"
+    key = _options_key(m, keyed)
+    stem = f"{m.name}-{fp}-{key}"
     cache = Path(cache_dir).expanduser()
     if cache.is_dir():
-        for candidate in sorted(cache.glob(stem + "-k*.safetensors")):
+        # this model's files first, then those of the same model in another dtype (fp16 rounds the fingerprint
+        # off: its probed weights decide, countdown.fingerprint), read from their headers before their tensors
+        same = sorted(cache.glob(stem + "-k*.safetensors"))
+        other = [c for c in sorted(cache.glob(f"{m.name}-*-{key}-k*.safetensors")) if c not in same]
+        for candidate in same + other:
+            if candidate in other:
+                meta = read_meta(candidate)
+                if not isinstance(meta, dict) or not isinstance((meta.get("model") or {}).get("probe"), list) \
+                        or other_weights(meta["model"], mlps) is not None:
+                    continue
             try:
                 art = load_artifacts(candidate)
             except ArtifactError:

@@ -47,6 +47,9 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
 
     Returns ``{k: [Sparsity-Real of each round's generation]}``: how far each round's cuts were from k
     on the sparse model's own decode steps (the first entry is the artifact as given)."""
+    from ..options import check
+
+    new_tokens, rounds = check("max_new_tokens", new_tokens, "new_tokens"), check("rounds", rounds)
     m = get_method(artifacts.method)
     if artifacts.kind not in DECODE_REFIT_KINDS:
         raise ValueError(f"refine_cuts_on_decode re-fits cuts of predictors scored from x alone ({', '.join(DECODE_REFIT_KINDS)}), "
@@ -90,25 +93,30 @@ def predictor_quality(model: nn.Module, tokenizer, artifacts, texts=None, num_to
     """Per-layer precision / recall / F1 of the SP-Prac keep masks against the SP-Ideal (oracle) mask
     of the artifact's method, and the fraction of rows they skip, on held-out text.
 
-    texts: default :func:`countdown.data.texts.eval_texts` (XSum; never the calibration text).
+    texts: default :func:`countdown.data.texts.eval_texts` (XSum; never the calibration text); a string is a source
+        name or a .txt / .jsonl path (as ``--texts``), a list of strings the text itself. num_tokens: an integer
+        >= 64; window: an integer >= 2 (:data:`countdown.options.RANGES`). artifacts: an Artifacts or a path.
     Works for threshold artifacts too (the mask of ``indicator > tau``).
     Returns ``{"method", "kind", "selection", "num_tokens", "by_sparsity": {k: {"precision",
     "recall", "f1", "sparsity", "per_layer": [{"precision", "recall", "f1", "sparsity"}, ...]}}}``
     where the top-level figures are means over layers.
     """
+    from ..data.models import require_tokenizer
+    from ..data.texts import as_texts
+    from ..options import check
+
+    num_tokens, window = check("num_tokens", num_tokens), check("calib_window", window, "window")
+    require_tokenizer(tokenizer, "predictor_quality")
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
-    if texts is None:
-        from ..data.texts import eval_texts
-
-        texts = eval_texts()
+    texts = as_texts(texts)  # None: XSum; a source name or a file path; a list of strings is the text itself
     m = get_method(artifacts.method)
     mlps = require_gated_mlps(model)
     ks = artifacts.sparsities
     selectors = {k: _on_devices(selectors_for(artifacts, mlps, m, k), mlps) for k in ks}
     counts = torch.zeros(len(ks), len(mlps), 4, dtype=torch.float64)  # tp, fp, fn, kept
     rows = torch.zeros(len(mlps), dtype=torch.float64)
-    windows = token_windows(tokenizer, list(texts), num_tokens, window)
+    windows = token_windows(tokenizer, texts, num_tokens, window)
 
     def on_input(i: int, x: torch.Tensor) -> None:
         mlp = mlps[i]

@@ -33,19 +33,20 @@ POOLED_SAMPLES = 1 << 18  # indicator values kept per layer for the pooled rule 
 
 
 def resolve_texts(texts) -> tuple[list[str], str]:
-    """``(texts, name)``: the calibration passages of :mod:`countdown.data.texts` when ``texts`` is None,
-    otherwise the user's texts named by a hash of their content (recorded in artifacts)."""
-    if texts is None:
-        from ..data.texts import calibration_texts
+    """``(texts, name)``: the calibration passages of :mod:`countdown.data.texts` when ``texts`` is None; a
+    string or path is a source name or a .txt / .jsonl file (:func:`countdown.data.texts.as_texts`, the rule of
+    ``--texts``), a list of strings the text itself, named by a hash of its content (recorded in artifacts)."""
+    import os
 
-        return list(calibration_texts()), "countdown.data.texts.calibration_texts (Wikipedia passages)"
-    if isinstance(texts, str):
-        texts = [texts]
-    texts = list(texts)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("texts must be a non-empty list of strings (or None for the default calibration text)")
+    from ..data.texts import DEFAULT_CALIBRATION_SOURCE, as_texts
+
+    if texts is None or isinstance(texts, str) and texts == DEFAULT_CALIBRATION_SOURCE:
+        return list(as_texts(None, DEFAULT_CALIBRATION_SOURCE)), \
+            "countdown.data.texts.calibration_texts (Wikipedia passages)"
+    source = os.fspath(texts) if isinstance(texts, (str, os.PathLike)) else "user texts"
+    texts = as_texts(texts)
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:12]
-    return texts, f"user texts ({len(texts)} passages, sha256 {digest})"
+    return texts, f"{source} ({len(texts)} passages, sha256 {digest})"
 
 
 def token_windows(tokenizer, texts: Iterable[str], num_tokens: int, window: int = DEFAULT_WINDOW

@@ -160,10 +160,6 @@ class TealKind(SelectorKind):
         opts = super().resolve_options(method, mlps, given)
         if opts["allocation"] not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {opts['allocation']!r}: choose one of {', '.join(ALLOCATIONS)}")
-        if not 0 < float(opts["step"]) <= 0.25:
-            raise ValueError(f"step must lie in (0, 0.25], got {opts['step']!r}")
-        if int(opts["greedy_tokens"]) < 1:
-            raise ValueError(f"greedy_tokens must be a positive integer, got {opts['greedy_tokens']!r}")
         return opts
 
     def fit(self, ctx):

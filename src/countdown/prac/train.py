@@ -92,16 +92,7 @@ class TrainedKind(SelectorKind):
         check_cut_rule(opts["cut_rule"])
         if opts["init"] not in INITS:
             raise ValueError(f"unknown init {opts['init']!r}: choose one of {', '.join(INITS)}")
-        if opts["epochs"] < 0 or opts["batch_size"] < 1 or opts["lr"] <= 0:
-            raise ValueError(f"need epochs >= 0, batch_size >= 1, lr > 0; got epochs={opts['epochs']}, "
-                             f"batch_size={opts['batch_size']}, lr={opts['lr']}")
-        for key in ("epochs", "batch_size", "seed"):
-            opts[key] = int(opts[key])
-        for key in ("lr", "weight_decay"):
-            opts[key] = float(opts[key])
-        if opts["pos_weight"] is not None:
-            opts["pos_weight"] = float(opts["pos_weight"])
-        return opts
+        return opts  # the numbers were checked against countdown.options' ranges (SelectorKind.resolve_options)
 
     def meta(self, opts):
         return {"d_rank": opts["d_rank"], "training": {k: v for k, v in opts.items() if k not in ("d_rank",

@@ -71,18 +71,21 @@ def score_job(model, job: dict, configs: dict[str, EvalConfig], scores: dict, ou
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m countdown.eval.offline.device", description=__doc__.split("\n\n")[0])
+    from ...options import Parser, add_number
+
+    p = Parser(prog="python -m countdown.eval.offline.device", description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True, help="<model>.job.json.gz from `countdown sweep --export`")
     p.add_argument("--weights", required=True, help="weights pack (countdown.eval.offline.weights)")
     p.add_argument("--config-dir", required=True, help="folder with the model's config.json")
     p.add_argument("--artifacts-dir", default=None, help="folder of the job's artifact files (default: beside --job)")
     p.add_argument("--out", required=True, help="scores file to write (and to resume, if it exists)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--chunk", type=int, default=512, help="prompts whose KV caches are held at once (default 512)")
-    p.add_argument("--batch-tokens", type=int, default=None,
-                   help=f"tokens per batch (default: {LOGITS_BYTES >> 30} GiB of logits and log-softmax)")
-    p.add_argument("--stop-after", type=float, default=None, help="start no task after this many seconds")
-    p.add_argument("--threads", type=int, default=8, help="threads that de-quantize the weights")
+    add_number(p, "--chunk", range="chunk", default=512, help="prompts whose KV caches are held at once (default 512)")
+    add_number(p, "--batch-tokens", range="batch_tokens", default=None,
+               help=f"tokens per batch (default: {LOGITS_BYTES >> 30} GiB of logits and log-softmax)")
+    add_number(p, "--stop-after", range="wait", default=None,
+               help="start no task after this many seconds (default: none)")
+    add_number(p, "--threads", range="threads", default=8, help="threads that de-quantize the weights")
     return p
 
 

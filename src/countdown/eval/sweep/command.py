@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ...io import LockedError, UnwritableError
+from ...options import add_number
 from .cells import DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, format_k
 from .measure import DEFAULT_CHUNK, DEFAULT_PASS_CONFIGS
 from .runner import run_sweep
@@ -20,25 +21,28 @@ def add_arguments(p) -> None:
                    help="comma-separated method specs (countdown.spec); an SP-Prac kind in brackets, e.g. "
                         "dense,mono,dual,dual[lowrank],dual[shadow4] (default: the five methods)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="ideal,prac (dense has no mode; default both)")
-    p.add_argument("--sparsity", "-k", default=",".join(format_k(k) for k in DEFAULT_SPARSITIES),
-                   help="comma-separated k values (default 0.7,0.8,0.9)")
+    add_number(p, "--sparsity", "-k", range="sparsities", default=",".join(format_k(k) for k in DEFAULT_SPARSITIES),
+               help="comma-separated k values (default 0.7,0.8,0.9)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma-separated offline lm-eval tasks (default: the six of the paper)")
-    p.add_argument("--limit", type=int, default=None, help="first N documents of each task (default: all)")
-    p.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of XSum per perplexity (0 = skip; default 4096)")
-    p.add_argument("--agreement-prompts", type=int, default=20, help="agreement prompts, up to 20 (0 = skip; default 20)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per agreement prompt (default 32)")
-    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
-                   help=f"prompts per shared-prompt batch of an lm-eval pass (default {DEFAULT_CHUNK})")
-    p.add_argument("--pass-configs", type=int, default=DEFAULT_PASS_CONFIGS,
-                   help="configurations per shared pass over a task's documents; each pass is saved when it ends "
-                        f"(default {DEFAULT_PASS_CONFIGS})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1)")
+    add_number(p, "--limit", range="limit_docs", default=None, help="first N documents of each task (default: all)")
+    add_number(p, "--ppl-tokens", range="ppl_tokens", default=4096,
+               help="tokens of XSum per perplexity (0 = skip; default 4096)")
+    add_number(p, "--agreement-prompts", range="agreement_prompts", default=20,
+               help="agreement prompts (0 = skip; default 20)")
+    add_number(p, "--max-new-tokens", range="max_new_tokens", default=32,
+               help="tokens generated per agreement prompt (default 32)")
+    add_number(p, "--batch-size", range="batch_size", default=8, help="lm-eval batch size (default 8)")
+    add_number(p, "--chunk", range="chunk", default=DEFAULT_CHUNK,
+               help=f"prompts per shared-prompt batch of an lm-eval pass (default {DEFAULT_CHUNK})")
+    add_number(p, "--pass-configs", range="pass_configs", default=DEFAULT_PASS_CONFIGS,
+               help="configurations per shared pass over a task's documents; each pass is saved when it ends "
+                    f"(default {DEFAULT_PASS_CONFIGS})")
+    add_number(p, "--threads", range="threads", default=None, help="torch threads (default: cores - 1)")
     p.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <cache>/artifacts)")
     p.add_argument("--out", default="results/quality", help="folder for <model>.csv / .md / .png (default results/quality)")
-    p.add_argument("--wait", type=float, default=DEFAULT_WAIT,
-                   help="seconds to wait for another sweep's merge into the same --out "
+    add_number(p, "--wait", range="wait", default=DEFAULT_WAIT,
+               help="seconds to wait for another sweep's merge into the same --out "
                         f"(each merge holds the folder's lock briefly; default {DEFAULT_WAIT:g})")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite <model>.md / .png from the CSV as it stands; compute nothing")
@@ -67,7 +71,10 @@ def split_list(text) -> list[str]:
 
 
 def sparsity_list(text) -> list[float]:
-    """``"0.7,0.8"`` -> ``[0.7, 0.8]``; a part that is not a number is a ValueError naming it."""
+    """``"0.7,0.8"`` -> ``[0.7, 0.8]`` (a list, as argparse parsed it, passes through); a part that is not a
+    number is a ValueError naming it."""
+    if isinstance(text, (list, tuple)):
+        return list(text)
     out = []
     for part in split_list(text):
         try:

@@ -15,6 +15,7 @@ import torch
 
 from ..agreement import default_prompts
 from ...io import check_writable_dir
+from ...options import check, check_all, check_optional
 from ...registry import check_sparsity
 from . import measure, offline
 from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, MODES, CellSpec,
@@ -94,16 +95,13 @@ def _check_arguments(modes, sparsities, methods, limit, ppl_tokens):
             raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
     if any(m.method != "dense" for m in methods) and (not sparsities or not modes):
         raise ValueError("sparse methods need at least one sparsity and one mode (--sparsity 0.8 --modes ideal)")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ValueError(f"limit must be a positive int (documents per task) or None for all, got {limit!r}")
-    if ppl_tokens < 0:
-        raise ValueError(f"ppl_tokens must be >= 0 (0 skips perplexity), got {ppl_tokens}")
+    check_optional("limit_docs", limit, "limit")
+    check("ppl_tokens", ppl_tokens)
 
 
 def _agreement_plan(agreement_prompts, max_new_tokens):
     if isinstance(agreement_prompts, int) and not isinstance(agreement_prompts, bool):
-        if agreement_prompts < 0:
-            raise ValueError(f"agreement_prompts must be >= 0 (0 skips agreement), got {agreement_prompts}")
+        check("agreement_prompts", agreement_prompts)
         n = min(agreement_prompts, len(default_prompts()))
         return (default_prompts()[:n], agreement_setting(None, n, max_new_tokens)) if n else ([], None)
     prompts = default_prompts() if agreement_prompts is None else list(agreement_prompts)
@@ -154,7 +152,10 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         (:mod:`countdown.eval.shared_prompt`; ``chunk`` prompts at a time, at most ``pass_configs``
         configurations per pass, each pass saved when it ends); generation tasks run per cell.
     ppl_tokens / ppl_window / ppl_texts: perplexity of both styles on ``ppl_tokens`` tokens of
-        ``ppl_texts`` (default XSum, :func:`countdown.data.texts.eval_texts`); ``ppl_tokens=0`` skips it.
+        ``ppl_texts`` (default XSum, :func:`countdown.data.texts.eval_texts`; a string is a source name or a
+        .txt / .jsonl path, a list of strings the text itself); ``ppl_tokens=0`` skips it.
+    Every number is checked against :data:`countdown.options.RANGES` (as ``countdown sweep`` checks its options)
+    before any work.
     agreement_prompts / max_new_tokens: agreement with the dense model on the first N shipped prompts
         (an int), or on the given list of prompts; ``0`` skips it.
     threads: ``torch.set_num_threads`` for the run (default :func:`default_threads`), restored after.
@@ -179,9 +180,9 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     sparsities = sorted({check_sparsity(k) for k in sparsities})
     tasks = list(dict.fromkeys(tasks))
     _check_arguments(modes, sparsities, specs, limit, ppl_tokens)
-    for name, value in (("chunk", chunk), ("pass_configs", pass_configs)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_all(chunk=chunk, pass_configs=pass_configs, max_new_tokens=max_new_tokens, threads=threads, wait=wait,
+              num_fewshot=num_fewshot, batch_size=None if str(batch_size).startswith("auto") else batch_size)
+    check("window", ppl_window, "ppl_window")
     if task_manager is None and tasks:
         from ..tasks import available_tasks, is_offline_task, task_manager as offline_task_manager
 
@@ -190,6 +191,10 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
             raise ValueError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(available_tasks())}")
         task_manager = offline_task_manager(tasks)
     prompt_list, agree_setting = _agreement_plan(agreement_prompts, max_new_tokens)
+    if ppl_texts is not None:  # a source name or a file path, as --texts; a list of strings is the text itself
+        from ...data.texts import as_texts
+
+        ppl_texts = as_texts(ppl_texts)
 
     label = model_label(model_name)
     check_writable_dir(out_dir)  # an unwritable --out fails now, not after the first cell
@@ -220,8 +225,9 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     torch.set_num_threads(threads or default_threads())
     try:
         if todo and model is None:
-            from ...data.models import load_model
+            from ...data.models import check_tokenizer_source, load_model
 
+            check_tokenizer_source(model_name)  # a folder without a tokenizer is named before the load
             model, tokenizer = load_model(model_name, dtype=dtype, device=device)
         if model is not None and tokenizer is None:
             raise ValueError("run_sweep got a model without its tokenizer: pass tokenizer= as well")

@@ -1,0 +1,279 @@
+"""The valid range of every numeric argument, in one table shared by the command line and the Python API.
+
+:data:`RANGES` names each range once (``"max_tokens"``: an integer >= 2, ``"sparsity"``: a number in (0, 1),
+...). The command line takes it as an argparse ``type`` (:func:`add_number`, :func:`number`): a value out of
+range stops the parse, before any model is loaded, with one line naming the option and the range, and the
+option's ``--help`` states the range. The API functions call :func:`check` on the same names, so
+``countdown.perplexity(..., max_tokens=-5)`` and ``countdown ppl --max-tokens -5`` say the same thing.
+Ranges that depend on the model (a window no longer than its positions, a ``top_k`` within its vocabulary,
+a ``group`` that divides ``d_model``) are checked where the model is known, before the work.
+
+This module imports nothing from countdown (every layer may use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Range:
+    """Integers (``integer=True``) or finite real numbers between ``low`` and ``high`` (None: unbounded),
+    ends excluded where ``open_low`` / ``open_high``; or one of ``choices``. ``off``: one more value outside
+    the interval that switches the thing off (``0`` for "skip"). ``fraction``: an integer >= 1 *or* a number
+    in (0, 1) (lm-eval's ``limit``)."""
+
+    integer: bool
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    choices: tuple = ()
+    off: Any = None
+    off_means: str = ""
+    fraction: bool = False
+
+    @property
+    def text(self) -> str:
+        """The range in words: ``an integer >= 2``, ``a number in (0, 1)``, ``0 (off) or an integer >= 1``."""
+        if self.choices:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        if self.fraction:
+            return "an integer >= 1 or a fraction in (0, 1)"
+        what = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            if self.integer and not self.open_low and not self.open_high:
+                body = f"{what} from {_fmt(self.low)} to {_fmt(self.high)}"
+            else:
+                body = (f"{what} in {'(' if self.open_low else '['}{_fmt(self.low)}, {_fmt(self.high)}"
+                        f"{')' if self.open_high else ']'}")
+        elif self.low is not None:
+            what = what if self.integer else "a finite number"
+            body = f"{what} {'>' if self.open_low else '>='} {_fmt(self.low)}"
+        elif self.high is not None:
+            body = f"{what} {'<' if self.open_high else '<='} {_fmt(self.high)}"
+        else:
+            body = f"a finite {what[2:]}" if not self.integer else what
+        if self.off is not None:
+            return f"{_fmt(self.off)} ({self.off_means}) or {body}"
+        return body
+
+    def holds(self, value: float) -> bool:
+        if self.off is not None and value == self.off:
+            return True
+        if self.choices:
+            return value in self.choices
+        if self.fraction:
+            return value >= 1 and float(value).is_integer() or 0 < value < 1
+        if self.low is not None and (value < self.low or self.open_low and value == self.low):
+            return False
+        return not (self.high is not None and (value > self.high or self.open_high and value == self.high))
+
+    def check(self, value: Any, name: str) -> Any:
+        """``value`` as an int (integer ranges) or a float; a TypeError for what is no number of the kind,
+        a ValueError naming ``name`` and the range for a number outside it."""
+        if isinstance(value, (str, bytes)) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            hint = " (parse it first)" if isinstance(value, (str, bytes)) else ""
+            raise TypeError(f"{name} must be {self.text}, got {type(value).__name__} {value!r}{hint}")
+        if self.integer and not self.fraction and not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be {self.text}, got {type(value).__name__} {value!r}")
+        if isinstance(value, numbers.Integral):
+            number = int(value) if self.integer else float(value)
+        else:
+            number = float(value)
+        if not math.isfinite(number) or not self.holds(number):
+            raise ValueError(f"{name} must be {self.text}, got {value!r}")
+        if self.fraction and number >= 1:
+            number = int(number)
+        return number
+
+    def parse(self, text: str) -> Any:
+        """A command-line string as a number of this range (ValueError naming the range otherwise)."""
+        try:
+            value = int(text) if self.integer and not self.fraction else float(text)
+        except ValueError:
+            try:
+                as_float = float(text)
+            except ValueError:
+                raise ValueError(f"must be {self.text}, got {text!r}") from None
+            if self.integer and not as_float.is_integer():
+                raise ValueError(f"must be {self.text}, got {text!r}") from None
+            value = int(as_float) if self.integer else as_float
+        if self.fraction and isinstance(value, float) and value >= 1 and value.is_integer():
+            value = int(value)
+        try:
+            return self.check(value, "it")
+        except (TypeError, ValueError):
+            raise ValueError(f"must be {self.text}, got {text!r}") from None
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, int) and value >= 2 ** 20 and (value + 1) & value == 0:
+        return f"2^{(value + 1).bit_length() - 1} - 1"
+    return str(value)
+
+
+def _int(low=None, high=None, **kw) -> Range:
+    return Range(True, low, high, **kw)
+
+
+def _real(low=None, high=None, **kw) -> Range:
+    return Range(False, low, high, **kw)
+
+
+SEED_MAX = 2 ** 32 - 1
+
+# name -> range. The names are the API's parameter names where one range serves one parameter.
+RANGES: dict[str, Range] = {
+    # what to sparsify
+    "sparsity": _real(0, 1, open_low=True, open_high=True),
+    # perplexity: tokens of held-out text and the window (at most the model's positions: checked with the model)
+    "max_tokens": _int(2),
+    "window": _int(4),
+    "prompt_fraction": _real(0, 1, open_high=True),
+    # calibration / training (prepare, calibrate, train_predictors) and mask quality
+    "num_tokens": _int(64),
+    "calib_window": _int(2),
+    "refine_tokens": _int(1),
+    "d_rank": _int(1),
+    "epochs": _int(1),
+    "pos_weight": _real(0, open_low=True),
+    "bits": Range(True, choices=(2, 3, 4, 8)),
+    "group": _int(1),
+    "seed": _int(0, SEED_MAX),
+    "lr": _real(0, open_low=True),
+    "weight_decay": _real(0),
+    "max_activation_gb": _real(0, open_low=True),
+    "teal_step": _real(0, 0.25, open_low=True),
+    "refine_on_decode": _int(1, off=0, off_means="off"),
+    "rounds": _int(1),
+    # generation
+    "max_new_tokens": _int(1),
+    "temperature": _real(0),
+    "sample_temperature": _real(0, open_low=True),
+    "top_k": _int(1),
+    "top_p": _real(0, 1, open_low=True),
+    # lm-eval, agreement, sweep
+    "limit": Range(True, fraction=True),
+    "limit_docs": _int(1),
+    "batch_size": _int(1),
+    "num_fewshot": _int(0),
+    "bootstrap_iters": _int(0),
+    "ppl_tokens": _int(2, off=0, off_means="skip"),
+    "agreement_prompts": _int(0, 20),
+    "chunk": _int(1),
+    "batch_tokens": _int(1),
+    "pass_configs": _int(1),
+    "threads": _int(1),
+    "wait": _real(0),
+    # bench and demo
+    "batch": _int(1),
+    "prompt": _int(1),
+    "samples": _int(1),
+    "max_ppl_increase": _real(0),
+    "analysis_tokens": _int(1),
+    # cost
+    "d_model": _int(1),
+    "d_inter": _int(1),
+    "c_act": _real(0),
+    "dtype_bytes": _int(1, 8),
+}
+
+
+def check(range_name: str, value: Any, name: str | None = None) -> Any:
+    """``value`` checked against ``RANGES[range_name]`` (int or float); errors name ``name`` (default the
+    range's own name) and the range."""
+    return RANGES[range_name].check(value, name or range_name)
+
+
+def check_optional(range_name: str, value: Any, name: str | None = None) -> Any:
+    """As :func:`check`, None passing through (an option left to its default)."""
+    return None if value is None else check(range_name, value, name)
+
+
+def check_all(**values: Any) -> dict[str, Any]:
+    """Every ``name=value`` checked against the range of that name (None passes); returns them converted."""
+    return {name: check_optional(name, value) for name, value in values.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
+
+
+def number(range_name: str) -> Callable[[str], Any]:
+    """An argparse ``type``: the string parsed and checked against the range (argparse then exits 2 with
+    ``argument --option: must be <range>, got '<text>'``)."""
+    r = RANGES[range_name]
+
+    def parse(text: str) -> Any:
+        try:
+            return r.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = range_name
+    parse.range_text = r.text  # type: ignore[attr-defined]
+    return parse
+
+
+def sparsities(text: str) -> list[float]:
+    """An argparse ``type`` for comma-separated k: each a number in (0, 1), distinct, at least one."""
+    r = RANGES["sparsity"]
+    values = []
+    for part in str(text).split(","):
+        if part.strip():
+            try:
+                values.append(r.parse(part.strip()))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be {SPARSITIES_TEXT}, got {part.strip()!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"must be {SPARSITIES_TEXT}, got {text!r}")
+    if len({round(k, 6) for k in values}) != len(values):
+        raise argparse.ArgumentTypeError(f"must be {SPARSITIES_TEXT}, got {text!r} (a k twice)")
+    return values
+
+
+SPARSITIES_TEXT = "distinct numbers in (0, 1) separated by commas"
+sparsities.range_text = SPARSITIES_TEXT  # type: ignore[attr-defined]
+
+
+def with_range(help_text: str, range_text: str) -> str:
+    """``help_text`` with the range in it: ``"tokens (default 8192)"`` -> ``"tokens (an integer >= 2;
+    default 8192)"``; without a stated default, ``"tokens (an integer >= 2)"``."""
+    at = help_text.rfind("(default")
+    if at >= 0:
+        return f"{help_text[:at + 1]}{range_text}; {help_text[at + 1:]}"
+    return f"{help_text} ({range_text})"
+
+
+def add_number(parser: argparse.ArgumentParser, *flags: str, range: str, help: str, **kwargs: Any):
+    """``parser.add_argument(*flags, ...)`` for a number of ``RANGES[range]`` (``range="sparsities"``: a
+    comma-separated list of k); its help states the range and the default."""
+    kind = sparsities if range == "sparsities" else number(range)
+    default = kwargs.get("default")
+    if "default" not in help.lower() and default is not None and default is not argparse.SUPPRESS:
+        shown = ",".join(str(v) for v in default) if isinstance(default, (list, tuple)) else str(default)
+        help = f"{help} (default {shown})"
+    return parser.add_argument(*flags, type=kind, help=with_range(help, kind.range_text), **kwargs)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, ``<prog>: error: <what>; <prog> --help lists the
+    options``, exit status 2 (argparse's own prints the whole usage first)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's interface
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def die(prog: str, message: str) -> None:
+    """One error line on stderr and exit status 2 (for checks across options, after the parse)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
