@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,8 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     if progress:  # say what was built: most kinds are closed-form (quantized, fitted, calibrated), not trained
         how = "trained" if kind_name in TRAINED else "built in closed form (no training)"
         tqdm.write(f"{m.name} {kind_name}: {how} on {data['num_tokens']} tokens in {fit_s:.0f} s"
-                   + (f", cuts refined on the sparse model in {time.perf_counter() - start:.0f} s" if refine else ""))
+                   + (f", cuts refined on the sparse model in {time.perf_counter() - start:.0f} s" if refine else ""),
+                   file=sys.stderr)  # beside the progress bars, not in the output
     return art
 
 
