@@ -206,14 +206,14 @@ def test_gguf_route_is_exact_and_keeps_other_types(gguf_model):
             assert torch.equal(mine.weight, module.weight), name  # q_proj / k_proj: in transformers' row order
     assert type(q.lm_head) is nn.Linear
     record = q.config.countdown_int4
-    assert record["int4"] == {"Q4_0": 2, "Q4_K": 4, "Q4_1": 4}
+    assert record["int4"] == {"Q4_0 g32": 2, "Q4_K g32": 4, "Q4_1 g32": 4}
     assert record["kept"] == {"Q6_K in the GGUF file": 2, "Q8_0 in the GGUF file": 2}
     assert torch.equal(_logits(q), _logits(model))
 
     again = countdown.quantize(copy.deepcopy(model), group=64, source="gguf", gguf=path, requantize=True, lm_head=True)
     assert all(isinstance(m, Int4Linear) for m in again.modules() if isinstance(m, nn.Linear))
     assert again.model.layers[0].self_attn.o_proj.source == "rtn" and again.model.layers[0].self_attn.o_proj.group == 64
-    assert again.lm_head.source == "rtn" and again.config.countdown_int4["int4"]["rtn"] == 5
+    assert again.lm_head.source == "rtn" and again.config.countdown_int4["int4"]["rtn g64"] == 5
 
 
 def test_gguf_route_refuses_a_model_that_does_not_hold_the_files_weights(gguf_model):
@@ -308,8 +308,11 @@ def test_quantize_says_what_it_left_and_refuses_twice():
     model = tiny_model("llama")  # d_inter 97: down_proj's inputs are not a multiple of any group
     q = countdown.quantize(model, group=32, lm_head=True)
     assert type(q.model.layers[0].mlp.down_proj) is nn.Linear and isinstance(q.lm_head, Int4Linear)
-    assert q.config.countdown_int4["kept"] == {"in_features not a multiple of group 32": 2}
-    assert q.config.countdown_int4["int4"] == {"rtn": 13}
+    assert q.config.countdown_int4["kept"] == {"in_features not a multiple of 32": 2}
+    assert q.config.countdown_int4["int4"] == {"rtn g32": 13}
+    wide = countdown.quantize(tiny_model("llama", hidden_size=192, intermediate_size=128), group=128)
+    assert wide.model.layers[0].mlp.down_proj.group == 128 and wide.model.layers[0].mlp.up_proj.group == 64
+    assert wide.config.countdown_int4["int4"] == {"rtn g64": 12, "rtn g128": 2}
     with pytest.raises(ValueError, match="quantized to 4 bits already"):
         countdown.quantize(q)
     with pytest.raises(ValueError, match="source must be one of"):

@@ -16,8 +16,9 @@ Sources:
 
 Which Linears: every ``nn.Linear`` of the model (attention q/k/v/o, the MLP's gate/up/down, fused ones
 included) except the output embedding, which is quantized (RTN) only with ``lm_head=True`` (a head tied to the
-input embedding is untied then: the embedding keeps its precision). A Linear whose input width is not a
-multiple of the group stays as it is. The function logs what it did and keeps it in
+input embedding is untied then: the embedding keeps its precision). RTN uses groups of ``group`` columns where
+the input width is a multiple of it, else the largest of 64 / 32 that divides it (SmolLM2's d_model 576 takes
+64 at ``group=128``); a Linear whose input width is not a multiple of 32 stays as it is. The function logs what it did and keeps it in
 ``model.config.countdown_int4``, which ``save_pretrained`` writes into config.json: ``countdown.load_model``
 reads it to rebuild the 4-bit modules (``loading.py``).
 """
@@ -61,7 +62,8 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
              scale_dtype: torch.dtype = torch.float16) -> nn.Module:
     """Replace the model's decoder Linears by 4-bit ones in place (see the module docstring); returns ``model``.
 
-    group: columns per scale and offset for RTN (32, 64 or 128). source: ``"rtn"`` or ``"gguf"``.
+    group: columns per scale and offset for RTN (32, 64 or 128; smaller where it does not divide a Linear's
+    input width). source: ``"rtn"`` or ``"gguf"``.
     lm_head: quantize the output projection too (RTN). gguf: the GGUF file for ``source="gguf"`` (a path or
     a catalogue name; default: the file the model was loaded from). requantize: with ``"gguf"``, round the
     tensors that are not 4-bit in the file to 4 bits too. scale_dtype: of RTN's scales and offsets.
@@ -97,13 +99,14 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
                 why = f"{found.type_name} in the GGUF file" if found is not None else "not in the GGUF file"
                 kept.setdefault(why, []).append(name)
                 continue
-            elif linear.in_features % group:
-                kept.setdefault(f"in_features not a multiple of group {group}", []).append(name)
-                continue
             else:
-                weight, how = quantize_rtn(linear.weight, group, scale_dtype), "rtn"
+                fit = next((g for g in sorted(GROUPS, reverse=True) if g <= group and linear.in_features % g == 0), None)
+                if fit is None:
+                    kept.setdefault(f"in_features not a multiple of {min(GROUPS)}", []).append(name)
+                    continue
+                weight, how = quantize_rtn(linear.weight, fit, scale_dtype), "rtn"
             model.set_submodule(name, Int4Linear.from_linear(linear, weight, source=how))
-            done[how] += 1
+            done[f"{how} g{weight.group}"] += 1
     if head in names and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own 4-bit module now; the embedding stays
     record["int4"], record["kept"] = dict(done), {why: len(which) for why, which in kept.items()}
