@@ -6,10 +6,13 @@
 A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit) plus
 ``countdown.json`` (the spec, k, mode, scope and path ``sparsify`` was given) and, for SP-Prac,
 ``countdown_artifacts.safetensors`` (the selectors, checksummed). ``transformers.from_pretrained`` alone loads the
-dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A
-configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac selectors replaced by hand) is
-refused before anything is written. The folder is written beside its place and renamed into it, so a failed save
-leaves no half folder and an existing folder is replaced only with ``overwrite=True``.
+dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A 4-bit model
+(``countdown.quantize``) saves its 4-bit Linears as their codes, scales and offsets, and its configuration in
+config.json and in countdown.json's ``"int4"``: only :func:`countdown.load_model` rebuilds those Linears
+(:mod:`countdown.int4.loading`). A configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac
+selectors replaced by hand) is refused before anything is written. The folder is written beside its place and
+renamed into it, so a failed save leaves no half folder and an existing folder is replaced only with
+``overwrite=True``.
 """
 
 from __future__ import annotations
