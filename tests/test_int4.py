@@ -304,6 +304,16 @@ def test_quantize_keeps_the_model_a_transformers_model(arch):
     assert out.shape == (1, 12) and torch.equal(out, twin.generate(ids, max_new_tokens=6, do_sample=False))
 
 
+def test_a_4bit_model_compiles_whole_and_generates_through_countdown():
+    """No graph break in the reference path (the kernel lookup included): a compiled decode step can hold it."""
+    q = countdown.quantize(tiny_model("llama", intermediate_size=96), group=32)
+    compiled = torch.compile(q.forward, backend="aot_eager", fullgraph=True)  # AOT autograd, no C++ build
+    with torch.no_grad():
+        assert torch.equal(compiled(IDS).logits, q(IDS).logits)
+    ids = IDS[:1, :6]
+    assert torch.equal(countdown.generate(q, ids, max_new_tokens=5), q.generate(ids, max_new_tokens=5, do_sample=False))
+
+
 def test_quantize_says_what_it_left_and_refuses_twice():
     model = tiny_model("llama")  # d_inter 97: down_proj's inputs are not a multiple of any group
     q = countdown.quantize(model, group=32, lm_head=True)
