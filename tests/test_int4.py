@@ -14,7 +14,7 @@ from gguf import GGUFWriter, quants
 from torch import nn
 
 import countdown
-from countdown.int4 import Int4Linear, Int4Weight, dequantize, pack, quantize_rtn, unpack
+from countdown.int4 import Int4Linear, dequantize, pack, quantize_rtn, unpack
 from countdown.int4 import linear as int4_linear_module
 from countdown.int4.format import nbytes
 from countdown.int4.gguf_blocks import from_blocks

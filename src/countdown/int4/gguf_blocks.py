@@ -72,7 +72,8 @@ def from_blocks(data, type_number: int, n: int, k: int) -> Int4Weight:
     """The raw blocks of an ``[n, k]`` tensor of GGML type ``type_number`` (Q4_0 / Q4_1 / Q4_K), a uint8 numpy
     array or tensor of ``n * k / block * size`` bytes, as an :class:`Int4Weight` with groups of 32."""
     if type_number not in Q4_TYPES:
-        raise ValueError(f"GGML type {type_number} is not a 4-bit block type ({', '.join(v[0] for v in Q4_TYPES.values())})")
+        names = ", ".join(v[0] for v in Q4_TYPES.values())
+        raise ValueError(f"GGML type {type_number} is not a 4-bit block type ({names})")
     name, block, size = Q4_TYPES[type_number]
     if k % block:
         raise ValueError(f"{name} needs a row length that is a multiple of {block}, got K={k}")

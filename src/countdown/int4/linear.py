@@ -66,7 +66,8 @@ class Int4Linear(nn.Linear):
             self.register_buffer(name, getattr(weight, name))
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise ValueError(f"bias must have {self.out_features} values, got shape {tuple(bias.shape)}")
-        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False))
+        kept = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.register_parameter("bias", kept)
         self.compute_dtype = dtype
         self.kernel_layout = None
 
@@ -79,7 +80,8 @@ class Int4Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, weight: Int4Weight, source: str = "") -> "Int4Linear":
         """The 4-bit replacement of ``linear`` (its bias, dtype and device kept)."""
         if weight.shape != tuple(linear.weight.shape):
-            raise ValueError(f"a 4-bit weight of shape {weight.shape} cannot replace a Linear of {tuple(linear.weight.shape)}")
+            raise ValueError(f"a 4-bit weight of shape {weight.shape} cannot replace a Linear of "
+                             f"{tuple(linear.weight.shape)}")
         device = linear.weight.device
         moved = Int4Weight(*(getattr(weight, name).to(device) for name in BUFFERS))
         return cls(moved, linear.bias, linear.weight.dtype, source)

@@ -18,9 +18,9 @@ Which Linears: every ``nn.Linear`` of the model (attention q/k/v/o, the MLP's ga
 included) except the output embedding, which is quantized (RTN) only with ``lm_head=True`` (a head tied to the
 input embedding is untied then: the embedding keeps its precision). RTN uses groups of ``group`` columns where
 the input width is a multiple of it, else the largest of 64 / 32 that divides it (SmolLM2's d_model 576 takes
-64 at ``group=128``); a Linear whose input width is not a multiple of 32 stays as it is. The function logs what it did and keeps it in
-``model.config.countdown_int4``, which ``save_pretrained`` writes into config.json: ``countdown.load_model``
-reads it to rebuild the 4-bit modules (``loading.py``).
+64 at ``group=128``); a Linear whose input width is not a multiple of 32 stays as it is. The function logs
+what it did and keeps it in ``model.config.countdown_int4``, which ``save_pretrained`` writes into config.json:
+``countdown.load_model`` reads it to rebuild the 4-bit modules (``loading.py``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
                 kept.setdefault(why, []).append(name)
                 continue
             else:
-                fit = next((g for g in sorted(GROUPS, reverse=True) if g <= group and linear.in_features % g == 0), None)
+                k = linear.in_features
+                fit = next((g for g in sorted(GROUPS, reverse=True) if g <= group and k % g == 0), None)
                 if fit is None:
                     kept.setdefault(f"in_features not a multiple of {min(GROUPS)}", []).append(name)
                     continue
