@@ -42,24 +42,41 @@ def load_texts(source: str = "xsum", limit: int | None = None) -> list:
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id (a string is a
     catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,
-    the same rule as ``--model``). A folder written
-    by :func:`save` (or ``save_pretrained`` of a sparsified model) comes back sparsified as it was saved.
-    See :func:`countdown.data.models.load_model`."""
+    the same rule as ``--model``). A folder written by :func:`save` (or ``save_pretrained`` of a sparsified or
+    4-bit model) comes back sparsified and quantized as it was saved. See :func:`countdown.data.models.load_model`."""
     from pathlib import Path
 
-    from .data.models import load_model as _load, model_source
+    from .data.models import load_model as _load, model_source, parse_device, parse_dtype
+    from .int4.loading import load_int4, saved_int4
     from .saving import ARTIFACTS_NAME, saved_config
 
-    model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
-    # the folder as load_model read the string (a catalogue name is never a folder of that name)
+    # the folder as load_model reads the string (a catalogue name is never a folder of that name)
     folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
         Path(model_source(name_or_path)[1])
+    int4 = saved_int4(folder) if folder is not None else None
+    if int4 is not None:  # 4-bit Linears: transformers alone would give them random weights
+        if kwargs:
+            raise ValueError(f"a saved 4-bit model takes no {', '.join(kwargs)}")
+        device = parse_device(device)
+        dtype = parse_dtype(("bf16" if device.type == "cuda" else "fp32") if dtype == "auto" else dtype)
+        model, tokenizer = load_int4(folder, dtype, device)
+    else:
+        model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
     record = saved_config(folder) if folder is not None else None
-    if record is not None:
+    if record is not None and record["spec"] is not None:
         artifacts = folder / ARTIFACTS_NAME if record["artifacts"] else None
         sparsify(model, record["spec"], record["sparsity"], mode=record["mode"], scope=record["scope"],
                  artifacts=artifacts, path=record["path"])
     return model, tokenizer
+
+
+def quantize(model, group: int = 128, source: str = "rtn", **kwargs):
+    """Replace every decoder Linear of ``model`` by a 4-bit one in place (round-to-nearest with groups of
+    ``group``, or ``source="gguf"``: the GGUF file's own 4-bit blocks, exactly); returns the model.
+    See :func:`countdown.int4.quantize.quantize` and docs/int4.md."""
+    from .int4.quantize import quantize as _quantize
+
+    return _quantize(model, group=group, source=source, **kwargs)
 
 
 def save(model, folder, tokenizer=None, overwrite: bool = False, **kwargs):
@@ -106,6 +123,6 @@ __all__ = [
     "NoGatedMLPError", "NotSparsifiedError", "Spec", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts",
     "evaluate", "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows",
     "load_artifacts", "load_model", "load_texts", "methods", "parse_spec", "perplexity", "predictor_quality", "prepare",
-    "refine_cuts_on_decode",
+    "quantize", "refine_cuts_on_decode",
     "reset_sparsity_stats", "save", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
 ]

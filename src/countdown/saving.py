@@ -6,10 +6,13 @@
 A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit) plus
 ``countdown.json`` (the spec, k, mode, scope and path ``sparsify`` was given) and, for SP-Prac,
 ``countdown_artifacts.safetensors`` (the selectors, checksummed). ``transformers.from_pretrained`` alone loads the
-dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A
-configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac selectors replaced by hand) is
-refused before anything is written. The folder is written beside its place and renamed into it, so a failed save
-leaves no half folder and an existing folder is replaced only with ``overwrite=True``.
+dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A 4-bit model
+(``countdown.quantize``) saves its 4-bit Linears as their codes, scales and offsets, and its configuration in
+config.json and in countdown.json's ``"int4"``: only :func:`countdown.load_model` rebuilds those Linears
+(:mod:`countdown.int4.loading`). A configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac
+selectors replaced by hand) is refused before anything is written. The folder is written beside its place and
+renamed into it, so a failed save leaves no half folder and an existing folder is replaced only with
+``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -25,26 +28,36 @@ from torch import nn
 CONFIG_NAME = "countdown.json"
 ARTIFACTS_NAME = "countdown_artifacts.safetensors"
 FORMAT = "countdown-sparsified"
+FORMAT_VERSION = 2  # 2: a 4-bit model's configuration under "int4"
 PATCH_ATTR = "countdown_sparse"  # the patched layer sparsify hangs on each Gated-MLP module (not saved)
 
 
 def _record(model: nn.Module) -> dict | None:
-    """What ``countdown.json`` holds for ``model`` (None: a dense model), refusing what cannot round-trip."""
+    """What ``countdown.json`` holds for ``model`` (None: a dense model with its weights as loaded), refusing what
+    cannot round-trip. A 4-bit model (``countdown.quantize``) records its configuration under ``"int4"`` (format
+    version 2); it also travels in config.json, which ``countdown.load_model`` reads to rebuild the 4-bit modules."""
     from . import __version__
     from .state import STATE_ATTR
 
     state = getattr(model, STATE_ATTR, None)
+    int4 = getattr(getattr(model, "config", None), "countdown_int4", None)
     if state is None:
-        return None
+        if int4 is None:
+            return None
+        return {"format": FORMAT, "format_version": 2, "countdown": __version__, "spec": None, "sparsity": None,
+                "mode": None, "scope": None, "path": None, "artifacts": None, "int4": int4}
     if any(layer.mlp.tp is not None for layer in state.layers):
         raise ValueError("a tensor-parallel shard cannot be saved as a sparsified model: save the model dense "
                          "(countdown.unsparsify first) with its artifacts, and sparsify it again after loading")
     if state.mode == "prac" and state.artifacts is None:
         raise ValueError("this SP-Prac model's selectors did not come from an artifact, so they cannot be saved; "
                          "build them with countdown.prepare and sparsify(..., artifacts=...) to save the model")
-    return {"format": FORMAT, "format_version": 1, "countdown": __version__, "spec": state.spec.label,
-            "sparsity": state.sparsity, "mode": state.mode, "scope": state.scope, "path": state.path,
-            "artifacts": ARTIFACTS_NAME if state.mode == "prac" else None}
+    record = {"format": FORMAT, "format_version": 1, "countdown": __version__, "spec": state.spec.label,
+              "sparsity": state.sparsity, "mode": state.mode, "scope": state.scope, "path": state.path,
+              "artifacts": ARTIFACTS_NAME if state.mode == "prac" else None}
+    if int4 is not None:
+        record.update(format_version=2, int4=int4)
+    return record
 
 
 def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite: bool = False,
@@ -108,7 +121,8 @@ def _save_pretrained(model: nn.Module, folder: Path, **kwargs) -> None:
 
 
 def saved_config(folder: str | os.PathLike) -> dict | None:
-    """``countdown.json`` of a saved folder, or None where the folder holds a dense model."""
+    """``countdown.json`` of a saved folder, or None where the folder holds a dense model. ``spec`` is None in the
+    record of a 4-bit model that is not sparsified."""
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
         return None
@@ -116,6 +130,9 @@ def saved_config(folder: str | os.PathLike) -> dict | None:
     if record.get("format") != FORMAT:
         raise ValueError(f"{path} is not a countdown save (format {record.get('format')!r}); remove it or "
                          "save the model again with countdown.save")
+    if record.get("format_version", 1) > FORMAT_VERSION:
+        raise ValueError(f"{path} was written by a newer countdown (format version {record['format_version']}); "
+                         "upgrade countdown to load it")
     return record
 
 

@@ -1,0 +1,120 @@
+"""``Int4Linear``: an ``nn.Linear`` whose weight is held in the 4-bit format (``format.py``).
+
+The module holds the format's tensors as buffers (``qweight``, ``scale``, ``offset``; saved with the model as
+safetensors) and the bias as a parameter. Its forward is one call, :func:`int4_linear`, which today runs the
+PyTorch reference (de-quantize, then ``F.linear``) and is where a GPU GEMV plugs in: a kernel registers
+``(applies, run)`` with :func:`register_kernel`; ``applies(x, module)`` says whether it serves this call (a
+CUDA tensor of a few tokens, a layout it takes) and ``run(x, module)`` computes ``x W~^T + b``. A kernel that
+wants another layout (a Marlin-style permutation, torch's int4pack nibble order) builds it from the module's
+buffers the first time and keeps it in ``module.kernel_layout`` (not saved, dropped when the module moves):
+the format and the module stay as they are.
+
+It is an ``nn.Linear`` so that code finding Linears by type keeps finding it: ``countdown.sparsify``'s
+Gated-MLP adapter (``mlp.py``) reads ``module.weight``, which here is the de-quantized weight in the compute
+dtype, built on each read (read-only; nothing is cached beside the 4-bit buffers). Code that needs a plain
+``nn.Linear`` checks ``type(m) is nn.Linear`` (the fused decode routes do) and leaves this one alone.
+
+``model.to(dtype)`` changes the compute dtype (the bias and what ``forward`` / ``weight`` produce); the
+scales and offsets keep their own dtype (float32 ones are what make the GGUF route exact).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .format import Int4Weight, dequantize
+
+BUFFERS = ("qweight", "scale", "offset")
+_KERNELS: list[tuple[Callable, Callable]] = []
+
+
+def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: ``F.linear(x, W~, bias)`` with W~ de-quantized (in float32, as the format defines it) and
+    cast to x's dtype."""
+    return F.linear(x, dequantize(qweight, scale, offset, x.dtype), bias)
+
+
+def register_kernel(applies: Callable, run: Callable) -> None:
+    """Add a kernel for :func:`int4_linear` (tried in the order registered, before the reference)."""
+    _KERNELS.append((applies, run))
+
+
+def int4_linear(x: torch.Tensor, module: "Int4Linear") -> torch.Tensor:
+    """``x W~^T + b`` for an :class:`Int4Linear`: the first registered kernel that applies, else the reference."""
+    for applies, run in _KERNELS:
+        if applies(x, module):
+            return run(x, module)
+    return int4_linear_ref(x, module.qweight, module.scale, module.offset, module.bias)
+
+
+class Int4Linear(nn.Linear):
+    """A Linear layer with a 4-bit weight; see the module docstring. Build it with :meth:`from_weight` or
+    :meth:`from_linear`."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 source: str = ""):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a float weight
+        self.out_features, self.in_features = weight.shape
+        self.group = weight.group
+        self.source = source  # how the codes were made: "rtn" or the GGUF type ("Q4_1", ...)
+        for name in BUFFERS:
+            self.register_buffer(name, getattr(weight, name))
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias must have {self.out_features} values, got shape {tuple(bias.shape)}")
+        kept = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.register_parameter("bias", kept)
+        self.compute_dtype = dtype
+        self.kernel_layout = None
+
+    @classmethod
+    def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                    source: str = "") -> "Int4Linear":
+        return cls(weight, bias, dtype, source)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: Int4Weight, source: str = "") -> "Int4Linear":
+        """The 4-bit replacement of ``linear`` (its bias, dtype and device kept)."""
+        if weight.shape != tuple(linear.weight.shape):
+            raise ValueError(f"a 4-bit weight of shape {weight.shape} cannot replace a Linear of "
+                             f"{tuple(linear.weight.shape)}")
+        device = linear.weight.device
+        moved = Int4Weight(*(getattr(weight, name).to(device) for name in BUFFERS))
+        return cls(moved, linear.bias, linear.weight.dtype, source)
+
+    @property
+    def int4(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scale, self.offset)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The de-quantized weight [out, in] in the compute dtype (a new tensor on each read)."""
+        return dequantize(self.qweight, self.scale, self.offset, self.compute_dtype)
+
+    @weight.setter
+    def weight(self, value) -> None:
+        raise AttributeError("an Int4Linear's weight is its 4-bit codes (qweight, scale, offset): replace the module "
+                             "to change it")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() convert every floating buffer: keep the scales' dtype, let them only move.
+        before = {name: self._buffers[name] for name in BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.qweight.device)).dtype
+        self.kernel_layout = None
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group={self.group}, scale={str(self.scale.dtype).removeprefix('torch.')}, source={self.source}")
