@@ -82,8 +82,6 @@ def _command(args) -> str:
 
 def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
-    import countdown
-    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
     from ..spec import parse_specs
 
     try:
@@ -96,6 +94,20 @@ def bench_from_args(args) -> int:
         if value < 1:
             print(f"countdown bench: {name} must be at least 1, got {value}", file=sys.stderr)
             return 2
+    from ..io import check_writable_dir, claim_output
+
+    # the outputs are checked (and the table locked) before the model loads, not after the measurements
+    with claim_output(args.out, "--out", "bench table", folder=True,
+                      lock_name=f"{str(args.model).replace('/', '_')}.csv"):
+        if args.artifacts_dir is not None and not args.speed_only:
+            check_writable_dir(args.artifacts_dir, "--artifacts-dir")
+        return _bench(args, specs)
+
+
+def _bench(args, specs) -> int:
+    import countdown
+    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
+
     model, tok, random_weights = _load(args)
     speed_only = args.speed_only or tok is None
     if speed_only:
