@@ -166,6 +166,8 @@ def explain(err: OSError, path: str | os.PathLike | None = None, write: bool = T
     if code == errno.EISDIR:
         return "it is a folder", "give a file name"
     if code == errno.ENOENT:
+        if os.path.isdir(where):
+            return "files cannot be created in that folder", "choose a path in another folder"
         return "a folder on the way does not exist", "create it or choose another path"
     if code in (errno.EMFILE, errno.ENFILE):
         return "too many open files", "raise the limit (ulimit -n) and run again"
