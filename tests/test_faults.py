@@ -168,26 +168,24 @@ def test_calibrate_out_on_a_foreign_file_exits_and_leaves_it_byte_identical(cali
     assert cli.main(calibrate_argv(calib, notes)) == 0  # an artifact is replaced without --force
 
 
-def _read_only_folder(tmp_path):
-    folder = tmp_path / "read-only"
-    folder.mkdir()
-    folder.chmod(0o555)
-    if os.access(folder, os.W_OK):  # root: permissions do not bind
-        folder.chmod(0o755)
-        pytest.skip("running as root: a read-only folder is still writable")
-    return folder / "mono.safetensors"
+def _read_only_folder(tmp_path, monkeypatch):
+    """A folder of mode 0555 whose writes fail with EACCES: injected (tests/_faultinject.py), so that root, for
+    whom permissions do not bind, meets the error too."""
+    from _faultinject import read_only
+
+    return read_only(monkeypatch, tmp_path / "read-only") / "mono.safetensors"
 
 
-def _under_a_file(tmp_path):
+def _under_a_file(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("x")
     return tmp_path / "a-file" / "mono.safetensors"
 
 
 UNWRITABLE = {
     "read-only folder": _read_only_folder,
-    "missing folder in a read-only one": lambda tmp: _read_only_folder(tmp).parent / "sub" / "mono.safetensors",
+    "missing folder in a read-only one": lambda tmp, mp: _read_only_folder(tmp, mp).parent / "sub" / "mono.safetensors",
     "path under a file": _under_a_file,
-    "a folder": lambda tmp: tmp,
+    "a folder": lambda tmp, mp: tmp,
 }
 
 
@@ -196,8 +194,9 @@ SUCCESSFUL_RUN_S: dict[str, float] = {}
 
 @pytest.mark.parametrize("case", list(UNWRITABLE))
 @pytest.mark.parametrize("command", ["calibrate", "train --checkpoint", "train --out"])
-def test_an_unwritable_output_fails_before_the_model_is_loaded(case, command, calib, tmp_path, loads, capsys):
-    bad = UNWRITABLE[case](tmp_path)
+def test_an_unwritable_output_fails_before_the_model_is_loaded(case, command, calib, tmp_path, loads, capsys,
+                                                               monkeypatch):
+    bad = UNWRITABLE[case](tmp_path, monkeypatch)
     good_out, good_ckpt = tmp_path / "ok" / "a.safetensors", tmp_path / "ok" / "ckpt"
     if command == "calibrate":
         argv = lambda out: calibrate_argv(calib, out)  # noqa: E731

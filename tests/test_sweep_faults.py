@@ -59,21 +59,37 @@ class _StallingFile:
 
 def _stall_writes_of(out, stall, said):
     """In a writer process: every file named m.csv* in ``out`` opened for writing (the CSV itself or a
-    temporary file beside it, whichever the store writes) stalls mid-write once ``stall`` is set."""
+    temporary file beside it or in a temporary folder beside it, whichever the store writes) stalls mid-write
+    once ``stall`` is set, whether it is written through ``open()`` or through ``os.write``."""
     import builtins
     import io
 
-    real_open = io.open
+    real_open, real_write = io.open, os.write
+
+    def ours(name: Path) -> bool:
+        return name.name.startswith("m.csv") and Path(out) in (name.parent, name.parent.parent)
 
     def stalling_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
         name = Path(os.fsdecode(file)) if isinstance(file, (str, bytes, os.PathLike)) else None
-        if name is not None and name.parent == Path(out) and name.name.startswith("m.csv") and \
-                any(c in mode for c in "wax+"):
+        if name is not None and ours(name) and any(c in mode for c in "wax+"):
             return _StallingFile(f, stall, said)
         return f
 
+    def stalling_write(fd, data):
+        try:
+            name = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            name = None
+        if name is not None and ours(name) and stall.is_set():
+            real_write(fd, bytes(memoryview(data)[:len(data) // 2]))
+            os.fsync(fd)
+            said.send("mid-write")
+            time.sleep(120)
+        return real_write(fd, data)
+
     io.open = builtins.open = stalling_open
+    os.write = stalling_write
 
 
 def _write(out, method, n, pad, said, go, stall=None):

@@ -154,7 +154,9 @@ class Artifacts:
                    for name, t in self._one_sparsity())
 
     def save(self, path: str | os.PathLike, force: bool = False) -> Path:
-        """Write to ``path`` atomically; returns the path.
+        """Write to ``path`` atomically (:func:`countdown.io.atomic_path`: the mode of the file it replaces
+        kept, a symbolic link written through, a disk-full or read-only error one :class:`~countdown.io.WriteError`
+        with the previous file unchanged); returns the path.
 
         An existing file at ``path`` is replaced only if it is a countdown artifact (any version):
         anything else (a notes file passed by mistake) raises :class:`ArtifactError` unless
@@ -167,7 +169,7 @@ class Artifacts:
             refuse_foreign(path)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.tensors.items()}
         header = {"countdown": canonical_meta(self.meta), "countdown_sha256": artifact_checksum(self.meta, tensors)}
-        with atomic_path(path, suffix=".safetensors") as tmp:
+        with atomic_path(path, suffix=".safetensors", what="artifact") as tmp:  # OS errors: one WriteError
             save_file(tensors, str(tmp), metadata=header)
         return path
 
@@ -218,9 +220,9 @@ def read_meta(path: str | os.PathLike) -> dict | None:
 def refuse_foreign(path: str | os.PathLike) -> None:
     """Raise :class:`ArtifactError` if ``path`` exists and is not a countdown artifact."""
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):
         raise ArtifactError(f"{path} is a folder: give a file name for the artifact (e.g. {path}/mono.safetensors)")
-    if path.exists() and not is_artifact_file(path):
+    if os.path.exists(path) and not is_artifact_file(path):
         raise ArtifactError(f"{path} exists and is not a countdown artifact: refusing to replace it; choose another "
                             "path, or pass --force (force=True) to overwrite it")
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import re
 from pathlib import Path
 
 from torch import nn
@@ -64,26 +63,21 @@ def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite:
          **save_pretrained_kwargs) -> Path:
     """Write ``model`` (dense or sparsified) and its sparsity configuration to ``folder``; returns the folder.
     ``tokenizer`` is saved with it when given; other keyword arguments go to ``save_pretrained``. The folder is
-    written beside its place and renamed into it; an existing, non-empty one is replaced only with
-    ``overwrite=True``."""
+    written beside its place and renamed into it (:func:`countdown.io.atomic_folder`): a failed save (a full
+    disk, a kill) leaves the folder that was there as it was; an existing, non-empty one is replaced only with
+    ``overwrite=True``. The folder is checked writable and locked (``.<name>.lock`` beside it) before anything
+    is written; a symbolic link is written through."""
+    from .io import atomic_folder, check_writable_dir, file_lock, recover, resolve_link
+
     folder = Path(folder)
     record = _record(model)  # refuses before any write
-    if folder.exists() and not (folder.is_dir() and not any(folder.iterdir())) and not overwrite:
+    target = resolve_link(folder)
+    recover(target)  # a save killed between its two renames: the old folder is put back first
+    if os.path.exists(target) and not (os.path.isdir(target) and not any(target.iterdir())) and not overwrite:
         raise FileExistsError(f"{folder} exists and is not empty: pass overwrite=True to replace it, or another folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.saving-", dir=folder.parent))
-    try:
+    check_writable_dir(target.parent, None)  # before the serialization: a read-only place fails at once
+    with file_lock(target, what="saved model folder"), atomic_folder(target, what="saved model") as work:
         _write(model, record, work, tokenizer, save_pretrained_kwargs)
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.replaced-{os.getpid()}")
-            os.replace(folder, old)
-            os.replace(work, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(work, folder)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     return folder
 
 
@@ -138,15 +132,35 @@ def saved_config(folder: str | os.PathLike) -> dict | None:
 
 def save_pretrained_method(model: nn.Module):
     """The ``save_pretrained`` a sparsified model carries: transformers' own (into the folder, which keeps its
-    other files, as transformers does), plus the sparsity record and the artifact."""
+    other files, as transformers does), plus the sparsity record and the artifact. Everything is written
+    beside, then each file replaces its namesake atomically (:func:`countdown.io.files_into`): a full disk
+    leaves the folder as it was."""
 
     def save_pretrained(save_directory, *args, **kwargs):
+        from .io import file_lock, files_into, resolve_link
+
         if args:
             raise TypeError("save_pretrained on a sparsified model takes the folder and keyword arguments")
         folder = Path(save_directory)
         record = _record(model)  # refuses before any write
-        folder.mkdir(parents=True, exist_ok=True)
-        _write(model, record, folder, None, kwargs)
+        target = resolve_link(folder)
+        with file_lock(target, what="saved model folder"), files_into(target, what="saved model") as work:
+            _write(model, record, work, None, kwargs)
+            written = {p.name for p in work.iterdir()}
+        _drop_old_shards(target, written)
         return folder
 
     return save_pretrained
+
+
+_SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")
+
+
+def _drop_old_shards(folder: Path, written: set[str]) -> None:
+    """What transformers' save_pretrained does in place: the weight shards of an earlier save that this one did
+    not write again are removed (they would mix with the new weights)."""
+    for name in os.listdir(folder):
+        stem = name.replace(".safetensors", "").replace(".bin", "")
+        if name not in written and name.startswith(("model", "pytorch_model")) and _SHARD.fullmatch(stem) \
+                and (folder / name).is_file():
+            (folder / name).unlink()

@@ -88,8 +88,6 @@ def _command(args) -> str:
 
 def bench_from_args(args) -> int:
     """Run ``countdown bench`` with parsed ``args``; returns the exit status."""
-    import countdown
-    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
     from ..spec import parse_specs
 
     try:
@@ -102,12 +100,27 @@ def bench_from_args(args) -> int:
               f"(the window less its BOS): give --ppl-tokens >= {args.window - 1} or a smaller --window",
               file=sys.stderr)
         return 2
+    import countdown
+
     try:  # read now: a wrong --texts / --calib-texts is named before the model load
         texts = countdown.load_texts(args.texts) if args.texts else None
         calib_texts = countdown.load_texts(args.calib_texts) if args.calib_texts else None
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"countdown bench: error: {error}", file=sys.stderr)
         return 2
+    from ..io import check_writable_dir, claim_output
+
+    # the outputs are checked (and the table locked) before the model loads, not after the measurements
+    with claim_output(args.out, "--out", "bench table", folder=True,
+                      lock_name=f"{str(args.model).replace('/', '_')}.csv"):
+        if args.artifacts_dir is not None and not args.speed_only:
+            check_writable_dir(args.artifacts_dir, "--artifacts-dir")
+        return _bench(args, specs, texts, calib_texts)
+
+
+def _bench(args, specs, texts, calib_texts) -> int:
+    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
+
     model, tok, random_weights = _load(args)
     speed_only = args.speed_only or tok is None
     if speed_only:

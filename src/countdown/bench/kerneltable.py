@@ -23,6 +23,7 @@ measured in the same run. :func:`sweep` first picks the launch configurations (`
 from __future__ import annotations
 
 import csv
+import io
 import os
 import statistics
 
@@ -218,11 +219,14 @@ def write_outputs(rows, outdir, meta):
     os.makedirs(outdir, exist_ok=True)
     cols = ["device", "shape", "method", "sparsity", "batch", "us", "roofline_us", "dense_us", "speedup",
             "bytes", "kept_frac", "union_frac", "note"]
-    with open(os.path.join(outdir, "kernels.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: r.get(c, "") for c in cols})
+    from ..io import atomic_write
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: r.get(c, "") for c in cols})
+    atomic_write(os.path.join(outdir, "kernels.csv"), buf.getvalue(), what="kernel table")
     lines = ["# Kernel benchmark: one Gated-MLP, bf16", "",
              f"- device: {meta['device']}", f"- date: {meta['date']}", f"- command: `{meta['command']}`",
              f"- copy bandwidth (read + write): {meta['bw'] / 1e12:.2f} TB/s; roofline = bytes / that",
@@ -240,8 +244,7 @@ def write_outputs(rows, outdir, meta):
                          f"{r['roofline_us']:.1f} | {r['us'] / r['roofline_us']:.2f} | {r['speedup']:.2f} | "
                          f"{r['kept_frac']:.3f} ({r['union_frac']:.3f}) |")
         lines.append("")
-    with open(os.path.join(outdir, "kernels.md"), "w") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(outdir, "kernels.md"), "\n".join(lines), what="kernel table")
     plot(rows, os.path.join(outdir, "kernels.png"))
 
 
@@ -273,5 +276,8 @@ def plot(rows, path, batch=1):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from ..io import atomic_path
+
+    with atomic_path(path, suffix=".png", what="kernel plot") as tmp:
+        fig.savefig(tmp, dpi=120)
 

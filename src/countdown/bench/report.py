@@ -58,10 +58,13 @@ def fill_references(rows: list) -> None:
 
 
 def write_csv(rows: list, path: str) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=DECODE_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    from ..io import atomic_write
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=DECODE_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue(), what="decode table")
 
 
 def _x(value) -> str:
@@ -243,7 +246,10 @@ def plot(rows: list, path: str, metas: list) -> None:
     config = metas[0].get("config", "") if metas else ""
     fig.suptitle(f"End-to-end decode, {config}, random weights, prompt {metas[0].get('prompt', 64)}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from ..io import atomic_path
+
+    with atomic_path(path, suffix=".png", what="decode plot") as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
@@ -251,10 +257,10 @@ def write_report(rows: list, metas: list, out_dir: str, log=print) -> None:
     """decode.csv, decode.md, decode_meta.json and decode.png in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     write_csv(rows, os.path.join(out_dir, "decode.csv"))
-    with open(os.path.join(out_dir, "decode.md"), "w") as f:
-        f.write(markdown(rows, metas))
-    with open(os.path.join(out_dir, "decode_meta.json"), "w") as f:
-        json.dump(metas, f, indent=1, default=str)
+    from ..io import atomic_write
+
+    atomic_write(os.path.join(out_dir, "decode.md"), markdown(rows, metas), what="decode table")
+    atomic_write(os.path.join(out_dir, "decode_meta.json"), json.dumps(metas, indent=1, default=str), what="decode table")
     try:
         plot(rows, os.path.join(out_dir, "decode.png"), metas)
     except Exception as error:  # a missing matplotlib must not lose the numbers

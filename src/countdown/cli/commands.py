@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -190,22 +191,26 @@ def cmd_cost(args) -> int:
 def cmd_analyze(args) -> int:
     import countdown
     from ..eval.analysis import collect_indicator_stats, format_indicator_stats, plot_tornado
+    from ..io import atomic_write, claim_output
 
     check_model_arg(args.model)
-    texts = load_text_arg(args.texts)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    if texts is None:
-        from ..data.texts import eval_texts
+    texts = load_text_arg(args.texts)  # read before the model load: a wrong --texts is named at once
+    with contextlib.ExitStack() as outputs:  # --plot / --json checked and locked before the model load
+        for option, path, what in (("--plot", args.plot, "plot"), ("--json", args.json, "JSON file")):
+            if path:
+                outputs.enter_context(claim_output(path, option, what))
+        model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+        if texts is None:
+            from ..data.texts import eval_texts
 
-        texts = eval_texts()
-    stats = collect_indicator_stats(model, tok, texts, sparsities=args.sparsity, max_tokens=args.max_tokens)
-    print(format_indicator_stats(stats["overall"]))
-    if args.plot:
-        print(f"wrote {plot_tornado(stats['overall'], args.plot, title=f'{args.model}: u vs h against s')}")
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(stats, indent=2, default=float))
+            texts = eval_texts()
+        stats = collect_indicator_stats(model, tok, texts, sparsities=args.sparsity, max_tokens=args.max_tokens)
+        print(format_indicator_stats(stats["overall"]))
+        if args.plot:
+            print(f"wrote {plot_tornado(stats['overall'], args.plot, title=f'{args.model}: u vs h against s')}")
+        if args.json:
+            atomic_write(args.json, json.dumps(stats, indent=2, default=float), what="JSON file", option="--json")
+            print(f"wrote {args.json}")
     return 0
 
 
@@ -340,25 +345,61 @@ def _state_defaults(sub) -> None:
             action.help = f"{action.help} (default {shown})" if action.help else f"default {shown}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, ``kill``): unwinds like Ctrl-C, so every writer removes its temporary
+    file and the previous output stays as it was."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While a command runs, SIGTERM raises :class:`Terminated` in the main thread instead of ending the
+    process where it stands (the default)."""
+    import signal
+    import threading
+
+    got: list[int] = []  # the signals received (a handler further down may re-raise them as KeyboardInterrupt)
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def stop(signum, frame):
+        got.append(signum)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..data.texts import PackageUnavailableError
-    from ..io import LockedError, UnwritableError
+    from ..io import LockedError, UnwritableError, describe_os_error, os_error_of
     from ..data.models import CorruptDownloadError
     from ..state import AlreadySparsifiedError, NotSparsifiedError
 
     args = parse_args(argv)
     if isinstance(args, int):
         return args
+    got: list[int] = []
     try:
-        return args.func(args)
+        with _sigterm_unwinds() as got:
+            return args.func(args)
     except KeyboardInterrupt as err:
-        # Ctrl-C: say what is safe and how to go on, not a traceback
+        # Ctrl-C / SIGTERM: say what is safe and how to go on, not a traceback
         detail = str(err) or "nothing of this run was saved except what it reported as written"
-        print(f"countdown {args.command}: interrupted: {detail}", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if got or isinstance(err, Terminated) else "interrupted"
+        print(f"countdown {args.command}: {how}: {detail}", file=sys.stderr)
+        return 143 if how != "interrupted" else 130
     except (ValueError, TypeError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
             AlreadySparsifiedError, NotSparsifiedError, LockedError, UnwritableError) as err:
         print(f"countdown {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # an OS error (disk full, read-only, permission, ...) from anywhere: one line
+        if os_error_of(err) is None:
+            raise
+        print(f"countdown {args.command}: error: {describe_os_error(err)}", file=sys.stderr)
         return 2
 
 

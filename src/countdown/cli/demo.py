@@ -73,17 +73,24 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
              max_tokens: int = 2048, out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] | None = None,
              prompt: str = "Explain in two sentences why the sky is blue.",
              prac_sparsities: Sequence[float] = (0.7, 0.8, 0.9), log=print) -> dict:
-    """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac."""
-    from .. import load_model
-    from ..data.texts import eval_texts
+    """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac. ``out_dir`` is
+    checked writable and locked before the model loads."""
+    from ..io import claim_output
     from ..options import check
     from ..registry import sparsity_list
 
     max_tokens = check("max_tokens", max_tokens)  # the numbers before any work (countdown.options.RANGES)
     sparsities = sparsity_list(list(sparsities))
     prac_sparsities = sparsity_list(list(prac_sparsities)) if len(prac_sparsities) else []
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with claim_output(out_dir, "--out", "demo folder", folder=True, lock_name="demo.md"):
+        return _run_demo(model_name, sparsities, max_tokens, Path(out_dir), methods, prompt, prac_sparsities, log)
+
+
+def _run_demo(model_name, sparsities, max_tokens, out: Path, methods, prompt, prac_sparsities, log) -> dict:
+    from .. import load_model
+    from ..data.texts import eval_texts
+    from ..io import atomic_write
+
     t0 = time.time()
     torch.manual_seed(0)  # nothing below draws from the global generator today; keep it that way if it does
     env = run_environment()
@@ -114,7 +121,7 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
           "| setting | continuation |", "|---|---|"]
     md += [f"| {name} | {text.replace('|', '/').replace(chr(10), ' ')} |" for name, text in gens]
     md += ["", f"Total time {time.time() - t0:.0f} s."]
-    (out / "demo.md").write_text("\n".join(md) + "\n")
+    atomic_write(out / "demo.md", "\n".join(md) + "\n", what="demo table", option="--out")
     log("\n" + "\n".join(md[4:]))
     log(f"\nwrote {out / 'demo.md'}, {out / 'demo.csv'}, {out / 'demo.png'}")
     return {"cells": cells, "markdown": out / "demo.md", "csv": out / "demo.csv", "plot": out / "demo.png"}

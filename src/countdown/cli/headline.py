@@ -40,17 +40,24 @@ def _speed(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
 
 def run_headline(model_name: str = "smollm2-135m", out_dir: str | os.PathLike = "demo_out", max_tokens: int = 2048,
                  new_tokens: int = 48, speed_tokens: int = 64, repeats: int = 3, log=print) -> dict:
-    """Run the headline demo; returns the rows and the paths written."""
+    """Run the headline demo; returns the rows and the paths written. ``out_dir`` is checked writable and locked
+    before the model loads (a second demo into the same folder stops at once)."""
+    from ..io import claim_output
+    from ..options import check_all
+
+    check_all(max_tokens=max_tokens, max_new_tokens=new_tokens, samples=repeats)  # the numbers before any work
+    check_all(max_new_tokens=speed_tokens)
+    with claim_output(out_dir, "--out", "demo folder", folder=True, lock_name="demo.md"):
+        return _run_headline(Path(out_dir), model_name, max_tokens, new_tokens, speed_tokens, repeats, log)
+
+
+def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, speed_tokens: int, repeats: int,
+                  log) -> dict:
     from .. import ensure_artifacts, load_model, perplexity, sparsify, sparsity_real, unsparsify
     from ..data.texts import cache_root, eval_texts
     from ..decode.generate import generate
-    from ..options import check_all
     from .demo import chat_prompt
 
-    check_all(max_tokens=max_tokens, max_new_tokens=new_tokens, samples=repeats)  # before any work
-    check_all(max_new_tokens=speed_tokens)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     log(f"countdown demo: dense against {SPEC} at k = {K} on {model_name} (countdown demo --full: every method)")
     model, tok = load_model(model_name)
@@ -119,12 +126,12 @@ def _write(out: Path, rows: list[dict], texts: dict, max_tokens: int, seconds: f
            zip((r["config"] for r in rows), texts.values())]
     md += ["", f"Demo time {seconds:.0f} s. `countdown demo --full` runs every method, mode and k."]
     paths = {"markdown": out / "demo.md", "csv": out / "demo.csv", "plot": out / "demo.png"}
-    atomic_write(paths["markdown"], "\n".join(md) + "\n")
+    atomic_write(paths["markdown"], "\n".join(md) + "\n", what="demo table", option="--out")
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=FIELDS)
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write(paths["csv"], table.getvalue())
+    atomic_write(paths["csv"], table.getvalue(), what="demo table", option="--out")
     _plot(rows, paths["plot"])
     return paths
 
@@ -146,6 +153,6 @@ def _plot(rows: list[dict], path: Path) -> None:
     for ax in (left, right):
         ax.tick_params(labelsize=8)
     fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
+    with atomic_path(path, suffix=".png", what="demo plot", option="--out") as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

@@ -22,9 +22,10 @@ def _artifact_out(args, slug: str, ks: list[float]):
 
     label = "_".join(f"{k:g}" for k in ks)
     path = Path(args.out or f"{slug}-{args.model.replace('/', '_')}-k{label}.safetensors")
+    check_writable(path)  # first: a name too long, a read-only file or folder, a path under a file
     if not args.force:
         refuse_foreign(path)
-    return check_writable(path)
+    return path
 
 
 def _summarise_artifact(art, path) -> None:

