@@ -526,7 +526,7 @@ def test_a_replace_between_header_and_tensors_cannot_mix_two_writes(two_k, tmp_p
     """safetensors maps the tensors by opening the file name a second time; a writer that replaces
     the artifact in that instant (the CI failure of 2026-11-23) must not pair one write's metadata
     with another's tensors. The replace is forced deterministically inside that second open."""
-    import countdown.io as cio
+    import countdown.io.safetensors_file as cio
 
     monkeypatch.setattr(cio, "_PROC_FD", not portable)
     path = tmp_path / "a.safetensors"
