@@ -53,7 +53,9 @@ def calib(tmp_path_factory):
 
 @pytest.fixture
 def loads(model, monkeypatch):
-    """``countdown.load_model`` answers with the tiny model; the list records each call's pid."""
+    """``load_model`` (both names the commands use) answers with the tiny model; the list records each call's pid."""
+    import countdown.data.models as models
+
     calls = []
 
     def fake_load(*args, **kwargs):
@@ -61,6 +63,7 @@ def loads(model, monkeypatch):
         return model, TOK
 
     monkeypatch.setattr(countdown, "load_model", fake_load)
+    monkeypatch.setattr(models, "load_model", fake_load)
     return calls
 
 

@@ -25,41 +25,11 @@ from countdown.cli import commands as cli
 from countdown.io import TMP_MARK, LockedError, UnwritableError, WriteError, atomic_write, file_lock
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
-from test_faults import KW, calibrate_argv, in_child, leftovers, train_argv, wait_child
+from test_faults import (KW, calib, calibrate_argv, in_child, leftovers, loads, model, train_argv,  # noqa: F401
+                         two_k, wait_child)
 from _faultinject import disk_full, read_only, safetensors_disk_full
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def two_k(model):
-    return countdown.calibrate(model, TOK, "mono", [0.7, 0.8], **KW)
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    path = tmp_path_factory.mktemp("texts") / "calib.txt"
-    path.write_text("\n".join(word_texts(0)))
-    return str(path)
-
-
-@pytest.fixture
-def loads(model, monkeypatch):
-    """``load_model`` (both names the commands use) answers with the tiny model; the list records the calls."""
-    import countdown.data.models as models
-
-    calls = []
-
-    def fake_load(*args, **kwargs):
-        calls.append(os.getpid())
-        return model, TOK
-
-    monkeypatch.setattr(countdown, "load_model", fake_load)
-    monkeypatch.setattr(models, "load_model", fake_load)
-    return calls
 
 
 @pytest.fixture(autouse=True)
