@@ -37,6 +37,7 @@ FUSABLE = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # rotate_hal
 _BEFORE = "_countdown_forward_before"
 _WEIGHT, _BIAS = "_countdown_wqkv", "_countdown_bqkv"
 _SWITCHED = "_countdown_fused_switched_attention"
+_QKV4 = "_countdown_qkv4"  # a 4-bit attention's stacked QKV Int4Linear (in __dict__: not a submodule)
 QKV_FIXED = "_countdown_qkv_fixed"  # set by countdown.decode.linears.route_linears(model, ("qkv",))
 
 
@@ -58,9 +59,17 @@ def why_not_fusable(module: nn.Module) -> str | None:
     name = type(module).__name__
     if name not in FUSABLE:
         return f"{name} is not one of {FUSABLE}"
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if type(getattr(module, proj, None)) is not nn.Linear:
-            return f"{name}.{proj} is not a plain nn.Linear (sharded or quantised?)"
+    kinds = {proj: _kind(getattr(module, proj, None)) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    for proj, kind in kinds.items():
+        if kind is None:
+            return f"{name}.{proj} is neither a plain nn.Linear nor a 4-bit Int4Linear (sharded?)"
+    if len({kinds["q_proj"], kinds["k_proj"], kinds["v_proj"]}) > 1:
+        return f"{name}: some of q/k/v are 4-bit and some are not"
+    if kinds["q_proj"] == "int4":
+        q, k, v = module.q_proj, module.k_proj, module.v_proj
+        if len({(m.group, m.scale.dtype, m.qweight.device, m.compute_dtype, m.bias is None) for m in (q, k, v)}) > 1:
+            return f"{name}'s 4-bit q/k/v differ in group, scale dtype, device, dtype or bias"
+        return None
     if getattr(module, "sliding_window", None):
         return f"{name} uses a sliding window"
     q, k, v = module.q_proj, module.k_proj, module.v_proj
@@ -69,6 +78,15 @@ def why_not_fusable(module: nn.Module) -> str | None:
     if (q.bias is None) != (k.bias is None) or (q.bias is None) != (v.bias is None):
         return f"{name}: some of q/k/v have a bias and some do not"
     return None
+
+
+def _kind(linear) -> str | None:
+    """"linear" for a plain nn.Linear, "int4" for a 4-bit one (countdown.int4), else None."""
+    from ..int4 import Int4Linear
+
+    if type(linear) is nn.Linear:
+        return "linear"
+    return "int4" if isinstance(linear, Int4Linear) else None
 
 
 def decoder_layers(model: nn.Module, caller: str) -> list[nn.Module]:
@@ -85,6 +103,13 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def _fuse(attn: nn.Module) -> None:
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    if _kind(q) == "int4":  # one stacked 4-bit Linear whose buffers q, k and v view
+        from ..int4 import stack
+
+        attn.__dict__[_QKV4] = stack([q, k, v])
+        setattr(attn, _BEFORE, attn.forward)
+        attn.forward = types.MethodType(_fused_forward, attn)
+        return
     with torch.no_grad():
         weight = torch.cat([q.weight, k.weight, v.weight], 0)
         bias = torch.cat([q.bias, k.bias, v.bias], 0) if q.bias is not None else None
@@ -101,6 +126,15 @@ def _fuse(attn: nn.Module) -> None:
 
 
 def _unfuse(attn: nn.Module) -> None:
+    if attn.__dict__.pop(_QKV4, None) is not None:
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
+            for name, buf in list(proj._buffers.items()):
+                proj._buffers[name] = buf.clone()
+        attn.forward = getattr(attn, _BEFORE)
+        delattr(attn, _BEFORE)
+        if hasattr(attn, QKV_FIXED):
+            delattr(attn, QKV_FIXED)
+        return
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
         proj.weight = nn.Parameter(proj.weight.detach().clone(), requires_grad=proj.weight.requires_grad)
         if proj.bias is not None:
@@ -177,6 +211,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
                                       attention_mask=attention_mask, **kwargs)
     layer, row = found
     B = hidden_states.shape[0]
+    qkv4 = self.__dict__.get(_QKV4)
+    if qkv4 is not None:
+        return self.o_proj(attend(self, qkv4(hidden_states).view(B, -1), layer, row,
+                                  position_embeddings).reshape(B, 1, -1)), None
     weight, bias = getattr(self, _WEIGHT), getattr(self, _BIAS)
     if getattr(self, QKV_FIXED, False) and _common.decode_gemv_serves(hidden_states, weight):
         qkv = torch.ops.countdown.decode_linear(hidden_states.reshape(B, -1), weight, bias, None)

@@ -137,8 +137,8 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     max_new_tokens = check("max_new_tokens", max_new_tokens)
     temperature = check("temperature", temperature)  # 0 = greedy
     seed, top_p = check_optional("seed", seed), check_optional("top_p", top_p)
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None \
-        else model.config.vocab_size
+    head = model.get_output_embeddings()  # out_features first: a 4-bit head builds its weight on each read
+    vocab = model.config.vocab_size if head is None else getattr(head, "out_features", None) or head.weight.shape[0]
     if top_k is not None and check("top_k", top_k) > vocab:
         raise ValueError(f"top_k must be in [1, vocab size {vocab}] or None, got {top_k}")
     device = next(model.parameters()).device

@@ -53,6 +53,8 @@ def why_not_foldable(layer: nn.Module) -> str | None:
         return f"{name}'s attention is not fused (countdown.decode.attention.fuse_attention first)"
     if not getattr(attn, QKV_FIXED, False):
         return f"{name}'s QKV GEMV is not routed (countdown.decode.linears.route_linears(model, ('qkv',)) first)"
+    if type(attn.o_proj) is not nn.Linear:
+        return f"{name}.self_attn.o_proj is not a plain nn.Linear"
     weight, _ = qkv_weights(attn)
     for which in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(layer, which, None)
@@ -61,8 +63,6 @@ def why_not_foldable(layer: nn.Module) -> str | None:
         if norm.weight.shape != (weight.shape[1],) or norm.weight.dtype != weight.dtype \
                 or norm.weight.device != weight.device:
             return f"{name}.{which}'s weight does not match the QKV weight's input, dtype or device"
-    if type(attn.o_proj) is not nn.Linear:
-        return f"{name}.self_attn.o_proj is not a plain nn.Linear"
     return None
 
 
@@ -95,6 +95,16 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
         layer.forward = types.MethodType(_folded_forward, layer)
         _pdl.folded.add(layer)
     return skipped
+
+
+def fold_layer(layer: nn.Module, forward) -> None:
+    """Give ``layer`` another folded ``forward`` (the 4-bit one of countdown.decode.int4_step): PDL on while it is
+    folded, undone by ``fold_norms(model, False)`` like the layers folded here."""
+    from ..kernels import _pdl
+
+    setattr(layer, _BEFORE, layer.forward)
+    layer.forward = types.MethodType(forward, layer)
+    _pdl.folded.add(layer)
 
 
 def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,

@@ -131,12 +131,19 @@ def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
     from .attention import fuse_attention, is_fused
 
     if not on:
+        from .int4_step import int4_step
+
         route_linears(model, (), on=False)
+        int4_step(model, False)
         fuse_attention(model, False)
         return []
     from .layer import fold_norms
 
     skipped = fuse_attention(model)
+    from .int4_step import has_int4, int4_step
+
+    if has_int4(model):  # 4-bit Linears: q/k/v and gate/up stacked, each MLP two GEMVs (the rest routes as usual)
+        int4_step(model)
     targets = step_targets(any(is_fused(m) for m in model.modules()))
     route_linears(model, tuple(t for t in targets if t != "norm"))
     if "norm" in targets:

@@ -20,6 +20,7 @@ scales and offsets keep their own dtype (float32 ones are what make the GGUF rou
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -118,3 +119,31 @@ class Int4Linear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group={self.group}, scale={str(self.scale.dtype).removeprefix('torch.')}, source={self.source}")
+
+
+def stack(modules: list[Int4Linear]) -> Int4Linear:
+    """One :class:`Int4Linear` whose rows are the ``modules``' rows in order (q, k, v; gate, up), whose buffers
+    the parts then view (no memory added): one GEMV computes all of them. The parts must share the group size,
+    the scale dtype, the device, the compute dtype and whether they have a bias."""
+    first = modules[0]
+    for m in modules[1:]:
+        if (m.in_features, m.group, m.scale.dtype, m.qweight.device, m.compute_dtype, m.bias is None) != \
+                (first.in_features, first.group, first.scale.dtype, first.qweight.device, first.compute_dtype,
+                 first.bias is None):
+            raise ValueError("stack takes 4-bit Linears of one input size, group, scale dtype, device, compute "
+                             "dtype and bias or none")
+    with torch.no_grad():
+        weight = Int4Weight(*(torch.cat([getattr(m, name) for m in modules]) for name in BUFFERS))
+        bias = None if first.bias is None else torch.cat([m.bias for m in modules])
+    whole = Int4Linear(weight, bias, first.compute_dtype, first.source)
+    whole.stacked_from = tuple(modules)  # a plain attribute (not submodules): its backend follows theirs
+    for m in modules:
+        m.__dict__["stacked_into"] = weakref.ref(whole)
+    rows = [m.out_features for m in modules]
+    for name in BUFFERS:
+        for m, part in zip(modules, getattr(whole, name).split(rows)):
+            m._buffers[name] = part
+    if bias is not None:
+        for m, part in zip(modules, whole.bias.split(rows)):
+            m.bias = nn.Parameter(part, requires_grad=False)
+    return whole

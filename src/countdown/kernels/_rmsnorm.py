@@ -14,6 +14,8 @@ the order of the fp32 sum of squares.
 ``decode_add`` (h + m, rounded once, as PyTorch adds two bf16 tensors) is the folded layer's MLP residual on
 a kernel of ours (countdown.decode.layer.mlp_half): with programmatic dependent launch on, a layer of folded
 norms is then a chain of our kernels only, each able to launch while the one before finishes.
+``decode_add_partials`` is the same add for a 4-bit layer (countdown.decode.int4_step): the residual plus the
+fp32 partial sums a 4-bit GEMV leaves over slices of K.
 """
 
 from __future__ import annotations
@@ -101,6 +103,48 @@ def decode_add(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     _add_kernel[(triton.cdiv(n, ADD_BLOCK),)](h, m, y, n, BLOCK=ADD_BLOCK, PDL=pdl, num_warps=4,
                                               **_pdl.launch_kwargs(pdl))
     return y
+
+
+@triton.jit
+def _add_partials_kernel(H, P, B, Y, n, S: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = 0):
+    if PDL:  # the partials are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.load(P + i, mask=i < n, other=0.0)
+    for j in tl.static_range(1, S):
+        m += tl.load(P + j * n + i, mask=i < n, other=0.0)
+    if HAS_B:
+        m += tl.load(B + i, mask=i < n, other=0.0).to(tl.float32)
+    s = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + m
+    tl.store(Y + i, _round_to(s, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=i < n)
+
+
+def decode_add_partials(h: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h + the sum over S of fp32 ``partials [S, *h.shape]`` (+ ``bias`` [h.shape[-1]]): a 4-bit GEMV's slices of
+    K and the residual add in one launch (countdown.decode.int4_step), rounded once to h's dtype."""
+    if partials.dtype != torch.float32 or tuple(partials.shape[1:]) != (h.numel(),) or h.shape[:-1].numel() != 1:
+        raise ValueError(f"decode_add_partials takes one row h and fp32 partials [S, {h.numel()}], got h "
+                         f"{tuple(h.shape)} and partials {partials.dtype} {tuple(partials.shape)}")
+    h, partials = h.contiguous(), partials.contiguous()
+    y = _common.new_output(tuple(h.shape), h.dtype, h.device)
+    n = h.numel()
+    pdl = _pdl.mode(h)
+    _add_partials_kernel[(triton.cdiv(n, ADD_BLOCK),)](h, partials, partials if bias is None else bias.contiguous(), y,
+                                                       n, S=partials.shape[0], HAS_B=bias is not None,
+                                                       BLOCK=ADD_BLOCK, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
+    return y
+
+
+@torch.library.custom_op("countdown::decode_add_partials", mutates_args=())
+def _decode_add_partials_op(h: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return decode_add_partials(h, partials, bias)
+
+
+@_decode_add_partials_op.register_fake
+def _(h, partials, bias):
+    return torch.empty_like(h)
 
 
 @torch.library.custom_op("countdown::decode_add", mutates_args=())

@@ -1,0 +1,154 @@
+"""The batch-1 decode step of a 4-bit model (``countdown.quantize``): two GEMVs per Gated-MLP, one per attention.
+
+    from countdown.decode.int4_step import int4_step
+    int4_step(model)             # attention fused (q/k/v one stacked 4-bit GEMV), each MLP's gate/up stacked
+    int4_step(model, on=False)   # back to the modules' own forwards
+
+``countdown.decode.linears.fastest_step`` calls it for a model with 4-bit Linears, so ``countdown.generate``
+takes it with no extra call. Per Gated-MLP whose gate, up and down are :class:`countdown.int4.Int4Linear`:
+gate and up become one stacked 4-bit Linear (``countdown.int4.stack``: the parts view its buffers, no memory
+added), and a one-token call computes
+
+    gu = [g; u]  = the stacked GEMV (kernels/_int4.py), fp32 partial sums over slices of K
+    y  = W_down (act(g) * u)   the down GEMV summing them and forming act(g) * u as it loads (no kernel between)
+
+with our backend (``countdown.int4.use_backend``), and each Llama-style decoder layer is folded as the bf16 step's
+layers are (countdown.decode.layer): its norms and residual adds on our kernels, the GEMVs' partial sums over
+slices of K added by the residual add (:func:`_layer_forward`), so a layer's step is a chain of our kernels that
+programmatic dependent launch overlaps. With a baseline backend the same stacked GEMV, act(g) * u in
+PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). Anything else (the
+prompt, batch > 1, a sparsified MLP) runs the module's own forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ..int4 import Int4Linear, stack
+from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model
+from .attention import _QKV4, attend, cache_of, decode_layer
+from .layer import _BEFORE as LAYER_BEFORE
+
+_GU = "_countdown_int4_mlp"   # (stacked gate/up, down, activation name, activation) in the MLP's __dict__
+_BEFORE = "_countdown_int4_mlp_before"
+
+
+def has_int4(model: nn.Module) -> bool:
+    return any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+def _mlp_forward(self, x):
+    gate_up, down, act_name, act = self.__dict__[_GU]
+    if one_token(x) and backend_of(gate_up) == backend_of(down) == "countdown":
+        from ..kernels import _common
+
+        if _common.available(x) and down.group % 8 == 0 and gate_up.group % 8 == 0:
+            gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
+            return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
+    if one_token(x):
+        g, u = gate_up(x).split(down.in_features, -1)
+        return down(act(g) * u)
+    return getattr(self, _BEFORE)(x)
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                   use_cache=False, position_embeddings=None, **kwargs):
+    """A 4-bit decoder layer's decode step as a chain of our kernels (PDL on while folded):
+
+        x   = RMSNorm_in(h)                          kernels/_rmsnorm.py
+        qkv = x W_qkv^T + b                          the 4-bit GEMV, K in one slice, bf16 out
+        a   = attention(qkv)                         kernels/_rope_attention.py
+        h'  = h + sum(partials of a W_o^T)           the 4-bit GEMV's partials, decode_add_partials
+        gu  = RMSNorm_post(h') [W_gate; W_up]^T      the norm, then the stacked 4-bit GEMV (partials)
+        out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials
+    """
+    attn, mlp = self.self_attn, self.mlp
+    qkv4, entry = attn.__dict__.get(_QKV4), mlp.__dict__.get(_GU)
+    found = None
+    if qkv4 is not None and entry is not None and one_token(hidden_states) and position_embeddings is not None \
+            and backend_of(qkv4) == backend_of(attn.o_proj) == backend_of(entry[0]) == backend_of(entry[1]) \
+            == "countdown":
+        found = decode_layer(attn, hidden_states, attention_mask, cache_of(past_key_values, kwargs), kwargs)
+    if found is None:
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        return getattr(self, LAYER_BEFORE)(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                           use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    layer, row = found
+    gate_up, down, act_name, _ = entry
+    norm, post, o = self.input_layernorm, self.post_attention_layernorm, attn.o_proj
+    h = hidden_states.reshape(1, -1)
+    x = torch.ops.countdown.decode_rms_norm(h, norm.weight, float(norm.variance_epsilon))
+    a = attend(attn, gemv_final(x, qkv4), layer, row, position_embeddings)
+    h = torch.ops.countdown.decode_add_partials(h, gemv_partials(a.reshape(1, -1), o), o.bias)
+    x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
+    gu = gemv_partials(x, gate_up)
+    out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
+                                                  down.bias)
+    return out.view_as(hidden_states)
+
+
+def _foldable(layer: nn.Module) -> bool:
+    from .layer import FOLDABLE, is_folded
+
+    name = type(layer).__name__
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if name not in FOLDABLE or is_folded(layer) or attn is None or mlp is None:
+        return False
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return (_QKV4 in attn.__dict__ and _GU in mlp.__dict__ and isinstance(attn.o_proj, Int4Linear)
+            and all(type(n).__name__ == FOLDABLE[name] and hasattr(n, "variance_epsilon") for n in norms))
+
+
+def _mlps(model: nn.Module):
+    from ..mlp import find_gated_mlps
+
+    for g in find_gated_mlps(model):
+        parts = [getattr(g.module, n) if n else None for n in (g.gate, g.up, g.down)]
+        if g.tp is None and g.fused is None and all(isinstance(p, Int4Linear) for p in parts) \
+                and g.act_name in ("silu", "gelu_tanh"):
+            yield g, parts
+
+
+def int4_step(model: nn.Module, on: bool = True) -> int:
+    """Stack and route the 4-bit attention and Gated-MLPs of ``model`` (``on=False``: undo). Returns how many
+    MLPs changed. A sparsified MLP (its forward already replaced) is left as it is."""
+    from .attention import fuse_attention
+
+    changed = 0
+    if not on:
+        from .layer import fold_norms
+
+        fold_norms(model, False)
+        for module in model.modules():
+            if module.__dict__.pop(_GU, None) is not None:
+                delattr(module, _BEFORE)
+                del module.forward  # back to the class's forward
+                changed += 1
+        fuse_attention(model, False)
+        return changed
+    fuse_attention(model)
+    for g, (gate, up, down) in _mlps(model):
+        module = g.module
+        if _GU in module.__dict__ or "forward" in module.__dict__:
+            continue
+        try:
+            gate_up = stack([gate, up])
+        except ValueError:
+            continue
+        module.__dict__[_GU] = (gate_up, down, g.act_name, g.act)
+        setattr(module, _BEFORE, module.forward)
+        module.forward = types.MethodType(_mlp_forward, module)
+        changed += 1
+    from ..kernels import _rmsnorm  # noqa: F401  (registers the norm and add ops the folded layers call; Triton)
+    from .attention import decoder_layers
+    from .layer import fold_layer
+
+    for layer in decoder_layers(model, "int4_step"):
+        if _foldable(layer):
+            fold_layer(layer, _layer_forward)
+    prepare_model(model)  # a baseline backend's layouts of the stacked modules, before any compile
+    return changed

@@ -1,0 +1,179 @@
+"""Which GEMV computes a 4-bit Linear's decode step: ours, PyTorch's int4 (tinygemm) or gemlite's.
+
+    countdown.int4.use_backend(model, "countdown")   # the default once imported: kernels/_int4.py
+    countdown.int4.use_backend(model, "torch")       # aten._weight_int4pack_mm (gpt-fast's kernel), a baseline
+    countdown.int4.use_backend(model, "gemlite")     # gemlite's A16W4 Triton GEMV (if installed), a baseline
+    countdown.int4.use_backend(model, "reference")   # de-quantize, then F.linear (every call)
+
+Every backend serves one-token calls (a batch-1 decode step) on CUDA (ours also on CPU tensors under
+``TRITON_INTERPRET=1``, which is how CI runs it); any other call takes the reference. The baselines' own layouts
+are built from the module's buffers on first use and kept in ``module.kernel_layout`` (not saved; a move drops
+it), so the three compute the same weights: torch's ``(c - 8) * scale + zero`` with ``zero = offset + 8 scale``
+(scales in bf16, its only dtype), gemlite's ``(c - z) * scale`` with ``z = -offset / scale`` (in the compute
+dtype). Those conversions round the scales, ours reads them as stored: the baselines are for speed.
+
+Ours (``countdown::int4_gemv``, opaque to torch.compile) returns fp32 partial sums over slices of K; the sum,
+the cast and the bias are left to the traced code, where Inductor fuses them with what follows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import Int4Linear, register_kernel
+
+BACKENDS = ("countdown", "torch", "gemlite", "reference")
+
+
+@torch.library.custom_op("countdown::int4_gemv", mutates_args=())
+def _int4_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+               activation: str) -> torch.Tensor:
+    from ..kernels import _int4
+
+    return _int4.launch(x, words, scale, offset, activation or None)
+
+
+@_int4_gemv.register_fake
+def _(x, words, scale, offset, activation):
+    from ..kernels import _int4
+
+    n, k = words.shape[0], 8 * words.shape[1]
+    return x.new_empty((_int4.splits(n, k, k // scale.shape[1]), n), dtype=torch.float32)
+
+
+@torch.library.custom_op("countdown::int4_gemv_final", mutates_args=())
+def _int4_gemv_final(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    from ..kernels import _int4
+
+    return _int4.launch(x, words, scale, offset, None, final=True, bias=bias)
+
+
+@_int4_gemv_final.register_fake
+def _(x, words, scale, offset, bias):
+    return x.new_empty((1, words.shape[0]))
+
+
+def gemv_final(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
+    """Our GEMV's finished output [1, N] in x's dtype, bias added (K in one slice)."""
+    return torch.ops.countdown.int4_gemv_final(x, module.qweight.view(torch.int32), module.scale, module.offset,
+                                               module.bias)
+
+
+def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None) -> torch.Tensor:
+    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair)."""
+    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
+                                         activation or "")
+
+
+def finish(partials: torch.Tensor, module: Int4Linear, shape, dtype: torch.dtype) -> torch.Tensor:
+    """The partials summed, cast, biased and shaped as the Linear's output."""
+    y = partials.sum(0).to(dtype)
+    if module.bias is not None:
+        y = y + module.bias
+    return y.view(*shape[:-1], module.out_features)
+
+
+def one_token(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def backend_of(module: Int4Linear) -> str:
+    """The module's backend; a stacked module (``int4.stack``) follows its first part."""
+    parts = getattr(module, "stacked_from", None)
+    return getattr(parts[0] if parts else module, "backend", "countdown")
+
+
+def _applies(x: torch.Tensor, module: Int4Linear) -> bool:
+    backend = backend_of(module)
+    if backend == "reference" or not one_token(x):
+        return False
+    if backend == "countdown":
+        from ..kernels import _common
+
+        return _common.available(x) and module.group % 8 == 0
+    return x.is_cuda
+
+
+def _run(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
+    backend = backend_of(module)
+    if backend == "countdown":
+        return finish(gemv_partials(x.reshape(1, -1), module), module, x.shape, x.dtype)
+    layout = prepare(module)
+    if backend == "torch":
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(1, -1).to(torch.bfloat16), layout[1], module.group,
+                                               layout[2]).to(x.dtype)
+        if module.bias is not None:
+            y = y + module.bias
+    else:
+        y = layout[1](x.reshape(1, -1))
+    return y.view(*x.shape[:-1], module.out_features)
+
+
+def _torch_layout(module: Int4Linear) -> tuple:
+    codes = module.qweight
+    swapped = (codes >> 4) | (codes << 4)  # torch wants the even column in the high nibble
+    packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
+    scale = module.scale.float()
+    zero = module.offset.float() + 8 * scale
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K / G, N, 2]
+    return packed, sz
+
+
+def _gemlite_layout(module: Int4Linear) -> tuple:
+    from gemlite.helper import A16W4_HQQ_INT  # an optional baseline: pip install gemlite
+
+    from .format import unpack
+
+    scale = module.scale.float()
+    zeros = -module.offset.float() / scale
+    lin = A16W4_HQQ_INT(device=str(module.qweight.device), dtype=module.compute_dtype).from_weights(
+        unpack(module.qweight), scale.to(module.compute_dtype), zeros.to(module.compute_dtype),
+        None if module.bias is None else module.bias.data)
+    return (lin,)
+
+
+_BUILD = {"torch": _torch_layout, "gemlite": _gemlite_layout}
+
+
+def prepare(module: Int4Linear):
+    """The module's layout for its backend, built now if missing (a baseline's; ours needs none). Built eagerly
+    by :func:`use_backend` and ``int4_step``: built inside a compiled, CUDA-graphed step instead, it would live in
+    the graph's memory pool and be overwritten by the next replay."""
+    backend = backend_of(module)
+    if backend in _BUILD and (module.kernel_layout is None or module.kernel_layout[0] != backend):
+        module.kernel_layout = (backend, *_BUILD[backend](module))
+    return module.kernel_layout
+
+
+def prepare_model(model: nn.Module) -> None:
+    """:func:`prepare` every 4-bit Linear of ``model`` and every stacked one made of them (``int4.stack``)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            prepare(module)
+            whole = module.__dict__.get("stacked_into")
+            if whole is not None and whole() is not None:
+                prepare(whole())
+
+
+def use_backend(model: nn.Module, backend: str = "countdown") -> int:
+    """Route every :class:`Int4Linear` of ``model`` through ``backend`` (one of :data:`BACKENDS`) for its one-token
+    calls. Returns how many modules it set."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "gemlite":
+        try:
+            import gemlite  # noqa: F401
+        except ImportError as e:
+            raise ValueError("backend='gemlite' needs the gemlite package: pip install gemlite") from e
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.backend = backend
+            n += 1
+    prepare_model(model)
+    return n
+
+
+register_kernel(_applies, _run)
