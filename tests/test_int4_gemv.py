@@ -105,6 +105,39 @@ def test_add_partials_rounds_once(dtype):
         decode_add_partials(h, parts.to(torch.bfloat16))
 
 
+def test_norm_folded_into_the_final_gemv_and_the_add():
+    """The layer's input RMSNorm folded into the q/k/v GEMV (final: bf16 out, bias) and decode_add_norm (the residual
+    add of partials and the post-attention norm in one launch) against transformers' RMSNorm (rms_norm_ref) and
+    float64: the normed input is the module's to one bf16 unit (the fp32 sum of squares in another order)."""
+    from countdown.kernels._rmsnorm import decode_add_norm, decode_add_partials, rms_norm_ref
+
+    g = torch.Generator().manual_seed(5)
+    k, n = 256, 40
+    w = _weight(n, k, 32)
+    h = (3 * torch.randn(1, k, generator=g)).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = rms_norm_ref(h, nw, 1e-5)
+    out = _int4.launch(h.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), None,
+                       final=True, bias=bias.to(DEV), norm=(nw.to(DEV), 1e-5)).cpu()
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    want = (x.double() @ w.dequantize(torch.float64).T)[0] + bias.double()
+    one_unit = (w.dequantize(torch.float64).abs() @ (x.double().abs()[0] * 2.0 ** -8))  # x off by one bf16 unit
+    err = (out[0].double() - want).abs()
+    assert (err <= _bound(x, w) + one_unit + 2.0 ** -8 * want.abs()).all()  # + the output's own bf16 rounding
+    plain = _int4.launch(x.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), None,
+                         final=True, bias=bias.to(DEV)).cpu()  # the same GEMV on the module's normed input
+    same = (out == plain).float().mean()
+    assert same >= 0.9 and (out - plain).double().norm() <= 4e-3 * plain.double().norm(), same  # rare 1-unit flips
+    parts = torch.randn(3, k, generator=g)
+    y, xn = decode_add_norm(h.to(DEV), parts.to(DEV), None, nw.to(DEV), 1e-5)
+    assert torch.equal(y.cpu(), decode_add_partials(h.to(DEV), parts.to(DEV)).cpu())
+    ref = rms_norm_ref(y.cpu(), nw, 1e-5)
+    assert ((xn.cpu().double() - ref.double()).abs() <= 2.0 ** -7 * ref.double().abs()).all()
+    with pytest.raises(ValueError, match="folded norm"):
+        _int4.launch(h, w.qweight.view(torch.int32), w.scale, w.offset, None, norm=(nw, 1e-5))
+
+
 def test_stack_views_the_parts():
     """stack: one module whose rows are the parts' rows; the parts then view its buffers (no memory added) and
     compute as before."""
@@ -204,5 +237,6 @@ def test_gpu_gemv_and_baselines_at_the_8b_shapes(n, k):
     for backend in backends:
         lin.backend = backend
         y = lin(x.cuda()).double().cpu()[0]
-        # bf16 output and (baselines) bf16 scales: about 2**-8 relative; a wrong layout or nibble order: about 1
-        assert (y - ref).norm() / ref.norm() < 1e-2, backend
+        # bf16 output and (baselines) bf16 scales: about 2**-8 relative (gemlite's A16W4 sums in fp16/bf16 too:
+        # a few 1e-3 at K = 14336); a wrong layout or nibble order: about 1
+        assert (y - ref).norm() / ref.norm() < 3e-2, (backend, float((y - ref).norm() / ref.norm()))

@@ -58,11 +58,11 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                    use_cache=False, position_embeddings=None, **kwargs):
     """A 4-bit decoder layer's decode step as a chain of our kernels (PDL on while folded):
 
-        x   = RMSNorm_in(h)                          kernels/_rmsnorm.py
-        qkv = x W_qkv^T + b                          the 4-bit GEMV, K in one slice, bf16 out
+        qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV, K in one slice (the norm on its input), bf16
         a   = attention(qkv)                         kernels/_rope_attention.py
-        h'  = h + sum(partials of a W_o^T)           the 4-bit GEMV's partials, decode_add_partials
-        gu  = RMSNorm_post(h') [W_gate; W_up]^T      the norm, then the stacked 4-bit GEMV (partials)
+        h', x = h + sum(partials of a W_o^T),        the 4-bit GEMV's partials; decode_add_norm: the add and
+                RMSNorm_post(h')                     the norm in one launch
+        gu  = x [W_gate; W_up]^T                     the stacked 4-bit GEMV (partials)
         out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials
     """
     attn, mlp = self.self_attn, self.mlp
@@ -81,10 +81,9 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     gate_up, down, act_name, _ = entry
     norm, post, o = self.input_layernorm, self.post_attention_layernorm, attn.o_proj
     h = hidden_states.reshape(1, -1)
-    x = torch.ops.countdown.decode_rms_norm(h, norm.weight, float(norm.variance_epsilon))
-    a = attend(attn, gemv_final(x, qkv4), layer, row, position_embeddings)
-    h = torch.ops.countdown.decode_add_partials(h, gemv_partials(a.reshape(1, -1), o), o.bias)
-    x = torch.ops.countdown.decode_rms_norm(h, post.weight, float(post.variance_epsilon))
+    a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
+    h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
+                                               float(post.variance_epsilon))
     gu = gemv_partials(x, gate_up)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)

@@ -44,21 +44,24 @@ def _(x, words, scale, offset, activation):
 
 @torch.library.custom_op("countdown::int4_gemv_final", mutates_args=())
 def _int4_gemv_final(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     from ..kernels import _int4
 
-    return _int4.launch(x, words, scale, offset, None, final=True, bias=bias)
+    return _int4.launch(x, words, scale, offset, None, final=True, bias=bias,
+                        norm=None if norm_weight is None else (norm_weight, eps))
 
 
 @_int4_gemv_final.register_fake
-def _(x, words, scale, offset, bias):
+def _(x, words, scale, offset, bias, norm_weight, eps):
     return x.new_empty((1, words.shape[0]))
 
 
-def gemv_final(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
-    """Our GEMV's finished output [1, N] in x's dtype, bias added (K in one slice)."""
+def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
+    """Our GEMV's finished output [1, N] in x's dtype, bias added (K in one slice); ``norm`` (an RMSNorm module of
+    transformers' Llama kind): of that norm of x."""
+    weight, eps = (None, 0.0) if norm is None else (norm.weight, float(norm.variance_epsilon))
     return torch.ops.countdown.int4_gemv_final(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                               module.bias)
+                                               module.bias, weight, eps)
 
 
 def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None) -> torch.Tensor:

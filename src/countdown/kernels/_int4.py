@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._gemv import _pack2, _word_dot, _xload
-from ._glu import _act, _pow2
+from ._glu import _act, _pow2, _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 # R: rows per block; PER_SM: persistent programs per SM (over all slices); MAX_COLS: most columns of x one
@@ -113,11 +113,11 @@ def _tile(Wq, SC, OF, rows, n_rows, n_words, n_groups, wcol, gcol, gm, BIG: tl.c
 
 
 @triton.jit
-def _int4_gemv_kernel(X, Wq, SC, OF, B, OUT, n_rows, K, n_words, n_groups, n_blocks, n_progs,
+def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_groups, n_blocks, n_progs,
                       SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, R: tl.constexpr,
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
                       GLU: tl.constexpr, ACT: tl.constexpr, XS: tl.constexpr, HAS_B: tl.constexpr,
-                      PDL: tl.constexpr = 0):
+                      NORM: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     if PDL:  # launched early (_pdl.py): the next grid may launch now; x is read only after the wait below
@@ -142,6 +142,19 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, OUT, n_rows, K, n_words, n_groups, n_blo
     x5 = _xval(X, wcol, wm, 5, K, GLU, ACT, XS)
     x6 = _xval(X, wcol, wm, 6, K, GLU, ACT, XS)
     x7 = _xval(X, wcol, wm, 7, K, GLU, ACT, XS)
+    if NORM:  # x is h, K in one slice: transformers' RMSNorm of it first, rounded as the module rounds
+        ss = tl.sum(tl.sum(((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)) + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)),
+                           axis=1), axis=0)
+        r = 1.0 / tl.sqrt(ss / K + eps)
+        DT: tl.constexpr = X.dtype.element_ty
+        x0 = _round_to(_xload(NW, wcol, wm, 0, 8) * _round_to(x0 * r, DT), DT)
+        x1 = _round_to(_xload(NW, wcol, wm, 1, 8) * _round_to(x1 * r, DT), DT)
+        x2 = _round_to(_xload(NW, wcol, wm, 2, 8) * _round_to(x2 * r, DT), DT)
+        x3 = _round_to(_xload(NW, wcol, wm, 3, 8) * _round_to(x3 * r, DT), DT)
+        x4 = _round_to(_xload(NW, wcol, wm, 4, 8) * _round_to(x4 * r, DT), DT)
+        x5 = _round_to(_xload(NW, wcol, wm, 5, 8) * _round_to(x5 * r, DT), DT)
+        x6 = _round_to(_xload(NW, wcol, wm, 6, 8) * _round_to(x6 * r, DT), DT)
+        x7 = _round_to(_xload(NW, wcol, wm, 7, 8) * _round_to(x7 * r, DT), DT)
     xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)        # [SG]: x summed per group
     amax = tl.maximum(tl.maximum(tl.maximum(tl.max(tl.abs(x0)), tl.max(tl.abs(x1))),
                                  tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3)))),
@@ -205,12 +218,14 @@ def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
            activation: str | None = None, config: dict | None = None, final: bool = False,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """fp32 partial sums ``[S, N]`` (their sum over S is ``x W~^T``) of one token ``x`` (any float dtype;
     with ``activation``, fp32 gate/up partial sums ``[S_in, 2, K]`` whose ``act(g) * u`` of their sum is the input)
     through the 4-bit
     weight ``words`` (``qweight.view(torch.int32)``), ``scale``, ``offset``. ``final``: K in one slice and the output
-    ``[1, N]`` itself, in x's dtype, plus ``bias`` if given (what a layer hands on, no sum after it)."""
+    ``[1, N]`` itself, in x's dtype, plus ``bias`` if given (what a layer hands on, no sum after it). ``norm``
+    (weight, eps), with ``final``: x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input
+    norm folded into the q/k/v GEMV: each program holds all of h)."""
     global LAST_KERNEL
     from . import _pdl
     from ._common import act_code, interpreting, new_output, persistent_programs
@@ -227,15 +242,19 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
     n_blocks = -(-n // R)
     progs = max(1, min(n_blocks, -(-persistent_programs(x.device, cfg["PER_SM"], INTERPRETER_PROGS) // n_splits)))
     asm = bool(cfg["ASM"]) and not interp
+    if norm is not None and (not final or glu or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
+        raise ValueError(f"a folded norm takes a final GEMV of x [1, K] and a weight [{k}] of x's dtype, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype}")
     if bias is not None and (not final or bias.shape != (n,)):
         raise ValueError(f"a bias is added to a final output only, and has N = {n} values; got {tuple(bias.shape)}")
     out = new_output((n_splits, n), x.dtype if final else torch.float32, x.device)
     pdl = _pdl.mode(x)
     LAST_KERNEL = _int4_gemv_kernel[(progs, n_splits)](
         x.contiguous(), words.contiguous(), scale.contiguous(), offset.contiguous(),
-        out if bias is None else bias.contiguous(), out, n, k, k // 8, n_groups,
+        out if bias is None else bias.contiguous(), out if norm is None else norm[0].contiguous(),
+        0.0 if norm is None else float(norm[1]), out, n, k, k // 8, n_groups,
         n_blocks, progs, SLICE=n_groups // n_splits, SG=_pow2(n_groups // n_splits), WPG=group // 8, R=R, ASM=asm,
         PREFETCH=bool(cfg["PREFETCH"]), AHEAD=int(cfg["AHEAD"]), BIG=n * (k // 8) >= 2**31 or n_splits * n >= 2**31,
         GLU=glu, ACT=act_code(activation or "silu"), XS=x.numel() // (2 * k) if glu else 1, HAS_B=bias is not None,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        NORM=norm is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out

@@ -15,7 +15,8 @@ the order of the fp32 sum of squares.
 a kernel of ours (countdown.decode.layer.mlp_half): with programmatic dependent launch on, a layer of folded
 norms is then a chain of our kernels only, each able to launch while the one before finishes.
 ``decode_add_partials`` is the same add for a 4-bit layer (countdown.decode.int4_step): the residual plus the
-fp32 partial sums a 4-bit GEMV leaves over slices of K.
+fp32 partial sums a 4-bit GEMV leaves over slices of K; ``decode_add_norm`` adds them and takes the next RMSNorm
+in the same launch.
 """
 
 from __future__ import annotations
@@ -135,6 +136,58 @@ def decode_add_partials(h: torch.Tensor, partials: torch.Tensor, bias: torch.Ten
                                                        n, S=partials.shape[0], HAS_B=bias is not None,
                                                        BLOCK=ADD_BLOCK, PDL=pdl, num_warps=4, **_pdl.launch_kwargs(pdl))
     return y
+
+
+@triton.jit
+def _add_norm_kernel(H, P, B, G, Y, X, eps, d, S: tl.constexpr, HAS_B: tl.constexpr, BD: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    if PDL:  # the partials are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    k = tl.arange(0, BD)
+    m = tl.load(P + k, mask=k < d, other=0.0)
+    for j in tl.static_range(1, S):
+        m += tl.load(P + j * d + k, mask=k < d, other=0.0)
+    if HAS_B:
+        m += tl.load(B + k, mask=k < d, other=0.0).to(tl.float32)
+    DT: tl.constexpr = Y.dtype.element_ty
+    h = _round_to(tl.load(H + k, mask=k < d, other=0.0).to(tl.float32) + m, DT)
+    tl.store(Y + k, h.to(DT), mask=k < d)
+    r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + eps)
+    g = tl.load(G + k, mask=k < d, other=0.0).to(tl.float32)
+    tl.store(X + k, _round_to(g * _round_to(h * r, DT), DT).to(DT), mask=k < d)
+
+
+def decode_add_norm(h: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h' = h + sum(partials) (+ bias)`` as :func:`decode_add_partials`, and transformers' RMSNorm of h' (weight,
+    eps), in one launch of one program: a 4-bit layer's residual add and the next norm (countdown.decode.int4_step)."""
+    n = h.numel()
+    if partials.dtype != torch.float32 or tuple(partials.shape[1:]) != (n,) or h.shape[:-1].numel() != 1 \
+            or weight.shape != (n,) or weight.dtype != h.dtype:
+        raise ValueError(f"decode_add_norm takes one row h, fp32 partials [S, {n}] and a norm weight [{n}] of h's "
+                         f"dtype, got h {tuple(h.shape)}, partials {partials.dtype} {tuple(partials.shape)}, weight "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    h, partials = h.contiguous(), partials.contiguous()
+    y = _common.new_output(tuple(h.shape), h.dtype, h.device)
+    x = _common.new_output(tuple(h.shape), h.dtype, h.device)
+    bd = max(16, _pow2(n))
+    pdl = _pdl.mode(h)
+    _add_norm_kernel[(1,)](h, partials, partials if bias is None else bias.contiguous(), weight.contiguous(), y, x,
+                           float(eps), n, S=partials.shape[0], HAS_B=bias is not None, BD=bd, PDL=pdl,
+                           num_warps=8 if bd >= 4096 else 4, **_pdl.launch_kwargs(pdl))
+    return y, x
+
+
+@torch.library.custom_op("countdown::decode_add_norm", mutates_args=())
+def _decode_add_norm_op(h: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode_add_norm(h, partials, bias, weight, eps)
+
+
+@_decode_add_norm_op.register_fake
+def _(h, partials, bias, weight, eps):
+    return torch.empty_like(h), torch.empty_like(h)
 
 
 @torch.library.custom_op("countdown::decode_add_partials", mutates_args=())
