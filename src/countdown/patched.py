@@ -26,7 +26,8 @@ class PatchedMLP(nn.Module):
 
     Subclasses implement ``_masked``, ``_gather``, ``_kernel``, ``_selector_has_kernel`` and
     ``_kernel_layout``. Sparsity-Real is ``1 - kept_total / rows_total``: a subclass adds, per
-    sparse token, its kept share in ``kept_total`` and the token's whole in ``rows_total``.
+    sparse token, its kept share in ``kept_total`` and the token's whole in ``rows_total``; on the kernel
+    route it hands both to the kernels (:meth:`counters`), which add them on the device (kernels/_count.py).
     """
 
     def __init__(self, mlp: GatedMLP, selector: nn.Module | None, state: SparsityState, index: int):
@@ -48,6 +49,10 @@ class PatchedMLP(nn.Module):
     def reset_stats(self) -> None:
         self.kept_total.zero_()
         self.rows_total.zero_()
+
+    def counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept_total, rows_total): the ``count`` the kernel route's ops add this layer's kept rows to."""
+        return self.kept_total, self.rows_total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.selector is None:
@@ -77,11 +82,12 @@ class PatchedMLP(nn.Module):
         if not (EAGER_GRAPHS and x2.is_cuda) or torch.compiler.is_compiling() \
                 or torch.cuda.is_current_stream_capturing():
             return self._kernel(x2)
-        key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in self.selector.buffers()))
+        # the graph reads the selector's buffers and adds to the counters where they were at the capture
+        key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in (*self.selector.buffers(), *self.counters())))
         graphs = self.__dict__.setdefault("_graphs", {})
         entry = graphs.get(key[:2])
         if entry is None or entry[0] != key:
-            entry = (key, _capture(self._kernel, x2, self.state))
+            entry = (key, _capture(self._kernel, x2, self.state, self.counters()))
             graphs[key[:2]] = entry
         captured = entry[1]
         if captured is None:  # the route could not be captured: run it directly
@@ -149,10 +155,13 @@ class PatchedMLP(nn.Module):
             object.__setattr__(self, "relaid", [])
 
 
-def _capture(fn, x: torch.Tensor, state: SparsityState):
+def _capture(fn, x: torch.Tensor, state: SparsityState, counters: tuple[torch.Tensor, ...]):
     """(graph, static input, static output) of ``fn`` on a copy of ``x``, or None if the route cannot be
-    captured. The layers of one model share a memory pool (they replay in the order they were captured)."""
+    captured. The layers of one model share a memory pool (they replay in the order they were captured).
+    ``counters`` (the layer's Sparsity-Real, which ``fn`` adds to) are given back their values after the
+    warm-up runs: the token is counted once, by the replay (or the direct run) that follows."""
     x_in = x.clone()
+    saved = [c.clone() for c in counters]
     try:
         stream = torch.cuda.Stream(device=x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))
@@ -171,6 +180,9 @@ def _capture(fn, x: torch.Tensor, state: SparsityState):
         warnings.warn(f"countdown: the sparse MLP's kernel route could not be captured in a CUDA graph ({err}); "
                       "it runs launch by launch", stacklevel=3)
         return None
+    finally:
+        for counter, value in zip(counters, saved):
+            counter.copy_(value)
     return graph, x_in, y_out
 
 

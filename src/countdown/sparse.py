@@ -81,8 +81,7 @@ class SparseGatedMLP(PatchedMLP):
         return keep
 
     def _count(self, keep: torch.Tensor) -> None:
-        self.kept_total.add_(keep.sum(dtype=torch.float64))
-        self.rows_total.add_(keep.numel())
+        kernels.count_keep(self.counters(), keep)
 
     def _selector_has_kernel(self) -> bool:
         return not isinstance(self.selector, TopKSelector)
@@ -93,11 +92,13 @@ class SparseGatedMLP(PatchedMLP):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         # w_down.t() is contiguous on CUDA: sparsify stored W_down transposed in place (store_for_kernels).
-        return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous())
+        # The kernel that keeps the rows counts them (kernels/_count.py).
+        return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous(), count=self.counters())
 
     def _block(self, h2: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
         block = getattr(self.selector, "kernel_block", None)
-        return None if block is None else block(h2, self.mlp, self.mlp.w_down.t().contiguous(), norm_w, eps)
+        return None if block is None else block(h2, self.mlp, self.mlp.w_down.t().contiguous(), norm_w, eps,
+                                                count=self.counters())
 
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         mlp = self.mlp

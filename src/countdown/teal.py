@@ -34,16 +34,9 @@ from torch import nn
 
 from . import kernels
 from . import tp as _tp
+from .kernels.teal import count_teal, kept_weight_fraction  # the kernels count it too (kernels/_teal.py)
 from .mlp import GatedMLP
 from .patched import PatchedMLP
-
-
-def kept_weight_fraction(keep_x: torch.Tensor, keep_s: torch.Tensor) -> torch.Tensor:
-    """Per token, the kept share of the Gated-MLP's weights, ``(2 n_x / d_model + n_s / d_inter) / 3``,
-    from the keep masks ``[tokens, d_model]`` and ``[tokens, d_inter]`` (float64 ``[tokens]``)."""
-    fx = keep_x.sum(dim=-1, dtype=torch.float64) / keep_x.shape[-1]
-    fs = keep_s.sum(dim=-1, dtype=torch.float64) / keep_s.shape[-1]
-    return (2.0 * fx + fs) / 3.0
 
 
 def kept_fractions(keep_x: torch.Tensor, keep_s: torch.Tensor) -> tuple[float, float]:
@@ -84,7 +77,7 @@ class InputSelector(nn.Module):
     def to_model_dtype(self, dtype: torch.dtype) -> None:
         """Thresholds stay float32 (compared in float32, as the kernel does)."""
 
-    def kernel_forward(self, x2, mlp: GatedMLP, w_gate_t, w_up_t, w_down_t) -> torch.Tensor:
+    def kernel_forward(self, x2, mlp: GatedMLP, w_gate_t, w_up_t, w_down_t, count=None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no kernel path")
 
 
@@ -128,8 +121,7 @@ class InputSparseGatedMLP(PatchedMLP):
         self.selector(keep_x, keep_s)  # for forward hooks
         if token_sparse is not None:
             keep_x, keep_s = keep_x[token_sparse], keep_s[token_sparse]
-        self.kept_total.add_(kept_weight_fraction(keep_x, keep_s).sum())
-        self.rows_total.add_(keep_x.shape[0])
+        count_teal(self.counters(), keep_x, keep_s)
 
     def _masked(self, x2, token_sparse):
         mlp, sel = self.mlp, self.selector
@@ -160,8 +152,9 @@ class InputSparseGatedMLP(PatchedMLP):
 
     def _kernel(self, x2):
         mlp = self.mlp
-        # views: after store_for_kernels each has unit inner stride (W_down^T contiguous)
-        return self.selector.kernel_forward(x2, mlp, mlp.w_gate.t(), mlp.w_up.t(), mlp.w_down.t())
+        # views: after store_for_kernels each has unit inner stride (W_down^T contiguous); the kernels count
+        return self.selector.kernel_forward(x2, mlp, mlp.w_gate.t(), mlp.w_up.t(), mlp.w_down.t(),
+                                            count=self.counters())
 
     def _kernel_layout(self, path: str) -> list[torch.Tensor]:
         """W_gate, W_up (or a fused gate_up) and W_down, stored transposed in place where the kernels may

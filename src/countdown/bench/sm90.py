@@ -24,7 +24,7 @@ class Compile:
     to ``failures``."""
 
     TYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.uint8: "u8", torch.int64: "i64"}
+           torch.uint8: "u8", torch.int64: "i64", torch.float64: "fp64"}  # fp64: the Sparsity-Real counter
     TAG_KEYS = ("MODE", "GATE", "UP", "BP", "CHUNK", "BLOCK_M", "BLOCK_K", "BLOCK_N", "USE_DOT", "DENSE",
                 "REDUCE", "HAS_KEEP", "BLOCK_I")
 

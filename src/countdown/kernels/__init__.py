@@ -25,13 +25,15 @@ Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down
 The shadows' format (RTN quantization, packing, float32 references) is ``quant.py``; it needs no Triton.
 
 activation is "silu" or "gelu_tanh"; thresholds are Python floats or 0-dim tensors (read on the
-device, no host sync). All are torch custom ops (``torch.ops.countdown.*``): torch.compile with
-fullgraph=True and CUDA-graph capture work. Where ``available(x)`` is False (no Triton, or a CPU
-tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference instead.
+device, no host sync). The MLP ops take ``count=(kept, rows)``, a patched layer's Sparsity-Real counters:
+the kernel that keeps the rows adds them in place, without a launch more (``_count.py``; ``count_keep`` adds
+a keep mask computed in PyTorch the same way). All are torch custom ops (``torch.ops.countdown.*``):
+torch.compile with fullgraph=True and CUDA-graph capture work. Where ``available(x)`` is False (no Triton,
+or a CPU tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference instead.
 """
 
 from ._block import block_input, threshold_block
-from ._common import available
+from ._common import available, count_keep
 from .down_proj import sparse_down_proj, sparse_down_proj_ref
 from .dual import dual_block, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
 from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
@@ -44,7 +46,7 @@ from .threshold import (cats_gated_mlp, cats_gated_mlp_ref, cats_keep, mono_gate
                         mono_keep)
 
 __all__ = [
-    "available",
+    "available", "count_keep",
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",

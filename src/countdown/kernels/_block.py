@@ -47,29 +47,32 @@ def block_ref(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, mode: st
     return h + ref(rms_norm_ref(h, norm_w, eps), w_gate, w_up, w_down_t, threshold, activation)
 
 
-@torch.library.custom_op("countdown::gated_block", mutates_args=())
+@torch.library.custom_op("countdown::gated_block", mutates_args=("kept", "rows"))
 def _block_op(h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_gate: torch.Tensor, w_up: torch.Tensor,
-              w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
-              activation: str) -> torch.Tensor:
+              w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, rule: str,
+              activation: str, kept: Optional[torch.Tensor] = None,
+              rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     from . import _onepass, _psum  # Triton: only where the kernels run
 
-    # the one-launch kernel normalising h itself, then the partials' sum adding h
-    w_ind = w_up if mode == "abs" else w_gate
-    p = _onepass.onepass_partials(h, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, mode == "abs",
-                                  mode != "abs", norm=(norm_w, eps))
+    # the one-launch kernel normalising h itself, then the partials' sum adding h (``rule``: a mode of MODES,
+    # not named ``mode``, see _onepass.py's op)
+    w_ind = w_up if rule == "abs" else w_gate
+    p = _onepass.onepass_partials(h, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, rule == "abs",
+                                  rule != "abs", norm=(norm_w, eps), count=_common.op_count(kept, rows))
     return _psum.sum_partials(p, h.dtype, residual=h)
 
 
 @_block_op.register_fake
-def _(h, norm_w, eps, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation):
+def _(h, norm_w, eps, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, kept=None, rows=None):
     return torch.empty_like(h)
 
 
 def threshold_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, method: str,
-                    activation: str) -> torch.Tensor | None:
+                    activation: str, count=None) -> torch.Tensor | None:
     """h + mlp(RMSNorm(h)) for h [..., d_model] of one token, ``method`` "mono" or "cats" with its threshold
     (a float or a tensor, as mono_gated_mlp takes it), or None where :func:`applies` says no (the caller then
-    runs the norm, the MLP and the add itself)."""
+    runs the norm, the MLP and the add itself). With ``count`` = (kept, rows) the kept rows are added to a
+    patched layer's Sparsity-Real counters (_count.py)."""
     mode = {"mono": "abs", "cats": "abs_act"}.get(method)
     if mode is None:
         raise ValueError(f"threshold_block serves 'mono' or 'cats', got {method!r}")
@@ -78,8 +81,9 @@ def threshold_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, me
     if not _common.available(h2) or not applies(h2, mode):
         return None
     thr_t, thr_f = _common.split_threshold(threshold)
+    kept, rows = _common.counters(count, h2.device)
     out = torch.ops.countdown.gated_block(h2, norm_w, float(eps), w_gate, w_up, w_down_t, thr_t, thr_f, mode,
-                                          activation)
+                                          activation, kept, rows)
     return out.reshape(h.shape)
 
 

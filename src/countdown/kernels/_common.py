@@ -135,6 +135,33 @@ def threshold_value(thr_t: torch.Tensor | None, thr_f: float, like: torch.Tensor
     return thr_t.to(device=like.device, dtype=torch.float32)
 
 
+def counters(count, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A Sparsity-Real ``count`` = (kept [1] float64, rows one int64 value) on ``device`` (a patched layer's
+    kept_total and rows_total, see _count.py) as the ops' two arguments, or (None, None) for no count."""
+    if count is None:
+        return None, None
+    kept, rows = count
+    if kept.dtype != torch.float64 or kept.numel() != 1 or rows.dtype != torch.int64 or rows.numel() != 1 \
+            or kept.device != torch.device(device) or rows.device != torch.device(device):
+        raise ValueError(f"count must be (kept: one float64, rows: one int64) on {device}, got "
+                         f"({kept.dtype} {tuple(kept.shape)} {kept.device}, {rows.dtype} {tuple(rows.shape)} "
+                         f"{rows.device})")
+    return kept, rows
+
+
+def op_count(kept: torch.Tensor | None, rows: torch.Tensor | None):
+    """A custom op's two Sparsity-Real arguments (see :func:`counters`) back as the ``count`` its kernels take."""
+    return None if kept is None else (kept, rows)
+
+
+def count_keep(count, keep: torch.Tensor) -> None:
+    """Add a keep mask ``[tokens, d_inter]`` computed in PyTorch to ``count`` (where a route decides its rows
+    outside the kernels: the reference paths), as the kernels add theirs."""
+    if count is not None:
+        count[0].add_(keep.sum(dtype=torch.float64))
+        count[1].add_(keep.numel())
+
+
 def plus(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """residual + y in residual's shape (the public ops' ``residual`` where they fall back to PyTorch), or y."""
     return y if residual is None else residual + y.reshape(residual.shape)

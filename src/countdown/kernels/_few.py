@@ -23,6 +23,7 @@ does not depend on timing.
 
 Why tiles of kept rows: every tile walks d_model in dependent pipelined steps whose latency, more than
 their bytes, sets the time, so a tile holds kept rows only (compacted), never the whole chunk masked.
+With COUNT each program adds its tokens' kept rows to the caller's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import triton.language as tl
 
 from . import _common, _psum
 from ._common import act_code
+from ._count import add_count
 from ._glu import MODES, _act, _keep, _pow2, _round_to
 
 MIN_TOKENS, MAX_TOKENS = 2, 8  # the batches this kernel serves (one token: _onepass.py)
@@ -126,13 +128,13 @@ def _tile(X, IND, WG, WU, WD, THR, P, thr, cnt, pos, r, t, tmask, pbase, d_model
 
 @triton.jit
 def _few_kernel(
-    X, IND, WG, WU, WD, THR, P,
+    X, IND, WG, WU, WD, THR, P, KEPT, ROWS,
     thr_f, n_tok, d_model, d_inter, rows, stride_x, stride_ind,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, TP: tl.constexpr, CHUNK: tl.constexpr,
     TILE: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
     WIDE_BK: tl.constexpr, WIDE_BN: tl.constexpr, WIDE_STAGES: tl.constexpr,
-    EVEN_D: tl.constexpr, BIG: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_D: tl.constexpr, BIG: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     t = tl.arange(0, TP)
@@ -149,6 +151,8 @@ def _few_kernel(
     else:
         thr = thr_f
     keep = _keep(ind, thr, MODE, ACT) & m2                      # [TP, CHUNK]: each token's own rows
+    if COUNT:
+        add_count(KEPT, ROWS, tl.sum(tl.sum(keep.to(tl.int32), axis=1), axis=0), n_tok * d_inter, pid == 0)
     union = tl.max(keep.to(tl.int32), axis=0)                   # [CHUNK]: the rows anybody reads
     cnt = tl.sum(union, axis=0)
     pos = tl.where(union > 0, tl.cumsum(union, axis=0) - 1, -1)  # rank of a kept row among them
@@ -192,9 +196,10 @@ LAST_KERNEL = None  # the last compiled kernel launched (benchmarks read its reg
 
 
 def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
-                 gate: bool, up: bool, config: dict | None = None) -> torch.Tensor:
+                 gate: bool, up: bool, config: dict | None = None, count=None) -> torch.Tensor:
     """The fp32 partial sums P [n_chunks, n_tok, d_model] for x [n_tok, d_model] (2-8 tokens) and its
-    indicator ind [n_tok, d_inter]; y = P.sum(0)."""
+    indicator ind [n_tok, d_inter]; y = P.sum(0). The kept rows are added to ``count`` = (kept, rows) if given
+    (_count.py)."""
     global LAST_KERNEL
     cfg = {**CONFIG, **(config or {})}
     n_tok, d_model = x.shape
@@ -211,37 +216,43 @@ def few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activa
     rows, chunk, grid = _split(x.device, d_inter, cfg)
     blocks = {b: max(16, min(_pow2(cfg[b]), _pow2(d_model))) for b in ("BK", "BN", "WIDE_BK", "WIDE_BN")}
     p = _common.new_output((grid, n_tok, d_model), torch.float32, x.device)
+    kept, n_rows = _common.counters(count, x.device)
     # fp32 models, and bf16 under the interpreter (its bf16 dot is wrong): fp32 products, exact
     ieee = x.dtype == torch.float32 or (not x.is_cuda and _common.interpreting())
     LAST_KERNEL = _few_kernel[(grid,)](
-        x, ind, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        float(thr_f), n_tok, d_model, d_inter, rows, x.stride(0), ind.stride(0),
+        x, ind, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p, kept if kept is not None else p,
+        n_rows if n_rows is not None else p, float(thr_f), n_tok, d_model, d_inter, rows, x.stride(0), ind.stride(0),
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, TP=max(16, _pow2(n_tok)), CHUNK=chunk,
         TILE=max(16, min(_pow2(cfg["TILE"]), chunk)), **blocks, WIDE_STAGES=int(cfg["WIDE_STAGES"]),
         EVEN_D=all(d_model % b == 0 for b in blocks.values()),
         BIG=(grid * rows + chunk) * max(d_model, n_tok) >= 2**31, IEEE=ieee,
-        STAGES=int(cfg["STAGES"]), num_warps=int(cfg["num_warps"]),
+        STAGES=int(cfg["STAGES"]), COUNT=kept is not None, num_warps=int(cfg["num_warps"]),
     )
     return p
 
 
-@torch.library.custom_op("countdown::gated_few", mutates_args=())
+@torch.library.custom_op("countdown::gated_few", mutates_args=("kept", "rows"))
 def _few_op(x: torch.Tensor, ind: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str, activation: str,
-            gate: bool, up: bool) -> torch.Tensor:
-    return few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up)
+            w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, rule: str, activation: str,
+            gate: bool, up: bool, kept: Optional[torch.Tensor] = None,
+            rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # (``rule``, the keep rule, not ``mode``: see _onepass.py's op)
+    return few_partials(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, gate, up,
+                        count=_common.op_count(kept, rows))
 
 
 @_few_op.register_fake
-def _(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
+def _(x, ind, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, gate, up, kept=None, rows=None):
     return x.new_empty((n_chunks(x.device, w_gate.shape[0]), x.shape[0], x.shape[1]), dtype=torch.float32)
 
 
 def few_mlp(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
-            gate: bool, up: bool) -> torch.Tensor:
+            gate: bool, up: bool, count=None) -> torch.Tensor:
     """y [n_tok, d_model] in x's dtype: the op's partials summed and cast outside it (_psum.reduce:
-    PyTorch's sum under torch.compile, which fuses it with the residual add; run eagerly, _psum.py's op)."""
+    PyTorch's sum under torch.compile, which fuses it with the residual add; run eagerly, _psum.py's op).
+    The kept rows are added to ``count`` = (kept, rows) if given (_count.py)."""
+    kept, rows = _common.counters(count, x2.device)
     p = torch.ops.countdown.gated_few(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
-                                      gate, up)
+                                      gate, up, kept, rows)
     return _psum.reduce(p, x2)

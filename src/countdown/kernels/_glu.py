@@ -27,7 +27,8 @@ Tokens go in groups of BP (grid axis 1): BP >= n_tok loads the union of the batc
 applies each token's mask in the epilogue; BP = 1 ("per token") loads each token's own rows.
 
 With ZERO the programs also clear the down projection's fp32 accumulator (``_down.py``), which
-saves a memset launch in the chained ops.
+saves a memset launch in the chained ops. With COUNT each program adds the rows its tokens keep to the
+caller's Sparsity-Real counters (``_count.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import triton.language as tl
 
 from . import _common
 from ._common import act_code
+from ._count import add_count
 
 
 @triton.jit
@@ -192,13 +194,13 @@ def _gemv_rows(V, stride_v, tok0, n_tok, WA, WB, roff, valid, K,
 
 @triton.jit
 def _sparse_glu_kernel(
-    X, WG, WU, IND, THR, S, YACC,
+    X, WG, WU, IND, THR, S, YACC, KEPT, ROWS,
     thr_f, n_tok, d_model, d_inter, n_y,
     stride_x, stride_ind, stride_s,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, BP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr,
-    BIG: tl.constexpr, ZERO: tl.constexpr, ZBLK: tl.constexpr,
+    BIG: tl.constexpr, ZERO: tl.constexpr, ZBLK: tl.constexpr, COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     tok0 = tl.program_id(1) * BP
@@ -220,6 +222,9 @@ def _sparse_glu_kernel(
     m2 = bmask[:, None] & rmask[None, :]
     ind = tl.load(IND + b[:, None] * stride_ind + r[None, :], mask=m2, other=0)
     keep = _keep(ind, thr, MODE, ACT) & m2
+    if COUNT:  # each token's own kept rows; the rows of the whole call once
+        add_count(KEPT, ROWS, tl.sum(tl.sum(keep.to(tl.int32), axis=1), axis=0), n_tok * d_inter,
+                  (pid == 0) & (tl.program_id(1) == 0))
     anyk = tl.max(keep.to(tl.int32), axis=0)  # union over the token group, [CHUNK]
     cnt = tl.sum(anyk, axis=0)
     pos = tl.where(anyk > 0, tl.cumsum(anyk, axis=0) - 1, -1)
@@ -279,9 +284,10 @@ LAST_KERNEL = None  # the last compiled kernel launched (benchmarks read its reg
 
 
 def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
-               gate: bool, up: bool, per_token: bool = False, config: dict | None = None, zero=None):
+               gate: bool, up: bool, per_token: bool = False, config: dict | None = None, zero=None, count=None):
     """s [n_tok, d_inter] in x's dtype from x [n_tok, d_model] and the indicator ``ind`` [n_tok, d_inter].
-    ``zero`` (the down projection's fp32 accumulator) is cleared on the way (see _down.py)."""
+    ``zero`` (the down projection's fp32 accumulator) is cleared on the way (see _down.py); the kept rows are
+    added to ``count`` = (kept, rows) if given (_count.py)."""
     global LAST_KERNEL
     n_tok, d_model = x.shape
     d_inter = w_up.shape[0]
@@ -319,15 +325,16 @@ def sparse_glu(x, w_gate, w_up, ind, thr_t, thr_f, mode: str, activation: str,
     thr_vec = thr_t is not None and thr_t.dim() == 1
     if thr_vec and thr_t.numel() != d_inter:
         raise ValueError(f"a per-row threshold needs d_inter={d_inter} values, got {thr_t.numel()}")
+    kept, rows = _common.counters(count, x.device)
     LAST_KERNEL = _sparse_glu_kernel[grid](
-        x, w_gate, w_up, ind, thr_arg, s, yacc,
+        x, w_gate, w_up, ind, thr_arg, s, yacc, kept if kept is not None else s, rows if rows is not None else s,
         float(thr_f), n_tok, d_model, d_inter, n_y,
         x.stride(0), ind.stride(0), s.stride(0),
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, BP=bp, CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k,
         USE_DOT=use_dot, DOT_PREC="ieee" if s_dtype == torch.float32 else "default",
         EVEN_K=d_model % block_k == 0, BIG=d_inter * d_model >= 2**31,
-        ZERO=zero is not None, ZBLK=_pow2(max(1, triton.cdiv(n_y, grid[0]))),
+        ZERO=zero is not None, ZBLK=_pow2(max(1, triton.cdiv(n_y, grid[0]))), COUNT=kept is not None,
         # fp32 tiles are twice the bytes: half the pipeline depth keeps them within shared memory
         # (4 stages of fp32 [32, 256] tiles need 240 KB, over Hopper's 227 KB).
         num_warps=cfg["num_warps"],

@@ -24,7 +24,8 @@ s W_down rows into its fp32 accumulator [d_model]. Partials are written whole (n
 workspace): the reduction is deterministic.
 
 With NORM (kernels/_block.py) X is the residual stream h and every program computes x = RMSNorm(h) itself,
-so a folded layer's MLP half needs no norm launch.
+so a folded layer's MLP half needs no norm launch. With COUNT every program adds the rows it kept (its chunks'
+counts, one atomic) to the caller's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import triton.language as tl
 
 from . import _common, _linear, _pdl, _psum  # _linear: registers the fixed GEMV's op
 from ._common import act_code
+from ._count import add_count
 from ._glu import MODES, _accumulate_rows, _keep, _load_vec, _pow2, _round_to, _row_tiles, _store_partial
 from ._pdl import gdc_launch_dependents, gdc_wait
 from ._rmsnorm import _normed
@@ -164,13 +166,14 @@ def _stepped_indicator(WI, vv, r0, n_rows, cr, ki, k_ind, d_inter, w0, first, RB
 
 @triton.jit
 def _onepass_kernel(
-    X, WI, IND, WG, WU, WD, THR, P, NW,
+    X, WI, IND, WG, WU, WD, THR, P, NW, KEPT, ROWS,
     thr_f, norm_eps, d_model, d_inter, k_ind, n_chunks, n_progs, rows_per_chunk,
     MODE: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, ACT: tl.constexpr,
     THR_PTR: tl.constexpr, THR_VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
     BIG: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr = 0, STAGES: tl.constexpr = 1,
     RB: tl.constexpr = 0, ISTAGES: tl.constexpr = 1, W_EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
+    COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL:  # launched early (_pdl.py); the partials' sum may launch now, it waits for this grid
@@ -192,6 +195,7 @@ def _onepass_kernel(
         thr_s = thr_f
     yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
     cr = tl.arange(0, CHUNK)
+    n_kept = tl.zeros([], dtype=tl.int32)  # the rows this program keeps (COUNT)
 
     for c in range(pid, n_chunks, n_progs):
         r = c * rows_per_chunk + cr  # rows_per_chunk <= CHUNK rows (ROWS "auto": not a power of two)
@@ -202,10 +206,13 @@ def _onepass_kernel(
         else:  # the indicator was computed before the launch
             ind = tl.load(IND + r, mask=rmask, other=0.0).to(tl.float32)
         pos, cnt = _kept_places(ind, _row_thresholds(THR, r, rmask, thr_s, THR_VEC), rmask, MODE, ACT)
+        n_kept += cnt
         yacc = _add_kept_rows(yacc, pos, cnt, r, ind, xv, kd, WG, WU, WD, d_model, GATE, UP, ACT, BLOCK_M, STAGES,
                               BIG, EVEN_D, X.dtype.element_ty)
 
     _store_partial(P, pid, yacc, kd, d_model, BIG, EVEN_D)
+    if COUNT:
+        add_count(KEPT, ROWS, n_kept, d_inter, pid == 0)
 
 
 def _chunking(device: torch.device, d_inter: int, cfg: dict) -> tuple[int, int, int]:
@@ -236,11 +243,12 @@ LAST_KERNEL = None
 
 def onepass_partials(x, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
                      gate: bool, up: bool, config: dict | None = None, ind=None,
-                     norm: tuple | None = None) -> torch.Tensor:
+                     norm: tuple | None = None, count=None) -> torch.Tensor:
     """The fp32 partial sums P [n_programs, d_model] for x [1, d_model]; y = P.sum(0). The indicator is
     ``ind`` [1, d_inter] if given, else computed in the kernel as x . w_ind [d_inter, d_model] rows (RB rows a
     step). With ``norm`` = (weight [d_model], eps) ``x`` is the residual stream h and the MLP's input is
-    RMSNorm(h), computed in the kernel (kernels/_block.py); an indicator computed here then reads it too."""
+    RMSNorm(h), computed in the kernel (kernels/_block.py); an indicator computed here then reads it too. The
+    kept rows are added to ``count`` = (kept, rows) if given (_count.py)."""
     global LAST_KERNEL
     cfg = {**CONFIGS[mode], **(config or {})}
     n_tok, d_model = x.shape
@@ -273,32 +281,38 @@ def onepass_partials(x, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, 
         norm_w = norm_w.contiguous()
     block_d, block_i = max(16, _pow2(d_model)), max(16, _pow2(k_ind))
     p = _common.new_output((progs, d_model), torch.float32, x.device)
+    kept, n_rows = _common.counters(count, x.device)
     pdl = _pdl.mode(x)
     LAST_KERNEL = _onepass_kernel[(progs,)](
         x, w_ind, ind if ind is not None else p, w_gate, w_up, w_down_t, thr_t if thr_t is not None else p, p,
-        norm_w if norm is not None else p, float(thr_f), float(norm[1]) if norm is not None else 0.0, d_model,
+        norm_w if norm is not None else p, kept if kept is not None else p, n_rows if n_rows is not None else p,
+        float(thr_f), float(norm[1]) if norm is not None else 0.0, d_model,
         d_inter, k_ind, triton.cdiv(d_inter, rows), progs, rows,
         MODE=MODES[mode], GATE=gate, UP=up, ACT=act_code(activation),
         THR_PTR=thr_t is not None, THR_VEC=thr_vec, CHUNK=chunk, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=block_d, BLOCK_I=block_i, EVEN_D=block_d == d_model, EVEN_I=block_i == k_ind,
         BIG=d_inter * max(d_model, k_ind) >= 2**31, DENSE=ind is None, PDL=pdl, STAGES=int(cfg.get("STAGES", 1)),
         RB=rb, ISTAGES=int(cfg.get("ISTAGES", 1)), W_EARLY=bool(rb and cfg.get("W_EARLY", False)),
-        NORM=norm is not None,
+        NORM=norm is not None, COUNT=kept is not None,
         num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl),
     )
     return p
 
 
-@torch.library.custom_op("countdown::gated_onepass", mutates_args=())
+# (the keep rule is ``rule``, not ``mode``: torch.compile's handling of an op that mutates an argument passes a
+# ``mode`` of its own, and an argument of that name collides with it)
+@torch.library.custom_op("countdown::gated_onepass", mutates_args=("kept", "rows"))
 def _onepass_op(x: torch.Tensor, w_ind: Optional[torch.Tensor], ind: Optional[torch.Tensor], w_gate: torch.Tensor,
-                w_up: torch.Tensor, w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, mode: str,
-                activation: str, gate: bool, up: bool) -> torch.Tensor:
-    return onepass_partials(x, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up, ind=ind)
+                w_up: torch.Tensor, w_down_t: torch.Tensor, thr_t: Optional[torch.Tensor], thr_f: float, rule: str,
+                activation: str, gate: bool, up: bool, kept: Optional[torch.Tensor] = None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return onepass_partials(x, w_ind, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, gate, up, ind=ind,
+                            count=_common.op_count(kept, rows))
 
 
 @_onepass_op.register_fake
-def _(x, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation, gate, up):
-    return x.new_empty((n_programs(x.device, w_gate.shape[0], mode), x.shape[1]), dtype=torch.float32)
+def _(x, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f, rule, activation, gate, up, kept=None, rows=None):
+    return x.new_empty((n_programs(x.device, w_gate.shape[0], rule), x.shape[1]), dtype=torch.float32)
 
 
 def indicator_outside(mode: str) -> bool:
@@ -307,20 +321,22 @@ def indicator_outside(mode: str) -> bool:
 
 
 def threshold_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str,
-                  residual=None) -> torch.Tensor:
+                  residual=None, count=None) -> torch.Tensor:
     """mono (mode "abs": keep |u| > t) or cats ("abs_act": keep |act(g)| > t) for one token."""
     w_ind = w_up if mode == "abs" else w_gate
     src = dict(ind=ind_linear(x2, w_ind)) if indicator_outside(mode) else dict(w_ind=w_ind)
     return onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
-                       gate=mode == "abs", up=mode != "abs", residual=residual, **src)
+                       gate=mode == "abs", up=mode != "abs", residual=residual, count=count, **src)
 
 
 def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation: str, gate: bool, up: bool,
-                *, ind=None, w_ind=None, residual=None) -> torch.Tensor:
+                *, ind=None, w_ind=None, residual=None, count=None) -> torch.Tensor:
     """y [1, d_model] in x's dtype from the indicator ``ind`` [1, d_inter] or its rows ``w_ind`` (read against
     x in the kernel): the op's partials summed and cast outside it (_psum.reduce: PyTorch's sum while
     torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op). With
-    ``residual`` (a folded layer's h, in residual's shape) residual + y, the add in the partials' sum."""
+    ``residual`` (a folded layer's h, in residual's shape) residual + y, the add in the partials' sum; with
+    ``count`` = (kept, rows) the kept rows added to a patched layer's Sparsity-Real counters."""
+    kept, rows = _common.counters(count, x2.device)
     p = torch.ops.countdown.gated_onepass(x2, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
-                                          mode, activation, gate, up)
+                                          mode, activation, gate, up, kept, rows)
     return _psum.reduce(p, x2, residual)

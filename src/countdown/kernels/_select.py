@@ -30,7 +30,8 @@ run in fp32, per word then times the group's fp16 scale.
 FUSE_DOWN (one token): the down projection is added into a per-program fp32 accumulator and each
 program writes its partial sum P[p] (y = P.sum(0), left to the caller so torch.compile fuses it into
 the residual add). Otherwise (2-8 tokens) the kernel writes s [T, d_inter] (0 where not kept) and the
-masked down projection of _down.py runs after. SCORES writes (u~, g~) and stops (shadow only).
+masked down projection of _down.py runs after. SCORES writes (u~, g~) and stops (shadow only). COUNT: each
+program adds its tokens' kept rows to the caller's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._common import persistent_programs
+from ._count import add_count
 from ._glu import _act, _load_vec, _pow2, _round_to, _store_partial
 
 
@@ -225,14 +227,14 @@ def _kept_rows(X, U, WG, WU, WD, OUT, yacc, xv, keep, rows, kd, dmask, tok0, n_t
 
 @triton.jit
 def _select_kernel(
-    X, XS, Q, SC, U, LAT, BTM, BIAS, WG, WU, WD, CUT, OUT,
+    X, XS, Q, SC, U, LAT, BTM, BIAS, WG, WU, WD, CUT, OUT, KEPT, ROWS_N,
     cut_f, n_tok, d_model, d_inter, n_words, n_groups, r_lat, n_blocks, n_progs,
     stride_x, stride_u, stride_lat,
     KIND: tl.constexpr, BITS: tl.constexpr, ACT: tl.constexpr, CUT_PTR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BT: tl.constexpr, ROWS: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_D: tl.constexpr, BIG: tl.constexpr,
     NEXT: tl.constexpr, FUSE_DOWN: tl.constexpr, SCORES: tl.constexpr,
-    OUT_F32: tl.constexpr,
+    OUT_F32: tl.constexpr, COUNT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     tok0 = tl.program_id(1) * BT
@@ -248,6 +250,7 @@ def _select_kernel(
         xv = _load_vec(X, kd, d_model, EVEN_D)
         yacc = tl.zeros([BLOCK_D], dtype=tl.float32)
     cr = tl.arange(0, ROWS)
+    n_kept = tl.zeros([], dtype=tl.int32)  # the entries this program keeps (COUNT)
     if NEXT:  # one tile holds whole shadow rows: the first block's, requested before anything else
         qb, sb = _bases(pid * ROWS + cr, n_words, n_groups, BIG)
         twg, twu, tsg, tsu = _load_tile(Q, SC, qb, sb, 0, pid * ROWS + cr < d_inter, n_words, n_groups, GPT, WPG)
@@ -279,6 +282,7 @@ def _select_kernel(
                 score = _hybrid_score(U, LAT, BTM, BIAS, rows, rmask, m2, tok0, n_tok, r_lat, stride_u,
                                       stride_lat, ACT, HAS_BIAS, BT, ROWS, BLOCK_R, BIG)
             keep = (score > cut) & m2                                  # [BT, ROWS]
+            n_kept += tl.sum(tl.sum(keep.to(tl.int32), axis=1), axis=0)
             if FUSE_DOWN:
                 yacc = _kept_rows(X, U, WG, WU, WD, OUT, yacc, xv, keep, rows, kd, dmask, tok0, n_tok,
                                   d_model, d_inter, stride_x, stride_u, KIND, ACT, BT, ROWS, BLOCK_M,
@@ -290,6 +294,8 @@ def _select_kernel(
 
     if FUSE_DOWN:
         _store_partial(OUT, pid, yacc, kd, d_model, BIG, EVEN_D)
+    if COUNT:
+        add_count(KEPT, ROWS_N, n_kept, n_tok * d_inter, (pid == 0) & (tl.program_id(1) == 0))
 
 
 # Launch configurations by (kind, one token or several), tuned at Llama-3.1-8B's shape with
@@ -346,11 +352,12 @@ def x_scaled(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=None, scale=None, u=None,
            latent=None, bt=None, bias=None, w_gate=None, w_up=None, w_down_t=None,
-           extra: dict | None = None) -> torch.Tensor:
+           extra: dict | None = None, count=None) -> torch.Tensor:
     """One launch. ``out``: "partials" (one token: P [programs, d_model] fp32, y = P.sum(0)),
-    "s" (s [T, d_inter], 0 where no token keeps) or "scores" ([2, T, d_inter] fp32: u~, g~)."""
+    "s" (s [T, d_inter], 0 where no token keeps) or "scores" ([2, T, d_inter] fp32: u~, g~). The kept
+    entries are added to ``count`` = (kept, rows) if given (_count.py)."""
     global LAST_KERNEL
-    from ._common import act_code, interpreting, new_output
+    from ._common import act_code, counters, interpreting, new_output
 
     n_tok, d_model = x.shape
     cfg = config("scores" if out == "scores" else kind, n_tok, extra)
@@ -389,12 +396,14 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
     else:
         o = new_output((2, n_tok, d_inter), torch.float32, x.device)
     big = d_inter * max(d_model, 2 * n_words, r_lat) >= 2**31
+    kept, rows = counters(count if out != "scores" else None, x.device)
     LAST_KERNEL = _select_kernel[(progs, -(-n_tok // bt_tok))](
         x, xs, q if q is not None else dummy, scale if scale is not None else dummy,
         u if u is not None else dummy, latent if latent is not None else dummy,
         bt if bt is not None else dummy, bias if bias is not None else dummy,
         w_gate if w_gate is not None else dummy, w_up if w_up is not None else dummy,
         w_down_t if w_down_t is not None else dummy, cut_t if cut_t is not None else o, o,
+        kept if kept is not None else o, rows if rows is not None else o,
         float(cut_f), n_tok, d_model, d_inter, n_words, n_groups, r_lat, -(-d_inter // cfg["ROWS"]), progs,
         x.stride(0), u.stride(0) if u is not None else 0, latent.stride(0) if latent is not None else 0,
         KIND=0 if kind == "shadow" else 1, BITS=bits, ACT=act_code(activation), CUT_PTR=cut_t is not None,
@@ -402,7 +411,7 @@ def launch(x, kind: str, out: str, cut_t, cut_f: float, activation: str, *, q=No
         BLOCK_D=block_d, BLOCK_R=block_r, EVEN_D=block_d == d_model, BIG=big,
         NEXT=bool(cfg.get("NEXT")) and kind == "shadow" and gpt >= n_groups,
         FUSE_DOWN=out == "partials", SCORES=out == "scores",
-        OUT_F32=cpu_bf16,
+        OUT_F32=cpu_bf16, COUNT=kept is not None,
         num_warps=cfg["num_warps"], num_stages=1,
     )
     return o

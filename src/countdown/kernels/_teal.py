@@ -24,6 +24,10 @@ read once; each token's output uses only its own masks):
 
 ``y = P2.sum(0)`` in x's dtype is left to the caller: under torch.compile that sum and cast fuse
 into the residual add that follows (as ``_onepass.py``'s partials do).
+
+COUNT: the caller's Sparsity-Real counters (``_count.py``) get each token's kept share of the weights, 2 / (3
+d_model) per kept x entry (added by the first column block's gate/up programs, one per split) and 1 / (3 d_inter)
+per kept s entry (the finish programs, or the first column block's fused down programs), and 1 per token.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import triton.language as tl
 
 from . import _common, _pdl
 from ._common import act_code
+from ._count import add_count
 from ._glu import _act, _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -75,10 +80,11 @@ def _list_tile(IDX, VAL, base, m, cnt, b, BPD: tl.constexpr):
 
 @triton.jit
 def _teal_gateup_kernel(
-    X, WG, WU, THR, SCRI, SCRX, P1,
+    X, WG, WU, THR, SCRI, SCRX, P1, KEPT, ROWS,
     thr_f, n_tok, d_model, d_inter, stride_x, stride_wg, stride_wu,
     THR_PTR: tl.constexpr, BP: tl.constexpr, BPD: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr,
+    COUNT: tl.constexpr = False,
 ):
     if PDL:  # x may come from the kernel before
         gdc_wait()
@@ -97,6 +103,11 @@ def _teal_gateup_kernel(
         thr = thr_f
     xv = tl.load(X + b[:, None] * stride_x + r[None, :], mask=m2, other=0.0).to(tl.float32)
     keep = (tl.abs(xv) > thr) & m2
+    if COUNT:
+        if pid_n == 0:  # each token's kept x entries of this split: 2 / (3 d_model) of the weights each
+            n_x = tl.sum(tl.sum(keep.to(tl.int32), axis=1), axis=0)
+            add_count(KEPT, ROWS, tl.cast(2 * n_x, tl.float64) / tl.cast(3 * d_model, tl.float64), n_tok,
+                      pid_k == 0)
     anyk = tl.max(keep.to(tl.int32), axis=0)
     cnt = tl.sum(anyk, axis=0)
     pos = tl.cumsum(anyk, axis=0) - 1
@@ -143,7 +154,7 @@ def _teal_gateup_kernel(
 def _s_compact(P1, THR, X, IDX, VAL, base, blk, thr_f, n_tok, d_inter, n_splits, ACT: tl.constexpr,
                THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, NSPL: tl.constexpr):
     """s of block ``blk`` (g and u summed over the splits in order), its kept channels (union over the
-    tokens) compacted into IDX / VAL from ``base``; returns their count."""
+    tokens) compacted into IDX / VAL from ``base``; returns their count and the tokens' kept entries."""
     b = tl.arange(0, BPD)
     i = blk * FB + tl.arange(0, FB)
     m2 = (b < n_tok)[:, None] & (i < d_inter)[None, :]
@@ -171,29 +182,37 @@ def _s_compact(P1, THR, X, IDX, VAL, base, blk, thr_f, n_tok, d_inter, n_splits,
     tl.store(IDX + base + pos, i, mask=anyk > 0)
     tl.store(VAL + (base + pos)[None, :] * BPD + b[:, None], tl.where(keep, s, 0.0),
              mask=(anyk > 0)[None, :] & (b < BPD)[:, None])
-    return tl.sum(anyk, axis=0)
+    return tl.sum(anyk, axis=0), tl.sum(tl.sum(keep.to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit
-def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, thr_f, n_tok, d_inter, n_splits,
+def _count_s(KEPT, ROWS, n_s, d_inter):
+    """The tokens' kept s entries to the counters: 1 / (3 d_inter) of the weights each."""
+    add_count(KEPT, ROWS, tl.cast(n_s, tl.float64) / tl.cast(3 * d_inter, tl.float64), 0, False)
+
+
+@triton.jit
+def _teal_finish_kernel(P1, THR, X, SIDX, SVAL, SCNT, KEPT, ROWS, thr_f, n_tok, d_inter, n_splits,
                         ACT: tl.constexpr, THR_PTR: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr,
-                        NSPL: tl.constexpr, PDL: tl.constexpr):
+                        NSPL: tl.constexpr, PDL: tl.constexpr, COUNT: tl.constexpr = False):
     if PDL:
         gdc_wait()
     blk = tl.program_id(0)
-    cnt = _s_compact(P1, THR, X, SIDX, SVAL, blk.to(tl.int64) * FB, blk, thr_f, n_tok, d_inter, n_splits,
-                     ACT, THR_PTR, BPD, FB, NSPL)
+    cnt, n_s = _s_compact(P1, THR, X, SIDX, SVAL, blk.to(tl.int64) * FB, blk, thr_f, n_tok, d_inter, n_splits,
+                          ACT, THR_PTR, BPD, FB, NSPL)
+    if COUNT:
+        _count_s(KEPT, ROWS, n_s, d_inter)
     tl.store(SCNT + blk, cnt)
     if PDL:  # the down kernel may launch (its gdc_wait still waits for this grid to finish)
         gdc_launch_dependents()
 
 
 @triton.jit
-def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inter, d_model, n_splits,
+def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, KEPT, ROWS, thr_f, n_tok, d_inter, d_model, n_splits,
                       BP: tl.constexpr, BPD: tl.constexpr, FB: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_N: tl.constexpr, BIG: tl.constexpr,
                       PDL: tl.constexpr, FUSE: tl.constexpr, ACT: tl.constexpr, THR_PTR: tl.constexpr,
-                      NSPL: tl.constexpr):
+                      NSPL: tl.constexpr, COUNT: tl.constexpr = False):
     if PDL:
         gdc_wait()
     pid_n = tl.program_id(0)
@@ -203,8 +222,11 @@ def _teal_down_kernel(SIDX, SVAL, SCNT, WD, P2, P1, THR, X, thr_f, n_tok, d_inte
     nmask = n < d_model
     if FUSE:  # the finish step here, into this program's own scratch slice (read back after a barrier)
         base = (blk * tl.num_programs(0) + pid_n).to(tl.int64) * FB
-        cnt = _s_compact(P1, THR, X, SIDX, SVAL, base, blk, thr_f, n_tok, d_inter, n_splits,
-                         ACT, THR_PTR, BPD, FB, NSPL)
+        cnt, n_s = _s_compact(P1, THR, X, SIDX, SVAL, base, blk, thr_f, n_tok, d_inter, n_splits,
+                              ACT, THR_PTR, BPD, FB, NSPL)
+        if COUNT:
+            if pid_n == 0:  # every column block computes the block's s: one of them counts it
+                _count_s(KEPT, ROWS, n_s, d_inter)
         tl.debug_barrier()
     else:
         cnt = tl.load(SCNT + blk)
@@ -256,19 +278,20 @@ LAST_KERNELS = None
 
 
 def teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation: str,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, count=None) -> torch.Tensor:
     """fp32 partial sums P2 ``[n_parts(d_inter), n_tok, d_model]`` of y for x ``[n_tok, d_model]``;
-    ``y = P2.sum(0)``. Tokens beyond MAX_GROUP are run in groups of MAX_GROUP."""
+    ``y = P2.sum(0)``. Tokens beyond MAX_GROUP are run in groups of MAX_GROUP. The tokens' kept shares of the
+    weights are added to ``count`` = (kept, rows) if given (see the module docstring)."""
     n_tok = x.shape[0]
     if n_tok > MAX_GROUP:
         return torch.cat([teal_partials(x[i:i + MAX_GROUP], w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f,
-                                        thr_s_t, thr_s_f, activation, config)
+                                        thr_s_t, thr_s_f, activation, config, count)
                           for i in range(0, n_tok, MAX_GROUP)], dim=1)
     return _group(x.contiguous(), w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f,
-                  activation, config)
+                  activation, config, count)
 
 
-def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation, config):
+def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation, config, count):
     global LAST_KERNELS
     n_tok, d_model = x.shape
     d_inter = w_gate_t.shape[1]
@@ -291,12 +314,15 @@ def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, ac
     scr_i = torch.empty((grid1[0] * splits * ks,), dtype=torch.int32, device=dev)
     scr_x = torch.empty((grid1[0] * splits * ks * bpd,), dtype=torch.float32, device=dev)
     p1 = _common.new_output((splits, n_tok, 2, d_inter), torch.float32, dev)
+    kept, rows = _common.counters(count, dev)
+    kept, rows = (kept, rows) if kept is not None else (p1, p1)
     k1 = _teal_gateup_kernel[grid1](
-        x, w_gate_t, w_up_t, thr_x_t if thr_x_t is not None else p1, scr_i, scr_x, p1,
+        x, w_gate_t, w_up_t, thr_x_t if thr_x_t is not None else p1, scr_i, scr_x, p1, kept, rows,
         float(thr_x_f), n_tok, d_model, d_inter, x.stride(0), w_gate_t.stride(0), w_up_t.stride(0),
         THR_PTR=thr_x_t is not None, BP=bp, BPD=bpd, KS=ks, BM=bm, BN=bn, DOT_PREC=prec,
         EVEN_N=d_inter % bn == 0, BIG=d_model * max(w_gate_t.stride(0), w_up_t.stride(0)) >= 2**31,
-        PDL=pdl, num_warps=cfg["warps"], num_stages=cfg["stages"], **_pdl.launch_kwargs(pdl),
+        PDL=pdl, COUNT=count is not None, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **_pdl.launch_kwargs(pdl),
     )
     fuse = bool(cfg.get("FUSE", False))
     grid3 = (triton.cdiv(d_model, bn2), nb)
@@ -306,15 +332,15 @@ def _group(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, ac
     scnt = torch.empty((nb,), dtype=torch.int32, device=dev)
     thr_s = thr_s_t if thr_s_t is not None else p1
     common = dict(ACT=act_code(activation), THR_PTR=thr_s_t is not None, BPD=bpd, FB=fb, NSPL=_pow2(splits),
-                  PDL=pdl)
+                  PDL=pdl, COUNT=count is not None)
     k2 = None
     if not fuse:
         k2 = _teal_finish_kernel[(nb,)](
-            p1, thr_s, x, sidx, sval, scnt, float(thr_s_f), n_tok, d_inter, splits,
+            p1, thr_s, x, sidx, sval, scnt, kept, rows, float(thr_s_f), n_tok, d_inter, splits,
             num_warps=4, **common, **_pdl.launch_kwargs(pdl))
     p2 = _common.new_output((nb, n_tok, d_model), torch.float32, dev)
     k3 = _teal_down_kernel[grid3](
-        sidx, sval, scnt, w_down_t, p2, p1, thr_s, x, float(thr_s_f), n_tok, d_inter, d_model, splits,
+        sidx, sval, scnt, w_down_t, p2, p1, thr_s, x, kept, rows, float(thr_s_f), n_tok, d_inter, d_model, splits,
         BP=bp, BM=bm2, BN=bn2, DOT_PREC=prec, EVEN_N=d_model % bn2 == 0, BIG=d_inter * d_model >= 2**31,
         FUSE=fuse, num_warps=cfg["warps2"], num_stages=cfg["stages2"], **common, **_pdl.launch_kwargs(pdl),
     )

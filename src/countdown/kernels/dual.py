@@ -11,7 +11,8 @@ both GEMVs for kept rows with the activation fused, then the masked down project
 d_model r + r d_inter + 3 d_model n_kept (+ vectors).
 
 Store the predictor's A and B as the transposed views of contiguous A^T [r, d_model] and B^T [d_inter, r]:
-for one token both GEMVs then run on kernels/_linear.py's fixed GEMV, which reads rows.
+for one token both GEMVs then run on kernels/_linear.py's fixed GEMV, which reads rows. ``count`` = (kept,
+rows): the kernel that keeps the rows adds them to a patched layer's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from ._common import available, check_mlp_args, plus, split_threshold, threshold_value
+from ._common import (available, check_mlp_args, count_keep, counters, op_count, plus, split_threshold,
+                      threshold_value)
 from .masked import gated_chain, gated_mlp_masked_ref
 
 
@@ -41,16 +43,18 @@ def dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activatio
     return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
 
 
-@torch.library.custom_op("countdown::dual_gated_mlp", mutates_args=())
+@torch.library.custom_op("countdown::dual_gated_mlp", mutates_args=("kept", "rows"))
 def _dual_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
              pred_a: torch.Tensor, pred_b: torch.Tensor, cut_t: Optional[torch.Tensor], cut_f: float,
-             activation: str, per_token: bool) -> torch.Tensor:
+             activation: str, per_token: bool, kept: Optional[torch.Tensor] = None,
+             rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     return gated_chain(x, w_gate, w_up, w_down_t, ind=dual_scores(x, pred_a, pred_b), thr_t=cut_t, thr_f=cut_f,
-                       mode="gt", activation=activation, gate=True, up=True, per_token=per_token)
+                       mode="gt", activation=activation, gate=True, up=True, per_token=per_token,
+                       count=op_count(kept, rows))
 
 
 @_dual_op.register_fake
-def _(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut_t, cut_f, activation, per_token):
+def _(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut_t, cut_f, activation, per_token, kept=None, rows=None):
     return torch.empty_like(x)
 
 
@@ -62,13 +66,13 @@ def _check_predictor(pred_a, pred_b, d_model: int, d_inter: int) -> None:
 
 
 def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cut,
-               activation: str = "silu") -> torch.Tensor | None:
+               activation: str = "silu", count=None) -> torch.Tensor | None:
     """h + mlp(RMSNorm(h)) for one token of a folded decode layer (h [..., d_model], the norm's weight and eps), in
     four launches and none of them a norm: the predictor's first GEMV with the norm folded in, which also writes
     x = RMSNorm(h) for the sparse kernel (kernels/_linear.py ``decode_norm_linear_x``), the scores latent B, then
     the sparse kernel and its partials' sum with the add. None where that route does not serve (not one token on
     the one-launch kernel, A^T or B^T not contiguous in h's dtype): the caller then runs the norm (block_input)
-    and ``dual_gated_mlp(..., residual=h)``."""
+    and ``dual_gated_mlp(..., residual=h)``. ``count`` as dual_gated_mlp takes it."""
     d_model, d_inter = check_mlp_args(h, w_gate, w_up, w_down_t)
     _check_predictor(pred_a, pred_b, d_model, d_inter)
     h2 = h.reshape(-1, d_model)
@@ -84,17 +88,21 @@ def dual_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, pred_a, pred_b, cu
     latent, x2 = torch.ops.countdown.decode_norm_linear_x(h2, norm_w, float(eps), at)
     ind = torch.ops.countdown.decode_linear(latent, bt, None, None)
     return _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
-                                ind=ind, residual=h2).reshape(h.shape)
+                                ind=ind, residual=h2, count=count).reshape(h.shape)
 
 
 def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: str = "silu",
-                   per_token: bool = False, residual=None) -> torch.Tensor:
+                   per_token: bool = False, residual=None, count=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model]; cut a float or a 0-dim tensor. With ``residual`` (x's shape and
-    dtype: a folded layer's h) residual + y, the add inside the partials' sum where the one-token route runs."""
+    dtype: a folded layer's h) residual + y, the add inside the partials' sum where the one-token route runs;
+    with ``count`` = (kept, rows) the kept rows added to a patched layer's Sparsity-Real counters."""
     d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
     _check_predictor(pred_a, pred_b, d_model, d_inter)
     if not available(x):
-        return plus(dual_gated_mlp_ref(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation), residual)
+        keep = dual_keep(x, pred_a, pred_b, cut)
+        count_keep(count, keep)
+        return plus(gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation), residual)
+    kept, rows = counters(count, x.device)
     cut_t, cut_f = split_threshold(cut)
     x2 = x.reshape(-1, d_model)
     from . import _few, _onepass, _psum
@@ -105,12 +113,12 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         latent = _onepass.ind_linear(x2.to(pred_a.dtype), pred_a.t())
         ind = _onepass.ind_linear(latent, pred_b.t())
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation,
-                                 gate=True, up=True, residual=residual, ind=ind)
+                                 gate=True, up=True, residual=residual, ind=ind, count=count)
         return y.reshape(x.shape)
     if _few.applies(x2) and not per_token:  # 2-8 tokens: the predictor's GEMMs here, then one launch
         y = _few.few_mlp(x2, dual_scores(x2, pred_a, pred_b), w_gate, w_up, w_down_t, cut_t, cut_f, "gt",
-                         activation, gate=True, up=True)
+                         activation, gate=True, up=True, count=count)
         return _psum.add_residual(y, residual).reshape(x.shape)
     y = torch.ops.countdown.dual_gated_mlp(x2, w_gate, w_up, w_down_t,
-                                           pred_a, pred_b, cut_t, cut_f, activation, per_token)
+                                           pred_a, pred_b, cut_t, cut_f, activation, per_token, kept, rows)
     return _psum.add_residual(y, residual).reshape(x.shape)

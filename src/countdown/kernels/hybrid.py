@@ -9,13 +9,14 @@ u = x W_up^T is computed before the op (a dense GEMV: W_up is read once, in full
 (``_select.py``, KIND hybrid) computes g^ for every row, applies the cut and reads only the kept rows
 of W_gate and W_down, in one launch for one token (the partial sums are reduced outside the op, where
 torch.compile fuses them into the residual add). Bytes: W_up + Bt + 2 d_model x 2 bytes per kept row.
+``count`` = (kept, rows): the kernel adds the kept rows to a patched layer's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._common import act_torch, available, split_threshold, threshold_value
+from ._common import act_torch, available, count_keep, counters, split_threshold, threshold_value
 from .shadow import MAX_FUSED_TOKENS
 
 
@@ -30,18 +31,21 @@ def hybrid_keep(u, latent, bt, bias, cut, activation: str = "silu") -> torch.Ten
     return score > threshold_value(thr_t, thr_f, score)
 
 
-def hybrid_gated_mlp_ref(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: str = "silu"):
-    """Plain PyTorch at x's precision."""
+def hybrid_gated_mlp_ref(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: str = "silu", count=None):
+    """Plain PyTorch at x's precision (the kept rows added to ``count`` if given)."""
     keep = hybrid_keep(u, latent, bt, bias, cut, activation)
+    count_keep(count, keep)
     s = u * act_torch(x @ w_gate.t(), activation)
     s = torch.where(keep, s, torch.zeros((), dtype=s.dtype, device=s.device))
     return s @ w_down_t
 
 
-def hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: str = "silu") -> torch.Tensor:
+def hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: str = "silu",
+                     count=None) -> torch.Tensor:
     """x [..., d_model], u = x W_up^T [..., d_inter] (x's dtype), latent = x A [..., r], bt = B^T
     [d_inter, r] contiguous, bias [d_inter] float32 or None, cut a 0-dim float32 tensor or a float,
-    w_gate and w_down_t [d_inter, d_model] -> y [..., d_model] in x's dtype."""
+    w_gate and w_down_t [d_inter, d_model] -> y [..., d_model] in x's dtype; ``count`` = (kept, rows): the
+    kept rows added to a patched layer's Sparsity-Real counters."""
     d_model = x.shape[-1]
     d_inter = w_gate.shape[0]
     if w_gate.shape != (d_inter, d_model) or w_down_t.shape != (d_inter, d_model):
@@ -55,12 +59,13 @@ def hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: 
         raise ValueError(f"bias must be [{d_inter}], got {tuple(bias.shape)}")
     n_tok = x.numel() // d_model
     if not available(x) or n_tok > MAX_FUSED_TOKENS:
-        return hybrid_gated_mlp_ref(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
+        return hybrid_gated_mlp_ref(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation, count)
     cut_t, cut_f = split_threshold(cut)
     if cut_t is not None and cut_t.dim() != 0:
         raise ValueError("the hybrid cut is one value per layer (a 0-dim tensor or a float)")
     x2, u2, lat2 = x.reshape(n_tok, d_model), u.reshape(n_tok, d_inter), latent.reshape(n_tok, -1)
-    args = (x2, None, None, u2, lat2, bt, bias, cut_t, cut_f, w_gate, None, w_down_t, activation)
+    args = (x2, None, None, u2, lat2, bt, bias, cut_t, cut_f, w_gate, None, w_down_t, activation,
+            *counters(count, x.device))
     if n_tok == 1:
         from . import _psum  # Triton: only where the kernels run
 

@@ -17,7 +17,8 @@ whose fp32 scores are exactly the reference's.
 
 GPU format (``prepare_shadow``): 4 bits (the default) or 8 bits, group * bits / 32 a power of two
 (groups of 32, 64, 128 at 4 bits). Other widths (2, 3 bits) and groups run the float32 reference
-(correct, not fast). Built once when a model is sparsified, on the model's device.
+(correct, not fast). Built once when a model is sparsified, on the model's device. ``count`` = (kept, rows):
+the kernel that keeps the rows adds them to a patched layer's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from ._common import available, check_mlp_args, plus, split_threshold, threshold_value
+from ._common import (available, check_mlp_args, count_keep, counters, op_count, plus, split_threshold,
+                      threshold_value)
 from .masked import gated_mlp_masked_ref, masked_gated_mlp
 from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
@@ -138,27 +140,30 @@ def _added(y: torch.Tensor, residual) -> torch.Tensor:
     return _psum.add_residual(y, residual)
 
 
-def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu"):
+def _prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu", count=None):
     """Plain PyTorch: the reference scores (float32), the cut, the masked MLP at x's precision."""
     qg, sg, qu, su = unpack_prepared(prepared, x.shape[-1])
     u_t, g_t = shadow_scores_ref(x, qg.to(x.device), sg.to(x.device), qu.to(x.device), su.to(x.device))
     thr_t, thr_f = split_threshold(cut)
     keep = shadow_score(u_t, g_t, activation) > threshold_value(thr_t, thr_f, u_t)
+    count_keep(count, keep)
     return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
 
 
 def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: str = "silu",
-                          residual=None) -> torch.Tensor:
+                          residual=None, count=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model] in x's dtype; ``prepared`` from ``prepare_shadow``; cut a
     0-dim float32 tensor (read on the device, no host sync) or a float; w_down_t = W_down^T
     [d_inter, d_model] contiguous, like w_gate and w_up. With ``residual`` (x's shape and dtype: a folded
-    layer's h) residual + y, the add inside the partials' sum on the one-token routes."""
+    layer's h) residual + y, the add inside the partials' sum on the one-token routes; with ``count`` =
+    (kept, rows) the kept rows added to a patched layer's Sparsity-Real counters."""
     d_model, d_inter = check_mlp_args(x, w_gate, w_up, w_down_t)
     q, scale = _check(x, prepared)
     if q.shape[0] != d_inter:
         raise ValueError(f"the shadows have {q.shape[0]} rows, the MLP d_inter={d_inter}")
     if not _fast(x, q):
-        return plus(_prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation), residual)
+        return plus(_prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation, count), residual)
+    kept, rows = counters(count, x.device)
     cut_t, cut_f = split_threshold(cut)
     if cut_t is not None and cut_t.dim() != 0:
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")
@@ -173,19 +178,20 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
             u_t, g_t = shadow_scores(x2, prepared)
             ind = shadow_score(u_t, g_t, activation)
         y = _onepass.onepass_mlp(x2, w_gate, w_up, w_down_t, cut_t, cut_f, "gt", activation, gate=True, up=True,
-                                 ind=ind, residual=residual)
+                                 ind=ind, residual=residual, count=count)
         return y.reshape(x.shape)
     if n_tok == 1:  # off CUDA: the selecting kernel in one launch (exact fp32 scores), its partials summed
         p = torch.ops.countdown.select_partials(x2, q, scale, None, None, None, None, cut_t, cut_f,
-                                                w_gate, w_up, w_down_t, activation)
+                                                w_gate, w_up, w_down_t, activation, kept, rows)
         return _reduce(p, x2, residual).reshape(x.shape)
     if n_tok <= MAX_FUSED_TOKENS:
         y = torch.ops.countdown.select_gated_mlp(x2, q, scale, None, None, None, None, cut_t, cut_f,
-                                                 w_gate, w_up, w_down_t, activation)
+                                                 w_gate, w_up, w_down_t, activation, kept, rows)
         return _added(y, residual).reshape(x.shape)
     u_t, g_t = shadow_scores(x2, prepared)
     keep = shadow_score(u_t, g_t, activation) > threshold_value(cut_t, cut_f, u_t)
-    return _added(masked_gated_mlp(x2, w_gate, w_up, w_down_t, keep, activation), residual).reshape(x.shape)
+    y = masked_gated_mlp(x2, w_gate, w_up, w_down_t, keep, activation, count=count)
+    return _added(y, residual).reshape(x.shape)
 
 
 # ------------------------------------------------------------------ the custom ops (shadow and hybrid)
@@ -235,21 +241,22 @@ def _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t):
                       w_down_t=w_down_t)
 
 
-@torch.library.custom_op("countdown::select_partials", mutates_args=())
+@torch.library.custom_op("countdown::select_partials", mutates_args=("kept", "rows"))
 def _partials_op(x: torch.Tensor, q: Optional[torch.Tensor], scale: Optional[torch.Tensor],
                  u: Optional[torch.Tensor], latent: Optional[torch.Tensor], bt: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], cut_t: Optional[torch.Tensor], cut_f: float,
                  w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down_t: torch.Tensor,
-                 activation: str) -> torch.Tensor:
+                 activation: str, kept: Optional[torch.Tensor] = None,
+                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token: fp32 partial sums P [programs, d_model] of the shadow (q given) or hybrid MLP."""
     from . import _select
 
     kind, args = _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t)
-    return _select.launch(x, kind, "partials", cut_t, cut_f, activation, **args)
+    return _select.launch(x, kind, "partials", cut_t, cut_f, activation, count=op_count(kept, rows), **args)
 
 
 @_partials_op.register_fake
-def _(x, q, scale, u, latent, bt, bias, cut_t, cut_f, w_gate, w_up, w_down_t, activation):
+def _(x, q, scale, u, latent, bt, bias, cut_t, cut_f, w_gate, w_up, w_down_t, activation, kept=None, rows=None):
     from . import _select
 
     kind = "shadow" if q is not None else "hybrid"
@@ -257,21 +264,22 @@ def _(x, q, scale, u, latent, bt, bias, cut_t, cut_f, w_gate, w_up, w_down_t, ac
     return x.new_empty((progs, x.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("countdown::select_gated_mlp", mutates_args=())
+@torch.library.custom_op("countdown::select_gated_mlp", mutates_args=("kept", "rows"))
 def _mlp_op(x: torch.Tensor, q: Optional[torch.Tensor], scale: Optional[torch.Tensor],
             u: Optional[torch.Tensor], latent: Optional[torch.Tensor], bt: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], cut_t: Optional[torch.Tensor], cut_f: float,
             w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down_t: torch.Tensor,
-            activation: str) -> torch.Tensor:
+            activation: str, kept: Optional[torch.Tensor] = None,
+            rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """2-8 tokens: s of the batch's kept rows (the selecting kernel), then the masked down projection."""
     from . import _select
     from ._down import sparse_down
 
     kind, args = _select_args(q, scale, u, latent, bt, bias, w_gate, w_up, w_down_t)
-    s = _select.launch(x, kind, "s", cut_t, cut_f, activation, **args).to(x.dtype)
+    s = _select.launch(x, kind, "s", cut_t, cut_f, activation, count=op_count(kept, rows), **args).to(x.dtype)
     return sparse_down(s, None, w_down_t)
 
 
 @_mlp_op.register_fake
-def _(x, q, scale, u, latent, bt, bias, cut_t, cut_f, w_gate, w_up, w_down_t, activation):
+def _(x, q, scale, u, latent, bt, bias, cut_t, cut_f, w_gate, w_up, w_down_t, activation, kept=None, rows=None):
     return torch.empty_like(x)

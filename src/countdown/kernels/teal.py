@@ -15,7 +15,9 @@ what follows). A group of up to 16 tokens reads the union of its kept rows once 
 token's own masks.
 
 Bytes read per token: (2 d_inter n_x + d_model n_s) weights for n_x kept x entries and n_s kept s
-entries, plus vectors (:func:`countdown.eval.cost.mlp_weight_bytes` kind ``"teal"``).
+entries, plus vectors (:func:`countdown.eval.cost.mlp_weight_bytes` kind ``"teal"``). ``count`` = (kept,
+rows): the kernels add each token's kept share of the weights, :func:`kept_weight_fraction`, and 1 to a
+patched layer's Sparsity-Real counters (_count.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,22 @@ from typing import Optional
 
 import torch
 
-from ._common import act_torch, available, split_threshold, threshold_value
+from ._common import act_torch, available, counters, op_count, split_threshold, threshold_value
+
+
+def kept_weight_fraction(keep_x: torch.Tensor, keep_s: torch.Tensor) -> torch.Tensor:
+    """Per token, the kept share of the Gated-MLP's weights, ``(2 n_x / d_model + n_s / d_inter) / 3``,
+    from the keep masks ``[tokens, d_model]`` and ``[tokens, d_inter]`` (float64 ``[tokens]``)."""
+    fx = keep_x.sum(dim=-1, dtype=torch.float64) / keep_x.shape[-1]
+    fs = keep_s.sum(dim=-1, dtype=torch.float64) / keep_s.shape[-1]
+    return (2.0 * fx + fs) / 3.0
+
+
+def count_teal(count, keep_x: torch.Tensor, keep_s: torch.Tensor) -> None:
+    """Add masks computed in PyTorch to ``count`` = (kept, rows), as the kernels add theirs."""
+    if count is not None:
+        count[0].add_(kept_weight_fraction(keep_x, keep_s).sum())
+        count[1].add_(keep_x.shape[0])
 
 
 def teal_keep_x(x, threshold) -> torch.Tensor:
@@ -53,18 +70,20 @@ def teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: 
     return (y, keep_x, keep_s) if return_masks else y
 
 
-@torch.library.custom_op("countdown::teal_gated_mlp", mutates_args=())
+@torch.library.custom_op("countdown::teal_gated_mlp", mutates_args=("kept", "rows"))
 def _teal_op(x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor, w_down_t: torch.Tensor,
              thr_x_t: Optional[torch.Tensor], thr_x_f: float, thr_s_t: Optional[torch.Tensor], thr_s_f: float,
-             activation: str) -> torch.Tensor:
+             activation: str, kept: Optional[torch.Tensor] = None,
+             rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 partial sums ``[n_parts, n_tok, d_model]`` of y (``_teal.teal_partials``)."""
     from ._teal import teal_partials
 
-    return teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation)
+    return teal_partials(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation,
+                         count=op_count(kept, rows))
 
 
 @_teal_op.register_fake
-def _(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation):
+def _(x, w_gate_t, w_up_t, w_down_t, thr_x_t, thr_x_f, thr_s_t, thr_s_f, activation, kept=None, rows=None):
     from ._teal import n_parts
 
     return x.new_empty((n_parts(w_gate_t.shape[1]), x.shape[0], x.shape[1]), dtype=torch.float32)
@@ -84,15 +103,19 @@ def _check(x, w_gate_t, w_up_t, w_down_t):
     return d_model
 
 
-def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str = "silu") -> torch.Tensor:
+def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str = "silu",
+                   count=None) -> torch.Tensor:
     """x [..., d_model] -> y [..., d_model] in x's dtype; thresholds floats or 0-dim tensors (read on the
-    device). Triton where ``available(x)``, else :func:`teal_gated_mlp_ref`."""
+    device). Triton where ``available(x)``, else :func:`teal_gated_mlp_ref`. With ``count`` = (kept, rows)
+    each token's kept share of the weights is added to a patched layer's Sparsity-Real counters."""
     d_model = _check(x, w_gate_t, w_up_t, w_down_t)
     for name, t in (("thr_x", thr_x), ("thr_s", thr_s)):
         if isinstance(t, torch.Tensor) and t.numel() != 1:
             raise ValueError(f"{name} must be one value (a float or a one-element tensor), got shape {tuple(t.shape)}")
     if not available(x):
-        return teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
+        y, keep_x, keep_s = teal_gated_mlp_ref(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation, True)
+        count_teal(count, keep_x.reshape(-1, d_model), keep_s.reshape(-1, keep_s.shape[-1]))
+        return y
     # the kernels read unit-stride rows; a weight stored otherwise is copied (correct, slower)
     w_gate_t, w_up_t = (w if w.stride(1) == 1 else w.contiguous() for w in (w_gate_t, w_up_t))
     w_down_t = w_down_t.contiguous()
@@ -101,7 +124,7 @@ def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str 
     # the partials' sum and cast stay outside the op: torch.compile fuses them with what follows; run
     # eagerly, kernels/_psum.py's op sums them
     p = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
-                                           tx_t, tx_f, ts_t, ts_f, activation)
+                                           tx_t, tx_f, ts_t, ts_f, activation, *counters(count, x.device))
     from . import _psum  # Triton: only where the kernels run
 
     return _psum.reduce(p, x).reshape(x.shape)

@@ -64,23 +64,26 @@ class RowSelector(nn.Module):
     def to_model_dtype(self, dtype: torch.dtype) -> None:
         """Hold what the selector reads per token in the model's ``dtype`` where that helps."""
 
-    def kernel_forward(self, x2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor) -> torch.Tensor:
+    def kernel_forward(self, x2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor,
+                       count: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The sparse MLP of ``x2 [tokens <= 8, d_model]`` through the Triton kernels.
 
         Default: the dense projections the rule needs, the keep mask in PyTorch, then the masked
         kernel (kept rows of W_gate / W_up / W_down only). Kinds with a fused kernel override it.
-        ``w_down_t`` is ``W_down^T`` contiguous ``[d_inter, d_model]``.
+        ``w_down_t`` is ``W_down^T`` contiguous ``[d_inter, d_model]``. ``count`` = (kept, rows), the
+        layer's Sparsity-Real counters: the kernel that keeps the rows adds them (kernels/_count.py).
         """
         u = F.linear(x2, mlp.w_up) if self.needs_up else None
         h = mlp.act(F.linear(x2, mlp.w_gate)) if self.needs_gate else None
         keep = self(x2, u, h)
-        return kernels.masked_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, keep, mlp.act_name)
+        return kernels.masked_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, keep, mlp.act_name, count=count)
 
     def kernel_block(self, h2: torch.Tensor, mlp: GatedMLP, w_down_t: torch.Tensor, norm_w: torch.Tensor,
-                     eps: float) -> torch.Tensor | None:
+                     eps: float, count: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """``h2 + mlp(RMSNorm(h2))`` (the norm's weight and eps) by a kernel route that computes the norm and
         the residual add too (a folded decode layer, countdown.decode.layer.mlp_half), or None: the caller
-        then runs the norm, :meth:`kernel_forward` and the add. Default None; the threshold kinds have one."""
+        then runs the norm, :meth:`kernel_forward` and the add. Default None; the threshold kinds have one.
+        ``count`` as :meth:`kernel_forward` takes it (added to only where the route runs)."""
         return None
 
 

@@ -99,13 +99,13 @@ class HybridDualSelector(LowRankFactors):
     def forward(self, x, u, h):
         return select(self.hybrid_score(x, u), self.selection, self.cut, self.n_keep)
 
-    def kernel_forward(self, x2, mlp, w_down_t):
+    def kernel_forward(self, x2, mlp, w_down_t, count=None):
         fused = getattr(kernels, "hybrid_gated_mlp", None)
         if fused is None or self.selection != "cut":
-            return super().kernel_forward(x2, mlp, w_down_t)
+            return super().kernel_forward(x2, mlp, w_down_t, count)
         u = F.linear(x2, mlp.w_up)
         latent = x2.to(self.A.dtype) @ self.A
-        return fused(x2, u, latent, self.Bt, self.bias, self.cut, mlp.w_gate, w_down_t, mlp.act_name)
+        return fused(x2, u, latent, self.Bt, self.bias, self.cut, mlp.w_gate, w_down_t, mlp.act_name, count=count)
 
     def extra_repr(self) -> str:
         return f"selection={self.selection}, n_keep={self.n_keep}"

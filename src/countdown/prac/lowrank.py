@@ -70,20 +70,20 @@ class LowRankSelector(LowRankFactors):
             return self.latent_score(x) > self.row_cut
         return select(self.score(x), self.selection, self.cut, self.n_keep)
 
-    def kernel_forward(self, x2, mlp, w_down_t):
+    def kernel_forward(self, x2, mlp, w_down_t, count=None):
         if not IN_KERNEL or self.selection == "topk":
-            return super().kernel_forward(x2, mlp, w_down_t)
+            return super().kernel_forward(x2, mlp, w_down_t, count)
         return kernels.dual_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
-                                      mlp.act_name)
+                                      mlp.act_name, count=count)
 
-    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
+    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps, count=None):
         if not IN_KERNEL or self.selection == "topk":
             return None
         out = kernels.dual_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
-                                 mlp.act_name)  # no norm kernel: the norm folded into the predictor's GEMV
+                                 mlp.act_name, count=count)  # no norm kernel: the norm is in the predictor's GEMV
         if out is None:  # the norm on its kernel, the add in the partials' sum
             out = kernels.dual_gated_mlp(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t,
-                                         self.A, self.Bt.t(), self.row_cut, mlp.act_name, residual=h2)
+                                         self.A, self.Bt.t(), self.row_cut, mlp.act_name, residual=h2, count=count)
         return out
 
     def extra_repr(self) -> str:

@@ -86,18 +86,18 @@ class ShadowSelector(RowSelector):
     def forward(self, x, u, h):
         return select(self.scores(x), self.selection, self.cut, self.n_keep)
 
-    def kernel_forward(self, x2, mlp, w_down_t):
+    def kernel_forward(self, x2, mlp, w_down_t, count=None):
         if self.selection != "cut":
-            return super().kernel_forward(x2, mlp, w_down_t)
+            return super().kernel_forward(x2, mlp, w_down_t, count)
         return kernels.shadow_dual_gated_mlp(x2, self._prepare(), self.cut, mlp.w_gate, mlp.w_up, w_down_t,
-                                             mlp.act_name)
+                                             mlp.act_name, count=count)
 
-    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
+    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps, count=None):
         if self.selection != "cut":
             return None
         # the norm on its kernel, the add in the partials' sum
         return kernels.shadow_dual_gated_mlp(kernels.block_input(h2, norm_w, eps), self._prepare(), self.cut,
-                                             mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2)
+                                             mlp.w_gate, mlp.w_up, w_down_t, mlp.act_name, residual=h2, count=count)
 
     def extra_repr(self) -> str:
         return f"bits={self.bits}, selection={self.selection}, n_keep={self.n_keep}"

@@ -62,8 +62,9 @@ class TealThresholdSelector(InputSelector):
     def keep_s(self, s):
         return s.float().abs() > self.cut_s
 
-    def kernel_forward(self, x2, mlp, w_gate_t, w_up_t, w_down_t):
-        return kernels.teal_gated_mlp(x2, w_gate_t, w_up_t, w_down_t, self.cut_x, self.cut_s, mlp.act_name)
+    def kernel_forward(self, x2, mlp, w_gate_t, w_up_t, w_down_t, count=None):
+        return kernels.teal_gated_mlp(x2, w_gate_t, w_up_t, w_down_t, self.cut_x, self.cut_s, mlp.act_name,
+                                      count=count)
 
     def extra_repr(self) -> str:
         return f"cut_x={float(self.cut_x):.5g}, cut_s={float(self.cut_s):.5g}"

@@ -45,21 +45,21 @@ class ThresholdSelector(RowSelector):
     def score(self, x: torch.Tensor, mlp: GatedMLP) -> torch.Tensor:
         return indicator_of(self.method, mlp, x)
 
-    def kernel_forward(self, x2, mlp, w_down_t):
+    def kernel_forward(self, x2, mlp, w_down_t, count=None):
         op = {"mono": kernels.mono_gated_mlp, "cats": kernels.cats_gated_mlp}.get(self.method.name)
         if op is None:  # a threshold on another indicator: mask in PyTorch, masked kernel
-            return super().kernel_forward(x2, mlp, w_down_t)
-        return op(x2, mlp.w_gate, mlp.w_up, w_down_t, self.threshold, mlp.act_name)
+            return super().kernel_forward(x2, mlp, w_down_t, count)
+        return op(x2, mlp.w_gate, mlp.w_up, w_down_t, self.threshold, mlp.act_name, count=count)
 
-    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps):
+    def kernel_block(self, h2, mlp, w_down_t, norm_w, eps, count=None):
         op = {"mono": kernels.mono_gated_mlp, "cats": kernels.cats_gated_mlp}.get(self.method.name)
         if op is None:
             return None
         out = kernels.threshold_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
-                                      self.method.name, mlp.act_name)  # the norm inside the sparse kernel
+                                      self.method.name, mlp.act_name, count=count)  # the norm inside the kernel
         if out is None:  # the norm on its kernel, the add in the partials' sum
             out = op(kernels.block_input(h2, norm_w, eps), mlp.w_gate, mlp.w_up, w_down_t, self.threshold,
-                     mlp.act_name, residual=h2)
+                     mlp.act_name, residual=h2, count=count)
         return out
 
     def extra_repr(self) -> str:
