@@ -81,7 +81,7 @@ def threshold_block(h, norm_w, eps: float, w_gate, w_up, w_down_t, threshold, me
     if not _common.available(h2) or not applies(h2, mode):
         return None
     thr_t, thr_f = _common.split_threshold(threshold)
-    kept, rows = _common.counters(count, h2.device)
+    kept, rows = _common.op_counters(count, h2.device)
     out = torch.ops.countdown.gated_block(h2, norm_w, float(eps), w_gate, w_up, w_down_t, thr_t, thr_f, mode,
                                           activation, kept, rows)
     return out.reshape(h.shape)

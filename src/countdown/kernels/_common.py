@@ -149,9 +149,22 @@ def counters(count, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return kept, rows
 
 
+@functools.lru_cache(maxsize=None)
+def _no_count(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(0, dtype=torch.float64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def op_counters(count, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`counters` as a custom op's two arguments: empty tensors for no count, never None. (A None equal to
+    the schema's default is dropped from the arguments the dispatcher hands back, and torch 2.11's
+    ADInplaceOrView kernel then indexes a mutated argument past their end.)"""
+    kept, rows = counters(count, device)
+    return _no_count(torch.device(device)) if kept is None else (kept, rows)
+
+
 def op_count(kept: torch.Tensor | None, rows: torch.Tensor | None):
-    """A custom op's two Sparsity-Real arguments (see :func:`counters`) back as the ``count`` its kernels take."""
-    return None if kept is None else (kept, rows)
+    """A custom op's two Sparsity-Real arguments (see :func:`op_counters`) back as the ``count`` its kernels take."""
+    return None if kept is None or kept.numel() == 0 else (kept, rows)
 
 
 def count_keep(count, keep: torch.Tensor) -> None:

@@ -252,7 +252,7 @@ def few_mlp(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation
     """y [n_tok, d_model] in x's dtype: the op's partials summed and cast outside it (_psum.reduce:
     PyTorch's sum under torch.compile, which fuses it with the residual add; run eagerly, _psum.py's op).
     The kept rows are added to ``count`` = (kept, rows) if given (_count.py)."""
-    kept, rows = _common.counters(count, x2.device)
+    kept, rows = _common.op_counters(count, x2.device)
     p = torch.ops.countdown.gated_few(x2, ind, w_gate, w_up, w_down_t, thr_t, thr_f, mode, activation,
                                       gate, up, kept, rows)
     return _psum.reduce(p, x2)

@@ -336,7 +336,7 @@ def onepass_mlp(x2, w_gate, w_up, w_down_t, thr_t, thr_f, mode: str, activation:
     torch.compile traces it, which fuses it with its neighbours; run eagerly, _psum.py's op). With
     ``residual`` (a folded layer's h, in residual's shape) residual + y, the add in the partials' sum; with
     ``count`` = (kept, rows) the kept rows added to a patched layer's Sparsity-Real counters."""
-    kept, rows = _common.counters(count, x2.device)
+    kept, rows = _common.op_counters(count, x2.device)
     p = torch.ops.countdown.gated_onepass(x2, w_ind, ind, w_gate, w_up, w_down_t, thr_t, thr_f,
                                           mode, activation, gate, up, kept, rows)
     return _psum.reduce(p, x2, residual)

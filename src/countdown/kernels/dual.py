@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (available, check_mlp_args, count_keep, counters, op_count, plus, split_threshold,
-                      threshold_value)
+from ._common import (available, check_mlp_args, count_keep, op_count, op_counters, plus,
+                      split_threshold, threshold_value)
 from .masked import gated_chain, gated_mlp_masked_ref
 
 
@@ -102,7 +102,7 @@ def dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation: s
         keep = dual_keep(x, pred_a, pred_b, cut)
         count_keep(count, keep)
         return plus(gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation), residual)
-    kept, rows = counters(count, x.device)
+    kept, rows = op_counters(count, x.device)
     cut_t, cut_f = split_threshold(cut)
     x2 = x.reshape(-1, d_model)
     from . import _few, _onepass, _psum

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import act_torch, available, count_keep, counters, split_threshold, threshold_value
+from ._common import act_torch, available, count_keep, op_counters, split_threshold, threshold_value
 from .shadow import MAX_FUSED_TOKENS
 
 
@@ -65,7 +65,7 @@ def hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation: 
         raise ValueError("the hybrid cut is one value per layer (a 0-dim tensor or a float)")
     x2, u2, lat2 = x.reshape(n_tok, d_model), u.reshape(n_tok, d_inter), latent.reshape(n_tok, -1)
     args = (x2, None, None, u2, lat2, bt, bias, cut_t, cut_f, w_gate, None, w_down_t, activation,
-            *counters(count, x.device))
+            *op_counters(count, x.device))
     if n_tok == 1:
         from . import _psum  # Triton: only where the kernels run
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._common import act_torch, available, check_mlp_args, count_keep, counters, op_count
+from ._common import act_torch, available, check_mlp_args, count_keep, op_count, op_counters
 
 
 def gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation: str) -> torch.Tensor:
@@ -70,7 +70,7 @@ def masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation: str = "silu",
     if not available(x):
         count_keep(count, keep)
         return gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation)
-    kept, rows = counters(count, x.device)
+    kept, rows = op_counters(count, x.device)
     y = torch.ops.countdown.masked_gated_mlp(x.reshape(-1, d_model), w_gate, w_up, w_down_t,
                                              keep.reshape(-1, d_inter), activation, per_token, kept, rows)
     return y.reshape(x.shape)

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (available, check_mlp_args, count_keep, counters, op_count, plus, split_threshold,
-                      threshold_value)
+from ._common import (available, check_mlp_args, count_keep, op_count, op_counters, plus,
+                      split_threshold, threshold_value)
 from .masked import gated_mlp_masked_ref, masked_gated_mlp
 from .quant import pack_bits, shadow_score, shadow_scores_ref, unpack_bits
 
@@ -163,7 +163,7 @@ def shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation: 
         raise ValueError(f"the shadows have {q.shape[0]} rows, the MLP d_inter={d_inter}")
     if not _fast(x, q):
         return plus(_prepared_ref(x, prepared, cut, w_gate, w_up, w_down_t, activation, count), residual)
-    kept, rows = counters(count, x.device)
+    kept, rows = op_counters(count, x.device)
     cut_t, cut_f = split_threshold(cut)
     if cut_t is not None and cut_t.dim() != 0:
         raise ValueError("the shadow cut is one value per layer (a 0-dim tensor or a float)")

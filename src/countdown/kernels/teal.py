@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ._common import act_torch, available, counters, op_count, split_threshold, threshold_value
+from ._common import act_torch, available, op_count, op_counters, split_threshold, threshold_value
 
 
 def kept_weight_fraction(keep_x: torch.Tensor, keep_s: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ def teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation: str 
     # the partials' sum and cast stay outside the op: torch.compile fuses them with what follows; run
     # eagerly, kernels/_psum.py's op sums them
     p = torch.ops.countdown.teal_gated_mlp(x.reshape(-1, d_model), w_gate_t, w_up_t, w_down_t,
-                                           tx_t, tx_f, ts_t, ts_f, activation, *counters(count, x.device))
+                                           tx_t, tx_f, ts_t, ts_f, activation, *op_counters(count, x.device))
     from . import _psum  # Triton: only where the kernels run
 
     return _psum.reduce(p, x).reshape(x.shape)

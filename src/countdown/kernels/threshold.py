@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (act_torch, available, check_mlp_args, count_keep, counters, op_count, plus, split_threshold,
-                      threshold_value)
+from ._common import (act_torch, available, check_mlp_args, count_keep, op_count, op_counters, plus,
+                      split_threshold, threshold_value)
 from .masked import gated_chain, gated_mlp_masked_ref
 
 # method -> (the one-launch kernels' mode, the indicator's weight, GATE, UP: which GEMVs the kept rows compute)
@@ -94,7 +94,7 @@ def _threshold_mlp(method, x, w_gate, w_up, w_down_t, threshold, activation, per
         keep = _keep_of(method, x, w_gate, w_up, threshold, activation)
         count_keep(count, keep)
         return plus(gated_mlp_masked_ref(x, w_gate, w_up, w_down_t, keep, activation), residual)
-    kept, rows = counters(count, x.device)
+    kept, rows = op_counters(count, x.device)
     thr_t, thr_f = split_threshold(threshold)
     x2 = x.reshape(-1, d_model)
     from . import _few, _onepass, _psum
