@@ -13,7 +13,11 @@ Weights (``--weights``, one dense row each; ``method = dense``):
 * ``int4-gguf``: ``countdown.quantize(model, source="gguf")``: the file's own 4-bit blocks, exact by construction
   (checked: identical logits); tensors the file keeps at 5-8 bits (Q5_0, Q6_K, Q8_0) stay so, as loaded;
 * ``int4-gguf+rtn-gG``: the same with ``requantize=True``: those tensors rounded to 4 bits (RTN, groups of G), the
-  file's 4-bit blocks kept exact; only where the GGUF route leaves some in float (Gemma, Qwen).
+  file's 4-bit blocks kept exact; only where the GGUF route leaves some in float (Gemma, Qwen);
+* ``<int4 weights>+downT-gG``: those weights with each W_down as a 4-bit W_down^T would hold it (RTN in groups of G
+  along d_model, ``down_transposed``): the layout in which W_down's kept columns are contiguous, so that the row
+  methods' skipped W_down reads are saved (``layout_of``); the format groups every Linear along its input, and a
+  GGUF file's ffn_down blocks run along d_inter, where a kept column is a nibble inside a group of every row.
 
 Sparse rows (``--sparse-weights`` x ``--methods`` x ``--ks``): ``dual:ideal`` is D-CountDown SP-Ideal (u and g from
 the model's own weights, 4-bit on a 4-bit model: the full gate / up read, kept rows of down), the other specs
@@ -24,6 +28,7 @@ weights in nn.Linear, which is what Int4Linear's reference computes, at half the
 per 4-bit weights that the twin's logits equal the 4-bit model's, dense and with the first SP-Prac method at the
 first k, and that the artifacts' fingerprint is the 4-bit model's.
 
+MLP bytes per token (json, .md): over the same weights' dense MLP, counting only the skips their layout makes pay.
 Scores: decode-style (512-token windows of held-out XSum, the first half a dense prompt, the second half sparse
 and scored; ``countdown.bench.quality``): perplexity increase, KL, top-1 against the reference and (json) against
 the same weights dense; Sparsity-Real measured. Writes ``<out>/<model>.csv`` (the columns of FIELDS, kept as they
@@ -52,7 +57,7 @@ from countdown.bench.quality import compare_held, decode_quality, held_out
 from countdown.bench.qualitygrid import artifact_tag
 from countdown.eval.cost import mlp_weight_bytes
 from countdown.fingerprint import model_fingerprint
-from countdown.int4 import Int4Linear
+from countdown.int4 import Int4Linear, quantize_rtn
 from countdown.int4.quantize import int4_config
 from countdown.io import atomic_write, file_lock, write_json
 from countdown.mlp import find_gated_mlps
@@ -70,7 +75,8 @@ BOUND = 0.05  # the target: decode-style perplexity within +5 % of bf16 dense
 
 
 def build(label: str, reference):
-    """The model of a weights label, from a copy of the reference."""
+    """The model of a weights label, from a copy of the reference (``+downT-gG``: see down_transposed)."""
+    label = label.partition("+downT-g")[0]
     if label == "fp32":
         return reference
     if label == "bf16":
@@ -81,7 +87,30 @@ def build(label: str, reference):
         return countdown.quantize(copy.deepcopy(reference), source="gguf")
     if match := re.fullmatch(r"int4-gguf\+rtn-g(\d+)", label):
         return countdown.quantize(copy.deepcopy(reference), source="gguf", requantize=True, group=int(match[1]))
-    raise SystemExit(f"unknown weights {label!r}: fp32, bf16, int4-rtn-g<G>, int4-gguf, int4-gguf+rtn-g<G>")
+    raise SystemExit(f"unknown weights {label!r}: fp32, bf16, int4-rtn-g<G>, int4-gguf, int4-gguf+rtn-g<G>, and any "
+                     "int4 one with +downT-g<G>")
+
+
+def layout_of(label: str) -> str:
+    """Which skips a 4-bit layout makes byte savings: ``any`` (bf16: no groups), ``native`` (every Linear grouped
+    along its input, as the format and GGUF are: rows of W_gate / W_up skip, but a kept d_inter index is a nibble
+    inside a group of every row of W_down), ``downT`` (W_down grouped along d_model, as W_down^T: its kept
+    columns skip too)."""
+    return "any" if not label.startswith("int4") else "downT" if "+downT-g" in label else "native"
+
+
+def down_transposed(twin, group: int) -> int:
+    """Each Gated-MLP's W_down replaced by what a 4-bit W_down^T holds: RTN (``quantize_rtn``, min-max, fp16 scales
+    and offsets) with groups of ``group`` (or the largest of 64 / 32 dividing d_model) along d_model, de-quantized.
+    No Int4Linear holds this layout yet: the twin computes it. Returns the group used."""
+    fit = 0
+    with torch.no_grad():
+        for mlp in find_gated_mlps(twin):
+            linear = getattr(mlp.module, mlp.down)
+            fit = next(g for g in (128, 64, 32) if g <= group and linear.out_features % g == 0)
+            w_t = quantize_rtn(linear.weight.detach().t().contiguous(), fit).dequantize()
+            linear.weight.copy_(w_t.t().to(linear.weight.dtype))
+    return fit
 
 
 def float_twin(model):
@@ -99,39 +128,70 @@ def float_twin(model):
     return twin
 
 
-def mlp_bytes(model) -> tuple[float, int, int]:
-    """Bytes per weight of the Gated-MLPs as held (4-bit: codes, scales and offsets), d_model, d_inter."""
+def mlp_bytes(model, down_group: int | None = None) -> float:
+    """Bytes per weight of the Gated-MLPs as held (4-bit: codes, fp16 scales and offsets; float: as bf16)."""
     held = count = 0
     for mlp in find_gated_mlps(model):
-        for linear in (getattr(mlp.module, a) for a in (mlp.gate, mlp.up, mlp.fused, mlp.down) if a):
-            count += linear.in_features * linear.out_features
-            held += linear.int4.nbytes if isinstance(linear, Int4Linear) else 2 * linear.weight.numel()  # bf16
-    mlp = find_gated_mlps(model)[0]
-    return held / count, mlp.d_model, mlp.d_inter
+        for attr in (a for a in (mlp.gate, mlp.up, mlp.fused, mlp.down) if a):
+            linear = getattr(mlp.module, attr)
+            n = linear.in_features * linear.out_features
+            count += n
+            if attr == mlp.down and down_group:
+                held += n // 2 + 4 * n // down_group
+            else:
+                held += linear.int4.nbytes if isinstance(linear, Int4Linear) else 2 * n
+    return held / count
 
 
-def bytes_fraction(spec, ideal: bool, kept: float, elem: float, d_model: int, d_inter: int) -> float:
-    """Weight bytes a decode token reads per Gated-MLP, over the dense MLP's, at ``elem`` bytes a weight (bf16: 2).
-    dual SP-Ideal reads W_gate and W_up in full (they are the indicator) and the kept rows of W_down."""
+def bytes_fraction(spec, ideal: bool, kept: float, elem: float, d_model: int, d_inter: int, layout: str) -> float:
+    """Weight bytes a decode token reads per Gated-MLP, over the same weights' dense MLP, at ``elem`` bytes a weight
+    (bf16: 2), with ``kept = 1 - Sparsity-Real``, in what ``layout`` (``layout_of``) can skip. dual SP-Ideal reads
+    W_gate and W_up in full (they are the indicator) and the kept rows of W_down; the SP-Prac kinds count as
+    ``countdown.eval.cost.mlp_weight_bytes`` does (shadows: their own 4-bit copies of W_gate and W_up)."""
     if spec.is_dense:
         return 1.0
-    if ideal:
-        return (2 + kept) / 3 if spec.method == "dual" else float("nan")
     opts = {k: v for k, v in spec.options.items() if k in ("bits", "group", "d_rank")}
     dense = mlp_weight_bytes("dense", d_model, d_inter, 1.0, elem_bytes=elem)
-    return mlp_weight_bytes(spec.roofline_kind, d_model, d_inter, kept, elem_bytes=elem, **opts) / dense
+    if layout == "any":
+        if ideal:
+            return (2 + kept) / 3 if spec.method == "dual" else float("nan")
+        return mlp_weight_bytes(spec.roofline_kind, d_model, d_inter, kept, elem_bytes=elem, **opts) / dense
+    down = kept if layout == "downT" else 1.0  # W_down's kept columns: read in full unless grouped along d_model
+    if spec.method == "teal":  # x's kept columns of W_gate / W_up: a nibble inside a group of every row
+        return 1.0 if layout == "native" else float("nan")
+    if ideal:
+        return (2 + down) / 3 if spec.method == "dual" else float("nan")
+    if spec.method in ("mono", "cats"):  # the indicator's matrix in full, kept rows of the other
+        return (1 + kept + down) / 3
+    if spec.kind == "shadow":
+        return mlp_weight_bytes("shadow", d_model, d_inter, 0.0, elem_bytes=elem, **opts) / dense + (2 * kept + down) / 3
+    return float("nan")
 
 
 def label_of(spec, ideal: bool) -> str:
     return f"{spec.label} (SP-Ideal)" if ideal else spec.label
 
 
-def write(out: Path, name: str, meta: dict, rows: dict, order: list) -> None:
-    """<name>.json (every figure) and <name>.csv (FIELDS), rows in a fixed order, each file atomically."""
+def with_bytes(row: dict, meta: dict) -> dict:
+    """The row with ``mlp_bytes_fraction`` (over the same weights' dense MLP, in their layout) and
+    ``mlp_bytes_vs_bf16`` (over the bf16 dense MLP's bytes)."""
+    note, shape = meta["notes"].get(row["weights"], {}), meta["shape"]
+    elem, layout = note.get("mlp_bytes_per_weight", 2.0), layout_of(row["weights"])
+    ideal = row["method"].endswith(" (SP-Ideal)")
+    spec = parse_specs(row["method"].removesuffix(" (SP-Ideal)"))[0]
+    fraction = bytes_fraction(spec, ideal, 1 - row["sparsity_real"], elem, shape["d_model"], shape["d_inter"], layout)
+    return {**row, "layout": layout, "mlp_bytes_fraction": fraction, "mlp_bytes_vs_bf16": fraction * elem / 2}
+
+
+def write(out: Path, name: str, meta: dict, rows: dict) -> None:
+    """<name>.json (every figure), <name>.csv (FIELDS) and <name>.md, rows in a fixed order, each file atomically."""
+    order, labels = meta["order"], meta["methods"]
+
     def rank(row):
         weights = order.index(row["weights"]) if row["weights"] in order else len(order)
-        return weights, row["method"] != "dense", row["method"], row["sparsity"]
-    ordered = sorted(rows.values(), key=rank)
+        method = labels.index(row["method"]) if row["method"] in labels else len(labels)
+        return weights, method, row["method"], row["sparsity"]
+    ordered = [with_bytes(row, meta) for row in sorted(rows.values(), key=rank)]
     write_json(out / f"{name}.json", {**meta, "rows": ordered}, what="int4 quality")
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
@@ -146,21 +206,26 @@ def write(out: Path, name: str, meta: dict, rows: dict, order: list) -> None:
 
 def report(meta: dict, rows: list) -> str:
     """<name>.md: every row, the sparse 4-bit ones within BOUND in bold, the best of them (fewest MLP bytes) starred."""
-    def vs_bf16(row):  # MLP bytes a token reads over the bf16 dense MLP's
-        return row["mlp_bytes_fraction"] * meta["notes"].get(row["weights"], {}).get("mlp_bytes_per_weight", 2) / 2
+    def vs_bf16(row):  # MLP bytes a token reads over the bf16 dense MLP's (nan: a layout that cannot skip them)
+        return row["mlp_bytes_vs_bf16"] if row["mlp_bytes_vs_bf16"] == row["mlp_bytes_vs_bf16"] else float("inf")
     ok = [r for r in rows if r["method"] != "dense" and r["ppl_increase_vs_bf16"] <= BOUND]
-    best4 = min((r for r in ok if r["weights"].startswith("int4")), key=vs_bf16, default=None)
-    best = min((r for r in ok if r["weights"] == "fp32"), key=vs_bf16, default=None)
+    pays = [r for r in ok if r["mlp_bytes_fraction"] < 1]  # fewer bytes than its dense model: a candidate
+    best4 = min((r for r in pays if r["weights"].startswith("int4")), key=vs_bf16, default=None)
+    best = min((r for r in pays if r["weights"] == "fp32"), key=vs_bf16, default=None)
     s = meta["settings"]
     lines = [f"# 4-bit weights, dense and sparse: {meta['model']}", ""]
     for what, row in (("sparse 4-bit configuration", best4), ("sparse configuration on the reference weights (bf16 on a GPU)", best)):
         lines.append(f"- **best {what} within +{100 * BOUND:g} % of bf16 dense**: " + (
             "none" if row is None else f"{row['weights']} {row['method']} at k = {row['sparsity']:g} "
             f"({100 * row['ppl_increase_vs_bf16']:+.2f} %, Sparsity-Real {row['sparsity_real']:.3f}): its MLP reads "
-            f"{row['mlp_bytes_fraction']:.3f} of its dense MLP's bytes, {vs_bf16(row):.3f} of bf16 dense's"))
+            f"{row['mlp_bytes_fraction']:.3f} of its dense MLP's bytes, {row['mlp_bytes_vs_bf16']:.3f} of bf16 dense's"))
     scored = next((r["tokens"] for r in rows), 0)
+    commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"]))
     lines += [f"- {meta['date']}, {meta['device']}, torch {meta['torch']}; decode-style, {s['tokens']} held-out "
-              f"XSum tokens in windows of {s['window']} ({scored} scored); `{meta['command']}`", "",
+              f"XSum tokens in windows of {s['window']} ({scored} scored); {commands}",
+              "- MLP bytes: in the weights' layout (" + ", ".join(f"{w}: {layout_of(w)}" for w in meta["order"]) +
+              "; `native`: W_down's kept columns and x's kept columns are not skipped, see benchmarks/int4_quality.py)",
+              "",
               "| weights | method | k | Sparsity-Real | ppl vs bf16 | ppl vs its dense | KL vs bf16 | KL vs its dense "
               "| top-1 vs bf16 | MLP bytes vs its dense | vs bf16 dense |", "|" + "---|" * 11]
     for r in rows:
@@ -169,7 +234,7 @@ def report(meta: dict, rows: list) -> str:
         lines.append(f"| {r['weights']} | {bold}{r['method']}{bold}{mark} | {r['sparsity']:g} | {r['sparsity_real']:.3f} "
                      f"| {bold}{100 * r['ppl_increase_vs_bf16']:+.2f} %{bold} | {100 * r['ppl_increase_vs_dense']:+.2f} % "
                      f"| {r['kl_vs_bf16']:.4f} | {r['kl_vs_dense']:.4f} | {r['top1_vs_bf16']:.3f} "
-                     f"| {r['mlp_bytes_fraction']:.3f} | {vs_bf16(r):.3f} |")
+                     f"| {r['mlp_bytes_fraction']:.3f} | {r['mlp_bytes_vs_bf16']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -199,13 +264,15 @@ def run_model(name: str, args, out: Path) -> None:
                for spec in parse_specs(entry.removesuffix(IDEAL))]
     methods = [(spec if ideal else spec.resolved(), ideal) for spec, ideal in methods]
     ks = [float(k) for k in args.ks.split(",")]
-    meta = {"model": name, "settings": settings, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+    meta = {"order": list(dict.fromkeys(old.get("order", []) + order)), "methods": list(dict.fromkeys(
+        old.get("methods", []) + ["dense"] + [label_of(spec, ideal) for spec, ideal in methods])), "model": name, "settings": settings, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
                       f"{torch.backends.cpu.get_cpu_capability()})", "command": " ".join(sys.argv),
             "notes": old.get("notes", {}), "runs": old.get("runs", [])}
     start_model, cpu_model, before = time.perf_counter(), time.process_time(), len(rows)
     reference, tokenizer = countdown.load_model(name)
     reference.eval()
+    meta["shape"] = {"d_model": find_gated_mlps(reference)[0].d_model, "d_inter": find_gated_mlps(reference)[0].d_inter}
     held = held_out(reference, tokenizer, max_tokens=args.tokens)
     print(f"{name}: reference decode-style perplexity {held.dense_ppl:.4f} on {held.scored} scored tokens "
           f"({held.rows.shape[0]} windows of {held.rows.shape[1]})", flush=True)
@@ -221,32 +288,36 @@ def run_model(name: str, args, out: Path) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         model = build(label, reference)
         record = int4_config(model) or {}
-        if label.startswith("int4-gguf+") and not record.get("kept"):
+        if label.startswith("int4-gguf+rtn") and not record.get("kept"):
             meta["notes"][label] = {"skipped": "the GGUF route maps every Linear: int4-gguf is this model"}
             print(f"{label}: skipped, {meta['notes'][label]['skipped']}", flush=True)
             continue
         twin = float_twin(model) if record else model
-        variant = held if model is reference else held_out(twin, tokenizer, max_tokens=args.tokens)
         if record:  # the twin computes the 4-bit model's numbers: same logits, same fingerprint
             same = torch.equal(first_window_logits(model, held, False), first_window_logits(twin, held, False))
             if not same or model_fingerprint(find_gated_mlps(model)) != model_fingerprint(find_gated_mlps(twin)):
                 sys.exit(f"{label}: the float twin does not compute the 4-bit model's numbers")
+        down_group = int(label.partition("+downT-g")[2] or 0)
+        if down_group:  # W_down as W_down^T in 4 bits would hold it: on the twin only (no module holds this layout)
+            down_group = down_transposed(twin, down_group)
+        variant = held if twin is reference else held_out(twin, tokenizer, max_tokens=args.tokens)
         dense = compare_held(held, variant)
         exact = label == "int4-gguf" and torch.equal(
             first_window_logits(model, held, False), first_window_logits(reference, held, False))
         if label == "int4-gguf" and not (exact and dense["kl"] == 0.0):
             sys.exit("the GGUF route did not reproduce the de-quantized model exactly")
-        elem, d_model, d_inter = mlp_bytes(model)
-        meta["notes"][label] = {**meta["notes"].get(label, {}), "int4": record.get("int4"), "kept_in_float": record.get("kept"),
+        elem = mlp_bytes(model, down_group)
+        meta["notes"][label] = {**meta["notes"].get(label, {}), "int4": record.get("int4"),
+                                "kept_in_float": record.get("kept"), "down_transposed_group": down_group or None,
                                 "mlp_bytes_per_weight": elem, "identical_logits_to_reference": bool(
                                     exact or model is reference)}
         rows[(label, "dense", 0.0)] = {
             "weights": label, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0,
             "ppl_increase_vs_bf16": dense["ppl_increase"], "kl_vs_bf16": dense["kl"], "top1_vs_bf16": dense["top1"],
             "ppl": dense["ppl"], "reference_ppl": held.dense_ppl, "ppl_increase_vs_dense": 0.0, "kl_vs_dense": 0.0,
-            "top1_vs_dense": 1.0, "tokens": dense["tokens"], "mode": "", "mlp_bytes_fraction": 1.0,
+            "top1_vs_dense": 1.0, "tokens": dense["tokens"], "mode": "",
             "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - cpu, 1)}
-        write(out, name, meta, rows, order)
+        write(out, name, meta, rows)
         print(f"{label:20s} dense: ppl {dense['ppl']:.4f} ({100 * dense['ppl_increase']:+.2f} %), KL {dense['kl']:.5f},"
               f" top-1 {dense['top1']:.4f}{'  (identical logits)' if exact else ''}", flush=True)
         if label not in sparse_weights:
@@ -255,7 +326,7 @@ def run_model(name: str, args, out: Path) -> None:
             print(f"{label}: no sparse rows, the GGUF route leaves {sum(record['kept'].values())} Linears at 5-8 bits "
                   "(the reference's own weights): see int4-gguf+rtn and fp32", flush=True)
             continue
-        checked = not record
+        checked = not record or bool(down_group)  # a +downT model has no 4-bit module to check against
         bar = tqdm(total=len(todo), desc=f"{name} {label}", file=sys.stdout, disable=args.no_progress)
         for spec, ideal in methods:
             cells = [k for k in ks if (label, label_of(spec, ideal), k) not in rows]
@@ -299,9 +370,8 @@ def run_model(name: str, args, out: Path) -> None:
                     "ppl": q["ppl"], "reference_ppl": held.dense_ppl, "ppl_increase_vs_dense": own["ppl_increase"],
                     "kl_vs_dense": own["kl"], "top1_vs_dense": own["top1"], "tokens": q["tokens"], "mode": mode,
                     "artifacts": about, "artifact_tag": tag, "seconds": round(time.perf_counter() - start, 1),
-                    "cpu_seconds": round(time.process_time() - cpu, 1),
-                    "mlp_bytes_fraction": bytes_fraction(spec, ideal, 1 - q["sparsity_real"], elem, d_model, d_inter)}
-                write(out, name, meta, rows, order)
+                    "cpu_seconds": round(time.process_time() - cpu, 1)}
+                write(out, name, meta, rows)
                 bar.update()
                 bar.write(f"  {label:18s} {method:18s} k={k:g}: {100 * q['ppl_increase']:+7.2f} % vs bf16 "
                           f"({100 * own['ppl_increase']:+.2f} % vs its dense), KL {q['kl']:.4f}, Sparsity-Real "
@@ -311,7 +381,7 @@ def run_model(name: str, args, out: Path) -> None:
     meta["runs"].append({"date": meta["date"], "rows_added": len(rows) - before, "command": meta["command"],
                          "wall_seconds": round(time.perf_counter() - start_model, 1),
                          "cpu_seconds": round(time.process_time() - cpu_model, 1)})
-    write(out, name, meta, rows, order)
+    write(out, name, meta, rows)
 
 
 def main(argv=None) -> None:
