@@ -49,15 +49,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 import countdown
 from countdown.bench.quality import compare_held, decode_quality, held_out
+from countdown.bench.int4quality import LAYOUTS, down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight
 from countdown.bench.qualitygrid import artifact_tag
-from countdown.eval.cost import mlp_weight_bytes
 from countdown.fingerprint import model_fingerprint
-from countdown.int4 import Int4Linear, quantize_rtn
 from countdown.int4.quantize import int4_config
 from countdown.io import atomic_write, file_lock, write_json
 from countdown.mlp import find_gated_mlps
@@ -92,80 +90,8 @@ def build(label: str, reference):
 
 
 def layout_of(label: str) -> str:
-    """Which skips a 4-bit layout makes byte savings: ``any`` (bf16: no groups), ``native`` (every Linear grouped
-    along its input, as the format and GGUF are: rows of W_gate / W_up skip, but a kept d_inter index is a nibble
-    inside a group of every row of W_down), ``downT`` (W_down grouped along d_model, as W_down^T: its kept
-    columns skip too)."""
+    """The layout (countdown.bench.int4quality.LAYOUTS) of a weights label."""
     return "any" if not label.startswith("int4") else "downT" if "+downT-g" in label else "native"
-
-
-def down_transposed(twin, group: int) -> int:
-    """Each Gated-MLP's W_down replaced by what a 4-bit W_down^T holds: RTN (``quantize_rtn``, min-max, fp16 scales
-    and offsets) with groups of ``group`` (or the largest of 64 / 32 dividing d_model) along d_model, de-quantized.
-    No Int4Linear holds this layout yet: the twin computes it. Returns the group used."""
-    fit = 0
-    with torch.no_grad():
-        for mlp in find_gated_mlps(twin):
-            linear = getattr(mlp.module, mlp.down)
-            fit = next(g for g in (128, 64, 32) if g <= group and linear.out_features % g == 0)
-            w_t = quantize_rtn(linear.weight.detach().t().contiguous(), fit).dequantize()
-            linear.weight.copy_(w_t.t().to(linear.weight.dtype))
-    return fit
-
-
-def float_twin(model):
-    """The model with each Int4Linear replaced by an nn.Linear holding its de-quantized weight: Int4Linear's reference
-    forward is ``F.linear(x, dequantize(...), bias)``, so the twin computes the same numbers (checked by the caller)."""
-    twin = copy.deepcopy(model)
-    for name, module in list(twin.named_modules()):
-        if isinstance(module, Int4Linear):
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                               device=module.qweight.device, dtype=module.compute_dtype)
-            linear.weight = nn.Parameter(module.weight.detach(), requires_grad=False)
-            if module.bias is not None:
-                linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-            twin.set_submodule(name, linear)
-    return twin
-
-
-def mlp_bytes(model, down_group: int | None = None) -> float:
-    """Bytes per weight of the Gated-MLPs as held (4-bit: codes, fp16 scales and offsets; float: as bf16)."""
-    held = count = 0
-    for mlp in find_gated_mlps(model):
-        for attr in (a for a in (mlp.gate, mlp.up, mlp.fused, mlp.down) if a):
-            linear = getattr(mlp.module, attr)
-            n = linear.in_features * linear.out_features
-            count += n
-            if attr == mlp.down and down_group:
-                held += n // 2 + 4 * n // down_group
-            else:
-                held += linear.int4.nbytes if isinstance(linear, Int4Linear) else 2 * n
-    return held / count
-
-
-def bytes_fraction(spec, ideal: bool, kept: float, elem: float, d_model: int, d_inter: int, layout: str) -> float:
-    """Weight bytes a decode token reads per Gated-MLP, over the same weights' dense MLP, at ``elem`` bytes a weight
-    (bf16: 2), with ``kept = 1 - Sparsity-Real``, in what ``layout`` (``layout_of``) can skip. dual SP-Ideal reads
-    W_gate and W_up in full (they are the indicator) and the kept rows of W_down; the SP-Prac kinds count as
-    ``countdown.eval.cost.mlp_weight_bytes`` does (shadows: their own 4-bit copies of W_gate and W_up)."""
-    if spec.is_dense:
-        return 1.0
-    opts = {k: v for k, v in spec.options.items() if k in ("bits", "group", "d_rank")}
-    dense = mlp_weight_bytes("dense", d_model, d_inter, 1.0, elem_bytes=elem)
-    if layout == "any":
-        if ideal:
-            return (2 + kept) / 3 if spec.method == "dual" else float("nan")
-        return mlp_weight_bytes(spec.roofline_kind, d_model, d_inter, kept, elem_bytes=elem, **opts) / dense
-    down = kept if layout == "downT" else 1.0  # W_down's kept columns: read in full unless grouped along d_model
-    if spec.method == "teal":  # x's kept columns of W_gate / W_up: a nibble inside a group of every row
-        return 1.0 if layout == "native" else float("nan")
-    if ideal:
-        return (2 + down) / 3 if spec.method == "dual" else float("nan")
-    if spec.method in ("mono", "cats"):  # the indicator's matrix in full, kept rows of the other
-        return (1 + kept + down) / 3
-    if spec.kind == "shadow":
-        return mlp_weight_bytes("shadow", d_model, d_inter, 0.0, elem_bytes=elem, **opts) / dense + (2 * kept + down) / 3
-    return float("nan")
 
 
 def label_of(spec, ideal: bool) -> str:
@@ -179,7 +105,7 @@ def with_bytes(row: dict, meta: dict) -> dict:
     elem, layout = note.get("mlp_bytes_per_weight", 2.0), layout_of(row["weights"])
     ideal = row["method"].endswith(" (SP-Ideal)")
     spec = parse_specs(row["method"].removesuffix(" (SP-Ideal)"))[0]
-    fraction = bytes_fraction(spec, ideal, 1 - row["sparsity_real"], elem, shape["d_model"], shape["d_inter"], layout)
+    fraction = mlp_bytes_fraction(spec, ideal, 1 - row["sparsity_real"], elem, shape["d_model"], shape["d_inter"], layout)
     return {**row, "layout": layout, "mlp_bytes_fraction": fraction, "mlp_bytes_vs_bf16": fraction * elem / 2}
 
 
@@ -223,9 +149,11 @@ def report(meta: dict, rows: list) -> str:
     commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"]))
     lines += [f"- {meta['date']}, {meta['device']}, torch {meta['torch']}; decode-style, {s['tokens']} held-out "
               f"XSum tokens in windows of {s['window']} ({scored} scored); {commands}",
-              "- MLP bytes: in the weights' layout (" + ", ".join(f"{w}: {layout_of(w)}" for w in meta["order"]) +
-              "; `native`: W_down's kept columns and x's kept columns are not skipped, see benchmarks/int4_quality.py)",
-              "",
+              "- MLP bytes a token reads, over its dense MLP's and over bf16 dense's, in the weights' layout:"]
+    for layout in dict.fromkeys(layout_of(w) for w in meta["order"]):
+        which = ", ".join(w for w in meta["order"] if layout_of(w) == layout)
+        lines.append(f"  `{layout}` ({which}): {LAYOUTS[layout]}")
+    lines += ["",
               "| weights | method | k | Sparsity-Real | ppl vs bf16 | ppl vs its dense | KL vs bf16 | KL vs its dense "
               "| top-1 vs bf16 | MLP bytes vs its dense | vs bf16 dense |", "|" + "---|" * 11]
     for r in rows:
@@ -306,7 +234,7 @@ def run_model(name: str, args, out: Path) -> None:
             first_window_logits(model, held, False), first_window_logits(reference, held, False))
         if label == "int4-gguf" and not (exact and dense["kl"] == 0.0):
             sys.exit("the GGUF route did not reproduce the de-quantized model exactly")
-        elem = mlp_bytes(model, down_group)
+        elem = mlp_bytes_per_weight(model, down_group)
         meta["notes"][label] = {**meta["notes"].get(label, {}), "int4": record.get("int4"),
                                 "kept_in_float": record.get("kept"), "down_transposed_group": down_group or None,
                                 "mlp_bytes_per_weight": elem, "identical_logits_to_reference": bool(
