@@ -216,7 +216,7 @@ def run_model(name: str, args, out: Path) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         model = build(label, reference)
         record = int4_config(model) or {}
-        if label.startswith("int4-gguf+rtn") and not record.get("kept"):
+        if label.startswith("int4-gguf+rtn") and not any(how.startswith("rtn") for how in record.get("int4", {})):
             meta["notes"][label] = {"skipped": "the GGUF route maps every Linear: int4-gguf is this model"}
             print(f"{label}: skipped, {meta['notes'][label]['skipped']}", flush=True)
             continue
