@@ -205,8 +205,6 @@ def run_model(name: str, args, out: Path) -> None:
     print(f"{name}: reference decode-style perplexity {held.dense_ppl:.4f} on {held.scored} scored tokens "
           f"({held.rows.shape[0]} windows of {held.rows.shape[1]})", flush=True)
     for label in order:
-        if meta["notes"].get(label, {}).get("skipped"):
-            continue
         todo = [(spec, ideal, k) for spec, ideal in methods for k in ks if label in sparse_weights
                 and (label, label_of(spec, ideal), k) not in rows]
         if label == "int4-gguf" and meta["notes"].get(label, {}).get("kept_in_float"):
@@ -235,7 +233,8 @@ def run_model(name: str, args, out: Path) -> None:
         if label == "int4-gguf" and not (exact and dense["kl"] == 0.0):
             sys.exit("the GGUF route did not reproduce the de-quantized model exactly")
         elem = mlp_bytes_per_weight(model, down_group)
-        meta["notes"][label] = {**meta["notes"].get(label, {}), "int4": record.get("int4"),
+        kept_notes = {key: value for key, value in meta["notes"].get(label, {}).items() if key != "skipped"}
+        meta["notes"][label] = {**kept_notes, "int4": record.get("int4"),
                                 "kept_in_float": record.get("kept"), "down_transposed_group": down_group or None,
                                 "mlp_bytes_per_weight": elem, "identical_logits_to_reference": bool(
                                     exact or model is reference)}
