@@ -1,6 +1,7 @@
 """Operating points: decode-style quality in one pass, the resumable quality grid, the one-compile
 decode harness, mask replay and the merge into results/operating_points (tiny models, CPU)."""
 
+import copy
 import csv
 import math
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 import countdown
 from conftest import tiny_model
-from countdown.bench.quality import decode_quality, held_out, record_masks
+from countdown.bench.quality import compare_held, decode_quality, held_out, record_masks
 from countdown.bench.qualitygrid import read_rows, run_quality_grid
 from countdown.spec import parse_spec
 from test_calibrate import CharTokenizer, word_texts
@@ -71,6 +72,85 @@ def test_decode_quality_matches_perplexity_and_a_float64_kl():
     assert q["kl"] == pytest.approx(float(torch.cat(kls).mean()), abs=max(slack))
     assert q["tokens"] == held.scored == 4 * 32 and abs(q["sparsity_real"] - 0.7) < 0.02
     assert 0 < q["top1"] <= 1
+
+
+def _other_model(model):
+    """The same tiny model with every MLP weight moved a little: a second dense reference (as a 4-bit copy is)."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in other.named_parameters():
+            if "mlp" in name:
+                param.add_(0.5 * param.abs().mean() * torch.randn(param.shape, generator=gen))
+    return other
+
+
+def _float64_scores(reference_logits, logits):
+    """KL(reference || row) and top-1 agreement per position, from logits in float64 (independent of
+    decode_quality's float32 log-probabilities)."""
+    p, q = F.log_softmax(reference_logits.double(), -1), F.log_softmax(logits.double(), -1)
+    kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)
+    return kl, (reference_logits.argmax(-1) == logits.argmax(-1))
+
+
+@torch.no_grad()
+def test_decode_quality_scores_against_other_references_in_the_same_pass():
+    model = tiny_model("llama")
+    other = _other_model(model)
+    texts = word_texts(5)
+    held = held_out(model, TOK, texts=texts, max_tokens=256, window=64)
+    held_other = held_out(other, TOK, texts=texts, max_tokens=256, window=64)
+    assert held_other.dense_ppl != held.dense_ppl
+    countdown.sparsify(model, "cats", 0.7, mode="ideal", path="masked")
+    try:
+        both = decode_quality(model, held, others=[held_other])
+        alone = decode_quality(model, held)
+        against_other = decode_quality(model, held_other)
+        sparse_logits = []
+        for row in held.rows.split(1):
+            with countdown.dense_prefix(model, held.prompt):
+                sparse_logits.append(model(row).logits[0, held.first:-1])
+        short = held_out(other, TOK, texts=texts, max_tokens=128, window=64)
+        with pytest.raises(ValueError, match="different windows"):
+            decode_quality(model, held, others=[short])
+    finally:
+        countdown.unsparsify(model)
+    # one pass gives exactly what a pass per reference gives
+    assert {key: value for key, value in both.items() if key != "others"} == alone
+    assert both["others"] == [{key: against_other[key] for key in ("ppl_increase", "kl", "top1")}]
+    # and the scores against the other model are those of float64 log-probabilities of its own logits
+    kls, agree = zip(*(_float64_scores(other(row).logits[0, held.first:-1], logits)
+                       for row, logits in zip(held.rows.split(1), sparse_logits)))
+    assert both["others"][0]["kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-4, abs=1e-7)
+    assert both["others"][0]["top1"] == pytest.approx(float(torch.cat(agree).double().mean()), abs=1.5 / held.scored)
+    assert both["others"][0]["ppl_increase"] == pytest.approx(both["ppl"] / held_other.dense_ppl - 1, abs=1e-12)
+
+
+@torch.no_grad()
+def test_compare_held_scores_one_dense_model_against_another_without_a_forward():
+    model = tiny_model("llama")
+    other = _other_model(model)
+    texts = word_texts(5)
+    held = held_out(model, TOK, texts=texts, max_tokens=256, window=64)
+    held_other = held_out(other, TOK, texts=texts, max_tokens=256, window=64)
+    scores = compare_held(held, held_other)
+    kls, agree = zip(*(_float64_scores(model(row).logits[0, held.first:-1], other(row).logits[0, held.first:-1])
+                       for row in held.rows.split(1)))
+    assert scores["kl"] > 1e-4  # the two models differ
+    assert scores["kl"] == pytest.approx(float(torch.cat(kls).mean()), rel=1e-4, abs=1e-7)
+    assert scores["top1"] == pytest.approx(float(torch.cat(agree).double().mean()), abs=1.5 / held.scored)
+    assert scores["ppl"] == held_other.dense_ppl and scores["tokens"] == held.scored
+    assert scores["ppl_increase"] == pytest.approx(held_other.dense_ppl / held.dense_ppl - 1, abs=1e-12)
+    assert compare_held(held, held) == {"ppl": held.dense_ppl, "ppl_increase": 0.0, "kl": 0.0, "top1": 1.0,
+                                        "tokens": held.scored}
+    # the other model patched with "dense" and scored against the first: the same figures
+    countdown.sparsify(other, "dense")
+    try:
+        patched = decode_quality(other, held)
+    finally:
+        countdown.unsparsify(other)
+    for key in ("ppl_increase", "kl", "top1"):
+        assert patched[key] == pytest.approx(scores[key], rel=1e-5, abs=1e-9)
 
 
 def test_record_masks_are_the_masks_the_selectors_pick(tmp_path):

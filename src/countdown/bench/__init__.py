@@ -14,6 +14,8 @@
 * :mod:`~countdown.bench.maskreplay`: masks recorded on real models replayed at a paper-scale shape;
 * :mod:`~countdown.bench.quality`, :mod:`~countdown.bench.qualitygrid`: decode-style perplexity, KL and
   top-1 against dense in one pass; the resumable quality grid of the operating points;
+* :mod:`~countdown.bench.int4quality`: sparse rows on 4-bit weights for CPU quality studies (a 4-bit model's
+  float twin, W_down rounded as a 4-bit W_down^T, MLP bytes per 4-bit layout);
 * :mod:`~countdown.bench.merge`: quality (real models) joined with speed (8B shape) per model;
 * :mod:`~countdown.bench.breakdown`: the dense step per operation, and the compiled step profiled;
 * :mod:`~countdown.bench.report`: decode.csv / .md / .png;

@@ -83,32 +83,73 @@ def held_out(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: i
     return held
 
 
+def _same_windows(held: HeldOut, other: HeldOut) -> None:
+    if other.first != held.first or other.prompt != held.prompt or not torch.equal(other.rows, held.rows):
+        raise ValueError("the held-out sets cover different windows: build them with the same texts, max_tokens, "
+                         "window and prompt_fraction")
+
+
+def _kl_top1(dense: torch.Tensor, logp: torch.Tensor) -> tuple[float, int]:
+    """Summed ``KL(dense || logp)`` (float64) and the count of positions whose argmax agrees."""
+    p64, q64 = dense.double(), logp.double()
+    return float((p64.exp() * (p64 - q64)).sum()), int((dense.argmax(-1) == logp.argmax(-1)).sum())
+
+
 @torch.no_grad()
-def decode_quality(model, held: HeldOut) -> dict:
+def decode_quality(model, held: HeldOut, others: Sequence[HeldOut] = ()) -> dict:
     """Decode-style scores of a sparsified ``model`` on ``held``'s windows:
     ``{"ppl", "ppl_increase", "kl", "top1", "sparsity_real", "tokens"}``. ``ppl_increase`` is relative
-    (0.05 = 5 %); ``top1``: the share of scored positions whose argmax agrees with dense."""
+    (0.05 = 5 %); ``top1``: the share of scored positions whose argmax agrees with dense.
+
+    ``others``: more dense references on the same windows (another model's :func:`held_out`, e.g. the 4-bit
+    model's own dense answer beside the float one's): the same sparse pass is scored against each too, and
+    ``"others"`` lists ``{"ppl_increase", "kl", "top1"}`` per reference, in order (no extra forward)."""
     from ..state import dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real
 
     if not is_sparsified(model):
         raise ValueError("decode_quality scores a sparsified model: call countdown.sparsify(model, ...) first")
+    for other in others:
+        _same_windows(held, other)
+    references = [held, *others]
     device = next(model.parameters()).device
     reset_sparsity_stats(model)
-    nll, kl, top1, count = 0.0, 0.0, 0, 0
-    for row, dense in zip(held.rows.split(1), held.dense_logp):
+    nll, count = 0.0, 0
+    kl, top1 = [0.0] * len(references), [0] * len(references)
+    for i, row in enumerate(held.rows.split(1)):
         row = row.to(device)
         with dense_prefix(model, held.prompt):
             logp = _logp(model(row).logits, held.first).cpu()
         target = row[0, held.first + 1:].cpu()
         nll -= float(logp.gather(-1, target[:, None]).sum())
-        p64, q64 = dense.double(), logp.double()
-        kl += float((p64.exp() * (p64 - q64)).sum())
-        top1 += int((dense.argmax(-1) == logp.argmax(-1)).sum())
+        for j, reference in enumerate(references):
+            window_kl, window_top1 = _kl_top1(reference.dense_logp[i], logp)
+            kl[j] += window_kl
+            top1[j] += window_top1
         count += target.numel()
     ppl = math.exp(nll / count)
     real = sparsity_real(model)["mean"]
-    return {"ppl": ppl, "ppl_increase": ppl / held.dense_ppl - 1.0, "kl": kl / count, "top1": top1 / count,
-            "sparsity_real": real, "tokens": count}
+    scores = {"ppl": ppl, "ppl_increase": ppl / held.dense_ppl - 1.0, "kl": kl[0] / count, "top1": top1[0] / count,
+              "sparsity_real": real, "tokens": count}
+    if others:
+        scores["others"] = [{"ppl_increase": ppl / other.dense_ppl - 1.0, "kl": kl[j] / count, "top1": top1[j] / count}
+                            for j, other in enumerate(others, 1)]
+    return scores
+
+
+def compare_held(reference: HeldOut, other: HeldOut) -> dict:
+    """Decode-style scores of the dense model behind ``other`` against the one behind ``reference`` (two
+    :func:`held_out` on the same windows, e.g. a 4-bit model and its float original), from the
+    log-probabilities both kept, with no forward: ``{"ppl", "ppl_increase", "kl", "top1", "tokens"}`` as
+    :func:`decode_quality` gives them (``KL(reference || other)``)."""
+    _same_windows(reference, other)
+    kl, top1, count = 0.0, 0, 0
+    for dense, logp in zip(reference.dense_logp, other.dense_logp):
+        window_kl, window_top1 = _kl_top1(dense, logp)
+        kl += window_kl
+        top1 += window_top1
+        count += dense.shape[0]
+    return {"ppl": other.dense_ppl, "ppl_increase": other.dense_ppl / reference.dense_ppl - 1.0, "kl": kl / count,
+            "top1": top1 / count, "tokens": count}
 
 
 @torch.no_grad()
