@@ -94,6 +94,15 @@ def layout_of(label: str) -> str:
     return "any" if not label.startswith("int4") else "downT" if "+downT-g" in label else "native"
 
 
+def weights_key(label: str) -> tuple:
+    """Table order: fp32, bf16, RTN by group, GGUF, GGUF + RTN; each +downT variant after its weights."""
+    base, _, down = label.partition("+downT-g")
+    kinds = ["fp32", "bf16", "int4-rtn-g", "int4-gguf", "int4-gguf+rtn-g"]
+    kind = max((k for k in kinds if base.startswith(k)), key=len, default="")
+    group = int(base[len(kind):] or 0) if base[len(kind):].isdigit() else 0
+    return kinds.index(kind) if kind else len(kinds), group, int(down or 0), label
+
+
 def label_of(spec, ideal: bool) -> str:
     return f"{spec.label} (SP-Ideal)" if ideal else spec.label
 
@@ -153,7 +162,7 @@ def report(meta: dict, rows: list) -> str:
             f"dense, Sparsity-Real {row['sparsity_real']:.3f}): its MLP reads "
             f"{row['mlp_bytes_fraction']:.3f} of its dense MLP's bytes, {row['mlp_bytes_vs_bf16']:.3f} of bf16 dense's"))
     scored = next((r["tokens"] for r in rows), 0)
-    commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"]))
+    commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"] if run["rows_added"]))
     lines += [f"- {meta['date']}, {meta['device']}, torch {meta['torch']}; decode-style, {s['tokens']} held-out "
               f"XSum tokens in windows of {s['window']} ({scored} scored); {commands}",
               "- MLP bytes a token reads, over its dense MLP's and over bf16 dense's, in the weights' layout:"]
@@ -199,7 +208,7 @@ def run_model(name: str, args, out: Path) -> None:
                for spec in parse_specs(entry.removesuffix(IDEAL))]
     methods = [(spec if ideal else spec.resolved(), ideal) for spec, ideal in methods]
     ks = [float(k) for k in args.ks.split(",")]
-    meta = {"order": list(dict.fromkeys(old.get("order", []) + order)), "methods": list(dict.fromkeys(
+    meta = {"order": sorted(set(old.get("order", []) + order), key=weights_key), "methods": list(dict.fromkeys(
         old.get("methods", []) + ["dense"] + [label_of(spec, ideal) for spec, ideal in methods])), "model": name, "settings": settings, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
                       f"{torch.backends.cpu.get_cpu_capability()})", "command": " ".join(sys.argv),
