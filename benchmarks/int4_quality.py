@@ -120,12 +120,12 @@ def with_bytes(row: dict, meta: dict) -> dict:
 
 def write(out: Path, name: str, meta: dict, rows: dict) -> None:
     """<name>.json (every figure), <name>.csv (FIELDS) and <name>.md, rows in a fixed order, each file atomically."""
-    order, labels = meta["order"], meta["methods"]
+    labels = meta["methods"]
+    meta["order"] = sorted(set(meta["order"]) | {row["weights"] for row in rows.values()}, key=weights_key)
 
     def rank(row):
-        weights = order.index(row["weights"]) if row["weights"] in order else len(order)
         method = labels.index(row["method"]) if row["method"] in labels else len(labels)
-        return weights, method, row["method"], row["sparsity"]
+        return weights_key(row["weights"]), method, row["method"], row["sparsity"]
     ordered = [with_bytes(row, meta) for row in sorted(rows.values(), key=rank)]
     write_json(out / f"{name}.json", {**meta, "rows": ordered}, what="int4 quality")
     buf = io.StringIO()
