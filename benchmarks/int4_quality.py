@@ -26,14 +26,16 @@ built on the weights being measured (the 4-bit model itself; default calibration
 ``--artifacts-dir``). A 4-bit model is computed through its float twin (``float_twin``: the same de-quantized
 weights in nn.Linear, which is what Int4Linear's reference computes, at half the CPU time); the script checks
 per 4-bit weights that the twin's logits equal the 4-bit model's, dense and with the first SP-Prac method at the
-first k, and that the artifacts' fingerprint is the 4-bit model's.
+first k, and that the twin's fingerprint (the one its artifacts carry) is the 4-bit model's (``+downT`` weights have
+no 4-bit module to check against). ``int4-gguf`` gets sparse rows only where it makes the whole decoder 4-bit.
 
 MLP bytes per token (json, .md): over the same weights' dense MLP, counting only the skips their layout makes pay.
 Scores: decode-style (512-token windows of held-out XSum, the first half a dense prompt, the second half sparse
 and scored; ``countdown.bench.quality``): perplexity increase, KL, top-1 against the reference and (json) against
 the same weights dense; Sparsity-Real measured. Writes ``<out>/<model>.csv`` (the columns of FIELDS, kept as they
-are) and ``<out>/<model>.json`` (every figure); each row as it finishes, atomically: a killed run resumes, and a
-row already there is skipped (the settings must match, else the script stops).
+are), ``<out>/<model>.json`` (every figure) and ``<out>/<model>.md`` (every row, the best configurations within
+BOUND named); each row as it finishes, atomically: a killed run resumes, and a row already there is skipped (the
+settings must match, else the script stops). The same command gives the same numbers (torch threads are a setting).
 """
 
 from __future__ import annotations
