@@ -26,14 +26,16 @@ built on the weights being measured (the 4-bit model itself; default calibration
 ``--artifacts-dir``). A 4-bit model is computed through its float twin (``float_twin``: the same de-quantized
 weights in nn.Linear, which is what Int4Linear's reference computes, at half the CPU time); the script checks
 per 4-bit weights that the twin's logits equal the 4-bit model's, dense and with the first SP-Prac method at the
-first k, and that the artifacts' fingerprint is the 4-bit model's.
+first k, and that the twin's fingerprint (the one its artifacts carry) is the 4-bit model's (``+downT`` weights have
+no 4-bit module to check against). ``int4-gguf`` gets sparse rows only where it makes the whole decoder 4-bit.
 
 MLP bytes per token (json, .md): over the same weights' dense MLP, counting only the skips their layout makes pay.
 Scores: decode-style (512-token windows of held-out XSum, the first half a dense prompt, the second half sparse
 and scored; ``countdown.bench.quality``): perplexity increase, KL, top-1 against the reference and (json) against
 the same weights dense; Sparsity-Real measured. Writes ``<out>/<model>.csv`` (the columns of FIELDS, kept as they
-are) and ``<out>/<model>.json`` (every figure); each row as it finishes, atomically: a killed run resumes, and a
-row already there is skipped (the settings must match, else the script stops).
+are), ``<out>/<model>.json`` (every figure) and ``<out>/<model>.md`` (every row, the best configurations within
+BOUND named); each row as it finishes, atomically: a killed run resumes, and a row already there is skipped (the
+settings must match, else the script stops). The same command gives the same numbers (torch threads are a setting).
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ def layout_of(label: str) -> str:
     return "any" if not label.startswith("int4") else "downT" if "+downT-g" in label else "native"
 
 
+def weights_key(label: str) -> tuple:
+    """Table order: fp32, bf16, RTN by group, GGUF, GGUF + RTN; each +downT variant after its weights."""
+    base, _, down = label.partition("+downT-g")
+    kinds = ["fp32", "bf16", "int4-rtn-g", "int4-gguf", "int4-gguf+rtn-g"]
+    kind = max((k for k in kinds if base.startswith(k)), key=len, default="")
+    group = int(base[len(kind):] or 0) if base[len(kind):].isdigit() else 0
+    return kinds.index(kind) if kind else len(kinds), group, int(down or 0), label
+
+
 def label_of(spec, ideal: bool) -> str:
     return f"{spec.label} (SP-Ideal)" if ideal else spec.label
 
@@ -111,12 +122,12 @@ def with_bytes(row: dict, meta: dict) -> dict:
 
 def write(out: Path, name: str, meta: dict, rows: dict) -> None:
     """<name>.json (every figure), <name>.csv (FIELDS) and <name>.md, rows in a fixed order, each file atomically."""
-    order, labels = meta["order"], meta["methods"]
+    labels = meta["methods"]
+    meta["order"] = sorted(set(meta["order"]) | {row["weights"] for row in rows.values()}, key=weights_key)
 
     def rank(row):
-        weights = order.index(row["weights"]) if row["weights"] in order else len(order)
         method = labels.index(row["method"]) if row["method"] in labels else len(labels)
-        return weights, method, row["method"], row["sparsity"]
+        return weights_key(row["weights"]), method, row["method"], row["sparsity"]
     ordered = [with_bytes(row, meta) for row in sorted(rows.values(), key=rank)]
     write_json(out / f"{name}.json", {**meta, "rows": ordered}, what="int4 quality")
     buf = io.StringIO()
@@ -153,7 +164,7 @@ def report(meta: dict, rows: list) -> str:
             f"dense, Sparsity-Real {row['sparsity_real']:.3f}): its MLP reads "
             f"{row['mlp_bytes_fraction']:.3f} of its dense MLP's bytes, {row['mlp_bytes_vs_bf16']:.3f} of bf16 dense's"))
     scored = next((r["tokens"] for r in rows), 0)
-    commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"]))
+    commands = "; ".join(dict.fromkeys(f"`{run['command']}`" for run in meta["runs"] if run["rows_added"]))
     lines += [f"- {meta['date']}, {meta['device']}, torch {meta['torch']}; decode-style, {s['tokens']} held-out "
               f"XSum tokens in windows of {s['window']} ({scored} scored); {commands}",
               "- MLP bytes a token reads, over its dense MLP's and over bf16 dense's, in the weights' layout:"]
@@ -199,7 +210,7 @@ def run_model(name: str, args, out: Path) -> None:
                for spec in parse_specs(entry.removesuffix(IDEAL))]
     methods = [(spec if ideal else spec.resolved(), ideal) for spec, ideal in methods]
     ks = [float(k) for k in args.ks.split(",")]
-    meta = {"order": list(dict.fromkeys(old.get("order", []) + order)), "methods": list(dict.fromkeys(
+    meta = {"order": sorted(set(old.get("order", []) + order), key=weights_key), "methods": list(dict.fromkeys(
         old.get("methods", []) + ["dense"] + [label_of(spec, ideal) for spec, ideal in methods])), "model": name, "settings": settings, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
                       f"{torch.backends.cpu.get_cpu_capability()})", "command": " ".join(sys.argv),
