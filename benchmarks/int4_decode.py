@@ -37,6 +37,7 @@ import os
 import torch
 
 import countdown
+from countdown.bench import time_graph
 from countdown.int4 import Int4Linear, quantize_rtn, use_backend
 from countdown.kernels import _int4
 
@@ -85,12 +86,6 @@ def make_modules(n: int, k: int, sets: int, device: str) -> list[Int4Linear]:
                                                 GROUP), dtype=torch.bfloat16) for _ in range(sets)]
 
 
-def time_calls(calls) -> float:
-    from countdown.bench import time_graph
-
-    return time_graph(calls)
-
-
 def gemv_calls(backend: str, mods: list[Int4Linear], x: torch.Tensor, glu: bool, config: dict | None):
     """One call per weight copy computing what the step computes with that backend."""
     if backend == "countdown":
@@ -124,7 +119,7 @@ def sweep(device: str, shapes: dict, bw: float) -> dict:
                                                "silu" if glu else None, cfg).sum(0)
                             if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())):
                                 continue
-                            results.append((time_calls(gemv_calls("countdown", mods, x, glu, cfg)), cfg))
+                            results.append((time_graph(gemv_calls("countdown", mods, x, glu, cfg)), cfg))
                         except Exception as e:  # noqa: BLE001  (a configuration that does not compile or fit)
                             log(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
         results.sort(key=lambda r: r[0])
@@ -164,7 +159,7 @@ def gemv_table(device: str, shapes: dict, bw: float, stamp: dict, out: str) -> d
             else:
                 calls, nb = gemv_calls(backend, mods, x, glu, None), nbytes
             try:
-                us = time_calls(calls)
+                us = time_graph(calls)
             except Exception as e:  # noqa: BLE001  (a baseline that cannot take the shape)
                 log(f"gemv {name} {backend}: {type(e).__name__}: {str(e)[:160]}")
                 continue

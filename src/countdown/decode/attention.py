@@ -107,20 +107,18 @@ def _fuse(attn: nn.Module) -> None:
         from ..int4 import stack
 
         attn.__dict__[_QKV4] = stack([q, k, v])
-        setattr(attn, _BEFORE, attn.forward)
-        attn.forward = types.MethodType(_fused_forward, attn)
-        return
-    with torch.no_grad():
-        weight = torch.cat([q.weight, k.weight, v.weight], 0)
-        bias = torch.cat([q.bias, k.bias, v.bias], 0) if q.bias is not None else None
-    attn.register_buffer(_WEIGHT, weight, persistent=False)
-    attn.register_buffer(_BIAS, bias, persistent=False)
-    rows = [q.out_features, k.out_features, v.out_features]
-    for proj, w in zip((q, k, v), weight.split(rows, 0)):
-        proj.weight = nn.Parameter(w, requires_grad=proj.weight.requires_grad)
-    if bias is not None:
-        for proj, b in zip((q, k, v), bias.split(rows, 0)):
-            proj.bias = nn.Parameter(b, requires_grad=proj.bias.requires_grad)
+    else:
+        with torch.no_grad():
+            weight = torch.cat([q.weight, k.weight, v.weight], 0)
+            bias = torch.cat([q.bias, k.bias, v.bias], 0) if q.bias is not None else None
+        attn.register_buffer(_WEIGHT, weight, persistent=False)
+        attn.register_buffer(_BIAS, bias, persistent=False)
+        rows = [q.out_features, k.out_features, v.out_features]
+        for proj, w in zip((q, k, v), weight.split(rows, 0)):
+            proj.weight = nn.Parameter(w, requires_grad=proj.weight.requires_grad)
+        if bias is not None:
+            for proj, b in zip((q, k, v), bias.split(rows, 0)):
+                proj.bias = nn.Parameter(b, requires_grad=proj.bias.requires_grad)
     setattr(attn, _BEFORE, attn.forward)
     attn.forward = types.MethodType(_fused_forward, attn)
 
@@ -130,16 +128,12 @@ def _unfuse(attn: nn.Module) -> None:
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
             for name, buf in list(proj._buffers.items()):
                 proj._buffers[name] = buf.clone()
-        attn.forward = getattr(attn, _BEFORE)
-        delattr(attn, _BEFORE)
-        if hasattr(attn, QKV_FIXED):
-            delattr(attn, QKV_FIXED)
-        return
-    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
-        proj.weight = nn.Parameter(proj.weight.detach().clone(), requires_grad=proj.weight.requires_grad)
-        if proj.bias is not None:
-            proj.bias = nn.Parameter(proj.bias.detach().clone(), requires_grad=proj.bias.requires_grad)
-    del attn._buffers[_WEIGHT], attn._buffers[_BIAS]
+    else:
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
+            proj.weight = nn.Parameter(proj.weight.detach().clone(), requires_grad=proj.weight.requires_grad)
+            if proj.bias is not None:
+                proj.bias = nn.Parameter(proj.bias.detach().clone(), requires_grad=proj.bias.requires_grad)
+        del attn._buffers[_WEIGHT], attn._buffers[_BIAS]
     attn.forward = getattr(attn, _BEFORE)
     delattr(attn, _BEFORE)
     if hasattr(attn, QKV_FIXED):

@@ -95,7 +95,7 @@ def _applies(x: torch.Tensor, module: Int4Linear) -> bool:
     if backend == "countdown":
         from ..kernels import _common
 
-        return _common.available(x) and module.group % 8 == 0
+        return _common.available(x)
     return x.is_cuda
 
 

@@ -107,18 +107,24 @@ def decode_add(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _partial_sum(P, B, i, n, S: tl.constexpr, HAS_B: tl.constexpr):
+    """Entries ``i`` of the sum over S of fp32 partials [S, n] (plus the bias B[i] where HAS_B), in fp32."""
+    m = tl.load(P + i, mask=i < n, other=0.0)
+    for j in tl.static_range(1, S):
+        m += tl.load(P + j * n + i, mask=i < n, other=0.0)
+    if HAS_B:
+        m += tl.load(B + i, mask=i < n, other=0.0).to(tl.float32)
+    return m
+
+
+@triton.jit
 def _add_partials_kernel(H, P, B, Y, n, S: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = 0):
     if PDL:  # the partials are the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = tl.load(P + i, mask=i < n, other=0.0)
-    for j in tl.static_range(1, S):
-        m += tl.load(P + j * n + i, mask=i < n, other=0.0)
-    if HAS_B:
-        m += tl.load(B + i, mask=i < n, other=0.0).to(tl.float32)
-    s = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + m
+    s = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + _partial_sum(P, B, i, n, S, HAS_B)
     tl.store(Y + i, _round_to(s, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=i < n)
 
 
@@ -145,13 +151,8 @@ def _add_norm_kernel(H, P, B, G, Y, X, eps, d, S: tl.constexpr, HAS_B: tl.conste
         gdc_launch_dependents()
         gdc_wait()
     k = tl.arange(0, BD)
-    m = tl.load(P + k, mask=k < d, other=0.0)
-    for j in tl.static_range(1, S):
-        m += tl.load(P + j * d + k, mask=k < d, other=0.0)
-    if HAS_B:
-        m += tl.load(B + k, mask=k < d, other=0.0).to(tl.float32)
     DT: tl.constexpr = Y.dtype.element_ty
-    h = _round_to(tl.load(H + k, mask=k < d, other=0.0).to(tl.float32) + m, DT)
+    h = _round_to(tl.load(H + k, mask=k < d, other=0.0).to(tl.float32) + _partial_sum(P, B, k, d, S, HAS_B), DT)
     tl.store(Y + k, h.to(DT), mask=k < d)
     r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + eps)
     g = tl.load(G + k, mask=k < d, other=0.0).to(tl.float32)
