@@ -124,6 +124,26 @@ def test_eos_stops_once_every_row_is_done():
     assert stats["new_tokens"] == out.shape[1] - PROMPT_LEN
 
 
+def test_sparsity_real_counts_the_users_tokens_only():
+    """The compiled decoder's warm-up steps (a throw-away run before the first call) are not counted: after a
+    compiled call each layer has counted exactly the rows of the eager call's decode steps (11 steps of 2 rows,
+    the dense prompt none), and the same kept rows, since both decode the same tokens."""
+    model, ids = _model(), _prompt()
+    countdown.sparsify(model, "mono", 0.8)
+    layers = countdown.sparse.state_of(model).layers
+    eager, _ = generate_fast(model, ids, 12)
+    counted = [(layer.kept_total.clone(), layer.rows_total.clone()) for layer in layers]
+    d_inter = model.config.intermediate_size
+    assert all(int(rows) == 2 * 11 * d_inter for _, rows in counted)
+    countdown.reset_sparsity_stats(model)
+    torch._dynamo.reset()
+    compiled, stats = generate_fast(model, ids, 12, compile=True, compile_options={"backend": "aot_eager"})
+    assert stats["setup_s"] > 0 and torch.equal(compiled, eager)  # the warm-up ran, then the user's call
+    for layer, (kept, rows) in zip(layers, counted):
+        assert int(layer.rows_total) == int(rows)
+        torch.testing.assert_close(layer.kept_total, kept, rtol=0, atol=0.5)  # whole rows, summed as float64
+
+
 def test_compiled_step_is_one_graph():
     """torch.compile(fullgraph=True) of the step: no graph break, and no recompilation per token or
     per call (Dynamo's eager backend here; on CUDA the same graph goes to Inductor + CUDA graphs)."""

@@ -187,6 +187,9 @@ class Decoder:
     def warm_up(self, input_ids, noise_fn, inv_temperature) -> float:
         """Compile / capture on a throw-away run over the real prompt, then reset the cache."""
         start = time.perf_counter()
+        # the throw-away tokens are not the user's: Sparsity-Real is given its values back afterwards
+        counters = [c for layer in getattr(_patch_state(self.model), "layers", ()) for c in layer.counters()]
+        saved = [c.clone() for c in counters]
         with torch.no_grad():
             logits = self.prefill(input_ids)
             token = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k, self.top_p)[:, None]
@@ -207,6 +210,9 @@ class Decoder:
                         token = self.step(token, position, noise_fn(), inv_temperature).clone()
                         position = position + 1
         _synchronize(self.device)
+        with torch.no_grad():
+            for counter, value in zip(counters, saved):
+                counter.copy_(value)
         self.cache.reset()
         self.warmed = True
         return time.perf_counter() - start
