@@ -113,6 +113,35 @@ def _tile(Wq, SC, OF, rows, n_rows, n_words, n_groups, wcol, gcol, gm, BIG: tl.c
 
 
 @triton.jit
+def _paired_x(x0, x1, x2, x3, x4, x5, x6, x7):
+    """x's values j = 0..7 of each word ([SG, WPG], fp32) as the dot products take them: (xs, down, h0..h7, e0..e3):
+    x summed per group, 2**-e, x' = x 2**e in fp16 (portable path) and the asm path's fp16x2 pairs."""
+    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)        # [SG]: x summed per group
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.max(tl.abs(x0)), tl.max(tl.abs(x1))),
+                                 tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3)))),
+                      tl.maximum(tl.maximum(tl.max(tl.abs(x4)), tl.max(tl.abs(x5))),
+                                 tl.maximum(tl.max(tl.abs(x6)), tl.max(tl.abs(x7)))))
+    # x' = x 2**e with max|x'| in [512, 1024): |q - 8| <= 8, so a lane of four products stays under 2**15
+    ebits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(136 - ebits, -126), 126)
+    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    h0 = (x0 * up).to(tl.float16)
+    h1 = (x1 * up).to(tl.float16)
+    h2 = (x2 * up).to(tl.float16)
+    h3 = (x3 * up).to(tl.float16)
+    h4 = (x4 * up).to(tl.float16)
+    h5 = (x5 * up).to(tl.float16)
+    h6 = (x6 * up).to(tl.float16)
+    h7 = (x7 * up).to(tl.float16)
+    e0 = _pack2(h0, h4)[None]
+    e1 = _pack2((x1 * (up * 0.0625)).to(tl.float16), (x5 * (up * 0.0625)).to(tl.float16))[None]
+    e2 = _pack2(h2, h6)[None]
+    e3 = _pack2((x3 * (up * 0.0625)).to(tl.float16), (x7 * (up * 0.0625)).to(tl.float16))[None]
+    return xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3
+
+
+@triton.jit
 def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_groups, n_blocks, n_progs,
                       SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, R: tl.constexpr,
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
@@ -155,28 +184,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_grou
         x5 = _round_to(_xload(NW, wcol, wm, 5, 8) * _round_to(x5 * r, DT), DT)
         x6 = _round_to(_xload(NW, wcol, wm, 6, 8) * _round_to(x6 * r, DT), DT)
         x7 = _round_to(_xload(NW, wcol, wm, 7, 8) * _round_to(x7 * r, DT), DT)
-    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)        # [SG]: x summed per group
-    amax = tl.maximum(tl.maximum(tl.maximum(tl.max(tl.abs(x0)), tl.max(tl.abs(x1))),
-                                 tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3)))),
-                      tl.maximum(tl.maximum(tl.max(tl.abs(x4)), tl.max(tl.abs(x5))),
-                                 tl.maximum(tl.max(tl.abs(x6)), tl.max(tl.abs(x7)))))
-    # x' = x 2**e with max|x'| in [512, 1024): |q - 8| <= 8, so a lane of four products stays under 2**15
-    ebits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(136 - ebits, -126), 126)
-    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    h0 = (x0 * up).to(tl.float16)
-    h1 = (x1 * up).to(tl.float16)
-    h2 = (x2 * up).to(tl.float16)
-    h3 = (x3 * up).to(tl.float16)
-    h4 = (x4 * up).to(tl.float16)
-    h5 = (x5 * up).to(tl.float16)
-    h6 = (x6 * up).to(tl.float16)
-    h7 = (x7 * up).to(tl.float16)
-    e0 = _pack2(h0, h4)[None]
-    e1 = _pack2((x1 * (up * 0.0625)).to(tl.float16), (x5 * (up * 0.0625)).to(tl.float16))[None]
-    e2 = _pack2(h2, h6)[None]
-    e3 = _pack2((x3 * (up * 0.0625)).to(tl.float16), (x7 * (up * 0.0625)).to(tl.float16))[None]
+    xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(x0, x1, x2, x3, x4, x5, x6, x7)
     for blk in range(pid, n_blocks, n_progs):
         rows = blk * R + ri
         if PREFETCH:

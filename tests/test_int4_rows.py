@@ -1,0 +1,136 @@
+"""Sparse rows on 4-bit weights (kernels/_int4_rows.py) against a float64 reference, under Triton's interpreter on
+CPU (on a GPU: the inline-asm dequantization at a Llama-3.1-8B MLP's shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from countdown.int4 import quantize_rtn
+from countdown.kernels import _int4, _int4_rows
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mlp(d_model, d_inter, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(n, k):
+        w = torch.randn(n, k, generator=g) * (1 + torch.rand(n, 1, generator=g)) / k ** 0.5
+        w[:, : k // 3] += 0.3 / k ** 0.5  # groups off centre: the offsets' term matters
+        return quantize_rtn(w, group)
+
+    return weight(d_inter, d_model), weight(d_inter, d_model), weight(d_inter, d_model)  # gate, up, W_down^T
+
+
+def _on(w):
+    return type(w)(w.qweight.to(DEV), w.scale.to(DEV), w.offset.to(DEV))
+
+
+def _indicator(x, gate, up, mode):
+    """The indicator GEMV's partials as a decode step computes them (kernels/_int4.py): u, g, or [g; u] in slices."""
+    def partials(w, max_cols):
+        return _int4.launch(x.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV),
+                            None, {"MAX_COLS": max_cols})
+
+    if mode == "abs":
+        return partials(up, 4096)
+    if mode == "abs_act":
+        return partials(gate, 4096)
+    g, u = partials(gate, 128), partials(up, 128)  # two slices each
+    return torch.stack([g, u], 1)
+
+
+def _decided(ind, mode):
+    """The indicator's values the kernel thresholds: the partials' float32 sum (through act for cats and dual)."""
+    total = ind.float().sum(0).cpu()
+    silu = torch.nn.functional.silu
+    return {"abs": lambda: total, "abs_act": lambda: silu(total), "dual": lambda: silu(total[0]) * total[1]}[mode]()
+
+
+def _threshold(values, k):
+    """A threshold halfway between the two neighbours of |values| at the k-quantile (no row at a tie)."""
+    v, _ = values.abs().double().sort()
+    i = min(max(int(k * v.numel()) - 1, 0), v.numel() - 2)  # keeps the n - int(k n) largest
+    return float((v[i] + v[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
+@pytest.mark.parametrize("d_model,d_inter,group,k", [(256, 200, 32, 0.5), (512, 384, 128, 0.8), (256, 96, 64, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype):
+    """The partials' sum equals s W~d^T over the kept rows (float64, with s = u act(g) from the 4-bit GEMV's own u
+    and g) within float32 rounding, and the float64 model's output within the GEMV's; the rows kept are those whose
+    float32 indicator passes the threshold (k of them skipped), and the kernel counts them; k = 0 keeps every row
+    (the dense MLP); chunks of 64 rows walked by 3 programs."""
+    gate, up, down_t = _mlp(d_model, d_inter, group)
+    x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ind = _indicator(x, gate, up, mode)
+    thr = -1.0 if k == 0 else _threshold(_decided(ind, mode), k)
+    ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)
+    assert int(keep.sum()) == d_inter - int(k * d_inter)
+    other = None if mode == "dual" else _on(gate if mode == "abs" else up)
+    kept, rows = torch.zeros(1, dtype=torch.float64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)
+    out = _int4_rows.kept_rows(ind, x.to(DEV), other, _on(down_t), torch.tensor(thr), mode, count=(kept, rows))
+    assert out.dtype == torch.float32 and out.shape[1] == d_model
+    y = out.sum(0).double().cpu()
+    # s from u and g as the 4-bit GEMV computes them (float32, tested against float64 in test_int4_gemv.py), then the
+    # kept rows' sum in float64: the kernel differs from it by float32 rounding only (the same dot products, summed in
+    # another order), so 1e-4 of the terms' magnitudes bounds it and a 1 % error in any kept row's s would not pass
+    silu = torch.nn.functional.silu
+    g32, u32 = (_indicator(x, w, w, "abs").sum(0).double().cpu() for w in (gate, up))
+    s32 = torch.where(keep, u32 * silu(g32), torch.zeros((), dtype=torch.float64))
+    wd = down_t.dequantize(torch.float64).t()
+    terms = wd.abs() @ s32.abs()
+    bound = 1e-4 * terms + 1e-6 * terms.max()
+    err = (y - wd @ s32).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    assert ((wd @ s32 - ref).abs() < 0.1 * terms).all()  # and the float64 model's output, within the GEMV's rounding
+    assert int(rows) == d_inter and int(kept.item()) == int(keep.sum())  # Sparsity-Real: the rows it kept
+    if k > 0:  # the tolerance is far below what skipping changes: the dense MLP's output would fail it
+        dense = wd @ (u32 * silu(g32))
+        assert ((dense - wd @ s32).abs() > 100 * bound).any()
+
+
+def test_kept_rows_dual_is_exact_in_float32_arithmetic():
+    """dual computes nothing but the W~d^T rows' sum: against float64 with the kernel's own s it is within float32
+    summation error, far inside the bound above (the bound is not what makes that test pass)."""
+    gate, up, down_t = _mlp(256, 200, 32, seed=3)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ind = _indicator(x, gate, up, "dual")
+    s = _decided(ind, "dual").double()
+    thr = _threshold(s, 0.6)
+    keep = s.abs() > thr
+    ref = down_t.dequantize(torch.float64).t() @ torch.where(keep, s, torch.zeros((), dtype=torch.float64))
+    out = _int4_rows.kept_rows(ind, x.to(DEV), None, _on(down_t), torch.tensor(thr), "dual").sum(0).double().cpu()
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_kept_rows_rejects_bad_input():
+    gate, up, down_t = _mlp(256, 96, 32)
+    x = torch.randn(1, 256)
+    u = torch.zeros(1, 96)
+    with pytest.raises(ValueError, match="unknown mode"):
+        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "topk")
+    with pytest.raises(ValueError, match="the other weight"):
+        _int4_rows.kept_rows(u, x, None, down_t, torch.tensor(0.0), "abs")
+    with pytest.raises(ValueError, match="indicator partials"):
+        _int4_rows.kept_rows(u.double(), x, gate, down_t, torch.tensor(0.0), "abs")
+    with pytest.raises(ValueError, match="rows must match"):
+        _int4_rows.kept_rows(u, x, quantize_rtn(torch.randn(96, 512), 32), down_t, torch.tensor(0.0), "abs")
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the inline-asm path needs a GPU")
+def test_kept_rows_at_the_8b_shape_on_the_gpu():
+    """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path."""
+    gate, up, down_t = _mlp(4096, 14336, 128, seed=5)
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    for mode in ("abs", "dual"):
+        ind = _indicator(x, gate, up, mode)
+        thr = _threshold(_decided(ind, mode), 0.7)
+        ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)
+        out = _int4_rows.kept_rows(ind, x.to(DEV), _on(gate) if mode == "abs" else None, _on(down_t),
+                                   torch.tensor(thr), mode).sum(0).double().cpu()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, (mode, rel)
+        assert abs(keep.float().mean().item() - 0.3) < 0.01
