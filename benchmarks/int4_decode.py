@@ -239,10 +239,61 @@ def step_rows(device, args, bw, stamp, worst, out):
                 log(f"step {backend}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             add(BACKEND_WEIGHTS[backend], tps, ms, step_bytes(model), worst.get(backend))
-    base = {r["weights"]: r["tokens_per_s"] for r in rows}
+        if args.sparse and (device == "cuda" or args.smoke):
+            use_backend(model, "countdown")
+            sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse=lambda row: rows.append(row))
+    base = {r["weights"]: r["tokens_per_s"] for r in rows if r["method"] == "dense"}
     for r in rows:
-        log(f"  {r['weights']:13s} {r['tokens_per_s']:8.1f} tokens/s  {r['tokens_per_s'] / base['bf16']:.2f}x bf16"
+        log(f"  {r['weights']:13s} {r['method']:6s} {r['sparsity']:<4} {r['tokens_per_s']:8.1f} tokens/s  "
+            f"{r['tokens_per_s'] / base['bf16']:.2f}x bf16  {r['tokens_per_s'] / base['int4']:.2f}x int4"
             + (f"  {r['tokens_per_s'] / base['int4-torch']:.2f}x int4-torch" if "int4-torch" in base else ""))
+
+
+def sparse_thresholds(model, ids, method: str, k: float) -> list[torch.Tensor]:
+    """Per layer, the k-quantile of the method's |indicator| over the prompt's MLP inputs (the prompt runs the
+    modules' own forwards, so a hook sees them): speed-only thresholds, whose Sparsity-Real the kernels count."""
+    from countdown.kernels._common import act_torch
+
+    inputs, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1]))))
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for layer, x in zip(model.model.layers, inputs):
+        mlp = layer.mlp
+        u = (x @ mlp.up_proj.weight.t()).float()
+        h = act_torch((x @ mlp.gate_proj.weight.t()).float(), "silu")
+        ind = {"mono": u, "cats": h, "dual": h * u}[method].abs().flatten()
+        out.append(ind.kthvalue(max(1, int(k * ind.numel()))).values.reshape(1))
+    return out
+
+
+def sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse):
+    """The 4-bit step with sparse rows (decode/int4_step.sparse_rows) for each method and k of --sparse."""
+    from countdown.decode.int4_step import sparse_rows, sparse_rows_real
+
+    held = step_bytes(model)
+    for item in args.sparse.split(","):
+        method, k = item.split(":")
+        k = float(k)
+        sparse_rows(model, method, sparse_thresholds(model, ids, method, k))
+        try:
+            tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
+        except Exception as e:  # noqa: BLE001
+            log(f"sparse {method} k={k}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        finally:
+            real = sparse_rows_real(model)
+            sparse_rows(model, None, [])
+        row = {**stamp, "weights": "int4", "method": method, "sparsity": k, "tokens_per_s": round(tps, 2),
+               "bw_share": round(held * tps / bw, 4) if bw == bw else "", "gemv_roofline_ratio": ""}
+        append(os.path.join(out, "decode.csv"), DECODE_FIELDS, row)
+        add_sparse(row)
+        log(f"step int4 {method:5s} k={k}: {tps:8.1f} tokens/s  {ms:6.3f} ms a step  Sparsity-Real {real:.3f}")
 
 
 def report(out: str) -> None:
@@ -263,12 +314,14 @@ def report(out: str) -> None:
         mine = [r for r in steps if r["run"] == run]
         base = {r["weights"]: float(r["tokens_per_s"]) for r in mine if r["method"] == "dense"}
         lines += [f"## Run {run} ({mine[0]['device']}, {mine[0]['date']})", "",
-                  "| weights | method | tokens/s | vs bf16 | vs int4-torch | share of copy bandwidth | worst GEMV / "
-                  "roofline |", "|---|---|---|---|---|---|---|"]
+                  "| weights | method | k | tokens/s | vs bf16 | vs int4 dense | vs int4-torch | share of copy bandwidth "
+                  "| worst GEMV / roofline |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             t = float(r["tokens_per_s"])
             vs_t = f"{t / base['int4-torch']:.2f}x" if "int4-torch" in base else "-"
-            lines.append(f"| {r['weights']} | {r['method']} | {t:.1f} | {t / base['bf16']:.2f}x | {vs_t} | "
+            vs_4 = f"{t / base['int4']:.2f}x" if "int4" in base else "-"
+            k = "-" if r["method"] == "dense" else r["sparsity"]
+            lines.append(f"| {r['weights']} | {r['method']} | {k} | {t:.1f} | {t / base['bf16']:.2f}x | {vs_4} | {vs_t} | "
                          + (f"{float(r['bw_share']):.0%} | " if r["bw_share"] else "- | ") + f"{r['gemv_roofline_ratio'] or '-'} |")
         mine_g = [g for g in gemvs if g["run"] == run]
         if mine_g:
@@ -292,6 +345,8 @@ def main(argv=None):
     ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
     ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, step")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
+                    "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks this script only)")
     ap.add_argument("--report", action="store_true", help="write decode.md / .png from the CSVs in --out")

@@ -134,3 +134,52 @@ def test_kept_rows_at_the_8b_shape_on_the_gpu():
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, (mode, rel)
         assert abs(keep.float().mean().item() - 0.3) < 0.01
+
+
+def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
+    """sparse_rows on a 4-bit model's folded step: each decode step's MLP runs the kept-rows kernel (after its
+    indicator GEMV); keeping every row gives the dense 4-bit step's tokens with logits within W_down's second
+    rounding (its transposed groups); thresholds at the indicator's median skip about half the rows, counted;
+    method None gives the dense step back, bit for bit."""
+    from conftest import captured_logits, tiny_model
+
+    import countdown
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.int4_step import sparse_rows, sparse_rows_real
+    from countdown.decode.linears import fastest_step
+
+    model = countdown.quantize(tiny_model("llama", intermediate_size=128), group=32, lm_head=True).to(DEV)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    fastest_step(model)
+    with captured_logits(model) as dense_steps:
+        dense, _ = generate_fast(model, prompt, 4, compile=False)
+    n_layers = model.config.num_hidden_layers
+    calls = []
+    real = _int4_rows.launch
+    monkeypatch.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    for method in ("mono", "dual"):
+        assert sparse_rows(model, method, [torch.tensor(-1.0)] * n_layers) == n_layers
+        with captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt, 4, compile=False)
+        assert torch.equal(out, dense) and sparse_rows_real(model) == 0.0
+        for got, want in zip(steps[1:], dense_steps[1:]):  # the decode steps (the prompt is the dense path)
+            torch.testing.assert_close(got[:, -1], want[:, -1], atol=5e-2, rtol=5e-2)
+    assert calls[:6 * n_layers] == ["abs"] * 3 * n_layers + ["dual"] * 3 * n_layers
+    torch._dynamo.reset()  # compiled whole, as countdown.generate compiles it (the op's fake and its mutations hold)
+    compiled, _ = generate_fast(model, prompt, 4, compile=True, compile_options={"backend": "aot_eager"})
+    assert torch.equal(compiled, dense)
+    sparse_rows(model, "mono", [torch.tensor(0.0)] * n_layers)  # every |u| passes 0: all kept again
+    x = torch.randn(1, 64, device=DEV)
+    thresholds = [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers]
+    sparse_rows(model, "mono", thresholds)
+    generate_fast(model, prompt, 4, compile=False)
+    assert 0.2 < sparse_rows_real(model) < 0.8
+    assert sparse_rows(model, None, []) == n_layers
+    calls.clear()
+    with captured_logits(model) as again:
+        out, _ = generate_fast(model, prompt, 4, compile=False)
+    assert torch.equal(out, dense) and calls == []
+    for got, want in zip(again, dense_steps):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
+        sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)

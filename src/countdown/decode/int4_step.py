@@ -34,6 +34,7 @@ from .layer import _BEFORE as LAYER_BEFORE
 
 _GU = "_countdown_int4_mlp"   # (stacked gate/up, down, activation name, activation) in the MLP's __dict__
 _BEFORE = "_countdown_int4_mlp_before"
+_ROWS = "_countdown_int4_rows"  # sparse rows (sparse_rows): mode, threshold, indicator / other modules, W_down^T, counters
 
 
 def has_int4(model: nn.Module) -> bool:
@@ -84,10 +85,71 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
     h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
                                                float(post.variance_epsilon))
+    rows = mlp.__dict__.get(_ROWS)
+    if rows is not None:  # sparse rows (sparse_rows): the indicator GEMV, then the kept rows' kernel
+        return torch.ops.countdown.decode_add_partials(h, _kept_rows(x, act_name, *rows),
+                                                       down.bias).view_as(hidden_states)
     gu = gemv_partials(x, gate_up)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)
     return out.view_as(hidden_states)
+
+
+def _kept_rows(x, act_name, mode, ind, other, down_t, state):
+    """fp32 partials [P, d_model] of a sparse 4-bit MLP (kernels/_int4_rows.py) for one token x."""
+    gu = gemv_partials(x, ind)
+    if mode == "dual":
+        gu = gu.view(gu.shape[0], 2, -1)
+    o = other if other is not None else down_t
+    return torch.ops.countdown.int4_kept_rows(gu, x, o.qweight.view(torch.int32), o.scale, o.offset,
+                                              down_t.qweight.view(torch.int32), down_t.scale, down_t.offset,
+                                              state.threshold, mode, act_name, state.kept, state.rows)
+
+
+def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Tensor]) -> int:
+    """Sparse rows on the 4-bit step's folded layers (``int4_step`` first), a building block for benchmarks:
+    ``method`` "mono" (keep |u| > t), "cats" (|act(g)| > t) or "dual" (|act(g) u| > t), one fp32 threshold per
+    layer; W_down^T is rounded to 4 bits along d_model from the module's de-quantized W_down (a second rounding:
+    docs/int4.md), in the groups of the MLP's gate and up (the kernel reads their rows and W_down^T's alike). ``method=None`` removes them. Returns the number of layers changed.
+    Each MLP gains ``kept_total`` / ``rows_total`` counters (Sparsity-Real, as a patched MLP counts it)."""
+    from ..int4 import quantize_rtn
+    from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows)
+    from .attention import decoder_layers
+    from .layer import is_folded
+
+    layers = [layer for layer in decoder_layers(model, "sparse_rows") if is_folded(layer) and _GU in layer.mlp.__dict__]
+    if method is None:
+        return sum(layer.mlp.__dict__.pop(_ROWS, None) is not None for layer in layers)
+    modes = {"mono": "abs", "cats": "abs_act", "dual": "dual"}
+    if method not in modes or len(thresholds) != len(layers):
+        raise ValueError(f"sparse_rows takes a method of {', '.join(modes)} and one threshold per folded 4-bit layer "
+                         f"({len(layers)}); got {method!r} and {len(thresholds)} thresholds")
+    for layer, thr in zip(layers, thresholds):
+        mlp = layer.mlp
+        gate_up, down, _, _ = mlp.__dict__[_GU]
+        gate, up = gate_up.stacked_from
+        ind, other = {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[modes[method]]
+        g = gate_up.group
+        if down.out_features % g:
+            raise ValueError(f"W_down^T's rows ({down.out_features} values) do not split into the gate's groups of {g}")
+        w = quantize_rtn(down.weight.t().contiguous(), g, down.scale.dtype)
+        device = down.qweight.device
+        down_t = Int4Linear.from_weight(type(w)(w.qweight.to(device), w.scale.to(device), w.offset.to(device)),
+                                        dtype=down.weight.dtype)
+        state = nn.Module()  # buffers, so that a compiled, CUDA-graphed step reads them where they are
+        state.register_buffer("threshold", thr.reshape(1).float().to(device))
+        state.register_buffer("kept", torch.zeros(1, dtype=torch.float64, device=device))
+        state.register_buffer("rows", torch.zeros((), dtype=torch.int64, device=device))
+        mlp.__dict__[_ROWS] = (modes[method], ind, other, down_t, state)
+    return len(layers)
+
+
+def sparse_rows_real(model: nn.Module) -> float:
+    """Sparsity-Real of the sparse 4-bit rows since they were set: 1 - kept / rows over every layer."""
+    entries = [m.__dict__[_ROWS] for m in model.modules() if _ROWS in m.__dict__]
+    kept = sum(float(e[-1].kept) for e in entries)
+    rows = sum(int(e[-1].rows) for e in entries)
+    return 1 - kept / rows if rows else float("nan")
 
 
 def _foldable(layer: nn.Module) -> bool:

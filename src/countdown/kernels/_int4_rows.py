@@ -151,6 +151,14 @@ def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return weight.qweight.view(torch.int32), weight.scale, weight.offset
 
 
+def programs(d_inter: int, device, config: dict | None = None) -> int:
+    """How many partials [P, d_model] the kernel writes for ``d_inter`` rows on ``device``."""
+    from ._common import persistent_programs
+
+    cfg = {**CONFIG, **(config or {})}
+    return max(1, min(-(-d_inter // cfg["CHUNK"]), persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
+
+
 def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torch.Tensor, mode: str,
               activation: str = "silu", count: tuple[torch.Tensor, torch.Tensor] | None = None,
               config: dict | None = None) -> torch.Tensor:
@@ -161,22 +169,29 @@ def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torc
     kept rows are computed (W_gate for "abs", W_up for "abs_act"; None for "dual"); ``down_t``: W_down^T in the
     format, ``[d_inter, d_model]``; ``threshold``: a one-value fp32 tensor; ``count`` = (kept, rows): the kept rows
     added to a patched layer's Sparsity-Real counters."""
-    from ._common import act_code, interpreting, new_output, persistent_programs
-
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     words_d, sc_d, of_d = _words(down_t)
+    words_o, sc_o, of_o = _words(other) if other is not None else (None, None, None)
+    return launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, activation, count, config)
+
+
+def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, activation="silu", count=None,
+           config=None) -> torch.Tensor:
+    """:func:`kept_rows` on the weights' tensors (words int32 [d_inter, d_model / 8], scales, offsets; the other
+    weight's None for mode "dual")."""
+    from ._common import act_code, interpreting, new_output
+
     d_inter, n_words = words_d.shape
     d_model, n_groups = 8 * n_words, sc_d.shape[1]
     group = d_model // n_groups
     dual = mode == "dual"
     want = (2 * d_inter) if dual else d_inter
-    if ind.dtype != torch.float32 or ind.numel() % want or x.numel() != d_model or (other is None) != dual:
+    if ind.dtype != torch.float32 or ind.numel() % want or x.numel() != d_model or (words_o is None) != dual:
         raise ValueError(f"kept_rows takes fp32 indicator partials [S, {'2, ' if dual else ''}{d_inter}], one token x "
                          f"[1, {d_model}] and {'no other weight' if dual else 'the other weight'} for mode {mode!r}; "
                          f"got ind {ind.dtype} {tuple(ind.shape)}, x {tuple(x.shape)}")
-    if other is not None:
-        words_o, sc_o, of_o = _words(other)
+    if words_o is not None:
         if words_o.shape != words_d.shape or sc_o.shape != sc_d.shape:
             raise ValueError(f"the other weight's rows must match W_down^T's: words {tuple(words_o.shape)} vs "
                              f"{tuple(words_d.shape)}, scales {tuple(sc_o.shape)} vs {tuple(sc_d.shape)}")
@@ -185,18 +200,35 @@ def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torc
     cfg = {**CONFIG, **(config or {})}
     chunk = cfg["CHUNK"]
     n_chunks = -(-d_inter // chunk)
-    progs = max(1, min(n_chunks, persistent_programs(x.device, cfg["PER_SM"], INTERPRETER_PROGS)))
+    progs = programs(d_inter, x.device, config)
     interp = x.device.type != "cuda" or interpreting()
     out = new_output((progs, d_model), torch.float32, x.device)
     kept, rows = count if count is not None else (out, out)
-    thr = threshold.reshape(1).to(torch.float32)
+    thr = threshold.reshape(1).to(device=x.device, dtype=torch.float32)
     _int4_rows_kernel[(progs,)](
-        ind.contiguous(), x.contiguous(), words_o, sc_o.contiguous(), of_o.contiguous(), words_d.contiguous(),
-        sc_d.contiguous(), of_d.contiguous(), thr, out, kept, rows, d_inter, n_words, n_groups, n_chunks, progs,
-        want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=chunk, BM=cfg["BM"],
-        SG=_pow2(n_groups), WPG=group // 8, ASM=not interp, BIG=d_inter * n_words >= 2**31 or progs * d_model >= 2**31,
-        COUNT=count is not None, num_warps=cfg["num_warps"], num_stages=1)
+        ind.contiguous(), x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(),
+        words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), thr, out, kept, rows, d_inter, n_words, n_groups,
+        n_chunks, progs, want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=chunk,
+        BM=cfg["BM"], SG=_pow2(n_groups), WPG=group // 8, ASM=not interp,
+        BIG=d_inter * n_words >= 2**31 or progs * d_model >= 2**31, COUNT=count is not None,
+        num_warps=cfg["num_warps"], num_stages=1)
     return out
+
+
+@torch.library.custom_op("countdown::int4_kept_rows", mutates_args=("kept", "rows"))
+def _kept_rows_op(ind: torch.Tensor, x: torch.Tensor, words_o: torch.Tensor, sc_o: torch.Tensor, of_o: torch.Tensor,
+                  words_d: torch.Tensor, sc_d: torch.Tensor, of_d: torch.Tensor, threshold: torch.Tensor,
+                  keep_rule: str, activation: str, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # (the rule is not called "mode": torch.compile's functionalization of a mutating op takes a "mode" of its own)
+    from ._common import op_count
+
+    other = (None, None, None) if keep_rule == "dual" else (words_o, sc_o, of_o)
+    return launch(ind, x, *other, words_d, sc_d, of_d, threshold, keep_rule, activation, op_count(kept, rows))
+
+
+@_kept_rows_op.register_fake
+def _(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, keep_rule, activation, kept, rows):
+    return x.new_empty((programs(words_d.shape[0], x.device), 8 * words_d.shape[1]), dtype=torch.float32)
 
 
 def kept_rows_ref(x: torch.Tensor, gate, up, down_t, threshold: float, mode: str, activation: str = "silu",
