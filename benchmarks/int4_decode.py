@@ -374,5 +374,6 @@ def main(argv=None):
         step_rows(device, args, bw, stamp, worst, args.out)
 
 
+
 if __name__ == "__main__":
     main()
