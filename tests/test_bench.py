@@ -195,6 +195,36 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
     assert not countdown.is_sparsified(model)
 
 
+def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
+    """--int4: after the rows of the model as loaded (weights float32), the dense row of the same model quantized to
+    4 bits in place (weights int4), its perplexity increase and KL against the model as loaded equal to an
+    independent recomputation on a 4-bit copy, its speed over the same dense row; named "dense (int4)" in the
+    printed and Markdown tables."""
+    import copy
+
+    model, held_out, calib = tiny_llama
+    reference = copy.deepcopy(model)
+    out = tmp_path / "out"
+    assert bench_main(["--model", "tiny", "--methods", "mono", "-k", "0.5", "--texts", held_out, "--calib-texts", calib,
+                       "--calib-tokens", "256", "--ppl-tokens", "256", "--window", "64", "--new-tokens", "4",
+                       "--prompt", "6", "--samples", "1", "--artifacts-dir", str(tmp_path / "arts"), "--out", str(out),
+                       "--no-progress", "--int4"]) == 0
+    printed = capsys.readouterr()
+    assert "4-bit weights" in printed.err and "dense (int4)" in printed.out
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert [(r["method"], r["weights"]) for r in rows] == [("dense", "float32"), ("mono", "float32"), ("dense", "int4")]
+    texts = countdown.load_texts(held_out)
+    dense = countdown.perplexity(reference, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
+                                 progress=False)
+    countdown.quantize(reference, group=128, lm_head=True)
+    int4 = countdown.perplexity(reference, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
+                                progress=False)
+    assert float(rows[-1]["ppl_increase"]) == pytest.approx(int4 / dense - 1, abs=1e-5)
+    assert int4 != dense and float(rows[-1]["kl"]) > 0 and 0 < float(rows[-1]["top1"]) <= 1
+    assert float(rows[-1]["decode_speedup"]) == pytest.approx(float(rows[-1]["tokens_per_s"]) / float(rows[0]["tokens_per_s"]))
+    assert "| dense (int4) |" in (out / "tiny.md").read_text()
+
+
 def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
     out = tmp_path / "out"
     assert bench_main(["--model", "tiny", "--methods", "cats", "-k", "0.7", "--speed-only", "--new-tokens", "4",

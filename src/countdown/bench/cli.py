@@ -2,6 +2,7 @@
 
     countdown bench --model smollm2-135m --methods mono,cats,dual[hybrid] --sparsity 0.7,0.8,0.9 --out bench_out
     countdown bench --model llama-3.1-8b-shape            # random weights: speed only, and it says so
+    countdown bench --model smollm2-135m --int4           # and the model in 4 bits, dense, last
 
 Writes ``<out>/<model>.csv`` / ``.md`` / ``.png`` (columns model, method, sparsity, sparsity_real,
 ppl_increase, kl, decode_speedup, device, date, ...) and prints the table and a one-line
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--plain-step", action="store_true",
                         help="CUDA: time transformers' own attention and Inductor's GEMVs instead of the fastest step "
                              "(countdown.decode.linears.fastest_step: fused attention, every projection on the fixed GEMV)")
+    parser.add_argument("--int4", action="store_true",
+                        help="also the model in 4 bits (countdown.quantize: every Linear and lm_head, RTN group 128), "
+                             "dense, last: its quality against the model as loaded and its speed on the same harness")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -131,7 +135,8 @@ def _bench(args, specs, texts, calib_texts) -> int:
     settings = BenchSettings(
         specs=specs, ks=list(args.sparsity), texts=texts, calib_texts=calib_texts,
         calib_tokens=args.calib_tokens, ppl_tokens=args.ppl_tokens, window=args.window, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
-        samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only, fast_step=not args.plain_step)
+        samples=args.samples, artifacts_dir=args.artifacts_dir, speed_only=speed_only, fast_step=not args.plain_step,
+        int4=args.int4)
     skipped: list[str] = []
 
     def log(message: str) -> None:
@@ -146,10 +151,12 @@ def _bench(args, specs, texts, calib_texts) -> int:
             "command": _command(args)}
     paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
+    from .opreport import label
+
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"
         kl = "-" if r["kl"] in ("", None) else f"{r['kl']:.3f}"
-        print(f"{r['method']:16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
+        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
               f"{r['decode_speedup']:7.2f}x {r['tokens_per_s']:8.1f}")
     print(paths["recommendation"])
     if not speed_only:  # the recommended spec, pasteable into the API and the command line

@@ -25,7 +25,7 @@ from ..spec import Spec, parse_spec
 
 COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
            "ppl", "dense_ppl", "top1", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
-           "quality", "artifacts"]
+           "quality", "artifacts", "weights"]
 
 
 @dataclass
@@ -46,6 +46,7 @@ class BenchSettings:
     artifacts_dir: str | None = None
     speed_only: bool = False
     fast_step: bool = True  # CUDA: time every row on countdown.decode.linears.fastest_step (undone after)
+    int4: bool = False  # last, the model in 4 bits (countdown.quantize, RTN group 128, lm_head too), dense
 
     def __post_init__(self):
         """The numbers against countdown.options.RANGES (those of ``countdown bench``), before any work; texts
@@ -132,7 +133,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
 
     ``tokenizer`` None (or ``settings.speed_only``) measures speed only, with speed-only artifacts:
     the quality columns are left empty and ``quality`` says ``speed only``. Specs this library cannot
-    run are skipped with the reason logged."""
+    run are skipped with the reason logged. ``settings.int4`` adds, last, the dense row of the model quantized to
+    4 bits *in place* (``weights`` "int4"; the other rows' ``weights`` is the dtype as loaded)."""
     from tqdm.auto import tqdm
 
     from ..decode.generate import reset_decoders
@@ -159,7 +161,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     total = 1 + len(specs) * len(s.ks)
     bar = tqdm(total=total, desc="countdown bench", disable=not progress)
     base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
-            "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL"}
+            "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL",
+            "weights": str(next(model.parameters()).dtype).replace("torch.", "")}
     fast = cuda and s.fast_step
     with _fast_step(model, fast):
         dense_tps = _speed(model, prompt, s, harness)
@@ -211,5 +214,33 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
         finally:
             reset_decoders()
             unsparsify(model)
+    if s.int4:
+        rows.append(_int4_row(model, tokenizer, s, held, prompt, fast, harness, base, dense_tps, log))
     bar.close()
     return rows
+
+
+def _int4_row(model, tokenizer, s: BenchSettings, held, prompt, fast: bool, harness: str, base: dict,
+              dense_tps: float, log) -> dict:
+    """The dense row of ``model`` quantized in place to 4 bits (every decoder Linear and lm_head, RTN group 128),
+    scored against the model as loaded (``held``) and timed on the same harness: what a user gets from 4-bit weights
+    alone. (Sparse rows on 4-bit weights are not on this path yet: docs/int4.md.)"""
+    from ..decode.generate import reset_decoders
+    from ..int4 import quantize
+    from .quality import compare_held, held_out
+
+    loaded = str(next(model.parameters()).dtype).replace("torch.", "")
+    quantize(model, group=128, lm_head=True)
+    q = None
+    if held is not None:
+        q = compare_held(held, held_out(model, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window))
+    with _fast_step(model, fast):
+        tps = _speed(model, prompt, s, harness)
+    reset_decoders()
+    log(f"4-bit weights (RTN group 128, lm_head too): {tps:.1f} tokens/s, {tps / dense_tps:.2f}x the {loaded} model"
+        + ("" if q is None else f", perplexity {100 * q['ppl_increase']:+.1f} %"))
+    return {**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0,
+            "ppl_increase": "" if q is None else q["ppl_increase"], "kl": "" if q is None else q["kl"],
+            "top1": "" if q is None else q["top1"], "decode_speedup": tps / dense_tps, "ppl": "" if q is None else q["ppl"],
+            "dense_ppl": "" if held is None else held.dense_ppl, "tokens_per_s": tps, "dense_tokens_per_s": dense_tps,
+            "path": "int4", "artifacts": "", "weights": "int4"}

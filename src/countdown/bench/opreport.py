@@ -79,6 +79,11 @@ _EXTRA = [("kernel_us", "MLP us", ".1f"), ("mlp_speedup", "MLP speed-up", ".2f")
           ("tokens_per_s", "tokens/s", ".1f")]
 
 
+def label(row: dict) -> str:
+    """A row's method as the table and the plot name it: with " (int4)" for the 4-bit model's row."""
+    return row["method"] + (" (int4)" if row.get("weights") == "int4" else "")
+
+
 def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:
     extra = [c for c in _EXTRA if any(_known(r.get(c[0])) for r in rows)]
     first = rows[0] if rows else {}
@@ -97,7 +102,7 @@ def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         inc = 100 * r["ppl_increase"] if _known(r.get("ppl_increase")) else None
-        cells = [r["method"], _cell(r.get("sparsity"), "g"), _cell(r.get("sparsity_real"), ".3f"),
+        cells = [label(r), _cell(r.get("sparsity"), "g"), _cell(r.get("sparsity_real"), ".3f"),
                  "-" if inc is None else f"{inc:+.1f} %", _cell(r.get("kl"), ".3f"),
                  _cell(r.get("decode_speedup"), ".2f") + ("x" if _known(r.get("decode_speedup")) else "")]
         cells += [_cell(r.get(key), fmt) for key, _, fmt in extra]
@@ -145,13 +150,14 @@ def _plot(rows, path, meta, front) -> None:
     rows = [r for r in rows if _known(r.get("decode_speedup"))]
     quality = any(_known(r.get("ppl_increase")) for r in rows)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [r for r in rows if r["method"] == method and (not quality or _known(r.get("ppl_increase")))]
+    for method in dict.fromkeys(label(r) for r in rows):
+        pts = [r for r in rows if label(r) == method and (not quality or _known(r.get("ppl_increase")))]
         if not pts:
             continue
         xs = [100 * r["ppl_increase"] if quality else r["sparsity_real"] for r in pts]
-        ax.plot(xs, [r["decode_speedup"] for r in pts], marker="o" if method != "dense" else "s",
-                ls="-" if len(pts) > 1 else "", label=method, ms=4 if method != "dense" else 6)
+        dense = pts[0]["method"] == "dense"
+        ax.plot(xs, [r["decode_speedup"] for r in pts], marker="s" if dense else "o",
+                ls="-" if len(pts) > 1 else "", label=method, ms=6 if dense else 4)
         for r, x in zip(pts, xs):
             if r["method"] != "dense":
                 ax.annotate(f"{r['sparsity']:g}", (x, r["decode_speedup"]), fontsize=6)
