@@ -57,12 +57,13 @@ def _threshold(values, k):
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
 @pytest.mark.parametrize("d_model,d_inter,group,k", [(256, 200, 32, 0.5), (512, 384, 128, 0.8), (256, 96, 64, 0.0)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype):
+@pytest.mark.parametrize("dtype,rowwise", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype, rowwise):
     """The partials' sum equals s W~d^T over the kept rows (float64, with s = u act(g) from the 4-bit GEMV's own u
     and g) within float32 rounding, and the float64 model's output within the GEMV's; the rows kept are those whose
     float32 indicator passes the threshold (k of them skipped), and the kernel counts them; k = 0 keeps every row
-    (the dense MLP); chunks of 64 rows walked by 3 programs."""
+    (the dense MLP); chunks of 64 rows walked by 3 programs; the kept W~d^T rows summed a tile at a time or one row
+    at a time (ROWWISE)."""
     gate, up, down_t = _mlp(d_model, d_inter, group)
     x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
     ind = _indicator(x, gate, up, mode)
@@ -71,7 +72,8 @@ def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype):
     assert int(keep.sum()) == d_inter - int(k * d_inter)
     other = None if mode == "dual" else _on(gate if mode == "abs" else up)
     kept, rows = torch.zeros(1, dtype=torch.float64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)
-    out = _int4_rows.kept_rows(ind, x.to(DEV), other, _on(down_t), torch.tensor(thr), mode, count=(kept, rows))
+    out = _int4_rows.kept_rows(ind, x.to(DEV), other, _on(down_t), torch.tensor(thr), mode, count=(kept, rows),
+                               config={"ROWWISE": rowwise})
     assert out.dtype == torch.float32 and out.shape[1] == d_model
     y = out.sum(0).double().cpu()
     # s from u and g as the 4-bit GEMV computes them (float32, tested against float64 in test_int4_gemv.py), then the

@@ -37,7 +37,9 @@ from ._glu import _act, _pow2
 from ._int4 import _paired_x, _tile
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
-CONFIG = dict(CHUNK=64, BM=8, PER_SM=1, num_warps=8)
+# ROWWISE: W~d^T's kept rows added one at a time (every thread its own words) rather than a tile's rows summed
+# across the tile: an open question for the next sweep on a GPU (benchmarks/int4_rows.py); the loser goes.
+CONFIG = dict(CHUNK=64, BM=8, PER_SM=1, num_warps=8, ROWWISE=False)
 INTERPRETER_PROGS = 3
 
 
@@ -57,7 +59,7 @@ def _int4_rows_kernel(IND, X, WO, SCO, OFO, WD, SCD, OFD, THR, P, KEPT, ROWS,
                       d_inter, n_words, n_groups, n_chunks, n_progs, ind_stride,
                       MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr,
                       BM: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, ASM: tl.constexpr,
-                      BIG: tl.constexpr, COUNT: tl.constexpr):
+                      BIG: tl.constexpr, COUNT: tl.constexpr, ROWWISE: tl.constexpr = False):
     pid = tl.program_id(0)
     gl = tl.arange(0, SG)
     gm = gl < n_groups
@@ -109,7 +111,8 @@ def _int4_rows_kernel(IND, X, WO, SCO, OFO, WD, SCD, OFD, THR, P, KEPT, ROWS,
             else:
                 av = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)    # u (mono) or g (cats) of the slots
                 w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-                wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+                if not ROWWISE:
+                    wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
                 d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                               e0, e1, e2, e3, 4, ASM)
                 o = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
@@ -117,19 +120,36 @@ def _int4_rows_kernel(IND, X, WO, SCO, OFO, WD, SCD, OFD, THR, P, KEPT, ROWS,
                     sv = av * _act(o, ACT)
                 else:
                     sv = o * _act(av, ACT)
-            if MODE == 2:
-                wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
             sv = tl.where(valid, sv, 0.0)
-            sa = sv[:, None] * scd                                      # [BM, SG]: s * scale
-            boff += tl.sum(sv[:, None] * ofd, axis=0)
-            acc0 = _nibble_sum(acc0, wd, sa, 0)
-            acc1 = _nibble_sum(acc1, wd, sa, 1)
-            acc2 = _nibble_sum(acc2, wd, sa, 2)
-            acc3 = _nibble_sum(acc3, wd, sa, 3)
-            acc4 = _nibble_sum(acc4, wd, sa, 4)
-            acc5 = _nibble_sum(acc5, wd, sa, 5)
-            acc6 = _nibble_sum(acc6, wd, sa, 6)
-            acc7 = _nibble_sum(acc7, wd, sa, 7)
+            if ROWWISE:  # one W~d^T row at a time: no sum across the tile's rows, every thread adds its own words
+                for j in tl.static_range(BM):
+                    slot = tl.arange(0, BM) == j
+                    rj = tl.sum(tl.where(slot, rows, 0), axis=0) + tl.zeros([1], dtype=tl.int32)  # [1]
+                    sj = tl.sum(tl.where(slot, sv, 0.0), axis=0)
+                    wd, scd, ofd = _tile(WD, SCD, OFD, rj, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+                    sa = sj * scd                                           # [1, SG]: a sum over one row
+                    boff += tl.sum(sj * ofd, axis=0)
+                    acc0 = _nibble_sum(acc0, wd, sa, 0)
+                    acc1 = _nibble_sum(acc1, wd, sa, 1)
+                    acc2 = _nibble_sum(acc2, wd, sa, 2)
+                    acc3 = _nibble_sum(acc3, wd, sa, 3)
+                    acc4 = _nibble_sum(acc4, wd, sa, 4)
+                    acc5 = _nibble_sum(acc5, wd, sa, 5)
+                    acc6 = _nibble_sum(acc6, wd, sa, 6)
+                    acc7 = _nibble_sum(acc7, wd, sa, 7)
+            else:  # the tile's rows together, summed across them
+                if MODE == 2:
+                    wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+                sa = sv[:, None] * scd                                      # [BM, SG]: s * scale
+                boff += tl.sum(sv[:, None] * ofd, axis=0)
+                acc0 = _nibble_sum(acc0, wd, sa, 0)
+                acc1 = _nibble_sum(acc1, wd, sa, 1)
+                acc2 = _nibble_sum(acc2, wd, sa, 2)
+                acc3 = _nibble_sum(acc3, wd, sa, 3)
+                acc4 = _nibble_sum(acc4, wd, sa, 4)
+                acc5 = _nibble_sum(acc5, wd, sa, 5)
+                acc6 = _nibble_sum(acc6, wd, sa, 6)
+                acc7 = _nibble_sum(acc7, wd, sa, 7)
     if COUNT:
         add_count(KEPT, ROWS, n_kept, d_inter, pid == 0)
     if BIG:
@@ -211,7 +231,7 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
         n_chunks, progs, want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=chunk,
         BM=cfg["BM"], SG=_pow2(n_groups), WPG=group // 8, ASM=not interp,
         BIG=d_inter * n_words >= 2**31 or progs * d_model >= 2**31, COUNT=count is not None,
-        num_warps=cfg["num_warps"], num_stages=1)
+        ROWWISE=bool(cfg["ROWWISE"]), num_warps=cfg["num_warps"], num_stages=1)
     return out
 
 
