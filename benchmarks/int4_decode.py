@@ -227,7 +227,7 @@ def step_rows(device, args, bw, stamp, worst, out):
         tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
         add("bf16", tps, ms, step_bytes(model), None)
         fastest_step(model, on=False)
-        countdown.quantize(model, group=GROUP, lm_head=True)
+        countdown.quantize(model, group=GROUP, lm_head=True, transposed_down=args.transposed_down)
         torch.cuda.empty_cache() if device == "cuda" else None
         fastest_step(model)
         for backend in (["countdown", "torch"] + (["gemlite"] if have_gemlite() else [])
@@ -345,6 +345,9 @@ def main(argv=None):
     ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
     ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, step")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--transposed-down", action="store_true",
+                    help="W_down held as W_down^T (quantize(transposed_down=True)): the dense rows decode it through "
+                    "the kept-rows kernel keeping every row, the sparse rows read it with no second copy")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)

@@ -73,6 +73,15 @@ def test_rtn_error_within_its_bound_against_float64(group, dtype, scale_dtype):
     assert ratio.max() <= 0.5 + 1e-4 and 0.2 < ratio.mean() < 0.3
 
 
+def test_rtn_of_a_transposed_view_is_the_format_row_major():
+    """A transposed view (W^T, as quantize(transposed_down=True) rounds it) gives the same codes as its contiguous
+    copy, in row-major buffers whose words a kernel can read (qweight.view(int32))."""
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    view, copied = quantize_rtn(w.t(), 32), quantize_rtn(w.t().contiguous(), 32)
+    assert all(torch.equal(getattr(view, b), getattr(copied, b)) for b in ("qweight", "scale", "offset"))
+    assert view.qweight.is_contiguous() and view.qweight.view(torch.int32).shape == (128, 8)
+
+
 def test_rtn_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="multiple of group=128"):
         quantize_rtn(torch.randn(4, 96), 128)
@@ -344,10 +353,12 @@ def test_sparsify_runs_on_the_dequantized_view(method, path):
     assert isinstance(q.model.layers[0].mlp.up_proj, Int4Linear)
 
 
-@pytest.mark.parametrize("how", ["countdown.save", "save_pretrained", "sparsified", "lm_head", "tied lm_head", "bf16"])
+@pytest.mark.parametrize("how", ["countdown.save", "save_pretrained", "sparsified", "lm_head", "tied lm_head", "bf16",
+                                 "transposed_down"])
 def test_save_and_load_give_the_same_model(tmp_path, how):
     arch = "gemma3" if how == "tied lm_head" else "llama"
-    model = countdown.quantize(tiny_model(arch, intermediate_size=96), group=32, lm_head="lm_head" in how)
+    model = countdown.quantize(tiny_model(arch, intermediate_size=96), group=32, lm_head="lm_head" in how,
+                               transposed_down=how == "transposed_down")
     if how == "tied lm_head":  # the head is untied from the embedding, which keeps its precision
         assert isinstance(model.lm_head, Int4Linear) and type(model.model.embed_tokens) is not Int4Linear
         assert model.config.tie_word_embeddings is False
@@ -370,8 +381,10 @@ def test_save_and_load_give_the_same_model(tmp_path, how):
     for name, module in model.named_modules():
         if isinstance(module, Int4Linear):
             mine = back.get_submodule(name)
-            assert isinstance(mine, Int4Linear) and mine.compute_dtype == dtype
+            assert isinstance(mine, Int4Linear) and mine.compute_dtype == dtype and mine.transposed == module.transposed
             assert all(torch.equal(getattr(mine, b), getattr(module, b)) for b in ("qweight", "scale", "offset"))
+    assert sum(m.transposed for m in back.modules() if isinstance(m, Int4Linear)) == \
+        (model.config.num_hidden_layers if how == "transposed_down" else 0)
     if how == "bf16":
         inv_freq = model.model.rotary_emb.inv_freq
         model.to(dtype)

@@ -185,3 +185,62 @@ def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
         sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)
+
+
+def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():
+    """quantize(transposed_down=True): each W_down is held as W_down^T rounded along d_model (the same bytes, no
+    second copy; the other Linears as without it; GGUF refused), its forward is F.linear of the de-quantized
+    transpose, exactly; the 4-bit step decodes it through the kept-rows kernel keeping every row (no down GEMV) with
+    the reference's tokens, and sparse_rows reads that W_down^T itself (method None keeps every row again)."""
+    import copy
+
+    from conftest import captured_logits, tiny_model
+
+    import countdown
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.int4_step import _ROWS, sparse_rows, sparse_rows_real
+    from countdown.decode.linears import fastest_step
+    from countdown.int4 import Int4Linear, use_backend
+
+    base = tiny_model("llama", intermediate_size=128)
+    plain = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True)
+    model = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True, transposed_down=True)
+    with pytest.raises(ValueError, match="source='rtn'"):
+        countdown.quantize(copy.deepcopy(base), source="gguf", transposed_down=True)
+    assert model.config.countdown_int4["transposed"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    for (name, mine), theirs in zip(model.named_modules(), plain.modules()):
+        if not isinstance(mine, Int4Linear):
+            continue
+        assert mine.transposed == name.endswith("down_proj") and mine.int4.nbytes == theirs.int4.nbytes
+        if not mine.transposed:
+            assert torch.equal(mine.qweight, theirs.qweight)
+            continue
+        w = base.get_submodule(name).weight
+        want = quantize_rtn(w.t(), 32)
+        assert torch.equal(mine.qweight, want.qweight) and (mine.in_features, mine.out_features) == (128, 64)
+        x = torch.randn(3, 128)
+        torch.testing.assert_close(mine(x), torch.nn.functional.linear(x, want.dequantize().t()), rtol=0, atol=0)
+    model.to(DEV)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    use_backend(model, "reference")
+    with captured_logits(model) as ref_steps:
+        ref, _ = generate_fast(model, prompt, 4, compile=False)
+    use_backend(model, "countdown")
+    fastest_step(model)
+    calls = []
+    real = _int4_rows.launch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+        with captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt, 4, compile=False)
+    assert torch.equal(out, ref) and calls == ["dual"] * 3 * 2  # 3 decode steps x 2 layers, every row kept
+    for got, want in zip(steps, ref_steps):
+        torch.testing.assert_close(got[:, -1], want[:, -1], atol=2e-3, rtol=2e-3)
+    mlp = model.model.layers[0].mlp
+    sparse_rows(model, "mono", [torch.tensor(0.0)] * 2)
+    assert mlp.__dict__[_ROWS][3] is mlp.down_proj  # the model's own W_down^T, nothing rounded again
+    generate_fast(model, prompt, 4, compile=False)
+    assert sparse_rows_real(model) == 0.0
+    sparse_rows(model, None, [])
+    assert mlp.__dict__[_ROWS][0] == "dual" and mlp.__dict__[_ROWS][3] is mlp.down_proj
+    assert fastest_step(model, on=False) == [] and _ROWS not in mlp.__dict__

@@ -46,7 +46,12 @@ def _mlp_forward(self, x):
     if one_token(x) and backend_of(gate_up) == backend_of(down) == "countdown":
         from ..kernels import _common
 
-        if _common.available(x):
+        rows = self.__dict__.get(_ROWS)
+        if rows is not None and _common.available(x):  # sparse rows, or a W_down held transposed (every row kept)
+            y = _kept_rows(x.reshape(1, -1), act_name, *rows).sum(0)
+            y = y if down.bias is None else y + down.bias
+            return y.to(x.dtype).view(x.shape)
+        if _common.available(x) and not down.transposed:
             gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
             return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
     if one_token(x):
@@ -106,12 +111,33 @@ def _kept_rows(x, act_name, mode, ind, other, down_t, state):
                                               state.threshold, mode, act_name, state.kept, state.rows)
 
 
+def _rows_entry(mlp: nn.Module, rule: str, threshold: torch.Tensor, down_t: Int4Linear | None = None) -> tuple:
+    """The ``_ROWS`` entry of a stacked 4-bit MLP: (rule, indicator module, other module, W_down^T, state), the
+    state a module of buffers (threshold, Sparsity-Real counters) that a compiled, CUDA-graphed step reads in place.
+    W_down^T is the MLP's own down where it holds it transposed, else ``down_t``."""
+    gate_up, down, _, _ = mlp.__dict__[_GU]
+    gate, up = gate_up.stacked_from
+    ind, other = {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[rule]
+    device = down.qweight.device
+    state = nn.Module()
+    state.register_buffer("threshold", threshold.reshape(1).float().to(device))
+    state.register_buffer("kept", torch.zeros(1, dtype=torch.float64, device=device))
+    state.register_buffer("rows", torch.zeros((), dtype=torch.int64, device=device))
+    return rule, ind, other, down if down.transposed else down_t, state
+
+
+def _keep_all(mlp: nn.Module) -> tuple:
+    """A W_down held transposed has no down GEMV: its dense decode is the kept-rows kernel keeping every row."""
+    return _rows_entry(mlp, "dual", torch.tensor(float("-inf")))
+
+
 def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Tensor]) -> int:
     """Sparse rows on the 4-bit step's folded layers (``int4_step`` first), a building block for benchmarks:
     ``method`` "mono" (keep |u| > t), "cats" (|act(g)| > t) or "dual" (|act(g) u| > t), one fp32 threshold per
-    layer; W_down^T is rounded to 4 bits along d_model from the module's de-quantized W_down (a second rounding:
-    docs/int4.md), in the groups of the MLP's gate and up (the kernel reads their rows and W_down^T's alike). ``method=None`` removes them. Returns the number of layers changed.
-    Each MLP gains ``kept_total`` / ``rows_total`` counters (Sparsity-Real, as a patched MLP counts it)."""
+    layer. The kernel reads W_down^T: the MLP's own down where ``quantize(transposed_down=True)`` made it so, else
+    a W_down^T rounded to 4 bits from the de-quantized W_down in the gate's groups (a second rounding, and memory
+    beside W_down: docs/int4.md). ``method=None`` gives the dense step back. Returns the number of layers changed.
+    Each MLP's counters count its kept rows (:func:`sparse_rows_real`)."""
     from ..int4 import quantize_rtn
     from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows)
     from .attention import decoder_layers
@@ -119,7 +145,13 @@ def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Ten
 
     layers = [layer for layer in decoder_layers(model, "sparse_rows") if is_folded(layer) and _GU in layer.mlp.__dict__]
     if method is None:
-        return sum(layer.mlp.__dict__.pop(_ROWS, None) is not None for layer in layers)
+        for layer in layers:
+            down = layer.mlp.__dict__[_GU][1]
+            if down.transposed:
+                layer.mlp.__dict__[_ROWS] = _keep_all(layer.mlp)
+            else:
+                layer.mlp.__dict__.pop(_ROWS, None)
+        return len(layers)
     modes = {"mono": "abs", "cats": "abs_act", "dual": "dual"}
     if method not in modes or len(thresholds) != len(layers):
         raise ValueError(f"sparse_rows takes a method of {', '.join(modes)} and one threshold per folded 4-bit layer "
@@ -127,20 +159,17 @@ def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Ten
     for layer, thr in zip(layers, thresholds):
         mlp = layer.mlp
         gate_up, down, _, _ = mlp.__dict__[_GU]
-        gate, up = gate_up.stacked_from
-        ind, other = {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[modes[method]]
-        g = gate_up.group
-        if down.out_features % g:
-            raise ValueError(f"W_down^T's rows ({down.out_features} values) do not split into the gate's groups of {g}")
-        w = quantize_rtn(down.weight.t().contiguous(), g, down.scale.dtype)
-        device = down.qweight.device
-        down_t = Int4Linear.from_weight(type(w)(w.qweight.to(device), w.scale.to(device), w.offset.to(device)),
-                                        dtype=down.weight.dtype)
-        state = nn.Module()  # buffers, so that a compiled, CUDA-graphed step reads them where they are
-        state.register_buffer("threshold", thr.reshape(1).float().to(device))
-        state.register_buffer("kept", torch.zeros(1, dtype=torch.float64, device=device))
-        state.register_buffer("rows", torch.zeros((), dtype=torch.int64, device=device))
-        mlp.__dict__[_ROWS] = (modes[method], ind, other, down_t, state)
+        down_t = None
+        if not down.transposed:
+            g = gate_up.group
+            if down.out_features % g:
+                raise ValueError(f"W_down^T's rows ({down.out_features} values) do not split into the gate's groups "
+                                 f"of {g}")
+            w = quantize_rtn(down.weight.t().contiguous(), g, down.scale.dtype)
+            device = down.qweight.device
+            down_t = Int4Linear.from_weight(type(w)(w.qweight.to(device), w.scale.to(device), w.offset.to(device)),
+                                            dtype=down.weight.dtype, transposed=True)
+        mlp.__dict__[_ROWS] = _rows_entry(mlp, modes[method], thr, down_t)
     return len(layers)
 
 
@@ -185,6 +214,7 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
 
         fold_norms(model, False)
         for module in model.modules():
+            module.__dict__.pop(_ROWS, None)
             if module.__dict__.pop(_GU, None) is not None:
                 delattr(module, _BEFORE)
                 del module.forward  # back to the class's forward
@@ -201,6 +231,10 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         except ValueError:
             continue
         module.__dict__[_GU] = (gate_up, down, g.act_name, g.act)
+        if down.transposed:
+            from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows)
+
+            module.__dict__[_ROWS] = _keep_all(module)
         setattr(module, _BEFORE, module.forward)
         module.forward = types.MethodType(_mlp_forward, module)
         changed += 1

@@ -90,7 +90,7 @@ def backend_of(module: Int4Linear) -> str:
 
 def _applies(x: torch.Tensor, module: Int4Linear) -> bool:
     backend = backend_of(module)
-    if backend == "reference" or not one_token(x):
+    if backend == "reference" or not one_token(x) or module.transposed:
         return False
     if backend == "countdown":
         from ..kernels import _common
@@ -145,6 +145,8 @@ def prepare(module: Int4Linear):
     by :func:`use_backend` and ``int4_step``: built inside a compiled, CUDA-graphed step instead, it would live in
     the graph's memory pool and be overwritten by the next replay."""
     backend = backend_of(module)
+    if module.transposed:  # W^T: no baseline takes it (the module runs its reference)
+        return None
     if backend in _BUILD and (module.kernel_layout is None or module.kernel_layout[0] != backend):
         module.kernel_layout = (backend, *_BUILD[backend](module))
     return module.kernel_layout

@@ -143,7 +143,7 @@ def quantize_rtn(w: torch.Tensor, group: int = 128, scale_dtype: torch.dtype = t
     if w.dim() != 2 or w.shape[1] % group:
         raise ValueError(f"w must be a matrix [N, K] with K a multiple of group={group}, got {tuple(w.shape)}")
     n, k = w.shape
-    wg = w.detach().float().reshape(n, k // group, group)
+    wg = w.detach().float().contiguous().reshape(n, k // group, group)  # (a transposed view: codes row-major all the same)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     scale = ((hi - lo) / 15).to(scale_dtype)
     offset = lo.to(scale_dtype)

@@ -46,7 +46,10 @@ def register_kernel(applies: Callable, run: Callable) -> None:
 
 
 def int4_linear(x: torch.Tensor, module: "Int4Linear") -> torch.Tensor:
-    """``x W~^T + b`` for an :class:`Int4Linear`: the first registered kernel that applies, else the reference."""
+    """``x W~^T + b`` for an :class:`Int4Linear`: the first registered kernel that applies, else the reference (a
+    module that holds W^T: ``F.linear`` of its de-quantized transpose; no GEMV kernel takes that layout)."""
+    if module.transposed:
+        return F.linear(x, dequantize(module.qweight, module.scale, module.offset, x.dtype).t(), module.bias)
     for applies, run in _KERNELS:
         if applies(x, module):
             return run(x, module)
@@ -58,9 +61,12 @@ class Int4Linear(nn.Linear):
     :meth:`from_linear`."""
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 source: str = ""):
+                 source: str = "", transposed: bool = False):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a float weight
-        self.out_features, self.in_features = weight.shape
+        # transposed: the buffers hold W^T [in, out] in the format (groups along the output): a W_down whose rows of
+        # d_inter are the sparse kernels' rows (kernels/_int4_rows.py); forward and weight give W as ever
+        self.transposed = bool(transposed)
+        self.out_features, self.in_features = weight.shape[::-1] if self.transposed else weight.shape
         self.group = weight.group
         self.source = source  # how the codes were made: "rtn" or the GGUF type ("Q4_1", ...)
         for name in BUFFERS:
@@ -74,27 +80,30 @@ class Int4Linear(nn.Linear):
 
     @classmethod
     def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                    source: str = "") -> "Int4Linear":
-        return cls(weight, bias, dtype, source)
+                    source: str = "", transposed: bool = False) -> "Int4Linear":
+        return cls(weight, bias, dtype, source, transposed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, weight: Int4Weight, source: str = "") -> "Int4Linear":
-        """The 4-bit replacement of ``linear`` (its bias, dtype and device kept)."""
-        if weight.shape != tuple(linear.weight.shape):
+    def from_linear(cls, linear: nn.Linear, weight: Int4Weight, source: str = "",
+                    transposed: bool = False) -> "Int4Linear":
+        """The 4-bit replacement of ``linear`` (its bias, dtype and device kept); ``transposed``: ``weight`` is W^T."""
+        if weight.shape != tuple(linear.weight.shape)[:: -1 if transposed else 1]:
             raise ValueError(f"a 4-bit weight of shape {weight.shape} cannot replace a Linear of "
                              f"{tuple(linear.weight.shape)}")
         device = linear.weight.device
         moved = Int4Weight(*(getattr(weight, name).to(device) for name in BUFFERS))
-        return cls(moved, linear.bias, linear.weight.dtype, source)
+        return cls(moved, linear.bias, linear.weight.dtype, source, transposed)
 
     @property
     def int4(self) -> Int4Weight:
+        """The weight as held: W, or W^T where ``transposed``."""
         return Int4Weight(self.qweight, self.scale, self.offset)
 
     @property
     def weight(self) -> torch.Tensor:
         """The de-quantized weight [out, in] in the compute dtype (a new tensor on each read)."""
-        return dequantize(self.qweight, self.scale, self.offset, self.compute_dtype)
+        w = dequantize(self.qweight, self.scale, self.offset, self.compute_dtype)
+        return w.t() if self.transposed else w
 
     @weight.setter
     def weight(self, value) -> None:
@@ -118,7 +127,8 @@ class Int4Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group={self.group}, scale={str(self.scale.dtype).removeprefix('torch.')}, source={self.source}")
+                f"group={self.group}, scale={str(self.scale.dtype).removeprefix('torch.')}, source={self.source}"
+                + (", transposed" if self.transposed else ""))
 
 
 def stack(modules: list[Int4Linear]) -> Int4Linear:
@@ -126,6 +136,8 @@ def stack(modules: list[Int4Linear]) -> Int4Linear:
     the parts then view (no memory added): one GEMV computes all of them. The parts must share the group size,
     the scale dtype, the device, the compute dtype and whether they have a bias."""
     first = modules[0]
+    if any(m.transposed for m in modules):
+        raise ValueError("stack takes 4-bit Linears that hold W, not W^T (transposed)")
     for m in modules[1:]:
         if (m.in_features, m.group, m.scale.dtype, m.qweight.device, m.compute_dtype, m.bias is None) != \
                 (first.in_features, first.group, first.scale.dtype, first.qweight.device, first.compute_dtype,

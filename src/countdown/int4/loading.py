@@ -73,11 +73,13 @@ def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device):
     if missing or unexpected or any(len(parts) != len(BUFFERS) for parts in tensors.values()):
         raise ValueError(f"{folder}: the saved weights do not fit the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    source = getattr(model.config, CONFIG_ATTR)["source"]
+    record = getattr(model.config, CONFIG_ATTR)
+    source, transposed = record["source"], set(record.get("transposed", ()))
     with torch.no_grad():
         for name, parts in tensors.items():
             weight = Int4Weight(*(parts[leaf] for leaf in BUFFERS))
-            model.set_submodule(name, Int4Linear(weight, model.get_submodule(name).bias, dtype, source))
+            model.set_submodule(name, Int4Linear(weight, model.get_submodule(name).bias, dtype, source,
+                                                 transposed=name in transposed))
     tokenizer = None
     if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(folder)
