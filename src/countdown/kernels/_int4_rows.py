@@ -50,6 +50,14 @@ def _nibble_sum(acc, wd, a, J: tl.constexpr):
 
 
 @triton.jit
+def _add_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa):
+    """The eight nibble accumulators plus rows ``wd`` [rows, SG, WPG] times their s * scale ``sa`` [rows, SG]."""
+    return (_nibble_sum(acc0, wd, sa, 0), _nibble_sum(acc1, wd, sa, 1), _nibble_sum(acc2, wd, sa, 2),
+            _nibble_sum(acc3, wd, sa, 3), _nibble_sum(acc4, wd, sa, 4), _nibble_sum(acc5, wd, sa, 5),
+            _nibble_sum(acc6, wd, sa, 6), _nibble_sum(acc7, wd, sa, 7))
+
+
+@triton.jit
 def _store_nibble(P, base, wcol, wm, acc, boff, J: tl.constexpr):
     tl.store(P + base + wcol * 8 + J, acc + boff[:, None], mask=wm)
 
@@ -129,27 +137,15 @@ def _int4_rows_kernel(IND, X, WO, SCO, OFO, WD, SCD, OFD, THR, P, KEPT, ROWS,
                     wd, scd, ofd = _tile(WD, SCD, OFD, rj, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
                     sa = sj * scd                                           # [1, SG]: a sum over one row
                     boff += tl.sum(sj * ofd, axis=0)
-                    acc0 = _nibble_sum(acc0, wd, sa, 0)
-                    acc1 = _nibble_sum(acc1, wd, sa, 1)
-                    acc2 = _nibble_sum(acc2, wd, sa, 2)
-                    acc3 = _nibble_sum(acc3, wd, sa, 3)
-                    acc4 = _nibble_sum(acc4, wd, sa, 4)
-                    acc5 = _nibble_sum(acc5, wd, sa, 5)
-                    acc6 = _nibble_sum(acc6, wd, sa, 6)
-                    acc7 = _nibble_sum(acc7, wd, sa, 7)
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _add_rows(
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa)
             else:  # the tile's rows together, summed across them
                 if MODE == 2:
                     wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
                 sa = sv[:, None] * scd                                      # [BM, SG]: s * scale
                 boff += tl.sum(sv[:, None] * ofd, axis=0)
-                acc0 = _nibble_sum(acc0, wd, sa, 0)
-                acc1 = _nibble_sum(acc1, wd, sa, 1)
-                acc2 = _nibble_sum(acc2, wd, sa, 2)
-                acc3 = _nibble_sum(acc3, wd, sa, 3)
-                acc4 = _nibble_sum(acc4, wd, sa, 4)
-                acc5 = _nibble_sum(acc5, wd, sa, 5)
-                acc6 = _nibble_sum(acc6, wd, sa, 6)
-                acc7 = _nibble_sum(acc7, wd, sa, 7)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _add_rows(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa)
     if COUNT:
         add_count(KEPT, ROWS, n_kept, d_inter, pid == 0)
     if BIG:
