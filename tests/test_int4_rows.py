@@ -244,3 +244,57 @@ def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():
     sparse_rows(model, None, [])
     assert mlp.__dict__[_ROWS][0] == "dual" and mlp.__dict__[_ROWS][3] is mlp.down_proj
     assert fastest_step(model, on=False) == [] and _ROWS not in mlp.__dict__
+
+
+@pytest.mark.parametrize("order", ["sparsify first", "step first"])
+def test_sparsified_4bit_model_decodes_through_its_patch(order):
+    """countdown.sparsify on a 4-bit model, before or after its 4-bit step is set up (countdown.generate sets it up
+    once): a calibrated mono threshold on a W_down held transposed runs the kept-rows kernel with the patch's own
+    threshold and Sparsity-Real counters; on a W_down held as usual the patch's own forward serves the MLP. Both give
+    the tokens of the same sparsified model on the reference path (never the dense model's), with logits within the
+    4-bit GEMV's rounding of the indicator."""
+    import copy
+
+    from conftest import captured_logits, tiny_model
+
+    import countdown
+    from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import fastest_step
+    from countdown.int4 import use_backend
+
+    base = tiny_model("llama", intermediate_size=128)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    for transposed in (True, False):
+        model = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True, transposed_down=transposed).to(DEV)
+        dense, _ = generate_fast(model, prompt, 5, compile=False)
+        art = random_artifacts(model, "mono", [0.6])
+        fit_cuts_on_decode(model, art, decode_prompts(128, 2, 9).to(DEV), new_tokens=8)
+        if order == "step first":
+            fastest_step(model)
+        countdown.sparsify(model, "mono", 0.6, mode="prac", artifacts=art)
+        use_backend(model, "reference")  # the reference: every MLP through the patch's own (gather) path
+        with captured_logits(model) as ref_steps:
+            ref, _ = generate_fast(model, prompt, 5, compile=False)
+        ref_real = countdown.sparsity_real(model)["mean"]
+        use_backend(model, "countdown")
+        if order == "sparsify first":
+            fastest_step(model)
+        countdown.reset_sparsity_stats(model)
+        calls = []
+        real = _int4_rows.launch
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+            with captured_logits(model) as steps:
+                out, _ = generate_fast(model, prompt, 5, compile=False)
+        assert calls == (["abs"] * 4 * 2 if transposed else [])  # 4 decode steps x 2 layers
+        assert torch.equal(out, ref) and not torch.equal(out, dense)
+        for got, want in zip(steps, ref_steps):
+            torch.testing.assert_close(got[:, -1], want[:, -1], atol=2e-2, rtol=2e-2)
+        assert abs(countdown.sparsity_real(model)["mean"] - ref_real) < 0.05 and 0.3 < ref_real < 0.9
+        if transposed and order == "step first":  # compiled whole, as countdown.generate compiles the step
+            torch._dynamo.reset()
+            compiled, _ = generate_fast(model, prompt, 5, compile=True, compile_options={"backend": "aot_eager"})
+            assert torch.equal(compiled, ref)
+        fastest_step(model, on=False)
+        countdown.unsparsify(model)

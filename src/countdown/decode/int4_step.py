@@ -42,13 +42,16 @@ def has_int4(model: nn.Module) -> bool:
 
 
 def _mlp_forward(self, x):
-    gate_up, down, act_name, act = self.__dict__[_GU]
+    entry = self.__dict__.get(_GU)
+    if entry is None:  # undone while a sparse patch sat on top (unsparsify put this method back): the class's forward
+        return type(self).forward(self, x)
+    gate_up, down, act_name, act = entry
     if one_token(x) and backend_of(gate_up) == backend_of(down) == "countdown":
         from ..kernels import _common
 
         rows = self.__dict__.get(_ROWS)
         if rows is not None and _common.available(x):  # sparse rows, or a W_down held transposed (every row kept)
-            y = _kept_rows(x.reshape(1, -1), act_name, *rows).sum(0)
+            y = _kept_rows(x.reshape(1, -1), act_name, *_unpacked(rows)).sum(0)
             y = y if down.bias is None else y + down.bias
             return y.to(x.dtype).view(x.shape)
         if _common.available(x) and not down.transposed:
@@ -90,9 +93,18 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
     h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
                                                float(post.variance_epsilon))
+    patch = _patch_of(mlp, x)
+    if patch is not None:  # sparsified (countdown.sparsify), before or after this step was set up
+        rule = _patch_rule(patch, down)
+        if rule is None:  # a patch the kept-rows kernel does not serve: the patched module's own forward
+            return (h + mlp(x.view_as(hidden_states)).reshape(1, -1)).view_as(hidden_states)
+        ind, other = _roles(rule, gate_up)
+        partials = _kept_rows(x, act_name, rule, ind, other, down, patch.selector.threshold, patch.kept_total,
+                              patch.rows_total)
+        return torch.ops.countdown.decode_add_partials(h, partials, down.bias).view_as(hidden_states)
     rows = mlp.__dict__.get(_ROWS)
-    if rows is not None:  # sparse rows (sparse_rows): the indicator GEMV, then the kept rows' kernel
-        return torch.ops.countdown.decode_add_partials(h, _kept_rows(x, act_name, *rows),
+    if rows is not None:  # sparse rows (sparse_rows) or a W_down held transposed: the indicator GEMV, the kept rows
+        return torch.ops.countdown.decode_add_partials(h, _kept_rows(x, act_name, *_unpacked(rows)),
                                                        down.bias).view_as(hidden_states)
     gu = gemv_partials(x, gate_up)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
@@ -100,7 +112,48 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     return out.view_as(hidden_states)
 
 
-def _kept_rows(x, act_name, mode, ind, other, down_t, state):
+def _patch_of(mlp: nn.Module, x: torch.Tensor):
+    """The sparse patch (countdown.patched.PatchedMLP) in force on ``mlp`` for this one-token step, or None (not
+    patched, a dense selector, or this position dense by the patch's scope: the dense route serves it)."""
+    from ..patched import PatchedMLP
+
+    patch = getattr(mlp.__dict__.get("forward"), "__self__", None)
+    if not isinstance(patch, PatchedMLP) or patch.selector is None:
+        return None
+    sparse = patch.state.sparse_positions(x)
+    if sparse is False:
+        return None
+    return patch if sparse is True else _MASKED  # a per-position mask: the patch's own forward decides
+
+
+_MASKED = object()
+
+
+def _patch_rule(patch, down: Int4Linear) -> str | None:
+    """The kept-rows kernel's rule for a patch it serves: a calibrated mono / cats threshold (SP-Prac) on an MLP whose
+    W_down is held transposed (``quantize(transposed_down=True)``: the rows the patch keeps are bytes not read, with
+    the weights the patch itself computes with), on the kernel route. None otherwise."""
+    from ..prac.threshold import ThresholdSelector
+
+    if patch is _MASKED or not down.transposed or patch.state.path not in ("auto", "kernel") or patch.mlp.tp is not None:
+        return None
+    selector = patch.selector
+    return {"mono": "abs", "cats": "abs_act"}.get(selector.method.name) if isinstance(selector, ThresholdSelector) \
+        else None
+
+
+def _roles(rule: str, gate_up: Int4Linear) -> tuple:
+    """(the indicator's module, the other GEMV's module or None) of a rule, from the stacked gate / up."""
+    gate, up = gate_up.stacked_from
+    return {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[rule]
+
+
+def _unpacked(entry: tuple) -> tuple:
+    rule, ind, other, down_t, state = entry
+    return rule, ind, other, down_t, state.threshold, state.kept, state.rows
+
+
+def _kept_rows(x, act_name, mode, ind, other, down_t, threshold, kept, rows):
     """fp32 partials [P, d_model] of a sparse 4-bit MLP (kernels/_int4_rows.py) for one token x."""
     gu = gemv_partials(x, ind)
     if mode == "dual":
@@ -108,7 +161,7 @@ def _kept_rows(x, act_name, mode, ind, other, down_t, state):
     o = other if other is not None else down_t
     return torch.ops.countdown.int4_kept_rows(gu, x, o.qweight.view(torch.int32), o.scale, o.offset,
                                               down_t.qweight.view(torch.int32), down_t.scale, down_t.offset,
-                                              state.threshold, mode, act_name, state.kept, state.rows)
+                                              threshold, mode, act_name, kept, rows)
 
 
 def _rows_entry(mlp: nn.Module, rule: str, threshold: torch.Tensor, down_t: Int4Linear | None = None) -> tuple:
@@ -116,8 +169,7 @@ def _rows_entry(mlp: nn.Module, rule: str, threshold: torch.Tensor, down_t: Int4
     state a module of buffers (threshold, Sparsity-Real counters) that a compiled, CUDA-graphed step reads in place.
     W_down^T is the MLP's own down where it holds it transposed, else ``down_t``."""
     gate_up, down, _, _ = mlp.__dict__[_GU]
-    gate, up = gate_up.stacked_from
-    ind, other = {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[rule]
+    ind, other = _roles(rule, gate_up)
     device = down.qweight.device
     state = nn.Module()
     state.register_buffer("threshold", threshold.reshape(1).float().to(device))
@@ -205,7 +257,9 @@ def _mlps(model: nn.Module):
 
 def int4_step(model: nn.Module, on: bool = True) -> int:
     """Stack and route the 4-bit attention and Gated-MLPs of ``model`` (``on=False``: undo). Returns how many
-    MLPs changed. A sparsified MLP (its forward already replaced) is left as it is."""
+    MLPs changed. A sparsified MLP keeps its patch's forward: the folded layer asks the patch at each step (a
+    calibrated mono / cats threshold on a W_down held transposed runs the kept-rows kernel, any other patch its own
+    forward), whether ``countdown.sparsify`` came before or after this."""
     from .attention import fuse_attention
 
     changed = 0
@@ -216,15 +270,18 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         for module in model.modules():
             module.__dict__.pop(_ROWS, None)
             if module.__dict__.pop(_GU, None) is not None:
-                delattr(module, _BEFORE)
-                del module.forward  # back to the class's forward
+                if module.__dict__.pop(_BEFORE, None) is not None \
+                        and getattr(module.__dict__.get("forward"), "__func__", None) is _mlp_forward:
+                    del module.forward  # back to the class's forward (a sparse patch's forward stays)
                 changed += 1
         fuse_attention(model, False)
         return changed
     fuse_attention(model)
+    from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows: Triton)
+
     for g, (gate, up, down) in _mlps(model):
         module = g.module
-        if _GU in module.__dict__ or "forward" in module.__dict__:
+        if _GU in module.__dict__:
             continue
         try:
             gate_up = stack([gate, up])
@@ -232,11 +289,10 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
             continue
         module.__dict__[_GU] = (gate_up, down, g.act_name, g.act)
         if down.transposed:
-            from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows)
-
             module.__dict__[_ROWS] = _keep_all(module)
-        setattr(module, _BEFORE, module.forward)
-        module.forward = types.MethodType(_mlp_forward, module)
+        if "forward" not in module.__dict__:  # a sparsified MLP keeps its patch's forward (the folded layer asks it)
+            setattr(module, _BEFORE, module.forward)
+            module.forward = types.MethodType(_mlp_forward, module)
         changed += 1
     from ..kernels import _rmsnorm  # noqa: F401  (registers the norm and add ops the folded layers call; Triton)
     from .attention import decoder_layers
