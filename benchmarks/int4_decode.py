@@ -348,6 +348,9 @@ def main(argv=None):
     ap.add_argument("--transposed-down", action="store_true",
                     help="W_down held as W_down^T (quantize(transposed_down=True)): the dense rows decode it through "
                     "the kept-rows kernel keeping every row, the sparse rows read it with no second copy")
+    ap.add_argument("--rows-config", default=None,
+                    help="launch configuration of the kept-rows kernel for --sparse: JSON (e.g. '{\"BM\": 4}') or a "
+                    "rows_best.json of benchmarks/int4_rows.py (its first method's)")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -357,6 +360,16 @@ def main(argv=None):
     if args.report:
         return report(args.out)
     parts = set(args.parts.split(","))
+    if args.rows_config:
+        import json
+
+        from countdown.kernels import _int4_rows
+
+        text = open(args.rows_config).read() if os.path.exists(args.rows_config) else args.rows_config
+        cfg = json.loads(text)
+        cfg = next(iter(cfg.values())) if cfg and isinstance(next(iter(cfg.values())), dict) else cfg
+        _int4_rows.CONFIG.update(cfg)
+        log(f"kept-rows kernel configuration: {_int4_rows.CONFIG}")
     device = "cpu" if args.smoke else "cuda"
     from countdown.bench import copy_bandwidth
 

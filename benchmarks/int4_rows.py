@@ -11,7 +11,8 @@ weight copies cycled past the L2 cache. Parts (``--parts``):
   down GEMV reading its partials, the residual add summing the down GEMV's partials) against the sparse one (the
   indicator's GEMV, the kept-rows kernel, the residual add summing its partials), for every launch configuration of
   the kept-rows kernel in the grid (each checked against the default configuration's output first); microseconds
-  and the ratio to the bytes' roofline, the fastest configuration printed to be kept in ``_int4_rows.CONFIG``. Rows
+  and the ratio to the bytes' roofline, the fastest configuration printed to be kept in ``_int4_rows.CONFIG`` (and
+  written per method to ``<out>/rows_best.json``, which ``benchmarks/int4_decode.py --rows-config`` takes). Rows
   append to ``<out>/rows.csv``: ``run, device, date, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
 * ``memory``: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows, beside
   W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
@@ -86,6 +87,7 @@ def kernel_rows(device, shape, ks, grid, stamp, out, bw):
     dense_us = time_graph([lambda m=m: dense(*m) for m in mlps])
     roof_dense = per_mlp / bw * 1e6
     log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof_dense:.2f}x roofline, {per_mlp / 1e6:.1f} MB)")
+    best = {}
     for method, k in itertools.product(RULES, ks):
         rule = RULES[method]
         gate_up0 = mlps[0][0]
@@ -135,6 +137,13 @@ def kernel_rows(device, shape, ks, grid, stamp, out, bw):
             us, cfg = results[0]
             log(f"rows {method} k={k}: best {us:.1f} us = {dense_us / us:.2f}x the dense MLP; bytes {read / 1e6:.1f} MB "
                 f"(at most {per_mlp / read:.2f}x by bytes); {cfg}")
+            best.setdefault(method, (us, cfg))
+    # the fastest configuration of the first method, for benchmarks/int4_decode.py --rows-config <out>/rows_best.json
+    if best:
+        import json
+
+        with open(os.path.join(out, "rows_best.json"), "w") as f:
+            json.dump({m: cfg for m, (_, cfg) in best.items()}, f)
 
 
 def memory_rows(stamp: dict, out: str) -> None:
