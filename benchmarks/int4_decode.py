@@ -6,6 +6,7 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --parts sweep,gemv --out /tmp/i4     # the GEMVs only
     PYTHONPATH=src python benchmarks/int4_decode.py --smoke --out /tmp/i4                # this script on the CPU
     PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode.md / .png
+    PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
 every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, group=128, lm_head=True)``: 4.25
@@ -16,6 +17,9 @@ bits a weight). Parts (``--parts``):
 * ``gemv``: each GEMV shape alone (q/k/v stacked, o_proj, gate/up stacked, down with its act(g) * u input, lm_head)
   for each backend and bf16 cuBLAS, cycling through weight copies of more than 256 MB so that none is read from
   the L2 cache; microseconds and the ratio to the roofline (bytes / the copy bandwidth of the same call);
+* ``rows``: the kept-rows kernel of sparse rows on 4-bit weights alone against the dense 4-bit MLP, over a grid of
+  its launch configurations (``countdown.bench.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``
+  for ``--rows-config``); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
 * ``step``: ``countdown.decode.generate_fast`` on the fastest step (``fastest_step``: fused attention, compiled,
   CUDA graphs), bf16 first, then the 4-bit model with each backend (only the GEMVs differ); decode tokens/s
   (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``.
@@ -343,14 +347,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/int4")
     ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
-    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, step")
+    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, step")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transposed-down", action="store_true",
                     help="W_down held as W_down^T (quantize(transposed_down=True)): the dense rows decode it through "
                     "the kept-rows kernel keeping every row, the sparse rows read it with no second copy")
+    ap.add_argument("--rows-ks", default="0.7", help="k of the rows part (the kept-rows kernel alone)")
     ap.add_argument("--rows-config", default=None,
                     help="launch configuration of the kept-rows kernel for --sparse: JSON (e.g. '{\"BM\": 4}') or a "
-                    "rows_best.json of benchmarks/int4_rows.py (its first method's)")
+                    "rows_best.json of the rows part (its first method's)")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -386,6 +391,17 @@ def main(argv=None):
             log(f"SHAPE_CONFIGS = {_int4.SHAPE_CONFIGS}")
         if "gemv" in parts:
             worst = gemv_table(device, shapes, bw, stamp, args.out)
+    if "rows" in parts:
+        from countdown.bench import int4rows
+
+        with torch.no_grad():
+            int4rows.kernel_rows(device, (256, 512) if args.smoke else (4096, 14336),
+                                 [float(k) for k in args.rows_ks.split(",")],
+                                 int4rows.SMOKE_GRID if args.smoke else int4rows.GRID, stamp, args.out, bw)
+    if "memory" in parts:
+        from countdown.bench import int4rows
+
+        int4rows.memory_rows({"run": stamp["run"], "date": stamp["date"]}, args.out)
     if "step" in parts:
         step_rows(device, args, bw, stamp, worst, args.out)
 

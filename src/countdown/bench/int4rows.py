@@ -1,38 +1,31 @@
-"""Sparse rows on 4-bit weights, the kernel alone (kernels/_int4_rows.py) and the memory they take.
+"""Sparse rows on 4-bit weights, the kernel alone (kernels/_int4_rows.py), and the memory they take
+(``benchmarks/int4_decode.py --parts rows,memory``).
 
-    PYTHONPATH=src python benchmarks/int4_rows.py --out results/int4 --run R1                # on a GPU
-    PYTHONPATH=src python benchmarks/int4_rows.py --parts memory --out results/int4 --run M1  # anywhere
-    PYTHONPATH=src python benchmarks/int4_rows.py --smoke --out /tmp/i4r                     # this script on the CPU
+:func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
+activations, one token), weight copies cycled past the L2 cache. For mono and dual at each k: the dense MLP as the
+4-bit step runs it (stacked gate/up GEMV, down GEMV reading its partials, the residual add summing the down GEMV's
+partials) against the sparse one (the indicator's GEMV, the kept-rows kernel, the residual add summing its
+partials), for every launch configuration of the kept-rows kernel in the grid (each checked against the default
+configuration's output first); microseconds and the ratio to the bytes' roofline; the fastest configuration per
+method written to ``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to
+``<out>/rows.csv``: ``run, device, date, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
 
-One Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16 activations, one token),
-weight copies cycled past the L2 cache. Parts (``--parts``):
-
-* ``kernel``: for mono and dual at each k of ``--ks``: the dense MLP as the 4-bit step runs it (stacked gate/up GEMV,
-  down GEMV reading its partials, the residual add summing the down GEMV's partials) against the sparse one (the
-  indicator's GEMV, the kept-rows kernel, the residual add summing its partials), for every launch configuration of
-  the kept-rows kernel in the grid (each checked against the default configuration's output first); microseconds
-  and the ratio to the bytes' roofline, the fastest configuration printed to be kept in ``_int4_rows.CONFIG`` (and
-  written per method to ``<out>/rows_best.json``, which ``benchmarks/int4_decode.py --rows-config`` takes). Rows
-  append to ``<out>/rows.csv``: ``run, device, date, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
-* ``memory``: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows, beside
-  W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
-  (``run, date, what, bytes, share_of_bf16``).
+:func:`memory_rows`: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows,
+beside W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
+(``run, date, what, bytes, share_of_bf16``).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
 import itertools
 import math
 import os
 
 import torch
 
-from countdown.int4 import Int4Linear, quantize_rtn, stack
-from countdown.int4.format import nbytes
-from countdown.kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (_rmsnorm registers decode_add_partials)
+from ..int4 import Int4Linear, quantize_rtn, stack
+from ..int4.format import nbytes
 
 GROUP = 128
 GRID = {"ROWWISE": (False, True), "CHUNK": (64, 128), "BM": (4, 8, 16), "PER_SM": (1, 2), "num_warps": (4, 8)}  # 48
@@ -70,6 +63,9 @@ def words(m):
 
 
 def kernel_rows(device, shape, ks, grid, stamp, out, bw):
+    """See the module docstring."""
+    from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+
     d_model, d_inter = shape
     per_mlp = 3 * nbytes(d_inter, d_model, GROUP)
     sets = max(2, math.ceil((256 << 20) / per_mlp)) if device == "cuda" else 1
@@ -82,7 +78,7 @@ def kernel_rows(device, shape, ks, grid, stamp, out, bw):
         return torch.ops.countdown.decode_add_partials(h, _int4.launch(gu.view(gu.shape[0], 2, -1), *words(down),
                                                                        "silu"), None)
 
-    from countdown.bench import time_graph
+    from .timing import time_graph
 
     dense_us = time_graph([lambda m=m: dense(*m) for m in mlps])
     roof_dense = per_mlp / bw * 1e6
@@ -150,7 +146,7 @@ def memory_rows(stamp: dict, out: str) -> None:
     """What the 8B shape holds (arithmetic on the format's sizes; the model built on the meta device)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from countdown.data.models import shape_config_dict
+    from ..data.models import shape_config_dict
 
     raw = shape_config_dict("llama-3.1-8b-shape")
     with torch.device("meta"):
@@ -171,29 +167,3 @@ def memory_rows(stamp: dict, out: str) -> None:
         log(f"memory {what:55s} {n / 1e9:6.2f} GB  {n / total:.1%} of bf16")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/int4")
-    ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
-    ap.add_argument("--parts", default="kernel,memory", help="any of kernel, memory")
-    ap.add_argument("--ks", default="0.7")
-    ap.add_argument("--smoke", action="store_true", help="a small MLP on the CPU (checks this script only)")
-    args = ap.parse_args(argv)
-    parts = set(args.parts.split(","))
-    device = "cpu" if args.smoke else "cuda"
-    stamp = {"run": args.run, "date": datetime.date.today().isoformat()}  # (the kernel part adds the device)
-    os.makedirs(args.out, exist_ok=True)
-    if "kernel" in parts:
-        from countdown.bench import copy_bandwidth
-
-        bw = copy_bandwidth() if device == "cuda" else float("nan")
-        with torch.no_grad():
-            name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
-            kernel_rows(device, (256, 512) if args.smoke else (4096, 14336), [float(k) for k in args.ks.split(",")],
-                        SMOKE_GRID if args.smoke else GRID, {**stamp, "device": name}, args.out, bw)
-    if "memory" in parts:
-        memory_rows(stamp, args.out)
-
-
-if __name__ == "__main__":
-    main()

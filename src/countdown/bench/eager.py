@@ -1,21 +1,18 @@
-"""What one sparse MLP call costs the host in transformers' eager generate, against the dense MLP's call.
-
-    PYTHONPATH=src python benchmarks/eager_overhead.py --out results/eager_overhead.md
+"""What one sparse MLP call costs the host in transformers' eager generate, against the dense MLP's call
+(``benchmarks/generate_paths.py --eager-overhead``).
 
 Eager ``model.generate`` at batch 1 is bound by the host: each layer's modules launch their kernels from
 Python, and the GPU waits. A patched MLP replays its kernel route from a CUDA graph (``patched.PatchedMLP``);
 whether the sparse model is faster than the dense one in eager generate is then whether that call costs the host
-less than the dense MLP's launches. This script times, per call, on a small Llama (hidden 256, so the GPU work of a
-call is a few microseconds and the loop measures the host), the dense MLP module and the patched one for each
-method, and the pieces of the patched call (the route's checks, the input copy, the replay, the output copy).
-Then, on the Llama-3.1-8B shape, transformers' eager generate dense and sparse, with the host time of the MLP calls
-a step from the first part, so that the bound is in the same table: sparse eager generate can be at most
-(dense step time) / (dense step time - dense MLP host time + sparse MLP host time) of dense.
+less than the dense MLP's launches. :func:`host_rows` times, per call, on a small Llama (hidden 256, so the GPU
+work of a call is a few microseconds and the loop measures the host), the dense MLP module and the patched one for
+each method, and the pieces of the patched call (the route's checks, the graph's key, the input copy, the replay,
+the output copy); :func:`generate_rows` times transformers' eager generate on the Llama-3.1-8B shape, dense and
+sparse alternated over rounds (the host's speed drifts), and profiles one call of each with cProfile.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import time
 
@@ -134,32 +131,23 @@ def generate_rows(specs, k, new_tokens=64, rounds=4, profile_steps=None) -> list
     return rows
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="mono,dual[shadow4]")
-    ap.add_argument("--k", type=float, default=0.7)
-    ap.add_argument("--out", default=None, help="a Markdown file for the table")
-    args = ap.parse_args(argv)
-    specs = [s for s in args.methods.split(",") if s]
+def report(specs, k: float, out: str | None) -> str:
+    """Both tables as Markdown (written to ``out`` and its cProfile tables beside it, if given)."""
     with torch.no_grad():
-        rows = host_rows(specs, args.k)
-        profiles = []
-        gen = generate_rows(specs, args.k, profile_steps=profiles)
+        rows = host_rows(specs, k)
+        profiles: list = []
+        gen = generate_rows(specs, k, profile_steps=profiles)
     lines = [f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, "
-             f"`PYTHONPATH=src python benchmarks/eager_overhead.py`", "",
+             f"`PYTHONPATH=src python benchmarks/generate_paths.py --eager-overhead`", "",
              "| what | us a call (small model, host-bound) |", "|---|---|"]
     lines += [f"| {name} | {us:.1f} |" for name, us in rows]
     lines += ["", "| what | tokens/s |", "|---|---|"]
     lines += [f"| {name} | {t} |" for name, t in gen]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
-        with open(args.out.replace(".md", "_profile.txt"), "w") as f:
+        with open(out.replace(".md", "_profile.txt"), "w") as f:
             for name, table in profiles:
                 f.write(f"== {name}\n{table}\n")
-
-
-if __name__ == "__main__":
-    main()
+    return text
