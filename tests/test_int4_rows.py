@@ -23,6 +23,12 @@ def _mlp(d_model, d_inter, group, seed=0):
     return weight(d_inter, d_model), weight(d_inter, d_model), weight(d_inter, d_model)  # gate, up, W_down^T
 
 
+def _count_launches(mp, calls: list) -> None:
+    """Record the rule of every launch of the kept-rows kernel in ``calls`` (the launch still runs)."""
+    real = _int4_rows.launch
+    mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+
+
 def _on(w):
     return type(w)(w.qweight.to(DEV), w.scale.to(DEV), w.offset.to(DEV))
 
@@ -157,8 +163,7 @@ def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
         dense, _ = generate_fast(model, prompt, 4, compile=False)
     n_layers = model.config.num_hidden_layers
     calls = []
-    real = _int4_rows.launch
-    monkeypatch.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+    _count_launches(monkeypatch, calls)
     for method in ("mono", "dual"):
         assert sparse_rows(model, method, [torch.tensor(-1.0)] * n_layers) == n_layers
         with captured_logits(model) as steps:
@@ -228,9 +233,8 @@ def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():
     use_backend(model, "countdown")
     fastest_step(model)
     calls = []
-    real = _int4_rows.launch
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+        _count_launches(mp, calls)
         with captured_logits(model) as steps:
             out, _ = generate_fast(model, prompt, 4, compile=False)
     assert torch.equal(out, ref) and calls == ["dual"] * 3 * 2  # 3 decode steps x 2 layers, every row kept
@@ -282,9 +286,8 @@ def test_sparsified_4bit_model_decodes_through_its_patch(order):
             fastest_step(model)
         countdown.reset_sparsity_stats(model)
         calls = []
-        real = _int4_rows.launch
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+            _count_launches(mp, calls)
             with captured_logits(model) as steps:
                 out, _ = generate_fast(model, prompt, 5, compile=False)
         assert calls == (["abs"] * 4 * 2 if transposed else [])  # 4 decode steps x 2 layers

@@ -16,8 +16,10 @@ with our backend (``countdown.int4.use_backend``), and each Llama-style decoder 
 layers are (countdown.decode.layer): its norms and residual adds on our kernels, the GEMVs' partial sums over
 slices of K added by the residual add (:func:`_layer_forward`), so a layer's step is a chain of our kernels that
 programmatic dependent launch overlaps. With a baseline backend the same stacked GEMV, act(g) * u in
-PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). Anything else (the
-prompt, batch > 1, a sparsified MLP) runs the module's own forward.
+PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). A sparsified MLP
+is asked at each step (its patch's kept-rows kernel or its own forward: :func:`_patch_rule`); a W_down held
+transposed, and :func:`sparse_rows`, take the kept-rows kernel (kernels/_int4_rows.py). Anything else (the prompt,
+batch > 1) runs the module's own forward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .layer import _BEFORE as LAYER_BEFORE
 
 _GU = "_countdown_int4_mlp"   # (stacked gate/up, down, activation name, activation) in the MLP's __dict__
 _BEFORE = "_countdown_int4_mlp_before"
-_ROWS = "_countdown_int4_rows"  # sparse rows (sparse_rows): mode, threshold, indicator / other modules, W_down^T, counters
+_ROWS = "_countdown_int4_rows"  # (rule, indicator module, other module, W_down^T, state of threshold and counters)
 
 
 def has_int4(model: nn.Module) -> bool:
