@@ -61,15 +61,19 @@ def _threshold(values, k):
     return float((v[i] + v[i + 1]) / 2)
 
 
+# launch shapes: the defaults (sets of 128 rows, two per down program, two column slices, tiles of 8), and small sets
+# read in two chunks, three sets a down program (a flat walk across sets with tails), four column slices, tiles of 4
+SHAPES = [None, {"CHUNK": 16, "SET": 32, "BM": 4, "SUB": 3, "COLS": 4, "U": 4}]
+
+
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
 @pytest.mark.parametrize("d_model,d_inter,group,k", [(256, 200, 32, 0.5), (512, 384, 128, 0.8), (256, 96, 64, 0.0)])
-@pytest.mark.parametrize("dtype,rowwise", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
-def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype, rowwise):
+@pytest.mark.parametrize("dtype,config", [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, SHAPES[1])])
+def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype, config):
     """The partials' sum equals s W~d^T over the kept rows (float64, with s = u act(g) from the 4-bit GEMV's own u
     and g) within float32 rounding, and the float64 model's output within the GEMV's; the rows kept are those whose
     float32 indicator passes the threshold (k of them skipped), and the kernel counts them; k = 0 keeps every row
-    (the dense MLP); chunks of 64 rows walked by 3 programs; the kept W~d^T rows summed a tile at a time or one row
-    at a time (ROWWISE)."""
+    (the dense MLP); under both launch shapes (``SHAPES``)."""
     gate, up, down_t = _mlp(d_model, d_inter, group)
     x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
     ind = _indicator(x, gate, up, mode)
@@ -79,7 +83,7 @@ def test_kept_rows_match_float64(mode, d_model, d_inter, group, k, dtype, rowwis
     other = None if mode == "dual" else _on(gate if mode == "abs" else up)
     kept, rows = torch.zeros(1, dtype=torch.float64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)
     out = _int4_rows.kept_rows(ind, x.to(DEV), other, _on(down_t), torch.tensor(thr), mode, count=(kept, rows),
-                               config={"ROWWISE": rowwise})
+                               config=config)
     assert out.dtype == torch.float32 and out.shape[1] == d_model
     y = out.sum(0).double().cpu()
     # s from u and g as the 4-bit GEMV computes them (float32, tested against float64 in test_int4_gemv.py), then the

@@ -2,13 +2,16 @@
 (``benchmarks/int4_decode.py --parts rows,memory``).
 
 :func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
-activations, one token), weight copies cycled past the L2 cache. For mono and dual at each k: the dense MLP as the
-4-bit step runs it (stacked gate/up GEMV, down GEMV reading its partials, the residual add summing the down GEMV's
-partials) against the sparse one (the indicator's GEMV, the kept-rows kernel, the residual add summing its
-partials), for every launch configuration of the kept-rows kernel in the grid (each checked against the default
-configuration's output first); microseconds and the ratio to the bytes' roofline; the fastest configuration per
-method written to ``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to
-``<out>/rows.csv``: ``run, device, date, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
+activations, one token), weight copies cycled past the L2 cache. The dense MLP as the 4-bit step runs it (stacked
+gate/up GEMV, down GEMV reading its partials, the residual add summing the down GEMV's partials) against the sparse
+one (the indicator's GEMV, the select and down kernels, the residual add summing the partials). Launch
+configurations are swept in two stages at the first k (stage ``down``: the down kernel's grid on mono; stage
+``select``: the select kernel's grid on mono and dual with the best down configuration; each checked against the
+default configuration's output first), then each method's best is timed at every k (stage ``best``; dual also at
+k = 0, every row kept: the dense decode of a W_down held transposed) with its parts (indicator, select, down and
+add) by difference. Microseconds and the ratio to the bytes' roofline; the best configuration per method in
+``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to ``<out>/rows.csv``:
+``run, device, date, stage, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
 
 :func:`memory_rows`: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows,
 beside W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
@@ -18,7 +21,6 @@ beside W_down or instead of it), by arithmetic on the format's sizes on the meta
 from __future__ import annotations
 
 import csv
-import itertools
 import math
 import os
 
@@ -28,9 +30,17 @@ from ..int4 import Int4Linear, quantize_rtn, stack
 from ..int4.format import nbytes
 
 GROUP = 128
-GRID = {"ROWWISE": (False, True), "CHUNK": (64, 128), "BM": (4, 8, 16), "PER_SM": (1, 2), "num_warps": (4, 8)}  # 48
-SMOKE_GRID = {"ROWWISE": (False, True), "CHUNK": (64,), "BM": (4,), "PER_SM": (1,), "num_warps": (4,)}
+# The kept-rows kernels' launch configurations, swept in two stages (kernels/_int4_rows.py: select, then down):
+# the down kernel's (SUB sets a program, COLS column slices on B_WARPS warps, U rows a tile) with the select kernel's
+# defaults, then the select kernel's (SET rows a program, BM rows a tile on A_WARPS warps) with the best down one.
+DOWN_GRID = [dict(SUB=sub, COLS=cols, B_WARPS=warps, U=u) for sub in (1, 2, 4)
+             for cols, warps in ((1, 4), (2, 2), (4, 1), (2, 4)) for u in (8, 16)]                      # 24
+SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w) for st in (64, 128, 256) for bm in (8, 16) for w in (4, 8)]  # 12
+SMOKE_DOWN = [dict(SUB=1, COLS=1, B_WARPS=1, U=4), dict(SUB=2, COLS=2, B_WARPS=1, U=8)]
+SMOKE_SELECT = [dict(SET=64, BM=4, A_WARPS=1), dict(SET=128, BM=8, A_WARPS=2)]
 RULES = {"mono": "abs", "dual": "dual"}
+FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
+          "roofline_ratio"]
 
 
 def log(msg: str) -> None:
@@ -62,13 +72,62 @@ def words(m):
     return m.qweight.view(torch.int32), m.scale, m.offset
 
 
-def kernel_rows(device, shape, ks, grid, stamp, out, bw):
-    """See the module docstring."""
-    from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+class _Case:
+    """One method at one k on the MLP copies: its threshold, its calls and the bytes a token reads."""
 
+    def __init__(self, method, k, mlps, x, h, per_matrix):
+        self.rule, self.mlps, self.x, self.h = RULES[method], mlps, x, h
+        ind0 = self.indicator(mlps[0][0])
+        total = ind0.float().sum(0)
+        values = total if self.rule == "abs" else torch.nn.functional.silu(total[0]) * total[1]
+        self.thr = (values.abs().flatten().kthvalue(max(1, int(k * values.numel()))).values if k > 0
+                    else torch.tensor(float("-inf"), device=x.device)).reshape(1).float()
+        self.bytes = (1 if self.rule == "abs" else 2) * per_matrix + (1 - k) * (2 if self.rule == "abs" else 1) \
+            * per_matrix
+
+    def indicator(self, gu_mod):
+        from ..kernels import _int4
+
+        if self.rule == "abs":
+            return _int4.launch(self.x, *words(gu_mod.stacked_from[1]))
+        gu = _int4.launch(self.x, *words(gu_mod))
+        return gu.view(gu.shape[0], 2, -1)
+
+    def run(self, gu_mod, down, down_t, cfg, upto="all"):
+        """The sparse MLP as the step runs it: the indicator GEMV, select, down, the residual add (``upto``: stop
+        after "indicator" or "select", for the parts' times)."""
+        from ..kernels import _int4_rows
+
+        ind = self.indicator(gu_mod)
+        if upto == "indicator":
+            return ind
+        other = None if self.rule == "dual" else gu_mod.stacked_from[0]
+        d_inter, n_words = down_t.qweight.shape[0], down_t.qweight.shape[1] // 4
+        n_groups = down_t.scale.shape[1]
+        full = _int4_rows._config(cfg)
+        o = words(other) if other is not None else words(down_t)
+        picked = _int4_rows.select(ind, self.x, *o, d_inter, n_words, n_groups, self.thr, self.rule, "silu", None,
+                                   full)
+        if upto == "select":
+            return picked
+        p = _int4_rows.down(*picked, *words(down_t), full)
+        return torch.ops.countdown.decode_add_partials(self.h, p, None)
+
+    def time(self, cfg, upto="all"):
+        from .timing import time_graph
+
+        return time_graph([lambda m=m: self.run(*m, cfg, upto) for m in self.mlps])
+
+
+def kernel_rows(device, shape, ks, grids, stamp, out, bw):
+    """See the module docstring. ``grids`` = (down configurations, select configurations)."""
+    from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+    from .timing import time_graph
+
+    down_grid, select_grid = grids
     d_model, d_inter = shape
-    per_mlp = 3 * nbytes(d_inter, d_model, GROUP)
-    sets = max(2, math.ceil((256 << 20) / per_mlp)) if device == "cuda" else 1
+    per_matrix = nbytes(d_inter, d_model, GROUP)
+    sets = max(2, math.ceil((256 << 20) / (3 * per_matrix))) if device == "cuda" else 1
     mlps = [make_mlp(d_model, d_inter, device, seed) for seed in range(sets)]
     x = torch.randn(1, d_model, device=device, dtype=torch.bfloat16)
     h = torch.randn(1, d_model, device=device, dtype=torch.bfloat16)
@@ -78,68 +137,57 @@ def kernel_rows(device, shape, ks, grid, stamp, out, bw):
         return torch.ops.countdown.decode_add_partials(h, _int4.launch(gu.view(gu.shape[0], 2, -1), *words(down),
                                                                        "silu"), None)
 
-    from .timing import time_graph
-
     dense_us = time_graph([lambda m=m: dense(*m) for m in mlps])
-    roof_dense = per_mlp / bw * 1e6
-    log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof_dense:.2f}x roofline, {per_mlp / 1e6:.1f} MB)")
-    best = {}
-    for method, k in itertools.product(RULES, ks):
-        rule = RULES[method]
-        gate_up0 = mlps[0][0]
-        gate, up = gate_up0.stacked_from
+    roof = lambda n: n / bw * 1e6  # noqa: E731
+    log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof(3 * per_matrix):.2f}x roofline, {3 * per_matrix / 1e6:.1f} MB)")
 
-        def indicator(gu_mod):
-            g, u = gu_mod.stacked_from
-            if rule == "abs":
-                return _int4.launch(x, *words(u))
-            gu = _int4.launch(x, *words(gu_mod))
-            return gu.view(gu.shape[0], 2, -1)
+    def record(stage, method, k, case, cfg, us):
+        append(os.path.join(out, "rows.csv"), {**stamp, "stage": stage, "method": method, "sparsity": k,
+                                               "config": str(cfg), "us": round(us, 2), "dense_us": round(dense_us, 2),
+                                               "bytes": int(case.bytes),
+                                               "roofline_ratio": round(us / roof(case.bytes), 3) if bw == bw else ""})
 
-        ind0 = indicator(gate_up0)
-        total = ind0.float().sum(0)
-        values = total if rule == "abs" else torch.nn.functional.silu(total[0]) * total[1]
-        thr = values.abs().flatten().kthvalue(max(1, int(k * values.numel()))).values.reshape(1)
-
-        def sparse(gu_mod, down, down_t, cfg):
-            other = None if rule == "dual" else gu_mod.stacked_from[0]
-            p = _int4_rows.kept_rows(indicator(gu_mod), x, other, down_t, thr, rule, config=cfg)
-            return torch.ops.countdown.decode_add_partials(h, p, None)
-
-        want = sparse(*mlps[0], None)
-        read = (1 if rule == "abs" else 2) * nbytes(d_inter, d_model, GROUP) \
-            + (1 - k) * (2 if rule == "abs" else 1) * nbytes(d_inter, d_model, GROUP)
+    def sweep(stage, method, k, case, configs, base):
+        want = case.run(*mlps[0], base).float()
         results = []
-        for values_ in itertools.product(*grid.values()):
-            cfg = dict(zip(grid, values_))
+        for cfg in configs:
+            full = {**base, **cfg}
             try:
-                got = sparse(*mlps[0], cfg)
-                if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-                    log(f"  {method} k={k} {cfg}: output differs, skipped")
+                got = case.run(*mlps[0], full).float()
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                    log(f"  {stage} {method} k={k} {cfg}: output differs, skipped")
                     continue
-                us = time_graph([lambda m=m: sparse(*m, cfg) for m in mlps])
+                us = case.time(full)
             except Exception as e:  # noqa: BLE001  (a configuration that does not compile or fit)
-                log(f"  {method} k={k} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                log(f"  {stage} {method} k={k} {cfg}: {type(e).__name__}: {str(e)[:160]}")
                 continue
-            results.append((us, cfg))
-            append(os.path.join(out, "rows.csv"), {**stamp, "method": method, "sparsity": k, "config": str(cfg),
-                                                    "us": round(us, 2), "dense_us": round(dense_us, 2),
-                                                    "bytes": int(read), "roofline_ratio": round(us / (read / bw * 1e6), 3)
-                                                    if bw == bw else ""})
+            results.append((us, full))
+            record(stage, method, k, case, full, us)
         results.sort(key=lambda r: r[0])
         for us, cfg in results[:3]:
-            log(f"  {method} k={k} {us:7.1f} us ({dense_us / us:.2f}x dense) {cfg}")
-        if results:
-            us, cfg = results[0]
-            log(f"rows {method} k={k}: best {us:.1f} us = {dense_us / us:.2f}x the dense MLP; bytes {read / 1e6:.1f} MB "
-                f"(at most {per_mlp / read:.2f}x by bytes); {cfg}")
-            best.setdefault(method, (us, cfg))
-    # the fastest configuration of the first method, for benchmarks/int4_decode.py --rows-config <out>/rows_best.json
-    if best:
-        import json
+            log(f"  {stage} {method} k={k} {us:7.1f} us {cfg}")
+        return results[0][1] if results else dict(base)
 
-        with open(os.path.join(out, "rows_best.json"), "w") as f:
-            json.dump({m: cfg for m, (_, cfg) in best.items()}, f)
+    base = dict(_int4_rows.CONFIG)
+    k0 = ks[0]
+    best_down = sweep("down", "mono", k0, _Case("mono", k0, mlps, x, h, per_matrix), down_grid, base)
+    best = {}
+    for method in RULES:
+        best[method] = sweep("select", method, k0, _Case(method, k0, mlps, x, h, per_matrix), select_grid, best_down)
+    for method in RULES:
+        for k in [*ks, 0.0] if method == "dual" else ks:  # dual at k = 0: every row kept (a W_down held transposed)
+            case = _Case(method, k, mlps, x, h, per_matrix)
+            cfg = best[method]
+            us = case.time(cfg)
+            ind_us, sel_us = case.time(cfg, "indicator"), case.time(cfg, "select")
+            record("best", method, k, case, cfg, us)
+            log(f"rows {method} k={k}: {us:7.1f} us = {dense_us / us:.2f}x the dense MLP ({us / roof(case.bytes):.2f}x "
+                f"its bytes' roofline, {case.bytes / 1e6:.1f} MB, at most {3 * per_matrix / case.bytes:.2f}x by bytes); "
+                f"indicator {ind_us:.1f}, + select {sel_us - ind_us:.1f}, + down and add {us - sel_us:.1f} us; {cfg}")
+    import json
+
+    with open(os.path.join(out, "rows_best.json"), "w") as f:
+        json.dump(best, f)
 
 
 def memory_rows(stamp: dict, out: str) -> None:

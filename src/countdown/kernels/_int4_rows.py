@@ -1,4 +1,4 @@
-"""Triton kernel: the kept rows of a 4-bit Gated-MLP for one token (sparse rows on 4-bit weights).
+"""Triton kernels: the kept rows of a 4-bit Gated-MLP for one token (sparse rows on 4-bit weights).
 
 On a 4-bit model (``countdown.int4``), for one token x whose indicator GEMV has already run (``kernels/_int4.py``,
 fp32 partial sums over slices of K):
@@ -7,22 +7,30 @@ fp32 partial sums over slices of K):
     "abs_act" (cats)  ind = g = x W_gate~^T    keep |act(g)| > t     u of the kept rows from their W_up~ rows
     "dual"    (dual)  ind = (g, u), both       keep |act(g) u| > t   (nothing more to compute)
     s[i] = u[i] act(g[i])                      kept rows only
-    P[p] = sum over the kept rows program p owns of s[i] Wd~t[i]      fp32 partials [n_progs, d_model]
+    P[b] = sum over the kept rows of row set b of s[i] Wd~t[i]      fp32 partials [n_parts, d_model]
 
 and y = P.sum(0) is left to the caller (a decode step adds it to the residual in one launch:
 ``decode_add_partials``). Wd~t is W_down^T in the 4-bit format, ``[d_inter, d_model]`` with groups along d_model: a
 kept row is one contiguous run of d_model / 2 bytes and d_model / G scales and offsets, so a skipped row is bytes not
 read. (In W_down's own layout, groups along d_inter, a row of W_down^T is one nibble of every word: nothing could be
-skipped; docs/int4.md measures what the transposed grouping costs in quality.) The other GEMV's kept rows (W_gate~
-for mono, W_up~ for cats) are rows of the format as it is. Bytes a token: the indicator's matrix in full (both for
-dual), then for each kept row one row of the other matrix (not for dual) and one row of Wd~t.
+skipped; docs/int4.md measures what the transposed grouping costs in quality.) Bytes a token: the indicator's matrix
+in full (both for dual), then for each kept row one row of the other matrix (not for dual) and one row of Wd~t.
 
-A persistent program walks chunks of CHUNK rows (c = p, p + n_progs, ...): it sums the chunk's indicator partials,
-compacts the kept rows in registers (prefix sum, one-hot select), then takes them BM at a time: the other matrix's
-rows (the dot products of kernels/_int4.py: x paired once per program, the shadow GEMV's dequantization) and Wd~t's
-rows, all loads of a tile before its arithmetic. Wd~t's words are added into eight fp32 accumulators, one per nibble
-of a word (value 8 w + j of the row is nibble j of word w), plus one per group for the offsets' term; the partials
-are written whole (deterministic: no atomics but the Sparsity-Real count, ``_count.py``).
+Two launches, each shaped like a GEMV rather than like a loop over chunks:
+
+* **select** (one program per set of SET rows): sums the indicator's partials CHUNK rows at a time, keeps the rows
+  past the threshold and writes them compacted (``IDX``: row numbers, ``SV``: their indicator), in row order, at the
+  set's own offset, and their count (``CNT``). For mono / cats it then walks the compacted list BM rows at a time
+  (the next tile's rows and words requested before the current one's arithmetic) computing the other GEMV's rows
+  (the dot products of kernels/_int4.py: x paired once per program) and overwrites ``SV`` with s. The kernel counts
+  its kept rows (Sparsity-Real, ``_count.py``).
+* **down** (a grid of SUB sets x COLS column slices): walks the kept rows of its sets U at a time (one flat loop over
+  the sets' tiles, the next tile requested before the current one's arithmetic) and adds s times W~d^T's words of
+  its columns. Each thread holds the same columns of every row of a tile, so a tile's rows are summed inside a
+  thread, never across threads. Nibble j < 5 of a word w becomes an exact fp32 ``c 16**j`` with one ``lop3``
+  (``(w & 15 << 4j) | 2**23``'s bits, minus 2**23), nibbles 5-7 the same from ``w >> 20``; one accumulator per
+  nibble holds the sum of ``s scale c 16**j`` and is scaled by ``16**-j`` once at the end, the offsets' term
+  (``s offset`` per group) has its own. Partials are written whole (deterministic: no atomics but the count).
 """
 
 from __future__ import annotations
@@ -37,129 +45,157 @@ from ._glu import _act, _pow2
 from ._int4 import _paired_x, _tile
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
-# ROWWISE: W~d^T's kept rows added one at a time (every thread its own words) rather than a tile's rows summed
-# across the tile: an open question for the next sweep on a GPU (benchmarks/int4_rows.py); the loser goes.
-CONFIG = dict(CHUNK=64, BM=8, PER_SM=1, num_warps=8, ROWWISE=False)
-INTERPRETER_PROGS = 3
+# select: SET rows a program, read CHUNK at a time, the other GEMV BM kept rows a tile on A_WARPS warps;
+# down: SUB sets a program, d_model cut in COLS column slices, U kept rows a tile on B_WARPS warps.
+CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=4, SUB=2, COLS=2, U=8, B_WARPS=2)
+MAGIC = 8388608.0  # 2**23: an fp32 whose last mantissa bit is 1
 
 
 @triton.jit
-def _nibble_sum(acc, wd, a, J: tl.constexpr):
-    """acc [SG, WPG] + the sum over the tile's rows of nibble J of each word times its row's s * scale ``a``."""
-    return acc + tl.sum(((wd >> (4 * J)) & 15).to(tl.float32) * a[:, :, None], axis=0)
-
-
-@triton.jit
-def _add_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa):
-    """The eight nibble accumulators plus rows ``wd`` [rows, SG, WPG] times their s * scale ``sa`` [rows, SG]."""
-    return (_nibble_sum(acc0, wd, sa, 0), _nibble_sum(acc1, wd, sa, 1), _nibble_sum(acc2, wd, sa, 2),
-            _nibble_sum(acc3, wd, sa, 3), _nibble_sum(acc4, wd, sa, 4), _nibble_sum(acc5, wd, sa, 5),
-            _nibble_sum(acc6, wd, sa, 6), _nibble_sum(acc7, wd, sa, 7))
-
-
-@triton.jit
-def _store_nibble(P, base, wcol, wm, acc, boff, J: tl.constexpr):
-    tl.store(P + base + wcol * 8 + J, acc + boff[:, None], mask=wm)
-
-
-@triton.jit
-def _int4_rows_kernel(IND, X, WO, SCO, OFO, WD, SCD, OFD, THR, P, KEPT, ROWS,
-                      d_inter, n_words, n_groups, n_chunks, n_progs, ind_stride,
-                      MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr,
-                      BM: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, ASM: tl.constexpr,
-                      BIG: tl.constexpr, COUNT: tl.constexpr, ROWWISE: tl.constexpr = False):
-    pid = tl.program_id(0)
-    gl = tl.arange(0, SG)
-    gm = gl < n_groups
-    wcol = gl[:, None] * WPG + tl.arange(0, WPG)[None, :]              # [SG, WPG] word index in a row
-    wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
-    if MODE != 2:  # the other GEMV's kept rows need x, paired as kernels/_int4.py pairs it
-        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
-            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
-            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
-            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
+def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter, n_words, n_groups, ind_stride,
+                   MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr,
+                   BM: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
+                   COUNT: tl.constexpr):
+    b = tl.program_id(0)
+    set0 = b * SET
     thr = tl.load(THR).to(tl.float32)
-    acc0 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc1 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc2 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc3 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc4 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc5 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc6 = tl.zeros([SG, WPG], dtype=tl.float32)
-    acc7 = tl.zeros([SG, WPG], dtype=tl.float32)
-    boff = tl.zeros([SG], dtype=tl.float32)
     cr = tl.arange(0, CHUNK)
-    n_kept = tl.zeros([], dtype=tl.int32)
-    for c in range(pid, n_chunks, n_progs):
-        r = c * CHUNK + cr
+    n = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
+    for c0 in tl.static_range(0, SET, CHUNK):
+        r = set0 + c0 + cr
         rm = r < d_inter
         a = tl.zeros([CHUNK], dtype=tl.float32)
-        b = tl.zeros([CHUNK], dtype=tl.float32)
+        g2 = tl.zeros([CHUNK], dtype=tl.float32)
         for i in tl.static_range(S):  # the indicator GEMV's partial sums over its slices of K
             a += tl.load(IND + i * ind_stride + r, mask=rm, other=0.0)
             if MODE == 2:
-                b += tl.load(IND + i * ind_stride + d_inter + r, mask=rm, other=0.0)
+                g2 += tl.load(IND + i * ind_stride + d_inter + r, mask=rm, other=0.0)
         if MODE == 0:
             ind = a                      # u
         elif MODE == 1:
             ind = _act(a, ACT)           # act(g)
         else:
-            ind = _act(a, ACT) * b       # s = act(g) u
-        keep = ((tl.abs(ind) > thr) & rm).to(tl.int32)
-        pos = tl.where(keep > 0, tl.cumsum(keep, axis=0) - 1, -1)
-        cnt = tl.sum(keep, axis=0)
-        n_kept += cnt
-        for t in range(0, cnt, BM):
-            m = t + tl.arange(0, BM)
-            valid = m < cnt
-            sel = pos[None, :] == m[:, None]                            # [BM, CHUNK] one-hot: slot -> chunk row
-            rows = tl.where(valid, tl.sum(tl.where(sel, r[None, :], 0), axis=1), d_inter)  # past the end: masked
-            if MODE == 2:
-                sv = tl.sum(tl.where(sel, ind[None, :], 0.0), axis=1)
-            else:
-                av = tl.sum(tl.where(sel, a[None, :], 0.0), axis=1)    # u (mono) or g (cats) of the slots
-                w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-                if not ROWWISE:
-                    wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-                d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
-                              e0, e1, e2, e3, 4, ASM)
-                o = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
-                if MODE == 0:
-                    sv = av * _act(o, ACT)
-                else:
-                    sv = o * _act(av, ACT)
-            sv = tl.where(valid, sv, 0.0)
-            if ROWWISE:  # one W~d^T row at a time: no sum across the tile's rows, every thread adds its own words
-                for j in tl.static_range(BM):
-                    slot = tl.arange(0, BM) == j
-                    rj = tl.sum(tl.where(slot, rows, 0), axis=0) + tl.zeros([1], dtype=tl.int32)  # [1]
-                    sj = tl.sum(tl.where(slot, sv, 0.0), axis=0)
-                    wd, scd, ofd = _tile(WD, SCD, OFD, rj, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-                    sa = sj * scd                                           # [1, SG]: a sum over one row
-                    boff += tl.sum(sj * ofd, axis=0)
-                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _add_rows(
-                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa)
-            else:  # the tile's rows together, summed across them
-                if MODE == 2:
-                    wd, scd, ofd = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-                sa = sv[:, None] * scd                                      # [BM, SG]: s * scale
-                boff += tl.sum(sv[:, None] * ofd, axis=0)
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _add_rows(
-                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, wd, sa)
+            ind = _act(a, ACT) * g2      # s = act(g) u
+            a = ind
+        keep = (tl.abs(ind) > thr) & rm
+        ki = keep.to(tl.int32)
+        pos = set0 + n + tl.cumsum(ki, axis=0) - 1
+        tl.store(IDX + pos, r, mask=keep)
+        tl.store(SV + pos, a, mask=keep)   # u (mono), g (cats) or s (dual)
+        n += tl.sum(ki, axis=0)
+    tl.store(CNT + b, n)
     if COUNT:
-        add_count(KEPT, ROWS, n_kept, d_inter, pid == 0)
+        add_count(KEPT, ROWS, n, d_inter, b == 0)
+    if MODE != 2:  # s of the kept rows: the other GEMV's rows, x paired as kernels/_int4.py pairs it
+        tl.debug_barrier()  # the compacted list, written by every thread of the program, is read back below
+        gl = tl.arange(0, SG)
+        gm = gl < n_groups
+        wcol = gl[:, None] * WPG + tl.arange(0, WPG)[None, :]
+        wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+        ri = tl.arange(0, BM)
+        rows = tl.where(ri < n, tl.load(IDX + set0 + ri, mask=ri < n, other=0), d_inter)
+        av = tl.load(SV + set0 + ri, mask=ri < n, other=0.0)
+        w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
+            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
+            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
+            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
+        for t in range(0, n, BM):
+            mn = t + BM + ri  # the next tile, requested first
+            rows_n = tl.where(mn < n, tl.load(IDX + set0 + mn, mask=mn < n, other=0), d_inter)
+            av_n = tl.load(SV + set0 + mn, mask=mn < n, other=0.0)
+            w_n, sc_n, of_n = _tile(WO, SCO, OFO, rows_n, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+            d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
+                          e0, e1, e2, e3, 4, ASM)
+            o = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
+            if MODE == 0:
+                sv = av * _act(o, ACT)   # u act(g)
+            else:
+                sv = o * _act(av, ACT)   # u act(g)
+            tl.store(SV + set0 + t + ri, sv, mask=t + ri < n)
+            rows, av, w, sc, of = rows_n, av_n, w_n, sc_n, of_n
+
+
+@triton.jit
+def _slots(IDX, SV, q, part, sj, cnts, tiles, ends, d_inter, SET: tl.constexpr, SUB: tl.constexpr,
+           U: tl.constexpr):
+    """Row numbers [U] (d_inter past the end) and s of tile ``q`` of a down program's sets (a flat walk of the
+    sets' tiles: q >= their sum gives no row)."""
+    j = tl.sum((ends <= q).to(tl.int32), axis=0)                 # the set holding tile q
+    sel = sj == j
+    first = tl.sum(tl.where(sel, ends - tiles, 0), axis=0)
+    cnt = tl.sum(tl.where(sel, cnts, 0), axis=0)
+    m = (q - first) * U + tl.arange(0, U)
+    valid = m < cnt
+    base = (part * SUB + j) * SET
+    rows = tl.load(IDX + base + m, mask=valid, other=0)
+    return tl.where(valid, rows, d_inter), tl.load(SV + base + m, mask=valid, other=0.0)
+
+
+@triton.jit
+def _nib(w, J: tl.constexpr):
+    """Nibble J (0..4) of int32 words w times 16**J, as an exact fp32 (its bits placed under 2**23's exponent)."""
+    return ((w & (15 << (4 * J))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _store_nibble(P, base, wcol, wm, acc, boff, J: tl.constexpr, SCALE: tl.constexpr):
+    tl.store(P + base + wcol * 8 + J, acc * SCALE + boff[:, None], mask=wm)
+
+
+@triton.jit
+def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, SET: tl.constexpr,
+                 SUB: tl.constexpr, SUBP: tl.constexpr, U: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
+                 BIG: tl.constexpr):
+    part = tl.program_id(0)
+    gi = tl.program_id(1) * GPS + tl.arange(0, GPS)               # this column slice's groups
+    gm = gi < n_groups
+    wcol = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]         # [GPS, WPG] word index in a row
+    wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+    sj = tl.arange(0, SUBP)
+    sets = part * SUB + sj
+    cnts = tl.load(CNT + sets, mask=(sj < SUB) & (sets < n_sets), other=0)
+    tiles = (cnts + U - 1) // U
+    ends = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    rows, s = _slots(IDX, SV, 0, part, sj, cnts, tiles, ends, d_inter, SET, SUB, U)
+    w, sc, of = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+    acc0 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc1 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc2 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc3 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc4 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc5 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc6 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    acc7 = tl.zeros([GPS, WPG], dtype=tl.float32)
+    boff = tl.zeros([GPS], dtype=tl.float32)
+    for q in range(0, total):
+        rows_n, s_n = _slots(IDX, SV, q + 1, part, sj, cnts, tiles, ends, d_inter, SET, SUB, U)  # requested first
+        w_n, sc_n, of_n = _tile(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+        sa = (s[:, None] * sc)[:, :, None]                        # [U, GPS, 1]: s * scale
+        boff += tl.sum(s[:, None] * of, axis=0)
+        hi = w >> 20                                               # nibbles 5..7 at 0..2 (sign bits not read)
+        acc0 += tl.sum(_nib(w, 0) * sa, axis=0)
+        acc1 += tl.sum(_nib(w, 1) * sa, axis=0)
+        acc2 += tl.sum(_nib(w, 2) * sa, axis=0)
+        acc3 += tl.sum(_nib(w, 3) * sa, axis=0)
+        acc4 += tl.sum(_nib(w, 4) * sa, axis=0)
+        acc5 += tl.sum(_nib(hi, 0) * sa, axis=0)
+        acc6 += tl.sum(_nib(hi, 1) * sa, axis=0)
+        acc7 += tl.sum(_nib(hi, 2) * sa, axis=0)
+        s, w, sc, of = s_n, w_n, sc_n, of_n
     if BIG:
-        base = pid.to(tl.int64) * n_words * 8
+        base = part.to(tl.int64) * n_words * 8
     else:
-        base = pid * n_words * 8
-    _store_nibble(P, base, wcol, wm, acc0, boff, 0)
-    _store_nibble(P, base, wcol, wm, acc1, boff, 1)
-    _store_nibble(P, base, wcol, wm, acc2, boff, 2)
-    _store_nibble(P, base, wcol, wm, acc3, boff, 3)
-    _store_nibble(P, base, wcol, wm, acc4, boff, 4)
-    _store_nibble(P, base, wcol, wm, acc5, boff, 5)
-    _store_nibble(P, base, wcol, wm, acc6, boff, 6)
-    _store_nibble(P, base, wcol, wm, acc7, boff, 7)
+        base = part * n_words * 8
+    _store_nibble(P, base, wcol, wm, acc0, boff, 0, 1.0)
+    _store_nibble(P, base, wcol, wm, acc1, boff, 1, 0.0625)
+    _store_nibble(P, base, wcol, wm, acc2, boff, 2, 0.00390625)
+    _store_nibble(P, base, wcol, wm, acc3, boff, 3, 0.000244140625)
+    _store_nibble(P, base, wcol, wm, acc4, boff, 4, 0.0000152587890625)
+    _store_nibble(P, base, wcol, wm, acc5, boff, 5, 1.0)
+    _store_nibble(P, base, wcol, wm, acc6, boff, 6, 0.0625)
+    _store_nibble(P, base, wcol, wm, acc7, boff, 7, 0.00390625)
 
 
 def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,12 +203,17 @@ def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return weight.qweight.view(torch.int32), weight.scale, weight.offset
 
 
-def programs(d_inter: int, device, config: dict | None = None) -> int:
-    """How many partials [P, d_model] the kernel writes for ``d_inter`` rows on ``device``."""
-    from ._common import persistent_programs
-
+def _config(config: dict | None) -> dict:
     cfg = {**CONFIG, **(config or {})}
-    return max(1, min(-(-d_inter // cfg["CHUNK"]), persistent_programs(device, cfg["PER_SM"], INTERPRETER_PROGS)))
+    if cfg["SET"] % cfg["CHUNK"]:
+        raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
+    return cfg
+
+
+def programs(d_inter: int, config: dict | None = None) -> int:
+    """How many partials [P, d_model] the kernels write for ``d_inter`` rows: one per SUB sets of SET rows."""
+    cfg = _config(config)
+    return -(-(-(-d_inter // cfg["SET"])) // cfg["SUB"])
 
 
 def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torch.Tensor, mode: str,
@@ -196,11 +237,8 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
            config=None) -> torch.Tensor:
     """:func:`kept_rows` on the weights' tensors (words int32 [d_inter, d_model / 8], scales, offsets; the other
     weight's None for mode "dual")."""
-    from ._common import act_code, interpreting, new_output
-
     d_inter, n_words = words_d.shape
     d_model, n_groups = 8 * n_words, sc_d.shape[1]
-    group = d_model // n_groups
     dual = mode == "dual"
     want = (2 * d_inter) if dual else d_inter
     if ind.dtype != torch.float32 or ind.numel() % want or x.numel() != d_model or (words_o is None) != dual:
@@ -213,21 +251,47 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
                              f"{tuple(words_d.shape)}, scales {tuple(sc_o.shape)} vs {tuple(sc_d.shape)}")
     else:
         words_o, sc_o, of_o = words_d, sc_d, of_d  # not read
-    cfg = {**CONFIG, **(config or {})}
-    chunk = cfg["CHUNK"]
-    n_chunks = -(-d_inter // chunk)
-    progs = programs(d_inter, x.device, config)
-    interp = x.device.type != "cuda" or interpreting()
-    out = new_output((progs, d_model), torch.float32, x.device)
-    kept, rows = count if count is not None else (out, out)
-    thr = threshold.reshape(1).to(device=x.device, dtype=torch.float32)
-    _int4_rows_kernel[(progs,)](
-        ind.contiguous(), x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(),
-        words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), thr, out, kept, rows, d_inter, n_words, n_groups,
-        n_chunks, progs, want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=chunk,
-        BM=cfg["BM"], SG=_pow2(n_groups), WPG=group // 8, ASM=not interp,
-        BIG=d_inter * n_words >= 2**31 or progs * d_model >= 2**31, COUNT=count is not None,
-        ROWWISE=bool(cfg["ROWWISE"]), num_warps=cfg["num_warps"], num_stages=1)
+    cfg = _config(config)
+    return down(*select(ind, x, words_o, sc_o, of_o, d_inter, n_words, n_groups, threshold, mode, activation, count,
+                        cfg), words_d, sc_d, of_d, cfg)
+
+
+def select(ind, x, words_o, sc_o, of_o, d_inter, n_words, n_groups, threshold, mode, activation, count, cfg):
+    """The select kernel: (IDX, SV, CNT), the kept rows of each set of ``cfg["SET"]`` rows compacted (row numbers, s),
+    and their count per set."""
+    from ._common import act_code, interpreting
+
+    n_sets = -(-d_inter // cfg["SET"])
+    want = (2 * d_inter) if mode == "dual" else d_inter
+    idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=x.device)
+    sv = torch.empty(n_sets * cfg["SET"], dtype=torch.float32, device=x.device)
+    cnt = torch.empty(n_sets, dtype=torch.int32, device=x.device)
+    kept, rows = count if count is not None else (cnt, cnt)
+    _select_kernel[(n_sets,)](
+        ind.contiguous(), x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(), idx, sv, cnt,
+        threshold.reshape(1).to(device=x.device, dtype=torch.float32), kept, rows, d_inter, n_words, n_groups, want,
+        MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=cfg["CHUNK"], SET=cfg["SET"],
+        BM=cfg["BM"], SG=_pow2(n_groups), WPG=n_words // n_groups,
+        ASM=x.device.type == "cuda" and not interpreting(), BIG=d_inter * n_words >= 2**31, COUNT=count is not None,
+        num_warps=cfg["A_WARPS"], num_stages=1)
+    return idx, sv, cnt
+
+
+def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
+    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s output)."""
+    from ._common import new_output
+
+    d_inter, n_words = words_d.shape
+    n_groups = sc_d.shape[1]
+    n_parts = programs(d_inter, cfg)
+    out = new_output((n_parts, 8 * n_words), torch.float32, words_d.device)
+    cols = max(1, min(cfg["COLS"], n_groups))
+    gps = _pow2(-(-n_groups // cols))
+    _down_kernel[(n_parts, -(-n_groups // gps))](
+        idx, sv, cnt, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out, cnt.numel(), d_inter, n_words,
+        n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), U=cfg["U"], GPS=gps,
+        WPG=n_words // n_groups, BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31,
+        num_warps=cfg["B_WARPS"], num_stages=1)
     return out
 
 
@@ -244,7 +308,7 @@ def _kept_rows_op(ind: torch.Tensor, x: torch.Tensor, words_o: torch.Tensor, sc_
 
 @_kept_rows_op.register_fake
 def _(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, keep_rule, activation, kept, rows):
-    return x.new_empty((programs(words_d.shape[0], x.device), 8 * words_d.shape[1]), dtype=torch.float32)
+    return x.new_empty((programs(words_d.shape[0]), 8 * words_d.shape[1]), dtype=torch.float32)
 
 
 def kept_rows_ref(x: torch.Tensor, gate, up, down_t, threshold: float, mode: str, activation: str = "silu",
