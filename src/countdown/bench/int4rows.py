@@ -31,12 +31,13 @@ from ..int4.format import nbytes
 
 GROUP = 128
 # The kept-rows kernels' launch configurations, swept in two stages (kernels/_int4_rows.py: select, then down):
-# the down kernel's (SUB sets a program, COLS column slices on B_WARPS warps, U rows a tile) with the select kernel's
-# defaults, then the select kernel's (SET rows a program, BM rows a tile on A_WARPS warps) with the best down one.
-DOWN_GRID = [dict(SUB=sub, COLS=cols, B_WARPS=warps, U=u) for sub in (1, 2, 4)
-             for cols, warps in ((1, 4), (2, 2), (4, 1), (2, 4)) for u in (8, 16)]                      # 24
-SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w) for st in (64, 128, 256) for bm in (8, 16) for w in (4, 8)]  # 12
-SMOKE_DOWN = [dict(SUB=1, COLS=1, B_WARPS=1, U=4), dict(SUB=2, COLS=2, B_WARPS=1, U=8)]
+# the down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words) with the select
+# kernel's defaults, then the select kernel's (SET rows a program, BM rows a tile on A_WARPS warps; SUB follows SET so
+# that a down program keeps its rows) with the best down one.
+DOWN_GRID = [dict(SUB=sub, UR=ur, NW=nw, SLICE=128) for sub in (1, 2, 4) for ur in (4, 8) for nw in (4, 8)] \
+    + [dict(SUB=2, UR=4, NW=nw, SLICE=256) for nw in (4, 8)]                                                 # 14
+SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w) for st in (32, 64, 128) for bm in (8, 16) for w in (4, 8)]  # 12
+SMOKE_DOWN = [dict(SUB=1, UR=2, NW=1, SLICE=128), dict(SUB=2, UR=4, NW=2, SLICE=128)]
 SMOKE_SELECT = [dict(SET=64, BM=4, A_WARPS=1), dict(SET=128, BM=8, A_WARPS=2)]
 RULES = {"mono": "abs", "dual": "dual"}
 FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
@@ -152,6 +153,8 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
         results = []
         for cfg in configs:
             full = {**base, **cfg}
+            if "SET" in cfg:  # a down program keeps its rows (SET x SUB)
+                full["SUB"] = max(1, base["SET"] * base["SUB"] // cfg["SET"])
             try:
                 got = case.run(*mlps[0], full).float()
                 if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):

@@ -49,6 +49,7 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict] = {
     (6144, 4096): dict(R=8, PER_SM=1, MAX_COLS=4096, AHEAD=2),     # q/k/v stacked
     (4096, 4096): dict(R=16, PER_SM=3, MAX_COLS=1024, AHEAD=2),    # o_proj
     (28672, 4096): dict(R=16, PER_SM=4, MAX_COLS=1024, AHEAD=1),   # gate/up stacked
+    (14336, 4096): dict(R=16, PER_SM=4, MAX_COLS=1024, AHEAD=1),   # up or gate alone (sparse rows' indicator; as gate/up)
     (4096, 14336): dict(R=16, PER_SM=3, MAX_COLS=1024, AHEAD=1),   # down (act(g) * u input)
     (128256, 4096): dict(R=16, PER_SM=4, MAX_COLS=1024, AHEAD=1),  # lm_head
 }

@@ -46,8 +46,9 @@ from ._int4 import _paired_x, _tile
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time, the other GEMV BM kept rows a tile on A_WARPS warps;
-# down: SUB sets a program, d_model cut in COLS column slices, U kept rows a tile on B_WARPS warps.
-CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=4, SUB=2, COLS=2, U=8, B_WARPS=2)
+# down: SUB sets a program, d_model cut in column slices of SLICE words (128: a warp's 32 threads x 4 words), NW
+# warps a program (one row stream each), UR rows a stream a tile.
+CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=4, SUB=2, SLICE=128, UR=4, NW=8)
 MAGIC = 8388608.0  # 2**23: an fp32 whose last mantissa bit is 1
 
 
@@ -58,6 +59,15 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
                    COUNT: tl.constexpr):
     b = tl.program_id(0)
     set0 = b * SET
+    if MODE != 2:  # x of the other GEMV first (paired as kernels/_int4.py pairs it): its loads overlap the indicator's
+        gl = tl.arange(0, SG)
+        gm = gl < n_groups
+        wcol = gl[:, None] * WPG + tl.arange(0, WPG)[None, :]
+        wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
+            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
+            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
+            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
     thr = tl.load(THR).to(tl.float32)
     cr = tl.arange(0, CHUNK)
     n = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
@@ -86,20 +96,12 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
     tl.store(CNT + b, n)
     if COUNT:
         add_count(KEPT, ROWS, n, d_inter, b == 0)
-    if MODE != 2:  # s of the kept rows: the other GEMV's rows, x paired as kernels/_int4.py pairs it
+    if MODE != 2:  # s of the kept rows: the other GEMV's rows, BM at a time
         tl.debug_barrier()  # the compacted list, written by every thread of the program, is read back below
-        gl = tl.arange(0, SG)
-        gm = gl < n_groups
-        wcol = gl[:, None] * WPG + tl.arange(0, WPG)[None, :]
-        wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
         ri = tl.arange(0, BM)
         rows = tl.where(ri < n, tl.load(IDX + set0 + ri, mask=ri < n, other=0), d_inter)
         av = tl.load(SV + set0 + ri, mask=ri < n, other=0.0)
         w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
-            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
-            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
-            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
         for t in range(0, n, BM):
             mn = t + BM + ri  # the next tile, requested first
             rows_n = tl.where(mn < n, tl.load(IDX + set0 + mn, mask=mn < n, other=0), d_inter)
@@ -117,15 +119,15 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
 
 
 @triton.jit
-def _slots(IDX, SV, q, part, sj, cnts, tiles, ends, d_inter, SET: tl.constexpr, SUB: tl.constexpr,
-           U: tl.constexpr):
-    """Row numbers [U] (d_inter past the end) and s of tile ``q`` of a down program's sets (a flat walk of the
-    sets' tiles: q >= their sum gives no row)."""
+def _slots(IDX, SV, q, part, sj, cnts, tiles, ends, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr,
+           T: tl.constexpr):
+    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets, at ``slot`` (values 0..T-1,
+    any shape): a flat walk of the sets' tiles of T rows; q at or past their sum gives no row."""
     j = tl.sum((ends <= q).to(tl.int32), axis=0)                 # the set holding tile q
     sel = sj == j
     first = tl.sum(tl.where(sel, ends - tiles, 0), axis=0)
     cnt = tl.sum(tl.where(sel, cnts, 0), axis=0)
-    m = (q - first) * U + tl.arange(0, U)
+    m = (q - first) * T + slot
     valid = m < cnt
     base = (part * SUB + j) * SET
     rows = tl.load(IDX + base + m, mask=valid, other=0)
@@ -133,20 +135,98 @@ def _slots(IDX, SV, q, part, sj, cnts, tiles, ends, d_inter, SET: tl.constexpr, 
 
 
 @triton.jit
-def _nib(w, J: tl.constexpr):
-    """Nibble J (0..4) of int32 words w times 16**J, as an exact fp32 (its bits placed under 2**23's exponent)."""
-    return ((w & (15 << (4 * J))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG: tl.constexpr):
+    """Words [UR, NW, GPS, WPG], scales and offsets [UR, NW, GPS] (fp32) of the rows [UR, NW] (none past the end)."""
+    rm = rows < d_inter
+    if BIG:
+        qb = rows.to(tl.int64) * n_words
+        sb = rows.to(tl.int64) * n_groups
+    else:
+        qb = rows * n_words
+        sb = rows * n_groups
+    w = tl.load(WD + qb[:, :, None, None] + wcol[None, None, :, :],
+                mask=rm[:, :, None, None] & gm[None, None, :, None], other=0)
+    m3 = rm[:, :, None] & gm[None, None, :]
+    sc = tl.load(SCD + sb[:, :, None] + gi[None, None, :], mask=m3, other=0.0).to(tl.float32)
+    of = tl.load(OFD + sb[:, :, None] + gi[None, None, :], mask=m3, other=0.0).to(tl.float32)
+    return w, sc, of
 
 
 @triton.jit
-def _store_nibble(P, base, wcol, wm, acc, boff, J: tl.constexpr, SCALE: tl.constexpr):
-    tl.store(P + base + wcol * 8 + J, acc * SCALE + boff[:, None], mask=wm)
+def _products_asm(w, sa):
+    """fp16x2 pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7) times s' of int32 words w: each nibble lands in 1024's
+    mantissa (lop3, as kernels/_gemv.py), one fma with (s', s') or (s' / 16, s' / 16) and minus 1024 times it (exact)
+    leaves c s' rounded once to fp16."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 w8, t0, t1, t2, t3, a, b, na, nb, k16, k1024;
+        mov.b32 k16, 0x2C002C00;
+        mov.b32 k1024, 0xE400E400;
+        cvt.rn.f16x2.f32 a, $5, $5;
+        mul.rn.f16x2 b, a, k16;
+        mul.rn.f16x2 na, a, k1024;
+        mul.rn.f16x2 nb, b, k1024;
+        shr.u32 w8, $4, 8;
+        lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $0, t0, a, na;
+        fma.rn.f16x2 $1, t1, b, nb;
+        fma.rn.f16x2 $2, t2, a, na;
+        fma.rn.f16x2 $3, t3, b, nb;
+        }""",
+        constraints="=r,=r,=r,=r,r,r", args=[w, sa],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _hadd2(a, b):
+    return tl.inline_asm_elementwise(asm="add.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _flush_asm(p, d, lo, hi):
+    """(lo + p.lo d, hi + p.hi d) in fp32 for fp16x2 pairs p."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .f16 l, h;
+        .reg .f32 fl, fh;
+        mov.b32 {l, h}, $2;
+        cvt.f32.f16 fl, l;
+        cvt.f32.f16 fh, h;
+        fma.rn.f32 $0, fl, $3, $4;
+        fma.rn.f32 $1, fh, $3, $5;
+        }""",
+        constraints="=r,=r,r,r,r,r", args=[p, d, lo, hi], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _hadd(a, b):
+    return a + b
+
+
+@triton.jit
+def _nibble_sum(w, J: tl.constexpr, a16):
+    """Portable path: sum over axis 0 in fp16 of nibble J of w times s' (fp16 values held in fp32), as the asm."""
+    p = (((w >> (4 * J)) & 15).to(tl.float32) * a16).to(tl.float16)
+    return tl.reduce(p, 0, _hadd).to(tl.float32)
+
+
+@triton.jit
+def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
+    tl.store(P + base + wcol * 8 + J, tl.sum(acc, axis=0) + boff[:, None], mask=wm)
 
 
 @triton.jit
 def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, SET: tl.constexpr,
-                 SUB: tl.constexpr, SUBP: tl.constexpr, U: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
-                 BIG: tl.constexpr):
+                 SUB: tl.constexpr, SUBP: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
+                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr):
+    # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
+    # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
+    # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
+    # tile in [256, 512): a sum of UR <= 8 products c s' stays in fp16's range), then added to fp32 times 2**-e.
     part = tl.program_id(0)
     gi = tl.program_id(1) * GPS + tl.arange(0, GPS)               # this column slice's groups
     gm = gi < n_groups
@@ -155,47 +235,61 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     sj = tl.arange(0, SUBP)
     sets = part * SUB + sj
     cnts = tl.load(CNT + sets, mask=(sj < SUB) & (sets < n_sets), other=0)
-    tiles = (cnts + U - 1) // U
+    T: tl.constexpr = UR * NW
+    tiles = (cnts + T - 1) // T
     ends = tl.cumsum(tiles, axis=0)
     total = tl.sum(tiles, axis=0)
-    rows, s = _slots(IDX, SV, 0, part, sj, cnts, tiles, ends, d_inter, SET, SUB, U)
-    w, sc, of = _tile(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-    acc0 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc1 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc2 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc3 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc4 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc5 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc6 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    acc7 = tl.zeros([GPS, WPG], dtype=tl.float32)
-    boff = tl.zeros([GPS], dtype=tl.float32)
+    slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
+    rows, s = _slots(IDX, SV, 0, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)
+    w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+    acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc3 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc4 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc5 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc6 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc7 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    boff = tl.zeros([NW, GPS], dtype=tl.float32)
     for q in range(0, total):
-        rows_n, s_n = _slots(IDX, SV, q + 1, part, sj, cnts, tiles, ends, d_inter, SET, SUB, U)  # requested first
-        w_n, sc_n, of_n = _tile(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-        sa = (s[:, None] * sc)[:, :, None]                        # [U, GPS, 1]: s * scale
-        boff += tl.sum(s[:, None] * of, axis=0)
-        hi = w >> 20                                               # nibbles 5..7 at 0..2 (sign bits not read)
-        acc0 += tl.sum(_nib(w, 0) * sa, axis=0)
-        acc1 += tl.sum(_nib(w, 1) * sa, axis=0)
-        acc2 += tl.sum(_nib(w, 2) * sa, axis=0)
-        acc3 += tl.sum(_nib(w, 3) * sa, axis=0)
-        acc4 += tl.sum(_nib(w, 4) * sa, axis=0)
-        acc5 += tl.sum(_nib(hi, 0) * sa, axis=0)
-        acc6 += tl.sum(_nib(hi, 1) * sa, axis=0)
-        acc7 += tl.sum(_nib(hi, 2) * sa, axis=0)
+        rows_n, s_n = _slots(IDX, SV, q + 1, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)  # first
+        w_n, sc_n, of_n = _rows4(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+        boff += tl.sum(s[:, :, None] * of, axis=0)
+        sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
+        ebits = (tl.max(tl.abs(sa), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.minimum(tl.maximum(135 - ebits, -126), 126)        # [NW, GPS]
+        dn = (((127 - e) << 23).to(tl.float32, bitcast=True))[:, :, None]
+        sa = (sa * ((e + 127) << 23).to(tl.float32, bitcast=True)[None, :, :])[:, :, :, None]
+        if ASM:
+            p0, p1, p2, p3 = _products_asm(w, sa)
+            acc0, acc4 = _flush_asm(tl.reduce(p0, 0, _hadd2), dn, acc0, acc4)
+            acc1, acc5 = _flush_asm(tl.reduce(p1, 0, _hadd2), dn, acc1, acc5)
+            acc2, acc6 = _flush_asm(tl.reduce(p2, 0, _hadd2), dn, acc2, acc6)
+            acc3, acc7 = _flush_asm(tl.reduce(p3, 0, _hadd2), dn, acc3, acc7)
+        else:
+            a16 = sa.to(tl.float16).to(tl.float32)
+            acc0 += _nibble_sum(w, 0, a16) * dn
+            acc1 += _nibble_sum(w, 1, a16) * dn
+            acc2 += _nibble_sum(w, 2, a16) * dn
+            acc3 += _nibble_sum(w, 3, a16) * dn
+            acc4 += _nibble_sum(w, 4, a16) * dn
+            acc5 += _nibble_sum(w, 5, a16) * dn
+            acc6 += _nibble_sum(w, 6, a16) * dn
+            acc7 += _nibble_sum(w, 7, a16) * dn
         s, w, sc, of = s_n, w_n, sc_n, of_n
     if BIG:
         base = part.to(tl.int64) * n_words * 8
     else:
         base = part * n_words * 8
-    _store_nibble(P, base, wcol, wm, acc0, boff, 0, 1.0)
-    _store_nibble(P, base, wcol, wm, acc1, boff, 1, 0.0625)
-    _store_nibble(P, base, wcol, wm, acc2, boff, 2, 0.00390625)
-    _store_nibble(P, base, wcol, wm, acc3, boff, 3, 0.000244140625)
-    _store_nibble(P, base, wcol, wm, acc4, boff, 4, 0.0000152587890625)
-    _store_nibble(P, base, wcol, wm, acc5, boff, 5, 1.0)
-    _store_nibble(P, base, wcol, wm, acc6, boff, 6, 0.0625)
-    _store_nibble(P, base, wcol, wm, acc7, boff, 7, 0.00390625)
+    boff = tl.sum(boff, axis=0)
+    _store_col(P, base, wcol, wm, acc0, boff, 0)
+    _store_col(P, base, wcol, wm, acc1, boff, 1)
+    _store_col(P, base, wcol, wm, acc2, boff, 2)
+    _store_col(P, base, wcol, wm, acc3, boff, 3)
+    _store_col(P, base, wcol, wm, acc4, boff, 4)
+    _store_col(P, base, wcol, wm, acc5, boff, 5)
+    _store_col(P, base, wcol, wm, acc6, boff, 6)
+    _store_col(P, base, wcol, wm, acc7, boff, 7)
 
 
 def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,19 +373,19 @@ def select(ind, x, words_o, sc_o, of_o, d_inter, n_words, n_groups, threshold, m
 
 def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
     """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s output)."""
-    from ._common import new_output
+    from ._common import interpreting, new_output
 
     d_inter, n_words = words_d.shape
     n_groups = sc_d.shape[1]
     n_parts = programs(d_inter, cfg)
     out = new_output((n_parts, 8 * n_words), torch.float32, words_d.device)
-    cols = max(1, min(cfg["COLS"], n_groups))
-    gps = _pow2(-(-n_groups // cols))
+    wpg = n_words // n_groups
+    gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // wpg))  # groups of a column slice: SLICE words
     _down_kernel[(n_parts, -(-n_groups // gps))](
         idx, sv, cnt, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out, cnt.numel(), d_inter, n_words,
-        n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), U=cfg["U"], GPS=gps,
-        WPG=n_words // n_groups, BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31,
-        num_warps=cfg["B_WARPS"], num_stages=1)
+        n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), UR=cfg["UR"], NW=cfg["NW"], GPS=gps,
+        WPG=wpg, ASM=words_d.device.type == "cuda" and not interpreting(),
+        BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, num_warps=cfg["NW"], num_stages=1)
     return out
 
 
