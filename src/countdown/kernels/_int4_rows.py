@@ -102,10 +102,12 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
         rows = tl.where(ri < n, tl.load(IDX + set0 + ri, mask=ri < n, other=0), d_inter)
         av = tl.load(SV + set0 + ri, mask=ri < n, other=0.0)
         w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+        rows_n = tl.where(BM + ri < n, tl.load(IDX + set0 + BM + ri, mask=BM + ri < n, other=0), d_inter)
+        av_n = tl.load(SV + set0 + BM + ri, mask=BM + ri < n, other=0.0)
         for t in range(0, n, BM):
-            mn = t + BM + ri  # the next tile, requested first
-            rows_n = tl.where(mn < n, tl.load(IDX + set0 + mn, mask=mn < n, other=0), d_inter)
-            av_n = tl.load(SV + set0 + mn, mask=mn < n, other=0.0)
+            mn = t + 2 * BM + ri  # the rows two tiles ahead, the words of the next tile (its rows are in)
+            rows_nn = tl.where(mn < n, tl.load(IDX + set0 + mn, mask=mn < n, other=0), d_inter)
+            av_nn = tl.load(SV + set0 + mn, mask=mn < n, other=0.0)
             w_n, sc_n, of_n = _tile(WO, SCO, OFO, rows_n, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
             d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                           e0, e1, e2, e3, 4, ASM)
@@ -115,7 +117,7 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
             else:
                 sv = o * _act(av, ACT)   # u act(g)
             tl.store(SV + set0 + t + ri, sv, mask=t + ri < n)
-            rows, av, w, sc, of = rows_n, av_n, w_n, sc_n, of_n
+            av, w, sc, of, rows_n, av_n = av_n, w_n, sc_n, of_n, rows_nn, av_nn
 
 
 @triton.jit
@@ -226,7 +228,9 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
-    # tile in [256, 512): a sum of UR <= 8 products c s' stays in fp16's range), then added to fp32 times 2**-e.
+    # tile in [32, 64): -1024 s' is an fp16, and a sum of UR <= 16 products c s' stays in fp16's range), then added to
+    # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + 2 and the words of tile q + 1 (whose rows came
+    # in the iteration before) while tile q is summed, so no word load waits on a row number just requested.
     part = tl.program_id(0)
     gi = tl.program_id(1) * GPS + tl.arange(0, GPS)               # this column slice's groups
     gm = gi < n_groups
@@ -242,6 +246,7 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
     rows, s = _slots(IDX, SV, 0, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)
     w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+    rows_n, s_n = _slots(IDX, SV, 1, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)
     acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
@@ -252,12 +257,12 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     acc7 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     boff = tl.zeros([NW, GPS], dtype=tl.float32)
     for q in range(0, total):
-        rows_n, s_n = _slots(IDX, SV, q + 1, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)  # first
+        rows_nn, s_nn = _slots(IDX, SV, q + 2, part, sj, cnts, tiles, ends, slot, d_inter, SET, SUB, T)
         w_n, sc_n, of_n = _rows4(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
         boff += tl.sum(s[:, :, None] * of, axis=0)
         sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
         ebits = (tl.max(tl.abs(sa), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        e = tl.minimum(tl.maximum(135 - ebits, -126), 126)        # [NW, GPS]
+        e = tl.minimum(tl.maximum(132 - ebits, -126), 126)        # [NW, GPS]: max |s'| in [32, 64)
         dn = (((127 - e) << 23).to(tl.float32, bitcast=True))[:, :, None]
         sa = (sa * ((e + 127) << 23).to(tl.float32, bitcast=True)[None, :, :])[:, :, :, None]
         if ASM:
@@ -276,7 +281,7 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
             acc5 += _nibble_sum(w, 5, a16) * dn
             acc6 += _nibble_sum(w, 6, a16) * dn
             acc7 += _nibble_sum(w, 7, a16) * dn
-        s, w, sc, of = s_n, w_n, sc_n, of_n
+        s, w, sc, of, rows_n, s_n = s_n, w_n, sc_n, of_n, rows_nn, s_nn
     if BIG:
         base = part.to(tl.int64) * n_words * 8
     else:
@@ -299,6 +304,7 @@ def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _config(config: dict | None) -> dict:
     cfg = {**CONFIG, **(config or {})}
+    cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
     return cfg
