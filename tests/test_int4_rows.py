@@ -320,3 +320,23 @@ def test_sparsified_4bit_model_decodes_through_its_patch(order):
             assert torch.equal(compiled, ref)
         fastest_step(model, on=False)
         countdown.unsparsify(model)
+
+
+def test_down_scales_s_where_fp16_rounds_up():
+    """The down kernel scales s scale into fp16 (s') per stream and group; a largest |s scale| just under a power of
+    two rounds up to the top of that range in fp16, and -1024 s' must still be an fp16 (it overflowed once: NaN)."""
+    from countdown.kernels._int4_rows import CONFIG, down
+
+    d_inter, d_model, group = 16, 256, 32
+    w = quantize_rtn(torch.randn(d_inter, d_model, generator=torch.Generator().manual_seed(7)), group)
+    w = type(w)(w.qweight, torch.ones_like(w.scale), torch.zeros_like(w.offset))  # W~ = c: s scale = s
+    s = torch.full((d_inter,), 0.25)
+    s[0] = 2 - 2.0 ** -13  # rounds to 2.0 in fp16 once scaled
+    s[1] = -(2 - 2.0 ** -13)
+    cfg = {**CONFIG, "SET": 16, "SUB": 1, "CHUNK": 16}
+    idx = torch.arange(d_inter, dtype=torch.int32, device=DEV)
+    out = down(idx, s.to(DEV), torch.tensor([d_inter], dtype=torch.int32, device=DEV),
+               w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), cfg).sum(0).double().cpu()
+    want = w.dequantize(torch.float64).t() @ s.double()
+    assert torch.isfinite(out).all()
+    assert ((out - want).abs() <= _down_bound(w, s.double(), cfg) + 1e-6).all()

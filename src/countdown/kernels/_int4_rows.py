@@ -211,8 +211,16 @@ def _hadd(a, b):
 
 @triton.jit
 def _nibble_sum(w, J: tl.constexpr, a16):
-    """Portable path: sum over axis 0 in fp16 of nibble J of w times s' (fp16 values held in fp32), as the asm."""
-    p = (((w >> (4 * J)) & 15).to(tl.float32) * a16).to(tl.float16)
+    """Portable path, the asm's operations in fp16 (an overflow too): (1024 + c) a - 1024 a for nibble J of w, with
+    a = s' (J even) or s' / 16 times 16 c (J odd) in fp16, summed over axis 0 in fp16."""
+    if J % 2 == 0:
+        a = a16
+        t = ((w >> (4 * J)) & 15).to(tl.float32) + 1024.0
+    else:
+        a = (a16 * 0.0625).to(tl.float16).to(tl.float32)
+        t = ((w >> (4 * J)) & 15).to(tl.float32) * 16.0 + 1024.0
+    na = (a * -1024.0).to(tl.float16).to(tl.float32)
+    p = (t * a + na).to(tl.float16)
     return tl.reduce(p, 0, _hadd).to(tl.float32)
 
 
@@ -228,7 +236,8 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
-    # tile in [32, 64): -1024 s' is an fp16, and a sum of UR <= 16 products c s' stays in fp16's range), then added to
+    # tile in [16, 32): -1024 s' stays an fp16 even where s' rounds up to 32, and a sum of UR <= 16 products c s' stays
+    # in fp16's range), then added to
     # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + 2 and the words of tile q + 1 (whose rows came
     # in the iteration before) while tile q is summed, so no word load waits on a row number just requested.
     part = tl.program_id(0)
@@ -262,7 +271,7 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
         boff += tl.sum(s[:, :, None] * of, axis=0)
         sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
         ebits = (tl.max(tl.abs(sa), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        e = tl.minimum(tl.maximum(132 - ebits, -126), 126)        # [NW, GPS]: max |s'| in [32, 64)
+        e = tl.minimum(tl.maximum(131 - ebits, -126), 126)        # [NW, GPS]: max |s'| in [16, 32)
         dn = (((127 - e) << 23).to(tl.float32, bitcast=True))[:, :, None]
         sa = (sa * ((e + 127) << 23).to(tl.float32, bitcast=True)[None, :, :])[:, :, :, None]
         if ASM:
