@@ -47,8 +47,10 @@ from ._int4 import _paired_x, _tile
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time, the other GEMV BM kept rows a tile on A_WARPS warps;
 # down: SUB sets a program, d_model cut in column slices of SLICE words (128: a warp's 32 threads x 4 words), NW
-# warps a program (one row stream each), UR rows a stream a tile.
-CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=4, SUB=2, SLICE=128, UR=4, NW=8)
+# warps a program (one row stream each), UR rows a stream a tile. The fastest of benchmarks/int4_decode.py --parts
+# rows at the Llama-3.1-8B MLP (NVIDIA H200, 2026-11-28, run R4 of results/int4/rows.csv; dual's best select launch
+# differs by less than 1 %).
+CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, SUB=2, SLICE=128, UR=4, NW=4)
 MAGIC = 8388608.0  # 2**23: an fp32 whose last mantissa bit is 1
 
 
