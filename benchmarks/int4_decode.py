@@ -5,7 +5,7 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --out results/int4 --run A
     PYTHONPATH=src python benchmarks/int4_decode.py --parts sweep,gemv --out /tmp/i4     # the GEMVs only
     PYTHONPATH=src python benchmarks/int4_decode.py --smoke --out /tmp/i4                # this script on the CPU
-    PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode.md / .png
+    PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode / rows .md, .png
     PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
@@ -363,6 +363,10 @@ def main(argv=None):
     ap.add_argument("--report", action="store_true", help="write decode.md / .png from the CSVs in --out")
     args = ap.parse_args(argv)
     if args.report:
+        if os.path.exists(os.path.join(args.out, "rows.csv")):
+            from countdown.bench import int4rows
+
+            int4rows.rows_report(args.out)
         return report(args.out)
     parts = set(args.parts.split(","))
     if args.rows_config:

@@ -184,6 +184,8 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
             us = case.time(cfg)
             ind_us, sel_us = case.time(cfg, "indicator"), case.time(cfg, "select")
             record("best", method, k, case, cfg, us)
+            for part, part_us in (("indicator", ind_us), ("select", sel_us - ind_us), ("down_and_add", us - sel_us)):
+                record(f"part:{part}", method, k, case, cfg, part_us)
             log(f"rows {method} k={k}: {us:7.1f} us = {dense_us / us:.2f}x the dense MLP ({us / roof(case.bytes):.2f}x "
                 f"its bytes' roofline, {case.bytes / 1e6:.1f} MB, at most {3 * per_matrix / case.bytes:.2f}x by bytes); "
                 f"indicator {ind_us:.1f}, + select {sel_us - ind_us:.1f}, + down and add {us - sel_us:.1f} us; {cfg}")
@@ -191,6 +193,54 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
 
     with open(os.path.join(out, "rows_best.json"), "w") as f:
         json.dump(best, f)
+
+
+def rows_report(out: str) -> None:
+    """rows.md (per run: each method's best at each k, with its parts) and rows.png (the latest run's parts, stacked,
+    against the dense MLP) from ``<out>/rows.csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(os.path.join(out, "rows.csv"), newline="")))
+    lines = ["# Sparse rows on 4-bit weights: one Gated-MLP", "",
+             "Llama-3.1-8B MLP (4096 x 14336, RTN group 128, random weights), one token, weight copies cycled past L2; "
+             "`PYTHONPATH=src python benchmarks/int4_decode.py --parts rows` (countdown.bench.int4rows). Microseconds; "
+             "the parts by difference (indicator GEMV, select kernel, down kernel and residual add).", ""]
+    runs = list(dict.fromkeys(r["run"] for r in rows if r["stage"] == "best"))
+    for run in runs:
+        best = [r for r in rows if r["run"] == run and r["stage"] == "best"]
+        part = {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
+                if r["run"] == run and r["stage"].startswith("part:")}
+        lines += [f"## Run {run} ({best[0]['device']}, {best[0]['date']}): dense MLP {float(best[0]['dense_us']):.1f} us",
+                  "", "| method | k | MB read | us | vs dense | x roofline | indicator | select | down and add |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in best:
+            p = [part.get((r["method"], r["sparsity"], n)) for n in ("indicator", "select", "down_and_add")]
+            cells = " | ".join("-" if v is None else f"{v:.1f}" for v in p)
+            lines.append(f"| {r['method']} | {r['sparsity']} | {int(r['bytes']) / 1e6:.1f} | {float(r['us']):.1f} | "
+                         f"{float(r['dense_us']) / float(r['us']):.2f}x | {r['roofline_ratio']} | {cells} |")
+        lines.append("")
+    with open(os.path.join(out, "rows.md"), "w") as f:
+        f.write("\n".join(lines))
+    run = runs[-1]
+    best = [r for r in rows if r["run"] == run and r["stage"] == "best"]
+    part = {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
+            if r["run"] == run and r["stage"].startswith("part:")}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['method']} k={r['sparsity']}" for r in best]
+    bottom = [0.0] * len(best)
+    for name in ("indicator", "select", "down_and_add"):
+        vals = [part.get((r["method"], r["sparsity"], name), 0.0) for r in best]
+        ax.barh(labels, vals, left=bottom, label=name.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axvline(float(best[0]["dense_us"]), color="k", ls="--", label="dense 4-bit MLP")
+    ax.set_xlabel("microseconds a Gated-MLP (one token)")
+    ax.set_title(f"Sparse rows on 4-bit weights, run {run} ({best[0]['device']})")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "rows.png"), dpi=120)
 
 
 def memory_rows(stamp: dict, out: str) -> None:
