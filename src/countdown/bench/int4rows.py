@@ -102,13 +102,9 @@ class _Case:
         ind = self.indicator(gu_mod)
         if upto == "indicator":
             return ind
-        other = None if self.rule == "dual" else gu_mod.stacked_from[0]
-        d_inter, n_words = down_t.qweight.shape[0], down_t.qweight.shape[1] // 4
-        n_groups = down_t.scale.shape[1]
         full = _int4_rows._config(cfg)
-        o = words(other) if other is not None else words(down_t)
-        picked = _int4_rows.select(ind, self.x, *o, d_inter, n_words, n_groups, self.thr, self.rule, "silu", None,
-                                   full)
+        o = words(down_t if self.rule == "dual" else gu_mod.stacked_from[0])
+        picked = _int4_rows.select(ind, self.x, *o, self.thr, self.rule, "silu", None, full)
         if upto == "select":
             return picked
         p = _int4_rows.down(*picked, *words(down_t), full)
@@ -208,11 +204,14 @@ def rows_report(out: str) -> None:
              "Llama-3.1-8B MLP (4096 x 14336, RTN group 128, random weights), one token, weight copies cycled past L2; "
              "`PYTHONPATH=src python benchmarks/int4_decode.py --parts rows` (countdown.bench.int4rows). Microseconds; "
              "the parts by difference (indicator GEMV, select kernel, down kernel and residual add).", ""]
+    def of_run(run):  # (each method's best at each k, {(method, k, part): us}) of one run
+        return ([r for r in rows if r["run"] == run and r["stage"] == "best"],
+                {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
+                 if r["run"] == run and r["stage"].startswith("part:")})
+
     runs = list(dict.fromkeys(r["run"] for r in rows if r["stage"] == "best"))
     for run in runs:
-        best = [r for r in rows if r["run"] == run and r["stage"] == "best"]
-        part = {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
-                if r["run"] == run and r["stage"].startswith("part:")}
+        best, part = of_run(run)
         lines += [f"## Run {run} ({best[0]['device']}, {best[0]['date']}): dense MLP {float(best[0]['dense_us']):.1f} us",
                   "", "| method | k | MB read | us | vs dense | x roofline | indicator | select | down and add |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -225,9 +224,7 @@ def rows_report(out: str) -> None:
     with open(os.path.join(out, "rows.md"), "w") as f:
         f.write("\n".join(lines))
     run = runs[-1]
-    best = [r for r in rows if r["run"] == run and r["stage"] == "best"]
-    part = {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
-            if r["run"] == run and r["stage"].startswith("part:")}
+    best, part = of_run(run)
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['method']} k={r['sparsity']}" for r in best]
     bottom = [0.0] * len(best)

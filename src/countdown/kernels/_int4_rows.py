@@ -21,16 +21,17 @@ Two launches, each shaped like a GEMV rather than like a loop over chunks:
 * **select** (one program per set of SET rows): sums the indicator's partials CHUNK rows at a time, keeps the rows
   past the threshold and writes them compacted (``IDX``: row numbers, ``SV``: their indicator), in row order, at the
   set's own offset, and their count (``CNT``). For mono / cats it then walks the compacted list BM rows at a time
-  (the next tile's rows and words requested before the current one's arithmetic) computing the other GEMV's rows
+  (the rows two tiles ahead and the words of the next requested before the current one's arithmetic) computing the
+  other GEMV's rows
   (the dot products of kernels/_int4.py: x paired once per program) and overwrites ``SV`` with s. The kernel counts
   its kept rows (Sparsity-Real, ``_count.py``).
-* **down** (a grid of SUB sets x COLS column slices): walks the kept rows of its sets U at a time (one flat loop over
-  the sets' tiles, the next tile requested before the current one's arithmetic) and adds s times W~d^T's words of
-  its columns. Each thread holds the same columns of every row of a tile, so a tile's rows are summed inside a
-  thread, never across threads. Nibble j < 5 of a word w becomes an exact fp32 ``c 16**j`` with one ``lop3``
-  (``(w & 15 << 4j) | 2**23``'s bits, minus 2**23), nibbles 5-7 the same from ``w >> 20``; one accumulator per
-  nibble holds the sum of ``s scale c 16**j`` and is scaled by ``16**-j`` once at the end, the offsets' term
-  (``s offset`` per group) has its own. Partials are written whole (deterministic: no atomics but the count).
+* **down** (a grid of SUB sets x column slices of SLICE words): NW warps a program, each its own stream of kept rows
+  with its own accumulators (summed across the warps once, at the end), UR rows of a stream a tile (one flat loop over
+  the sets' tiles: the rows two tiles ahead and the words of the next requested before the current one's arithmetic).
+  A stream's UR rows are summed inside each thread as fp16x2 products: one ``lop3`` puts two nibbles in 1024's
+  mantissa (as kernels/_gemv.py), one fma with (s', s') and -1024 (s', s') leaves c s' rounded once, s' = s scale
+  2**e scaled per stream and group; then added to fp32 times 2**-e. The offsets' term (``s offset`` per group) is
+  fp32. Partials are written whole (deterministic: no atomics but the count).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # rows at the Llama-3.1-8B MLP (NVIDIA H200, 2026-11-28, run R4 of results/int4/rows.csv; dual's best select launch
 # differs by less than 1 %).
 CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, SUB=2, SLICE=128, UR=4, NW=4)
-MAGIC = 8388608.0  # 2**23: an fp32 whose last mantissa bit is 1
 
 
 @triton.jit
@@ -363,15 +363,16 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
     else:
         words_o, sc_o, of_o = words_d, sc_d, of_d  # not read
     cfg = _config(config)
-    return down(*select(ind, x, words_o, sc_o, of_o, d_inter, n_words, n_groups, threshold, mode, activation, count,
-                        cfg), words_d, sc_d, of_d, cfg)
+    return down(*select(ind, x, words_o, sc_o, of_o, threshold, mode, activation, count, cfg), words_d, sc_d, of_d,
+                cfg)
 
 
-def select(ind, x, words_o, sc_o, of_o, d_inter, n_words, n_groups, threshold, mode, activation, count, cfg):
+def select(ind, x, words_o, sc_o, of_o, threshold, mode, activation, count, cfg):
     """The select kernel: (IDX, SV, CNT), the kept rows of each set of ``cfg["SET"]`` rows compacted (row numbers, s),
-    and their count per set."""
+    and their count per set. ``words_o`` etc.: the other weight's (W_down^T's for dual: any of the same shape)."""
     from ._common import act_code, interpreting
 
+    (d_inter, n_words), n_groups = words_o.shape, sc_o.shape[1]
     n_sets = -(-d_inter // cfg["SET"])
     want = (2 * d_inter) if mode == "dual" else d_inter
     idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=x.device)
