@@ -82,8 +82,12 @@ class PatchedMLP(nn.Module):
         if not (EAGER_GRAPHS and x2.is_cuda) or torch.compiler.is_compiling() \
                 or torch.cuda.is_current_stream_capturing():
             return self._kernel(x2)
-        # the graph reads the selector's buffers and adds to the counters where they were at the capture
-        key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in (*self.selector.buffers(), *self.counters())))
+        # the graph reads the selector's buffers and the MLP's weights and adds to the counters where they were at
+        # the capture: a weight moved since (int4.stack makes the 4-bit step's parts views of one tensor) captures
+        # again (the old graph would read freed memory: NaN, found on the GPU)
+        module = self.mlp.module
+        tensors = (*self.selector.buffers(), *self.counters(), *module.parameters(), *module.buffers())
+        key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in tensors))
         graphs = self.__dict__.setdefault("_graphs", {})
         entry = graphs.get(key[:2])
         if entry is None or entry[0] != key:

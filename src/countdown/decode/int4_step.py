@@ -119,7 +119,9 @@ def _patch_of(mlp: nn.Module, x: torch.Tensor):
     patched, a dense selector, or this position dense by the patch's scope: the dense route serves it)."""
     from ..patched import PatchedMLP
 
-    patch = getattr(mlp.__dict__.get("forward"), "__self__", None)
+    # the patch as a submodule (countdown.sparsify registers it as ``countdown_sparse``): torch.compile traces this
+    # lookup, where the bound ``forward`` in the instance dict gave None (the compiled step decoded dense)
+    patch = getattr(mlp, "countdown_sparse", None)
     if not isinstance(patch, PatchedMLP) or patch.selector is None:
         return None
     sparse = patch.state.sparse_positions(x)
