@@ -1,0 +1,249 @@
+"""Triton kernel: the down half of sparse rows on 4-bit weights (kernels/_int4_rows.py says what the two launches
+compute): fp32 partials [P, d_model], P[b] = sum over the kept rows of SUB sets of s[i] Wd~t[i], from the select
+kernel's compacted row lists.
+
+A grid of SUB sets x column slices of SLICE words; NW warps a program (one by default), each its own stream of kept
+rows with its own accumulators (summed across the warps once, at the end), UR rows of a stream a tile: one flat
+loop over the sets' tiles, the set of a tile found by scalar arithmetic on the sets' counts (a reduction over the
+sets crossed warps at every tile: a shared-memory round trip and barriers, session 30), the rows two tiles ahead and
+the words of the next requested before the current one's arithmetic. A stream's UR rows are summed inside each
+thread as fp16x2 products: one ``lop3`` puts two nibbles in 1024's mantissa (as kernels/_gemv.py), one fma with
+(s', s') and -1024 (s', s') leaves c s' rounded once, s' = s scale 2**e scaled per stream and group; then added to
+fp32 times 2**-e. The offsets' term (``s offset`` per group) is fp32, summed once at the end. Partials are written
+whole (deterministic: no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._glu import _pow2
+from ._pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _slots(IDX, SV, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr):
+    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets, at ``slot`` (values 0..T-1,
+    any shape): a flat walk of the sets' tiles of T rows; q at or past their sum gives no row. Scalars only (the
+    counts are read again each tile, from L1): a reduction over the sets would cross warps every tile."""
+    end = q * 0
+    first = end
+    cnt = end
+    j = end
+    for jj in tl.static_range(SUB):
+        set_j = part * SUB + jj
+        c = tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
+        t = (c + T - 1) // T
+        inside = (q >= end) & (q < end + t)
+        first = tl.where(inside, end, first)
+        cnt = tl.where(inside, c, cnt)
+        j = tl.where(inside, jj, j)
+        end += t
+    m = (q - first) * T + slot
+    valid = m < cnt
+    base = (part * SUB + j) * SET
+    rows = tl.load(IDX + base + m, mask=valid, other=0)
+    return tl.where(valid, rows, d_inter), tl.load(SV + base + m, mask=valid, other=0.0)
+
+
+@triton.jit
+def q_total(CNT, part, n_sets, SUB: tl.constexpr, T: tl.constexpr):
+    """The number of tiles of T rows of a down program's SUB sets."""
+    total = part * 0
+    for jj in tl.static_range(SUB):
+        set_j = part * SUB + jj
+        total += (tl.load(CNT + set_j, mask=set_j < n_sets, other=0) + T - 1) // T
+    return total
+
+
+@triton.jit
+def _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG: tl.constexpr):
+    """Words [UR, NW, GPS, WPG], scales and offsets [UR, NW, GPS] (fp32) of the rows [UR, NW] (none past the end)."""
+    rm = rows < d_inter
+    if BIG:
+        qb = rows.to(tl.int64) * n_words
+        sb = rows.to(tl.int64) * n_groups
+    else:
+        qb = rows * n_words
+        sb = rows * n_groups
+    w = tl.load(WD + qb[:, :, None, None] + wcol[None, None, :, :],
+                mask=rm[:, :, None, None] & gm[None, None, :, None], other=0)
+    m3 = rm[:, :, None] & gm[None, None, :]
+    sc = tl.load(SCD + sb[:, :, None] + gi[None, None, :], mask=m3, other=0.0).to(tl.float32)
+    of = tl.load(OFD + sb[:, :, None] + gi[None, None, :], mask=m3, other=0.0).to(tl.float32)
+    return w, sc, of
+
+
+@triton.jit
+def _products_asm(w, sa):
+    """fp16x2 pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7) times s' of int32 words w: each nibble lands in 1024's
+    mantissa (lop3, as kernels/_gemv.py), one fma with (s', s') or (s' / 16, s' / 16) and minus 1024 times it (exact)
+    leaves c s' rounded once to fp16."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 w8, t0, t1, t2, t3, a, b, na, nb, k16, k1024;
+        mov.b32 k16, 0x2C002C00;
+        mov.b32 k1024, 0xE400E400;
+        cvt.rn.f16x2.f32 a, $5, $5;
+        mul.rn.f16x2 b, a, k16;
+        mul.rn.f16x2 na, a, k1024;
+        mul.rn.f16x2 nb, b, k1024;
+        shr.u32 w8, $4, 8;
+        lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $0, t0, a, na;
+        fma.rn.f16x2 $1, t1, b, nb;
+        fma.rn.f16x2 $2, t2, a, na;
+        fma.rn.f16x2 $3, t3, b, nb;
+        }""",
+        constraints="=r,=r,=r,=r,r,r", args=[w, sa],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _hadd2(a, b):
+    return tl.inline_asm_elementwise(asm="add.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _flush_asm(p, d, lo, hi):
+    """(lo + p.lo d, hi + p.hi d) in fp32 for fp16x2 pairs p."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .f16 l, h;
+        .reg .f32 fl, fh;
+        mov.b32 {l, h}, $2;
+        cvt.f32.f16 fl, l;
+        cvt.f32.f16 fh, h;
+        fma.rn.f32 $0, fl, $3, $4;
+        fma.rn.f32 $1, fh, $3, $5;
+        }""",
+        constraints="=r,=r,r,r,r,r", args=[p, d, lo, hi], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _hadd(a, b):
+    return a + b
+
+
+@triton.jit
+def _nibble_sum(w, J: tl.constexpr, a16):
+    """Portable path, the asm's operations in fp16 (an overflow too): (1024 + c) a - 1024 a for nibble J of w, with
+    a = s' (J even) or s' / 16 times 16 c (J odd) in fp16, summed over axis 0 in fp16."""
+    if J % 2 == 0:
+        a = a16
+        t = ((w >> (4 * J)) & 15).to(tl.float32) + 1024.0
+    else:
+        a = (a16 * 0.0625).to(tl.float16).to(tl.float32)
+        t = ((w >> (4 * J)) & 15).to(tl.float32) * 16.0 + 1024.0
+    na = (a * -1024.0).to(tl.float16).to(tl.float32)
+    p = (t * a + na).to(tl.float16)
+    return tl.reduce(p, 0, _hadd).to(tl.float32)
+
+
+@triton.jit
+def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
+    tl.store(P + base + wcol * 8 + J, tl.sum(acc, axis=0) + boff[:, None], mask=wm)
+
+
+@triton.jit
+def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, SET: tl.constexpr,
+                 SUB: tl.constexpr, SUBP: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
+                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0):
+    # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
+    # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
+    # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
+    # tile in [16, 32): -1024 s' stays an fp16 even where s' rounds up to 32, and a sum of UR <= 16 products c s' stays
+    # in fp16's range), then added to
+    # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + 2 and the words of tile q + 1 (whose rows came
+    # in the iteration before) while tile q is summed, so no word load waits on a row number just requested.
+    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    part = tl.program_id(0)
+    gi = tl.program_id(1) * GPS + tl.arange(0, GPS)               # this column slice's groups
+    gm = gi < n_groups
+    wcol = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]         # [GPS, WPG] word index in a row
+    wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+    T: tl.constexpr = UR * NW
+    total = q_total(CNT, part, n_sets, SUB, T)
+    slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
+    rows, s = _slots(IDX, SV, CNT, 0, part, n_sets, slot, d_inter, SET, SUB, T)
+    w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+    rows_n, s_n = _slots(IDX, SV, CNT, 1, part, n_sets, slot, d_inter, SET, SUB, T)
+    acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc3 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc4 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc5 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc6 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    acc7 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
+    boff = tl.zeros([UR, NW, GPS], dtype=tl.float32)
+    for q in range(0, total):
+        rows_nn, s_nn = _slots(IDX, SV, CNT, q + 2, part, n_sets, slot, d_inter, SET, SUB, T)
+        w_n, sc_n, of_n = _rows4(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+        boff += s[:, :, None] * of
+        sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
+        ebits = (tl.max(tl.abs(sa), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.minimum(tl.maximum(131 - ebits, -126), 126)        # [NW, GPS]: max |s'| in [16, 32)
+        dn = (((127 - e) << 23).to(tl.float32, bitcast=True))[:, :, None]
+        sa = (sa * ((e + 127) << 23).to(tl.float32, bitcast=True)[None, :, :])[:, :, :, None]
+        if ASM:
+            p0, p1, p2, p3 = _products_asm(w, sa)
+            acc0, acc4 = _flush_asm(tl.reduce(p0, 0, _hadd2), dn, acc0, acc4)
+            acc1, acc5 = _flush_asm(tl.reduce(p1, 0, _hadd2), dn, acc1, acc5)
+            acc2, acc6 = _flush_asm(tl.reduce(p2, 0, _hadd2), dn, acc2, acc6)
+            acc3, acc7 = _flush_asm(tl.reduce(p3, 0, _hadd2), dn, acc3, acc7)
+        else:
+            a16 = sa.to(tl.float16).to(tl.float32)
+            acc0 += _nibble_sum(w, 0, a16) * dn
+            acc1 += _nibble_sum(w, 1, a16) * dn
+            acc2 += _nibble_sum(w, 2, a16) * dn
+            acc3 += _nibble_sum(w, 3, a16) * dn
+            acc4 += _nibble_sum(w, 4, a16) * dn
+            acc5 += _nibble_sum(w, 5, a16) * dn
+            acc6 += _nibble_sum(w, 6, a16) * dn
+            acc7 += _nibble_sum(w, 7, a16) * dn
+        s, w, sc, of, rows_n, s_n = s_n, w_n, sc_n, of_n, rows_nn, s_nn
+    if BIG:
+        base = part.to(tl.int64) * n_words * 8
+    else:
+        base = part * n_words * 8
+    boff = tl.sum(tl.sum(boff, axis=0), axis=0)
+    _store_col(P, base, wcol, wm, acc0, boff, 0)
+    _store_col(P, base, wcol, wm, acc1, boff, 1)
+    _store_col(P, base, wcol, wm, acc2, boff, 2)
+    _store_col(P, base, wcol, wm, acc3, boff, 3)
+    _store_col(P, base, wcol, wm, acc4, boff, 4)
+    _store_col(P, base, wcol, wm, acc5, boff, 5)
+    _store_col(P, base, wcol, wm, acc6, boff, 6)
+    _store_col(P, base, wcol, wm, acc7, boff, 7)
+
+
+
+
+def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
+    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s output)."""
+    from . import _pdl
+    from ._common import interpreting, new_output
+
+    d_inter, n_words = words_d.shape
+    n_groups = sc_d.shape[1]
+    n_parts = -(-(-(-d_inter // cfg["SET"])) // cfg["SUB"])  # one partial per SUB sets of SET rows
+    out = new_output((n_parts, 8 * n_words), torch.float32, words_d.device)
+    wpg = n_words // n_groups
+    pdl = _pdl.mode(words_d)
+    gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // wpg))  # groups of a column slice: SLICE words
+    _down_kernel[(n_parts, -(-n_groups // gps))](
+        idx, sv, cnt, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out, cnt.numel(), d_inter, n_words,
+        n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), UR=cfg["UR"], NW=cfg["NW"], GPS=gps,
+        WPG=wpg, ASM=words_d.device.type == "cuda" and not interpreting(),
+        BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, PDL=pdl, num_warps=cfg["NW"], num_stages=1,
+        **_pdl.launch_kwargs(pdl))
+    return out
