@@ -165,7 +165,10 @@ def test_kill_9_mid_write_leaves_the_previous_csv_intact(tmp_path):
 
 
 SWEEP = """
-import functools, sys, time
+import functools, signal, sys, time
+# Ctrl-C as a terminal delivers it: a shell runs background jobs with SIGINT ignored, and Python then keeps it
+# ignored (a `make test &` saw the child sleep through the signal)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lm_eval.tasks import TaskManager
 from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer
 import countdown.cli, countdown.eval.sweep.command as command, countdown.eval.sweep.measure as measure
