@@ -133,14 +133,12 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
 
     ``tokenizer`` None (or ``settings.speed_only``) measures speed only, with speed-only artifacts:
     the quality columns are left empty and ``quality`` says ``speed only``. Specs this library cannot
-    run are skipped with the reason logged. ``settings.int4`` adds, last, the dense row of the model quantized to
-    4 bits *in place* (``weights`` "int4"; the other rows' ``weights`` is the dtype as loaded)."""
+    run are skipped with the reason logged. ``settings.int4`` adds, last, each spec on a 4-bit copy with W_down
+    held transposed (``weights`` "int4-downT") and the dense row of the model quantized to 4 bits *in place*
+    (``weights`` "int4"; the other rows' ``weights`` is the dtype as loaded)."""
     from tqdm.auto import tqdm
 
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
-    from .speedonly import SpecUnavailable, retarget
-    from .runner import private_copy
 
     s = settings
     speed_only = s.speed_only or tokenizer is None
@@ -158,7 +156,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
     specs = [spec.resolved() for spec in map(parse_spec, s.specs) if not spec.is_dense]
-    total = 1 + len(specs) * len(s.ks)
+    total = 1 + len(specs) * len(s.ks) * (2 if s.int4 else 1) + (1 if s.int4 else 0)
     bar = tqdm(total=total, desc="countdown bench", disable=not progress)
     base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
             "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL",
@@ -173,50 +171,96 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
              "tokens_per_s": dense_tps, "dense_tokens_per_s": dense_tps, "path": "dense", "artifacts": ""}]
     bar.update(1)
     for spec in specs:
-        bar.set_postfix_str(spec.label)
-        try:
-            art, art_label = _artifacts(model, tokenizer, spec, s, speed_only)
-        except (SpecUnavailable, ValueError, TypeError) as error:
-            log(f"skipping {spec.label}: {type(error).__name__}: {str(error)[:200]}")
-            bar.update(len(s.ks))
-            continue
-        ks = sorted(s.ks, reverse=True)
-        quality = {}
-        for k in ks:
-            if speed_only:
-                from .measure import kept_fractions
-
-                sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
-                try:
-                    quality[k] = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
-                finally:
-                    unsparsify(model)
-                    reset_decoders()
-            else:
-                quality[k] = _quality(model, spec, k, art, held)
-        # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
-        sparsify(model, spec, ks[0], mode="prac", artifacts=private_copy(art), path=path)
-        try:
-            with _fast_step(model, fast):  # around every k: one compile serves them all
-                for k in ks:
-                    retarget(model, art, k)
-                    tps = _speed(model, prompt, s, harness)
-                    q = quality[k]
-                    rows.append({**base, "method": spec.label, "sparsity": k,
-                                 "sparsity_real": round(q["sparsity_real"], 4),
-                                 "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
-                                 "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
-                                 "decode_speedup": tps / dense_tps,
-                                 "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
-                                 "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
-                                 "artifacts": art_label})
-                    bar.update(1)
-        finally:
-            reset_decoders()
-            unsparsify(model)
+        rows += _spec_rows(model, tokenizer, spec, s, held, prompt, fast, harness, path, base, dense_tps, bar, log)
     if s.int4:
+        # the sparse 4-bit rows first (a copy of the model as loaded), listed after the dense 4-bit row (in place)
+        sparse4 = _int4_sparse_rows(model, tokenizer, specs, s, held, prompt, fast, harness, path, base, dense_tps,
+                                    bar, log) if specs else []
         rows.append(_int4_row(model, tokenizer, s, held, prompt, fast, harness, base, dense_tps, log))
+        rows += sparse4
     bar.close()
+    return rows
+
+
+def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: bool, harness: str, path: str,
+               base: dict, dense_tps: float, bar, log) -> list[dict]:
+    """The rows of one spec at every k on ``model``: quality on the model as held (``held``), speed over
+    ``dense_tps`` (the model as loaded, dense)."""
+    from ..decode.generate import reset_decoders
+    from ..sparse import sparsify, unsparsify
+    from .runner import private_copy
+    from .speedonly import SpecUnavailable, retarget
+
+    speed_only = s.speed_only or tokenizer is None
+    dense_ppl = None if held is None else held.dense_ppl
+    rows = []
+    bar.set_postfix_str(spec.label)
+    try:
+        art, art_label = _artifacts(model, tokenizer, spec, s, speed_only)
+    except (SpecUnavailable, ValueError, TypeError) as error:
+        log(f"skipping {spec.label}: {type(error).__name__}: {str(error)[:200]}")
+        bar.update(len(s.ks))
+        return rows
+    ks = sorted(s.ks, reverse=True)
+    quality = {}
+    for k in ks:
+        if speed_only:
+            from .measure import kept_fractions
+
+            sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
+            try:
+                quality[k] = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
+            finally:
+                unsparsify(model)
+                reset_decoders()
+        else:
+            quality[k] = _quality(model, spec, k, art, held)
+    # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
+    sparsify(model, spec, ks[0], mode="prac", artifacts=private_copy(art), path=path)
+    try:
+        with _fast_step(model, fast):  # around every k: one compile serves them all
+            for k in ks:
+                retarget(model, art, k)
+                tps = _speed(model, prompt, s, harness)
+                q = quality[k]
+                rows.append({**base, "method": spec.label, "sparsity": k,
+                             "sparsity_real": round(q["sparsity_real"], 4),
+                             "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
+                             "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
+                             "decode_speedup": tps / dense_tps,
+                             "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
+                             "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
+                             "artifacts": art_label})
+                bar.update(1)
+    finally:
+        reset_decoders()
+        unsparsify(model)
+    return rows
+
+
+def _int4_sparse_rows(model, tokenizer, specs, s: BenchSettings, held, prompt, fast: bool, harness: str, path: str,
+                      base: dict, dense_tps: float, bar, log) -> list[dict]:
+    """Sparse rows on 4-bit weights: each spec at each k on a copy of ``model`` quantized with W_down held
+    transposed (``countdown.quantize(transposed_down=True)``, RTN group 128, lm_head too: the layout whose skipped
+    rows are bytes not read; on CUDA a calibrated mono / cats threshold runs the kept-rows kernels, docs/int4.md),
+    calibrated on that copy; quality against the model as loaded, speed over its dense row. ``weights``
+    "int4-downT"."""
+    import copy
+
+    from ..int4 import quantize
+
+    quantized = quantize(copy.deepcopy(model), group=128, lm_head=True, transposed_down=True)
+    rows = []
+    try:
+        for spec in specs:
+            rows += _spec_rows(quantized, tokenizer, spec, s, held, prompt, fast, harness, path,
+                               {**base, "weights": "int4-downT"}, dense_tps, bar, log)
+    finally:
+        del quantized
+    for row in rows:
+        log(f"4-bit weights, W_down held transposed, {row['method']} k = {row['sparsity']}: "
+            f"{row['tokens_per_s']:.1f} tokens/s, {row['decode_speedup']:.2f}x the loaded model"
+            + ("" if row["ppl_increase"] == "" else f", perplexity {100 * row['ppl_increase']:+.1f} %"))
     return rows
 
 
@@ -224,7 +268,7 @@ def _int4_row(model, tokenizer, s: BenchSettings, held, prompt, fast: bool, harn
               dense_tps: float, log) -> dict:
     """The dense row of ``model`` quantized in place to 4 bits (every decoder Linear and lm_head, RTN group 128),
     scored against the model as loaded (``held``) and timed on the same harness: what a user gets from 4-bit weights
-    alone. (Sparse rows on 4-bit weights are not on this path yet: docs/int4.md.)"""
+    alone (the sparse 4-bit rows: :func:`_int4_sparse_rows`)."""
     from ..decode.generate import reset_decoders
     from ..int4 import quantize
     from .quality import compare_held, held_out
