@@ -11,7 +11,8 @@ default configuration's output first), then each method's best is timed at every
 k = 0, every row kept: the dense decode of a W_down held transposed) with its parts (indicator, select, down and
 add) by difference. Microseconds and the ratio to the bytes' roofline; the best configuration per method in
 ``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to ``<out>/rows.csv``:
-``run, device, date, stage, method, sparsity, config, us, dense_us, bytes, roofline_ratio``.
+``run, device, date, stage, method, sparsity, config, us, dense_us, bytes, roofline_ratio``; stage ``alone:select`` /
+``alone:down`` times each kernel alone on inputs computed once (bytes: the kept rows it reads).
 
 :func:`memory_rows`: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows,
 beside W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
@@ -115,6 +116,25 @@ class _Case:
 
         return time_graph([lambda m=m: self.run(*m, cfg, upto) for m in self.mlps])
 
+    def alone(self, cfg):
+        """Microseconds of the select kernel alone and of the down kernel alone, each on inputs computed once per
+        weight copy (the indicator's partials; select's row lists)."""
+        from ..kernels import _int4_rows
+        from .timing import time_graph
+
+        full = _int4_rows._config(cfg)
+        inds = [self.indicator(m[0]) for m in self.mlps]
+        others = [words(m[2] if self.rule == "dual" else m[0].stacked_from[0]) for m in self.mlps]
+
+        def select(i):
+            return _int4_rows.select(inds[i], self.x, *others[i], self.thr, self.rule, "silu", None, full)
+
+        picked = [select(i) for i in range(len(self.mlps))]
+        select_us = time_graph([lambda i=i: select(i) for i in range(len(self.mlps))])
+        down_us = time_graph([lambda i=i: _int4_rows.down(*picked[i], *words(self.mlps[i][2]), full)
+                              for i in range(len(self.mlps))])
+        return select_us, down_us
+
 
 def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     """See the module docstring. ``grids`` = (down configurations, select configurations)."""
@@ -138,11 +158,12 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     roof = lambda n: n / bw * 1e6  # noqa: E731
     log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof(3 * per_matrix):.2f}x roofline, {3 * per_matrix / 1e6:.1f} MB)")
 
-    def record(stage, method, k, case, cfg, us):
+    def record(stage, method, k, case, cfg, us, nbytes=None):
+        nbytes = case.bytes if nbytes is None else nbytes
         append(os.path.join(out, "rows.csv"), {**stamp, "stage": stage, "method": method, "sparsity": k,
                                                "config": str(cfg), "us": round(us, 2), "dense_us": round(dense_us, 2),
-                                               "bytes": int(case.bytes),
-                                               "roofline_ratio": round(us / roof(case.bytes), 3) if bw == bw else ""})
+                                               "bytes": int(nbytes),
+                                               "roofline_ratio": round(us / roof(nbytes), 3) if bw == bw else ""})
 
     def sweep(stage, method, k, case, configs, base):
         want = case.run(*mlps[0], base).float()
@@ -185,6 +206,15 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
             log(f"rows {method} k={k}: {us:7.1f} us = {dense_us / us:.2f}x the dense MLP ({us / roof(case.bytes):.2f}x "
                 f"its bytes' roofline, {case.bytes / 1e6:.1f} MB, at most {3 * per_matrix / case.bytes:.2f}x by bytes); "
                 f"indicator {ind_us:.1f}, + select {sel_us - ind_us:.1f}, + down and add {us - sel_us:.1f} us; {cfg}")
+            # each kernel alone, against the roofline of the rows it reads (select: the other matrix's kept rows, none
+            # for dual; down: W_down^T's kept rows)
+            select_alone, down_alone = case.alone(cfg)
+            kept = (1 - k) * per_matrix
+            record("alone:select", method, k, case, cfg, select_alone, kept if case.rule == "abs" else 0)
+            record("alone:down", method, k, case, cfg, down_alone, kept)
+            log(f"  alone: select {select_alone:.1f} us"
+                + (f" ({select_alone / roof(kept):.2f}x its rows' roofline)" if case.rule == "abs" and bw == bw else "")
+                + f", down {down_alone:.1f} us" + (f" ({down_alone / roof(kept):.2f}x)" if bw == bw else ""))
     import json
 
     with open(os.path.join(out, "rows_best.json"), "w") as f:
