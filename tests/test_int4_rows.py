@@ -87,7 +87,7 @@ def _threshold(values, k):
 
 # launch shapes: the defaults (sets of 128 rows, two per down program, two column slices, tiles of 8), and small sets
 # read in two chunks, three sets a down program (a flat walk across sets with tails), four column slices, tiles of 4
-SHAPES = [None, {"CHUNK": 16, "SET": 32, "BM": 4, "SUB": 3, "COLS": 4, "U": 4}]
+SHAPES = [None, {"CHUNK": 16, "SET": 32, "BM": 4, "SUB": 3, "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
@@ -164,19 +164,22 @@ def test_kept_rows_rejects_bad_input():
         _int4_rows.kept_rows(u.double(), x, gate, down_t, torch.tensor(0.0), "abs")
     with pytest.raises(ValueError, match="rows must match"):
         _int4_rows.kept_rows(u, x, quantize_rtn(torch.randn(96, 512), 32), down_t, torch.tensor(0.0), "abs")
+    with pytest.raises(ValueError, match="AHEAD"):
+        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"AHEAD": 3})
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the inline-asm path needs a GPU")
 def test_kept_rows_at_the_8b_shape_on_the_gpu():
-    """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path."""
+    """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path, at the default launch
+    and with two tiles of words in flight."""
     gate, up, down_t = _mlp(4096, 14336, 128, seed=5)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    for mode in ("abs", "dual"):
+    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 2})):
         ind = _indicator(x, gate, up, mode)
         thr = _threshold(_decided(ind, mode), 0.7)
         ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)
         out = _int4_rows.kept_rows(ind, x.to(DEV), _on(gate) if mode == "abs" else None, _on(down_t),
-                                   torch.tensor(thr), mode).sum(0).double().cpu()
+                                   torch.tensor(thr), mode, config=config).sum(0).double().cpu()
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, (mode, rel)
         assert abs(keep.float().mean().item() - 0.3) < 0.01

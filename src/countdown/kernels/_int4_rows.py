@@ -52,7 +52,8 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # rows), NW warps a program (one row stream each), UR rows a stream a tile. From benchmarks/int4_decode.py --parts
 # rows at the Llama-3.1-8B MLP (NVIDIA H200, 2026-11-28, run R5 of results/int4/rows.csv): its fastest but UR = 16
 # (UR = 32 was 5 % faster and doubles the worst-case rounding of the down sum, too loose to see a skipped row).
-CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, SUB=4, SLICE=16, UR=16, NW=1)
+# AHEAD: tiles of words a down warp has in flight (1 or 2; 2 not yet measured on a GPU: the next sweep's).
+CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, SUB=4, SLICE=16, UR=16, NW=1, AHEAD=1)
 
 
 @triton.jit
@@ -136,6 +137,8 @@ def _config(config: dict | None) -> dict:
     cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
+    if cfg["AHEAD"] not in (1, 2):
+        raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
     return cfg
 
 

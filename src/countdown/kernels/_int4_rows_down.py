@@ -154,14 +154,16 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 @triton.jit
 def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, SET: tl.constexpr,
                  SUB: tl.constexpr, SUBP: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
-                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0):
+                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, AHEAD: tl.constexpr = 1,
+                 PDL: tl.constexpr = 0):
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
     # tile in [16, 32): -1024 s' stays an fp16 even where s' rounds up to 32, and a sum of UR <= 16 products c s' stays
     # in fp16's range), then added to
-    # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + 2 and the words of tile q + 1 (whose rows came
-    # in the iteration before) while tile q is summed, so no word load waits on a row number just requested.
+    # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + AHEAD + 1 and the words of tile q + AHEAD (whose
+    # rows came in the iteration before) while tile q is summed, so no word load waits on a row number just requested;
+    # AHEAD = 2 keeps two tiles' words in flight a warp (twice the bytes in flight with one warp a program).
     if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output
         gdc_launch_dependents()
         gdc_wait()
@@ -175,7 +177,10 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
     rows, s = _slots(IDX, SV, CNT, 0, part, n_sets, slot, d_inter, SET, SUB, T)
     w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-    rows_n, s_n = _slots(IDX, SV, CNT, 1, part, n_sets, slot, d_inter, SET, SUB, T)
+    if AHEAD == 2:  # tile 1's words too, tile 2's rows
+        rows_m, s_m = _slots(IDX, SV, CNT, 1, part, n_sets, slot, d_inter, SET, SUB, T)
+        w_m, sc_m, of_m = _rows4(WD, SCD, OFD, rows_m, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
+    rows_n, s_n = _slots(IDX, SV, CNT, AHEAD, part, n_sets, slot, d_inter, SET, SUB, T)
     acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
@@ -186,7 +191,7 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     acc7 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     boff = tl.zeros([UR, NW, GPS], dtype=tl.float32)
     for q in range(0, total):
-        rows_nn, s_nn = _slots(IDX, SV, CNT, q + 2, part, n_sets, slot, d_inter, SET, SUB, T)
+        rows_nn, s_nn = _slots(IDX, SV, CNT, q + AHEAD + 1, part, n_sets, slot, d_inter, SET, SUB, T)
         w_n, sc_n, of_n = _rows4(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
         boff += s[:, :, None] * of
         sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
@@ -210,7 +215,11 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
             acc5 += _nibble_sum(w, 5, a16) * dn
             acc6 += _nibble_sum(w, 6, a16) * dn
             acc7 += _nibble_sum(w, 7, a16) * dn
-        s, w, sc, of, rows_n, s_n = s_n, w_n, sc_n, of_n, rows_nn, s_nn
+        if AHEAD == 2:
+            s, w, sc, of, s_m, w_m, sc_m, of_m = s_m, w_m, sc_m, of_m, s_n, w_n, sc_n, of_n
+        else:
+            s, w, sc, of = s_n, w_n, sc_n, of_n
+        rows_n, s_n = rows_nn, s_nn
     if BIG:
         base = part.to(tl.int64) * n_words * 8
     else:
@@ -243,7 +252,7 @@ def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
     _down_kernel[(n_parts, -(-n_groups // gps))](
         idx, sv, cnt, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out, cnt.numel(), d_inter, n_words,
         n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), UR=cfg["UR"], NW=cfg["NW"], GPS=gps,
-        WPG=wpg, ASM=words_d.device.type == "cuda" and not interpreting(),
+        WPG=wpg, AHEAD=cfg["AHEAD"], ASM=words_d.device.type == "cuda" and not interpreting(),
         BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, PDL=pdl, num_warps=cfg["NW"], num_stages=1,
         **_pdl.launch_kwargs(pdl))
     return out
