@@ -360,3 +360,29 @@ def test_down_scales_s_where_fp16_rounds_up():
     want = w.dequantize(torch.float64).t() @ s.double()
     assert torch.isfinite(out).all()
     assert ((out - want).abs() <= _down_bound(w, s.double(), cfg) + 1e-6).all()
+
+
+def test_sparsify_on_4bit_weights_says_where_the_rows_save_no_bytes(capsys):
+    """One line on stderr when sparsify cannot save W_down's bytes on 4-bit weights (W_down held as usual, or a
+    configuration the kept-rows kernels do not serve); none for a calibrated mono on a W_down held transposed, or on
+    float weights."""
+    import copy
+
+    from conftest import tiny_model
+
+    import countdown
+    from countdown.bench.speedonly import random_artifacts
+
+    base = tiny_model("llama", intermediate_size=128)
+    cases = [(False, "mono", "prac", "held as usual"), (True, "dual", "ideal", "dual (ideal) runs the patch's own"),
+             (True, "mono", "prac", None)]
+    for transposed, method, mode, said in cases:
+        model = countdown.quantize(copy.deepcopy(base), group=32, transposed_down=transposed)
+        art = random_artifacts(model, method, [0.6]) if mode == "prac" else None
+        capsys.readouterr()
+        countdown.sparsify(model, method, 0.6, mode=mode, artifacts=art)
+        err = capsys.readouterr().err
+        assert (said in err) if said else ("sparsify:" not in err), (transposed, method, err)
+        countdown.unsparsify(model)
+    countdown.sparsify(base, "dual", 0.6)
+    assert "sparsify:" not in capsys.readouterr().err
