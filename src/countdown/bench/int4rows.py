@@ -34,13 +34,14 @@ GROUP = 128
 # The kept-rows kernels' launch configurations, swept in two stages (kernels/_int4_rows.py: select, then down):
 # the down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of
 # words in flight; NW = 2 lost to 1 at every point of run R5) with the select kernel's defaults, then the select
-# kernel's (SET rows a program, BM rows a tile on A_WARPS warps; SUB follows SET so that a down program keeps its
-# rows) with the best down one.
+# kernel's (SET rows a program, BM rows a tile on A_WARPS warps, A_AHEAD tiles of words in flight; SUB follows SET
+# so that a down program keeps its rows; SET = 32 lost in runs R4 / R5) with the best down one.
 DOWN_GRID = [dict(SUB=sub, UR=ur, NW=1, SLICE=sl, AHEAD=ahead) for sub in (2, 4) for ur in (16, 32)
              for sl in (16, 32) for ahead in (1, 2)]                                                            # 16
-SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w) for st in (32, 64, 128) for bm in (8, 16) for w in (4, 8)]  # 12
+SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w, A_AHEAD=a) for st in (64, 128) for bm in (8, 16) for w in (4, 8)
+               for a in (1, 2)]                                                                                 # 16
 SMOKE_DOWN = [dict(SUB=1, UR=2, NW=1, SLICE=128), dict(SUB=2, UR=4, NW=2, SLICE=128, AHEAD=2)]
-SMOKE_SELECT = [dict(SET=64, BM=4, A_WARPS=1), dict(SET=128, BM=8, A_WARPS=2)]
+SMOKE_SELECT = [dict(SET=64, BM=4, A_WARPS=1), dict(SET=128, BM=8, A_WARPS=2, A_AHEAD=2)]
 RULES = {"mono": "abs", "dual": "dual"}
 FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
           "roofline_ratio"]

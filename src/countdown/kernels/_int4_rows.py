@@ -52,15 +52,15 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # rows), NW warps a program (one row stream each), UR rows a stream a tile. From benchmarks/int4_decode.py --parts
 # rows at the Llama-3.1-8B MLP (NVIDIA H200, 2026-11-28, run R5 of results/int4/rows.csv): its fastest but UR = 16
 # (UR = 32 was 5 % faster and doubles the worst-case rounding of the down sum, too loose to see a skipped row).
-# AHEAD: tiles of words a down warp has in flight (1 or 2; 2 not yet measured on a GPU: the next sweep's).
-CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, SUB=4, SLICE=16, UR=16, NW=1, AHEAD=1)
+# AHEAD / A_AHEAD: tiles of words in flight, down / select (1 or 2; 2 not yet timed on a GPU: the next sweep's).
+CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, A_AHEAD=1, SUB=4, SLICE=16, UR=16, NW=1, AHEAD=1)
 
 
 @triton.jit
 def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter, n_words, n_groups, ind_stride,
                    MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr,
                    BM: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
-                   COUNT: tl.constexpr, PDL: tl.constexpr = 0):
+                   COUNT: tl.constexpr, A_AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output or x
         gdc_launch_dependents()
         gdc_wait()
@@ -106,15 +106,15 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
     if MODE != 2:  # s of the kept rows: the other GEMV's rows, BM at a time
         tl.debug_barrier()  # the compacted list, written by every thread of the program, is read back below
         ri = tl.arange(0, BM)
-        rows = tl.where(ri < n, tl.load(IDX + set0 + ri, mask=ri < n, other=0), d_inter)
-        av = tl.load(SV + set0 + ri, mask=ri < n, other=0.0)
+        rows, av = _listed(IDX, SV, set0, ri, n, d_inter)
         w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-        rows_n = tl.where(BM + ri < n, tl.load(IDX + set0 + BM + ri, mask=BM + ri < n, other=0), d_inter)
-        av_n = tl.load(SV + set0 + BM + ri, mask=BM + ri < n, other=0.0)
+        if A_AHEAD == 2:  # tile 1's words too
+            rows_m, av_m = _listed(IDX, SV, set0, BM + ri, n, d_inter)
+            w_m, sc_m, of_m = _tile(WO, SCO, OFO, rows_m, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
+        rows_n, av_n = _listed(IDX, SV, set0, A_AHEAD * BM + ri, n, d_inter)
         for t in range(0, n, BM):
-            mn = t + 2 * BM + ri  # the rows two tiles ahead, the words of the next tile (its rows are in)
-            rows_nn = tl.where(mn < n, tl.load(IDX + set0 + mn, mask=mn < n, other=0), d_inter)
-            av_nn = tl.load(SV + set0 + mn, mask=mn < n, other=0.0)
+            # the rows A_AHEAD + 1 tiles ahead, the words of tile A_AHEAD ahead (its rows are in)
+            rows_nn, av_nn = _listed(IDX, SV, set0, t + (A_AHEAD + 1) * BM + ri, n, d_inter)
             w_n, sc_n, of_n = _tile(WO, SCO, OFO, rows_n, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
             d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                           e0, e1, e2, e3, 4, ASM)
@@ -123,8 +123,19 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
                 sv = av * _act(o, ACT)   # u act(g)
             else:
                 sv = o * _act(av, ACT)   # u act(g)
-            tl.store(SV + set0 + t + ri, sv, mask=t + ri < n)
-            av, w, sc, of, rows_n, av_n = av_n, w_n, sc_n, of_n, rows_nn, av_nn
+            tl.store(SV + set0 + t + ri, sv, mask=t + ri < n)  # (the rows read ahead are past t + BM)
+            if A_AHEAD == 2:
+                av, w, sc, of, av_m, w_m, sc_m, of_m = av_m, w_m, sc_m, of_m, av_n, w_n, sc_n, of_n
+            else:
+                av, w, sc, of = av_n, w_n, sc_n, of_n
+            rows_n, av_n = rows_nn, av_nn
+
+
+@triton.jit
+def _listed(IDX, SV, set0, m, n, d_inter):
+    """Row numbers (d_inter past the count n) and indicator values at positions m of a set's compacted list."""
+    return tl.where(m < n, tl.load(IDX + set0 + m, mask=m < n, other=0), d_inter), \
+        tl.load(SV + set0 + m, mask=m < n, other=0.0)
 
 
 def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,8 +148,9 @@ def _config(config: dict | None) -> dict:
     cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
-    if cfg["AHEAD"] not in (1, 2):
-        raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
+    for key in ("AHEAD", "A_AHEAD"):
+        if cfg[key] not in (1, 2):
+            raise ValueError(f"{key} (tiles of words in flight) is 1 or 2, got {cfg[key]}")
     return cfg
 
 
@@ -208,7 +220,7 @@ def select(ind, x, words_o, sc_o, of_o, threshold, mode, activation, count, cfg)
         MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=cfg["CHUNK"], SET=cfg["SET"],
         BM=cfg["BM"], SG=_pow2(n_groups), WPG=n_words // n_groups,
         ASM=x.device.type == "cuda" and not interpreting(), BIG=d_inter * n_words >= 2**31, COUNT=count is not None,
-        PDL=pdl, num_warps=cfg["A_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        A_AHEAD=cfg["A_AHEAD"], PDL=pdl, num_warps=cfg["A_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return idx, sv, cnt
 
 
