@@ -85,8 +85,7 @@ class PatchedMLP(nn.Module):
         # the graph reads the selector's buffers and the MLP's weights and adds to the counters where they were at
         # the capture: a weight moved since (int4.stack makes the 4-bit step's parts views of one tensor) captures
         # again (the old graph would read freed memory: NaN, found on the GPU)
-        module = self.mlp.module
-        tensors = (*self.selector.buffers(), *self.counters(), *module.parameters(), *module.buffers())
+        tensors = (*self.selector.buffers(), *self.counters(), *self._projection_tensors())
         key = (tuple(x2.shape), x2.dtype, tuple(b.data_ptr() for b in tensors))
         graphs = self.__dict__.setdefault("_graphs", {})
         entry = graphs.get(key[:2])
@@ -100,6 +99,13 @@ class PatchedMLP(nn.Module):
         x_in.copy_(x2)
         graph.replay()
         return y_out.clone()  # the next replay overwrites y_out
+
+    def _projection_tensors(self) -> list[torch.Tensor]:
+        """The weights (and biases, 4-bit buffers) of the MLP's own projections: their direct tensors only, read on
+        every eager kernel call."""
+        mlp = self.mlp
+        parts = [getattr(mlp.module, n) for n in (mlp.gate, mlp.up, mlp.fused, mlp.down) if n]
+        return [t for m in parts for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
 
     def block_forward(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``h + module(RMSNorm(h))`` (weight ``norm_w``, ``eps``) where a kernel route computes the norm and

@@ -97,6 +97,10 @@ class _Case:
         gu = _int4.launch(self.x, *words(gu_mod))
         return gu.view(gu.shape[0], 2, -1)
 
+    def other(self, gu_mod, down_t):
+        """The words of the matrix whose kept rows select reads: W_gate's for mono (dual: none, W_down^T's stand in)."""
+        return words(down_t if self.rule == "dual" else gu_mod.stacked_from[0])
+
     def run(self, gu_mod, down, down_t, cfg, upto="all"):
         """The sparse MLP as the step runs it: the indicator GEMV, select, down, the residual add (``upto``: stop
         after "indicator" or "select", for the parts' times)."""
@@ -106,8 +110,7 @@ class _Case:
         if upto == "indicator":
             return ind
         full = _int4_rows._config(cfg)
-        o = words(down_t if self.rule == "dual" else gu_mod.stacked_from[0])
-        picked = _int4_rows.select(ind, self.x, *o, self.thr, self.rule, "silu", None, full)
+        picked = _int4_rows.select(ind, self.x, *self.other(gu_mod, down_t), self.thr, self.rule, "silu", None, full)
         if upto == "select":
             return picked
         p = _int4_rows.down(*picked, *words(down_t), full)
@@ -126,7 +129,7 @@ class _Case:
 
         full = _int4_rows._config(cfg)
         inds = [self.indicator(m[0]) for m in self.mlps]
-        others = [words(m[2] if self.rule == "dual" else m[0].stacked_from[0]) for m in self.mlps]
+        others = [self.other(m[0], m[2]) for m in self.mlps]
 
         def select(i):
             return _int4_rows.select(inds[i], self.x, *others[i], self.thr, self.rule, "silu", None, full)
@@ -160,12 +163,12 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     roof = lambda n: n / bw * 1e6  # noqa: E731
     log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof(3 * per_matrix):.2f}x roofline, {3 * per_matrix / 1e6:.1f} MB)")
 
-    def record(stage, method, k, case, cfg, us, nbytes=None):
-        nbytes = case.bytes if nbytes is None else nbytes
+    def record(stage, method, k, case, cfg, us, read=None):
+        read = case.bytes if read is None else read
         append(os.path.join(out, "rows.csv"), {**stamp, "stage": stage, "method": method, "sparsity": k,
                                                "config": str(cfg), "us": round(us, 2), "dense_us": round(dense_us, 2),
-                                               "bytes": int(nbytes),
-                                               "roofline_ratio": round(us / roof(nbytes), 3) if bw == bw else ""})
+                                               "bytes": int(read),
+                                               "roofline_ratio": round(us / roof(read), 3) if bw == bw else ""})
 
     def sweep(stage, method, k, case, configs, base):
         want = case.run(*mlps[0], base).float()

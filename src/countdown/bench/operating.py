@@ -251,12 +251,9 @@ def _int4_sparse_rows(model, tokenizer, specs, s: BenchSettings, held, prompt, f
 
     quantized = quantize(copy.deepcopy(model), group=128, lm_head=True, transposed_down=True)
     rows = []
-    try:
-        for spec in specs:
-            rows += _spec_rows(quantized, tokenizer, spec, s, held, prompt, fast, harness, path,
-                               {**base, "weights": "int4-downT"}, dense_tps, bar, log)
-    finally:
-        del quantized
+    for spec in specs:
+        rows += _spec_rows(quantized, tokenizer, spec, s, held, prompt, fast, harness, path,
+                           {**base, "weights": "int4-downT"}, dense_tps, bar, log)
     for row in rows:
         log(f"4-bit weights, W_down held transposed, {row['method']} k = {row['sparsity']}: "
             f"{row['tokens_per_s']:.1f} tokens/s, {row['decode_speedup']:.2f}x the loaded model"
