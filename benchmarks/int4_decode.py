@@ -401,8 +401,9 @@ def main(argv=None):
         with torch.no_grad():
             int4rows.kernel_rows(device, (256, 512) if args.smoke else (4096, 14336),
                                  [float(k) for k in args.rows_ks.split(",")],
-                                 (int4rows.SMOKE_DOWN, int4rows.SMOKE_SELECT) if args.smoke
-                                 else (int4rows.DOWN_GRID, int4rows.SELECT_GRID), stamp, args.out, bw)
+                                 (int4rows.SMOKE_DOWN, int4rows.SMOKE_SELECT, int4rows.SMOKE_OTHER) if args.smoke
+                                 else (int4rows.DOWN_GRID, int4rows.SELECT_GRID, int4rows.OTHER_GRID), stamp,
+                                 args.out, bw)
     if "memory" in parts:
         from countdown.bench import int4rows
 

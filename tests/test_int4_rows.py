@@ -85,9 +85,11 @@ def _threshold(values, k):
     return float((v[i] + v[i + 1]) / 2)
 
 
-# launch shapes: the defaults (sets of 128 rows, two per down program, two column slices, tiles of 8), and small sets
-# read in two chunks, three sets a down program (a flat walk across sets with tails), four column slices, tiles of 4
-SHAPES = [None, {"CHUNK": 16, "SET": 32, "BM": 4, "A_AHEAD": 2, "SUB": 3, "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2}]
+# launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
+# tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets with tails), four column
+# slices, tiles of 4
+SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3, "SLICE": 32, "UR": 4,
+                 "NW": 2, "AHEAD": 2}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
@@ -166,17 +168,17 @@ def test_kept_rows_rejects_bad_input():
         _int4_rows.kept_rows(u, x, quantize_rtn(torch.randn(96, 512), 32), down_t, torch.tensor(0.0), "abs")
     with pytest.raises(ValueError, match="AHEAD"):
         _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"AHEAD": 3})
-    with pytest.raises(ValueError, match="A_AHEAD"):
-        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"A_AHEAD": 0})
+    with pytest.raises(ValueError, match="O_R"):
+        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_R": 0})
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the inline-asm path needs a GPU")
 def test_kept_rows_at_the_8b_shape_on_the_gpu():
     """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path, at the default launch
-    and with two tiles of words in flight."""
+    and with one tile of words in flight, two sets an other-GEMV program in tiles of 8 rows holding all of x."""
     gate, up, down_t = _mlp(4096, 14336, 128, seed=5)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 2, "A_AHEAD": 2})):
+    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 1, "O_SUB": 2, "O_R": 8, "O_COLS": 4096})):
         ind = _indicator(x, gate, up, mode)
         thr = _threshold(_decided(ind, mode), 0.7)
         ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)

@@ -4,15 +4,17 @@
 :func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
 activations, one token), weight copies cycled past the L2 cache. The dense MLP as the 4-bit step runs it (stacked
 gate/up GEMV, down GEMV reading its partials, the residual add summing the down GEMV's partials) against the sparse
-one (the indicator's GEMV, the select and down kernels, the residual add summing the partials). Launch
-configurations are swept in two stages at the first k (stage ``down``: the down kernel's grid on mono; stage
-``select``: the select kernel's grid on mono and dual with the best down configuration; each checked against the
-default configuration's output first), then each method's best is timed at every k (stage ``best``; dual also at
-k = 0, every row kept: the dense decode of a W_down held transposed) with its parts (indicator, select, down and
-add) by difference. Microseconds and the ratio to the bytes' roofline; the best configuration per method in
-``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to ``<out>/rows.csv``:
-``run, device, date, stage, method, sparsity, config, us, dense_us, bytes, roofline_ratio``; stage ``alone:select`` /
-``alone:down`` times each kernel alone on inputs computed once (bytes: the kept rows it reads).
+one (the indicator's GEMV, the select, other (mono) and down kernels, the residual add summing the partials). Launch
+configurations are swept in stages at the first k (stage ``down``: the down kernel's grid on mono; ``select``: the
+select kernel's on mono and dual with the best down configuration; ``other``: the other GEMV's on mono; each
+checked against the default configuration's output first), then each method's best is timed at every k (stage
+``best``; dual also at k = 0, every row kept: the dense decode of a W_down held transposed) with its parts
+(indicator, select, other, down and add) by difference. Microseconds and the ratio to the bytes' roofline; the best
+configuration per method in ``<out>/rows_best.json`` (``int4_decode.py --rows-config`` takes it). Rows append to
+``<out>/rows.csv``: ``run, device, date, stage, method, sparsity, config, us, dense_us, bytes, roofline_ratio``;
+stages ``alone:select`` / ``alone:other`` / ``alone:down`` time each kernel alone on inputs computed once (bytes:
+the kept rows it reads). Runs before R7 computed the other GEMV inside the select kernel: their ``select`` part
+holds both.
 
 :func:`memory_rows`: the 8B shape's bytes in memory (bf16, 4-bit, 4-bit with a W_down^T per layer for sparse rows,
 beside W_down or instead of it), by arithmetic on the format's sizes on the meta device: ``<out>/memory.csv``
@@ -31,17 +33,20 @@ from ..int4 import Int4Linear, quantize_rtn, stack
 from ..int4.format import nbytes
 
 GROUP = 128
-# The kept-rows kernels' launch configurations, swept in two stages (kernels/_int4_rows.py: select, then down):
-# the down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of
-# words in flight; NW = 2 lost to 1 at every point of run R5) with the select kernel's defaults, then the select
-# kernel's (SET rows a program, BM rows a tile on A_WARPS warps, A_AHEAD tiles of words in flight; SUB follows SET
-# so that a down program keeps its rows; SET = 32 lost in runs R4 / R5) with the best down one.
+# The kept-rows kernels' launch configurations (kernels/_int4_rows.py: select, other, down), swept in stages: the
+# down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of words in
+# flight; NW = 2 lost to 1 at every point of run R5) with the others' defaults, then the select kernel's (SET rows a
+# program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET = 32 lost in runs R4 / R5) on
+# mono and dual, then the other GEMV's on mono (O_SUB sets a program, tiles of O_R rows, slices of O_COLS columns,
+# O_WARPS warps).
 DOWN_GRID = [dict(SUB=sub, UR=ur, NW=1, SLICE=sl, AHEAD=ahead) for sub in (2, 4) for ur in (16, 32)
              for sl in (16, 32) for ahead in (1, 2)]                                                            # 16
-SELECT_GRID = [dict(SET=st, BM=bm, A_WARPS=w, A_AHEAD=a) for st in (64, 128) for bm in (8, 16) for w in (4, 8)
-               for a in (1, 2)]                                                                                 # 16
+SELECT_GRID = [dict(SET=st, A_WARPS=w) for st in (64, 128) for w in (4, 8)]                                     # 4
+OTHER_GRID = [dict(O_SUB=sub, O_R=r, O_COLS=cols, O_WARPS=w) for sub in (1, 2) for r in (8, 16)
+              for cols in (1024, 2048) for w in (4, 8)]                                                         # 16
 SMOKE_DOWN = [dict(SUB=1, UR=2, NW=1, SLICE=128), dict(SUB=2, UR=4, NW=2, SLICE=128, AHEAD=2)]
-SMOKE_SELECT = [dict(SET=64, BM=4, A_WARPS=1), dict(SET=128, BM=8, A_WARPS=2, A_AHEAD=2)]
+SMOKE_SELECT = [dict(SET=64, A_WARPS=1), dict(SET=128, A_WARPS=2)]
+SMOKE_OTHER = [dict(O_SUB=1, O_R=4, O_COLS=128, O_WARPS=1), dict(O_SUB=2, O_R=8, O_COLS=256, O_WARPS=2)]
 RULES = {"mono": "abs", "dual": "dual"}
 FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
           "roofline_ratio"]
@@ -97,24 +102,31 @@ class _Case:
         gu = _int4.launch(self.x, *words(gu_mod))
         return gu.view(gu.shape[0], 2, -1)
 
-    def other(self, gu_mod, down_t):
-        """The words of the matrix whose kept rows select reads: W_gate's for mono (dual: none, W_down^T's stand in)."""
-        return words(down_t if self.rule == "dual" else gu_mod.stacked_from[0])
-
     def run(self, gu_mod, down, down_t, cfg, upto="all"):
-        """The sparse MLP as the step runs it: the indicator GEMV, select, down, the residual add (``upto``: stop
-        after "indicator" or "select", for the parts' times)."""
+        """The sparse MLP as the step runs it: the indicator GEMV, select, other (mono), down, the residual add
+        (``upto``: stop after "indicator", "select" or "other", for the parts' times)."""
         from ..kernels import _int4_rows
 
         ind = self.indicator(gu_mod)
         if upto == "indicator":
             return ind
         full = _int4_rows._config(cfg)
-        picked = _int4_rows.select(ind, self.x, *self.other(gu_mod, down_t), self.thr, self.rule, "silu", None, full)
+        picked = _int4_rows.select(ind, down_t.qweight.shape[0], self.thr, self.rule, "silu", None, full)
         if upto == "select":
             return picked
-        p = _int4_rows.down(*picked, *words(down_t), full)
+        o = self.other_rows(gu_mod, picked, full)
+        if upto == "other":
+            return o
+        p = _int4_rows.down(*picked, *words(down_t), full, o, self.rule)
         return torch.ops.countdown.decode_add_partials(self.h, p, None)
+
+    def other_rows(self, gu_mod, picked, full):
+        """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
+        from ..kernels import _int4_rows
+
+        if self.rule == "dual":
+            return None
+        return _int4_rows.other(self.x, *words(gu_mod.stacked_from[0]), picked[0], picked[2], full)
 
     def time(self, cfg, upto="all"):
         from .timing import time_graph
@@ -122,31 +134,35 @@ class _Case:
         return time_graph([lambda m=m: self.run(*m, cfg, upto) for m in self.mlps])
 
     def alone(self, cfg):
-        """Microseconds of the select kernel alone and of the down kernel alone, each on inputs computed once per
-        weight copy (the indicator's partials; select's row lists)."""
+        """Microseconds of the select, other and down kernels each alone, on inputs computed once per weight copy
+        (the indicator's partials; select's row lists; the other GEMV's partials). Other: 0 for dual."""
         from ..kernels import _int4_rows
         from .timing import time_graph
 
         full = _int4_rows._config(cfg)
+        n = len(self.mlps)
         inds = [self.indicator(m[0]) for m in self.mlps]
-        others = [self.other(m[0], m[2]) for m in self.mlps]
+        d_inter = self.mlps[0][2].qweight.shape[0]
 
         def select(i):
-            return _int4_rows.select(inds[i], self.x, *others[i], self.thr, self.rule, "silu", None, full)
+            return _int4_rows.select(inds[i], d_inter, self.thr, self.rule, "silu", None, full)
 
-        picked = [select(i) for i in range(len(self.mlps))]
-        select_us = time_graph([lambda i=i: select(i) for i in range(len(self.mlps))])
-        down_us = time_graph([lambda i=i: _int4_rows.down(*picked[i], *words(self.mlps[i][2]), full)
-                              for i in range(len(self.mlps))])
-        return select_us, down_us
+        picked = [select(i) for i in range(n)]
+        others = [self.other_rows(self.mlps[i][0], picked[i], full) for i in range(n)]
+        select_us = time_graph([lambda i=i: select(i) for i in range(n)])
+        other_us = 0.0 if self.rule == "dual" else time_graph(
+            [lambda i=i: self.other_rows(self.mlps[i][0], picked[i], full) for i in range(n)])
+        down_us = time_graph([lambda i=i: _int4_rows.down(*picked[i], *words(self.mlps[i][2]), full, others[i],
+                                                          self.rule) for i in range(n)])
+        return select_us, other_us, down_us
 
 
 def kernel_rows(device, shape, ks, grids, stamp, out, bw):
-    """See the module docstring. ``grids`` = (down configurations, select configurations)."""
+    """See the module docstring. ``grids`` = (down, select, other configurations)."""
     from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
     from .timing import time_graph
 
-    down_grid, select_grid = grids
+    down_grid, select_grid, other_grid = grids
     d_model, d_inter = shape
     per_matrix = nbytes(d_inter, d_model, GROUP)
     sets = max(2, math.ceil((256 << 20) / (3 * per_matrix))) if device == "cuda" else 1
@@ -168,7 +184,7 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
         append(os.path.join(out, "rows.csv"), {**stamp, "stage": stage, "method": method, "sparsity": k,
                                                "config": str(cfg), "us": round(us, 2), "dense_us": round(dense_us, 2),
                                                "bytes": int(read),
-                                               "roofline_ratio": round(us / roof(read), 3) if bw == bw else ""})
+                                               "roofline_ratio": round(us / roof(read), 3) if bw == bw and read else ""})
 
     def sweep(stage, method, k, case, configs, base):
         want = case.run(*mlps[0], base).float()
@@ -199,26 +215,33 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     best = {}
     for method in RULES:
         best[method] = sweep("select", method, k0, _Case(method, k0, mlps, x, h, per_matrix), select_grid, best_down)
+    best["mono"] = sweep("other", "mono", k0, _Case("mono", k0, mlps, x, h, per_matrix), other_grid, best["mono"])
     for method in RULES:
         for k in [*ks, 0.0] if method == "dual" else ks:  # dual at k = 0: every row kept (a W_down held transposed)
             case = _Case(method, k, mlps, x, h, per_matrix)
             cfg = best[method]
             us = case.time(cfg)
             ind_us, sel_us = case.time(cfg, "indicator"), case.time(cfg, "select")
+            oth_us = case.time(cfg, "other") if case.rule == "abs" else sel_us  # (dual: no other GEMV)
             record("best", method, k, case, cfg, us)
-            for part, part_us in (("indicator", ind_us), ("select", sel_us - ind_us), ("down_and_add", us - sel_us)):
+            for part, part_us in (("indicator", ind_us), ("select", sel_us - ind_us), ("other", oth_us - sel_us),
+                                  ("down_and_add", us - oth_us)):
                 record(f"part:{part}", method, k, case, cfg, part_us)
             log(f"rows {method} k={k}: {us:7.1f} us = {dense_us / us:.2f}x the dense MLP ({us / roof(case.bytes):.2f}x "
                 f"its bytes' roofline, {case.bytes / 1e6:.1f} MB, at most {3 * per_matrix / case.bytes:.2f}x by bytes); "
-                f"indicator {ind_us:.1f}, + select {sel_us - ind_us:.1f}, + down and add {us - sel_us:.1f} us; {cfg}")
-            # each kernel alone, against the roofline of the rows it reads (select: the other matrix's kept rows, none
+                f"indicator {ind_us:.1f}, + select {sel_us - ind_us:.1f}, + other {oth_us - sel_us:.1f}, + down and "
+                f"add {us - oth_us:.1f} us; {cfg}")
+            # each kernel alone, against the roofline of the rows it reads (other: the other matrix's kept rows, none
             # for dual; down: W_down^T's kept rows)
-            select_alone, down_alone = case.alone(cfg)
+            select_alone, other_alone, down_alone = case.alone(cfg)
             kept = (1 - k) * per_matrix
-            record("alone:select", method, k, case, cfg, select_alone, kept if case.rule == "abs" else 0)
+            record("alone:select", method, k, case, cfg, select_alone, 0)
+            if case.rule == "abs":
+                record("alone:other", method, k, case, cfg, other_alone, kept)
             record("alone:down", method, k, case, cfg, down_alone, kept)
             log(f"  alone: select {select_alone:.1f} us"
-                + (f" ({select_alone / roof(kept):.2f}x its rows' roofline)" if case.rule == "abs" and bw == bw else "")
+                + (f", other {other_alone:.1f} us ({other_alone / roof(kept):.2f}x its rows' roofline)"
+                   if case.rule == "abs" and bw == bw else "")
                 + f", down {down_alone:.1f} us" + (f" ({down_alone / roof(kept):.2f}x)" if bw == bw else ""))
     import json
 
@@ -238,7 +261,8 @@ def rows_report(out: str) -> None:
     lines = ["# Sparse rows on 4-bit weights: one Gated-MLP", "",
              "Llama-3.1-8B MLP (4096 x 14336, RTN group 128, random weights), one token, weight copies cycled past L2; "
              "`PYTHONPATH=src python benchmarks/int4_decode.py --parts rows` (countdown.bench.int4rows). Microseconds; "
-             "the parts by difference (indicator GEMV, select kernel, down kernel and residual add).", ""]
+             "the parts by difference (indicator GEMV, select kernel, other GEMV's kept rows, down kernel and residual "
+             "add; before run R7 the select kernel computed the other GEMV's rows: its column holds both).", ""]
     def of_run(run):  # (each method's best at each k, {(method, k, part): us}) of one run
         return ([r for r in rows if r["run"] == run and r["stage"] == "best"],
                 {(r["method"], r["sparsity"], r["stage"][5:]): float(r["us"]) for r in rows
@@ -248,10 +272,10 @@ def rows_report(out: str) -> None:
     for run in runs:
         best, part = of_run(run)
         lines += [f"## Run {run} ({best[0]['device']}, {best[0]['date']}): dense MLP {float(best[0]['dense_us']):.1f} us",
-                  "", "| method | k | MB read | us | vs dense | x roofline | indicator | select | down and add |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "", "| method | k | MB read | us | vs dense | x roofline | indicator | select | other | down and add |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in best:
-            p = [part.get((r["method"], r["sparsity"], n)) for n in ("indicator", "select", "down_and_add")]
+            p = [part.get((r["method"], r["sparsity"], n)) for n in ("indicator", "select", "other", "down_and_add")]
             cells = " | ".join("-" if v is None else f"{v:.1f}" for v in p)
             lines.append(f"| {r['method']} | {r['sparsity']} | {int(r['bytes']) / 1e6:.1f} | {float(r['us']):.1f} | "
                          f"{float(r['dense_us']) / float(r['us']):.2f}x | {r['roofline_ratio']} | {cells} |")
@@ -263,7 +287,7 @@ def rows_report(out: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['method']} k={r['sparsity']}" for r in best]
     bottom = [0.0] * len(best)
-    for name in ("indicator", "select", "down_and_add"):
+    for name in ("indicator", "select", "other", "down_and_add"):
         vals = [part.get((r["method"], r["sparsity"], name), 0.0) for r in best]
         ax.barh(labels, vals, left=bottom, label=name.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -16,21 +16,21 @@ read. (In W_down's own layout, groups along d_inter, a row of W_down^T is one ni
 skipped; docs/int4.md measures what the transposed grouping costs in quality.) Bytes a token: the indicator's matrix
 in full (both for dual), then for each kept row one row of the other matrix (not for dual) and one row of Wd~t.
 
-Two launches, each shaped like a GEMV rather than like a loop over chunks:
+Three launches for mono / cats, two for dual, each shaped like a GEMV rather than like a loop over chunks:
 
 * **select** (one program per set of SET rows): sums the indicator's partials CHUNK rows at a time, keeps the rows
-  past the threshold and writes them compacted (``IDX``: row numbers, ``SV``: their indicator), in row order, at the
-  set's own offset, and their count (``CNT``). For mono / cats it then walks the compacted list BM rows at a time
-  (the rows two tiles ahead and the words of the next requested before the current one's arithmetic) computing the
-  other GEMV's rows
-  (the dot products of kernels/_int4.py: x paired once per program) and overwrites ``SV`` with s. The kernel counts
-  its kept rows (Sparsity-Real, ``_count.py``).
-* **down** (``_int4_rows_down.py``, a grid of SUB sets x column slices of SLICE words): row streams of the kept
-  rows of Wd~t (one warp a program by default), UR rows of a stream summed inside each thread as fp16x2 products of
-  the nibbles and s' = s scale 2**e (e per stream and group), then added to fp32 accumulators: fp32 partials.
+  past the threshold and writes them compacted (``IDX``: row numbers, ``SV``: their indicator, s for dual), in row
+  order, at the set's own offset, and their count (``CNT``). It counts its kept rows (Sparsity-Real, ``_count.py``).
+* **other** (``_int4_rows_other.py``, mono / cats): the other GEMV on the kept rows only, the dense 4-bit GEMV's
+  arithmetic and shape of work (a slice of x a program, tiles of kept rows): fp32 partial sums at the lists'
+  positions.
+* **down** (``_int4_rows_down.py``, a grid of SUB sets x column slices of SLICE words): s of each kept row (from SV
+  and the other GEMV's partials), then row streams of the kept rows of Wd~t (one warp a program by default), UR rows
+  of a stream summed inside each thread as fp16x2 products of the nibbles and s' = s scale 2**e (e per stream and
+  group), then added to fp32 accumulators: fp32 partials.
 
-Both launch with PDL where the decode step has it on (``_pdl.py``): each waits for the previous kernel at its start,
-so only the launch gap is saved.
+Each launches with PDL where the decode step has it on (``_pdl.py``): each waits for the previous kernel at its
+start, so only the launch gap is saved.
 """
 
 from __future__ import annotations
@@ -40,41 +40,33 @@ import triton
 import triton.language as tl
 
 from ._count import add_count
-from ._gemv import _word_dot, _xload
-from ._glu import _act, _pow2
-from ._int4 import _paired_x, _tile
+from ._glu import _act
 from ._int4_rows_down import down
+from ._int4_rows_other import other
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
-# select: SET rows a program, read CHUNK at a time, the other GEMV BM kept rows a tile on A_WARPS warps;
-# down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads over 16 words x UR
-# rows), NW warps a program (one row stream each), UR rows a stream a tile. From benchmarks/int4_decode.py --parts
-# rows at the Llama-3.1-8B MLP (NVIDIA H200, 2026-11-28, run R5 of results/int4/rows.csv): its fastest but UR = 16
-# (UR = 32 was 5 % faster and doubles the worst-case rounding of the down sum, too loose to see a skipped row).
-# AHEAD / A_AHEAD: tiles of words in flight, down / select (1 or 2; 2 not yet timed on a GPU: the next sweep's).
-CONFIG = dict(CHUNK=64, SET=128, BM=8, A_WARPS=8, A_AHEAD=1, SUB=4, SLICE=16, UR=16, NW=1, AHEAD=1)
+# select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
+# tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices of
+# SLICE words (16: a warp's threads over 16 words x UR rows), NW warps a program (one row stream each), UR rows a
+# stream a tile, AHEAD tiles of words in flight. The fastest of benchmarks/int4_decode.py --parts rows at the
+# Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, run R7 of results/int4/rows.csv; dual's best, SET 64
+# and A_WARPS 8, was 0.5 % faster for dual) but UR = 16: UR = 32 was 5-7 % faster a sparse MLP in runs R5 to R7, but
+# sums 32 products in fp16 before fp32 (a worst case of 33 2**-11 of a column's |terms|, and in the float64 tests an
+# error a tenth of the smallest kept row's contribution: too close to tell a skipped row).
+CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=16, NW=1,
+              AHEAD=2)
 
 
 @triton.jit
-def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter, n_words, n_groups, ind_stride,
-                   MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr,
-                   BM: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
-                   COUNT: tl.constexpr, A_AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0):
-    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output or x
+def _select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, d_inter, ind_stride, MODE: tl.constexpr, ACT: tl.constexpr,
+                   S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
+                   PDL: tl.constexpr = 0):
+    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
     set0 = b * SET
-    if MODE != 2:  # x of the other GEMV first (paired as kernels/_int4.py pairs it): its loads overlap the indicator's
-        gl = tl.arange(0, SG)
-        gm = gl < n_groups
-        wcol = gl[:, None] * WPG + tl.arange(0, WPG)[None, :]
-        wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
-        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
-            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
-            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
-            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
     thr = tl.load(THR).to(tl.float32)
     cr = tl.arange(0, CHUNK)
     n = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
@@ -103,39 +95,6 @@ def _select_kernel(IND, X, WO, SCO, OFO, IDX, SV, CNT, THR, KEPT, ROWS, d_inter,
     tl.store(CNT + b, n)
     if COUNT:
         add_count(KEPT, ROWS, n, d_inter, b == 0)
-    if MODE != 2:  # s of the kept rows: the other GEMV's rows, BM at a time
-        tl.debug_barrier()  # the compacted list, written by every thread of the program, is read back below
-        ri = tl.arange(0, BM)
-        rows, av = _listed(IDX, SV, set0, ri, n, d_inter)
-        w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-        if A_AHEAD == 2:  # tile 1's words too
-            rows_m, av_m = _listed(IDX, SV, set0, BM + ri, n, d_inter)
-            w_m, sc_m, of_m = _tile(WO, SCO, OFO, rows_m, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-        rows_n, av_n = _listed(IDX, SV, set0, A_AHEAD * BM + ri, n, d_inter)
-        for t in range(0, n, BM):
-            # the rows A_AHEAD + 1 tiles ahead, the words of tile A_AHEAD ahead (its rows are in)
-            rows_nn, av_nn = _listed(IDX, SV, set0, t + (A_AHEAD + 1) * BM + ri, n, d_inter)
-            w_n, sc_n, of_n = _tile(WO, SCO, OFO, rows_n, d_inter, n_words, n_groups, wcol, gl, gm, BIG)
-            d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
-                          e0, e1, e2, e3, 4, ASM)
-            o = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
-            if MODE == 0:
-                sv = av * _act(o, ACT)   # u act(g)
-            else:
-                sv = o * _act(av, ACT)   # u act(g)
-            tl.store(SV + set0 + t + ri, sv, mask=t + ri < n)  # (the rows read ahead are past t + BM)
-            if A_AHEAD == 2:
-                av, w, sc, of, av_m, w_m, sc_m, of_m = av_m, w_m, sc_m, of_m, av_n, w_n, sc_n, of_n
-            else:
-                av, w, sc, of = av_n, w_n, sc_n, of_n
-            rows_n, av_n = rows_nn, av_nn
-
-
-@triton.jit
-def _listed(IDX, SV, set0, m, n, d_inter):
-    """Row numbers (d_inter past the count n) and indicator values at positions m of a set's compacted list."""
-    return tl.where(m < n, tl.load(IDX + set0 + m, mask=m < n, other=0), d_inter), \
-        tl.load(SV + set0 + m, mask=m < n, other=0.0)
 
 
 def _words(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,9 +107,11 @@ def _config(config: dict | None) -> dict:
     cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
-    for key in ("AHEAD", "A_AHEAD"):
-        if cfg[key] not in (1, 2):
-            raise ValueError(f"{key} (tiles of words in flight) is 1 or 2, got {cfg[key]}")
+    if cfg["AHEAD"] not in (1, 2):
+        raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
+    for key in ("SUB", "O_SUB", "O_R", "UR", "NW"):
+        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
+            raise ValueError(f"{key} is a positive integer, got {cfg[key]!r}")
     return cfg
 
 
@@ -193,34 +154,30 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
         if words_o.shape != words_d.shape or sc_o.shape != sc_d.shape:
             raise ValueError(f"the other weight's rows must match W_down^T's: words {tuple(words_o.shape)} vs "
                              f"{tuple(words_d.shape)}, scales {tuple(sc_o.shape)} vs {tuple(sc_d.shape)}")
-    else:
-        words_o, sc_o, of_o = words_d, sc_d, of_d  # not read
     cfg = _config(config)
-    return down(*select(ind, x, words_o, sc_o, of_o, threshold, mode, activation, count, cfg), words_d, sc_d, of_d,
-                cfg)
+    idx, sv, cnt = select(ind, d_inter, threshold, mode, activation, count, cfg)
+    o = None if dual else other(x, words_o, sc_o, of_o, idx, cnt, cfg)
+    return down(idx, sv, cnt, words_d, sc_d, of_d, cfg, o, mode, activation)
 
 
-def select(ind, x, words_o, sc_o, of_o, threshold, mode, activation, count, cfg):
-    """The select kernel: (IDX, SV, CNT), the kept rows of each set of ``cfg["SET"]`` rows compacted (row numbers, s),
-    and their count per set. ``words_o`` etc.: the other weight's (W_down^T's for dual: any of the same shape)."""
+def select(ind, d_inter, threshold, mode, activation, count, cfg):
+    """The select kernel: (IDX, SV, CNT), the kept rows of each set of ``cfg["SET"]`` rows compacted (row numbers and
+    the indicator: u for mono, g for cats, s for dual), and their count per set."""
     from . import _pdl
-    from ._common import act_code, interpreting
+    from ._common import act_code
 
-    (d_inter, n_words), n_groups = words_o.shape, sc_o.shape[1]
     n_sets = -(-d_inter // cfg["SET"])
     want = (2 * d_inter) if mode == "dual" else d_inter
-    idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=x.device)
-    sv = torch.empty(n_sets * cfg["SET"], dtype=torch.float32, device=x.device)
-    cnt = torch.empty(n_sets, dtype=torch.int32, device=x.device)
+    idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=ind.device)
+    sv = torch.empty(n_sets * cfg["SET"], dtype=torch.float32, device=ind.device)
+    cnt = torch.empty(n_sets, dtype=torch.int32, device=ind.device)
     kept, rows = count if count is not None else (cnt, cnt)
-    pdl = _pdl.mode(x)
+    pdl = _pdl.mode(ind)
     _select_kernel[(n_sets,)](
-        ind.contiguous(), x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(), idx, sv, cnt,
-        threshold.reshape(1).to(device=x.device, dtype=torch.float32), kept, rows, d_inter, n_words, n_groups, want,
-        MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=cfg["CHUNK"], SET=cfg["SET"],
-        BM=cfg["BM"], SG=_pow2(n_groups), WPG=n_words // n_groups,
-        ASM=x.device.type == "cuda" and not interpreting(), BIG=d_inter * n_words >= 2**31, COUNT=count is not None,
-        A_AHEAD=cfg["A_AHEAD"], PDL=pdl, num_warps=cfg["A_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        ind.contiguous(), idx, sv, cnt, threshold.reshape(1).to(device=ind.device, dtype=torch.float32), kept, rows,
+        d_inter, want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=cfg["CHUNK"],
+        SET=cfg["SET"], COUNT=count is not None, PDL=pdl, num_warps=cfg["A_WARPS"], num_stages=1,
+        **_pdl.launch_kwargs(pdl))
     return idx, sv, cnt
 
 

@@ -1,12 +1,12 @@
-"""Triton kernel: the down half of sparse rows on 4-bit weights (kernels/_int4_rows.py says what the two launches
+"""Triton kernel: the down half of sparse rows on 4-bit weights (kernels/_int4_rows.py says what the launches
 compute): fp32 partials [P, d_model], P[b] = sum over the kept rows of SUB sets of s[i] Wd~t[i], from the select
-kernel's compacted row lists.
+kernel's compacted row lists (s as select wrote it for dual; for mono / cats formed here from the indicator value
+and the other GEMV's partial sums at the row's list position).
 
 A grid of SUB sets x column slices of SLICE words; NW warps a program (one by default), each its own stream of kept
 rows with its own accumulators (summed across the warps once, at the end), UR rows of a stream a tile: one flat
-loop over the sets' tiles, the set of a tile found by scalar arithmetic on the sets' counts (a reduction over the
-sets crossed warps at every tile: a shared-memory round trip and barriers, session 30), the rows two tiles ahead and
-the words of the next requested before the current one's arithmetic. A stream's UR rows are summed inside each
+loop over the sets' tiles (``_int4_rows_list.py``), the rows two tiles ahead and the words of the next requested
+before the current one's arithmetic. A stream's UR rows are summed inside each
 thread as fp16x2 products: one ``lop3`` puts two nibbles in 1024's mantissa (as kernels/_gemv.py), one fma with
 (s', s') and -1024 (s', s') leaves c s' rounded once, s' = s scale 2**e scaled per stream and group; then added to
 fp32 times 2**-e. The offsets' term (``s offset`` per group) is fp32, summed once at the end. Partials are written
@@ -19,43 +19,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ._glu import _pow2
+from ._glu import _act, _pow2
+from ._int4_rows_list import q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _slots(IDX, SV, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr):
-    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets, at ``slot`` (values 0..T-1,
-    any shape): a flat walk of the sets' tiles of T rows; q at or past their sum gives no row. Scalars only (the
-    counts are read again each tile, from L1): a reduction over the sets would cross warps every tile."""
-    end = q * 0
-    first = end
-    cnt = end
-    j = end
-    for jj in tl.static_range(SUB):
-        set_j = part * SUB + jj
-        c = tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
-        t = (c + T - 1) // T
-        inside = (q >= end) & (q < end + t)
-        first = tl.where(inside, end, first)
-        cnt = tl.where(inside, c, cnt)
-        j = tl.where(inside, jj, j)
-        end += t
-    m = (q - first) * T + slot
-    valid = m < cnt
-    base = (part * SUB + j) * SET
-    rows = tl.load(IDX + base + m, mask=valid, other=0)
-    return tl.where(valid, rows, d_inter), tl.load(SV + base + m, mask=valid, other=0.0)
-
-
-@triton.jit
-def q_total(CNT, part, n_sets, SUB: tl.constexpr, T: tl.constexpr):
-    """The number of tiles of T rows of a down program's SUB sets."""
-    total = part * 0
-    for jj in tl.static_range(SUB):
-        set_j = part * SUB + jj
-        total += (tl.load(CNT + set_j, mask=set_j < n_sets, other=0) + T - 1) // T
-    return total
+def _slots(IDX, SV, CNT, O, q, part, n_sets, slot, d_inter, n_pos, SET: tl.constexpr, SUB: tl.constexpr,
+           T: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr):
+    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets at ``slot``: s as the select
+    kernel wrote it (OS = 0, dual), or from its indicator value and the other GEMV's OS partial sums at the row's list
+    position (MODE 0, mono: u act(g); 1, cats: u of the partials times act(g))."""
+    rows, pos, valid = tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET, SUB, T)
+    sv = tl.load(SV + pos, mask=valid, other=0.0)
+    if OS > 0:
+        o = tl.load(O + pos, mask=valid, other=0.0)
+        for i in tl.static_range(1, OS):
+            o += tl.load(O + i * n_pos + pos, mask=valid, other=0.0)
+        if MODE == 0:
+            sv = sv * _act(o, ACT)
+        else:
+            sv = o * _act(sv, ACT)
+    return rows, sv
 
 
 @triton.jit
@@ -152,10 +137,10 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 
 
 @triton.jit
-def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, SET: tl.constexpr,
-                 SUB: tl.constexpr, SUBP: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
-                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, AHEAD: tl.constexpr = 1,
-                 PDL: tl.constexpr = 0):
+def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, n_pos, SET: tl.constexpr,
+                 SUB: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
+                 ASM: tl.constexpr, BIG: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
+                 AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0):
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
@@ -175,12 +160,12 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     T: tl.constexpr = UR * NW
     total = q_total(CNT, part, n_sets, SUB, T)
     slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
-    rows, s = _slots(IDX, SV, CNT, 0, part, n_sets, slot, d_inter, SET, SUB, T)
+    rows, s = _slots(IDX, SV, CNT, O, 0, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
     w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
     if AHEAD == 2:  # tile 1's words too, tile 2's rows
-        rows_m, s_m = _slots(IDX, SV, CNT, 1, part, n_sets, slot, d_inter, SET, SUB, T)
+        rows_m, s_m = _slots(IDX, SV, CNT, O, 1, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
         w_m, sc_m, of_m = _rows4(WD, SCD, OFD, rows_m, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-    rows_n, s_n = _slots(IDX, SV, CNT, AHEAD, part, n_sets, slot, d_inter, SET, SUB, T)
+    rows_n, s_n = _slots(IDX, SV, CNT, O, AHEAD, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
     acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
@@ -191,7 +176,8 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
     acc7 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     boff = tl.zeros([UR, NW, GPS], dtype=tl.float32)
     for q in range(0, total):
-        rows_nn, s_nn = _slots(IDX, SV, CNT, q + AHEAD + 1, part, n_sets, slot, d_inter, SET, SUB, T)
+        rows_nn, s_nn = _slots(IDX, SV, CNT, O, q + AHEAD + 1, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS,
+                               MODE, ACT)
         w_n, sc_n, of_n = _rows4(WD, SCD, OFD, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
         boff += s[:, :, None] * of
         sa = s[:, :, None] * sc                                    # [UR, NW, GPS]: s * scale
@@ -237,10 +223,12 @@ def _down_kernel(IDX, SV, CNT, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_grou
 
 
 
-def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
-    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s output)."""
+def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activation="silu") -> torch.Tensor:
+    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s lists). ``other``:
+    the other GEMV's partial sums at the lists' positions (``_int4_rows_other.other``) for mode "abs" / "abs_act",
+    whose s is formed from them and the indicator value in ``sv``; None: ``sv`` holds s (dual)."""
     from . import _pdl
-    from ._common import interpreting, new_output
+    from ._common import act_code, interpreting, new_output
 
     d_inter, n_words = words_d.shape
     n_groups = sc_d.shape[1]
@@ -250,9 +238,10 @@ def down(idx, sv, cnt, words_d, sc_d, of_d, cfg) -> torch.Tensor:
     pdl = _pdl.mode(words_d)
     gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // wpg))  # groups of a column slice: SLICE words
     _down_kernel[(n_parts, -(-n_groups // gps))](
-        idx, sv, cnt, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out, cnt.numel(), d_inter, n_words,
-        n_groups, SET=cfg["SET"], SUB=cfg["SUB"], SUBP=_pow2(cfg["SUB"]), UR=cfg["UR"], NW=cfg["NW"], GPS=gps,
-        WPG=wpg, AHEAD=cfg["AHEAD"], ASM=words_d.device.type == "cuda" and not interpreting(),
-        BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, PDL=pdl, num_warps=cfg["NW"], num_stages=1,
-        **_pdl.launch_kwargs(pdl))
+        idx, sv, cnt, sv if other is None else other, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out,
+        cnt.numel(), d_inter, n_words, n_groups, idx.numel(), SET=cfg["SET"], SUB=cfg["SUB"], UR=cfg["UR"],
+        NW=cfg["NW"], GPS=gps, WPG=wpg, AHEAD=cfg["AHEAD"], ASM=words_d.device.type == "cuda" and not interpreting(),
+        BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, OS=0 if other is None else other.shape[0],
+        MODE={"abs": 0, "abs_act": 1, "dual": 2}[mode], ACT=act_code(activation), PDL=pdl, num_warps=cfg["NW"],
+        num_stages=1, **_pdl.launch_kwargs(pdl))
     return out
