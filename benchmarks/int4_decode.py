@@ -152,7 +152,6 @@ def gemv_table(device: str, shapes: dict, bw: float, stamp: dict, out: str) -> d
         nbytes = mods_bytes(n, k)
         mods = make_modules(n, k, sets_for(nbytes, device), device)
         x = torch.randn(2 if glu else 1, k, device=device, dtype=torch.float32 if glu else torch.bfloat16)
-        roof = nbytes / bw * 1e6
         for backend in backends + ["bf16"]:
             if backend == "bf16":
                 ws = [m.weight for m in mods[: max(2, len(mods) // 4)]]

@@ -51,10 +51,12 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # SLICE words (16: a warp's threads over 16 words x UR rows), NW warps a program (one row stream each), UR rows a
 # stream a tile, AHEAD tiles of words in flight. The fastest of benchmarks/int4_decode.py --parts rows at the
 # Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, run R7 of results/int4/rows.csv; dual's best, SET 64
-# and A_WARPS 8, was 0.5 % faster for dual) but UR = 16: UR = 32 was 5-7 % faster a sparse MLP in runs R5 to R7, but
-# sums 32 products in fp16 before fp32 (a worst case of 33 2**-11 of a column's |terms|, and in the float64 tests an
-# error a tenth of the smallest kept row's contribution: too close to tell a skipped row).
-CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=16, NW=1,
+# and A_WARPS 8, was 0.5 % faster for dual). UR = 32 against 16: 8-9 % faster a sparse MLP, 15 % a decode step (runs
+# G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
+# output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
+# case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
+# MLP (docs/int4.md).
+CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
               AHEAD=2)
 
 
