@@ -86,10 +86,10 @@ def _threshold(values, k):
 
 
 # launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
-# tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets with tails), four column
-# slices, tiles of 4
-SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3, "SLICE": 32, "UR": 4,
-                 "NW": 2, "AHEAD": 2}]
+# tiles of 4 over slices of 64 columns with two tiles in flight, three sets a down program (a flat walk across sets
+# with tails), four column slices, tiles of 4
+SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "O_AHEAD": 2, "SUB": 3,
+                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
@@ -169,6 +169,8 @@ def test_kept_rows_rejects_bad_input():
         _int4_rows.kept_rows(u, x, quantize_rtn(torch.randn(96, 512), 32), down_t, torch.tensor(0.0), "abs")
     with pytest.raises(ValueError, match="AHEAD"):
         _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"AHEAD": 3})
+    with pytest.raises(ValueError, match="O_AHEAD"):
+        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_AHEAD": 3})
     with pytest.raises(ValueError, match="O_R"):
         _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_R": 0})
 
@@ -176,10 +178,11 @@ def test_kept_rows_rejects_bad_input():
 @pytest.mark.skipif(DEV != "cuda", reason="the inline-asm path needs a GPU")
 def test_kept_rows_at_the_8b_shape_on_the_gpu():
     """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path, at the default launch
-    and with one tile of words in flight, two sets an other-GEMV program in tiles of 8 rows holding all of x."""
+    and with one tile of words in flight in down, two sets an other-GEMV program in tiles of 8 rows holding all of x,
+    two tiles in flight."""
     gate, up, down_t = _mlp(4096, 14336, 128, seed=5)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 1, "O_SUB": 2, "O_R": 8, "O_COLS": 4096})):
+    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 1, "O_SUB": 2, "O_R": 8, "O_COLS": 4096, "O_AHEAD": 2})):
         ind = _indicator(x, gate, up, mode)
         thr = _threshold(_decided(ind, mode), 0.7)
         ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)

@@ -37,16 +37,16 @@ GROUP = 128
 # down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of words in
 # flight; NW = 2 lost to 1 at every point of run R5) with the others' defaults, then the select kernel's (SET rows a
 # program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET = 32 lost in runs R4 / R5) on
-# mono and dual, then the other GEMV's on mono (O_SUB sets a program, tiles of O_R rows, slices of O_COLS columns,
-# O_WARPS warps).
+# mono and dual, then the other GEMV's on mono (tiles of O_R rows, slices of O_COLS columns, O_WARPS warps, O_AHEAD
+# tiles of words in flight; O_SUB = 2 sets a program lost to 1 at every point of run R7).
 DOWN_GRID = [dict(SUB=sub, UR=ur, NW=1, SLICE=sl, AHEAD=ahead) for sub in (2, 4) for ur in (16, 32)
              for sl in (16, 32) for ahead in (1, 2)]                                                            # 16
 SELECT_GRID = [dict(SET=st, A_WARPS=w) for st in (64, 128) for w in (4, 8)]                                     # 4
-OTHER_GRID = [dict(O_SUB=sub, O_R=r, O_COLS=cols, O_WARPS=w) for sub in (1, 2) for r in (8, 16)
-              for cols in (1024, 2048) for w in (4, 8)]                                                         # 16
+OTHER_GRID = [dict(O_R=r, O_COLS=cols, O_WARPS=w, O_AHEAD=a) for r in (8, 16) for cols in (1024, 2048)
+              for w in (4, 8) for a in (1, 2)]                                                                  # 16
 SMOKE_DOWN = [dict(SUB=1, UR=2, NW=1, SLICE=128), dict(SUB=2, UR=4, NW=2, SLICE=128, AHEAD=2)]
 SMOKE_SELECT = [dict(SET=64, A_WARPS=1), dict(SET=128, A_WARPS=2)]
-SMOKE_OTHER = [dict(O_SUB=1, O_R=4, O_COLS=128, O_WARPS=1), dict(O_SUB=2, O_R=8, O_COLS=256, O_WARPS=2)]
+SMOKE_OTHER = [dict(O_SUB=1, O_R=4, O_COLS=128, O_WARPS=1), dict(O_SUB=2, O_R=8, O_COLS=256, O_WARPS=2, O_AHEAD=2)]
 RULES = {"mono": "abs", "dual": "dual"}
 FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
           "roofline_ratio"]
@@ -177,14 +177,16 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
 
     dense_us = time_graph([lambda m=m: dense(*m) for m in mlps])
     roof = lambda n: n / bw * 1e6  # noqa: E731
-    log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof(3 * per_matrix):.2f}x roofline, {3 * per_matrix / 1e6:.1f} MB)")
+    log(f"dense MLP {dense_us:7.1f} us ({dense_us / roof(3 * per_matrix):.2f}x roofline, "
+        f"{3 * per_matrix / 1e6:.1f} MB)")
 
     def record(stage, method, k, case, cfg, us, read=None):
         read = case.bytes if read is None else read
         append(os.path.join(out, "rows.csv"), {**stamp, "stage": stage, "method": method, "sparsity": k,
                                                "config": str(cfg), "us": round(us, 2), "dense_us": round(dense_us, 2),
                                                "bytes": int(read),
-                                               "roofline_ratio": round(us / roof(read), 3) if bw == bw and read else ""})
+                                               "roofline_ratio": round(us / roof(read), 3) if bw == bw and read
+                                               else ""})
 
     def sweep(stage, method, k, case, configs, base):
         want = case.run(*mlps[0], base).float()

@@ -47,17 +47,18 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
-# tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices of
-# SLICE words (16: a warp's threads over 16 words x UR rows), NW warps a program (one row stream each), UR rows a
-# stream a tile, AHEAD tiles of words in flight. The fastest of benchmarks/int4_decode.py --parts rows at the
+# tile, slices of x of at most O_COLS columns, O_WARPS warps, O_AHEAD tiles of words in flight (2: not yet timed on a
+# GPU, the next sweep's); down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads
+# over 16 words x UR rows), NW warps a program (one row stream each), UR rows a stream a tile, AHEAD tiles of words in
+# flight. The fastest of benchmarks/int4_decode.py --parts rows at the
 # Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, run R7 of results/int4/rows.csv; dual's best, SET 64
 # and A_WARPS 8, was 0.5 % faster for dual). UR = 32 against 16: 8-9 % faster a sparse MLP, 15 % a decode step (runs
 # G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
 # output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
 # case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
 # MLP (docs/int4.md).
-CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
-              AHEAD=2)
+CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, O_AHEAD=1, SUB=4, SLICE=16,
+              UR=32, NW=1, AHEAD=2)
 
 
 @triton.jit
@@ -109,8 +110,9 @@ def _config(config: dict | None) -> dict:
     cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
-    if cfg["AHEAD"] not in (1, 2):
-        raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
+    for key in ("AHEAD", "O_AHEAD"):
+        if cfg[key] not in (1, 2):
+            raise ValueError(f"{key} (tiles of words in flight) is 1 or 2, got {cfg[key]}")
     for key in ("SUB", "O_SUB", "O_R", "UR", "NW"):
         if not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ValueError(f"{key} is a positive integer, got {cfg[key]!r}")
