@@ -143,6 +143,16 @@ def _paired_x(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _slice_grid(s, SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr):
+    """Slice s of a row's groups (SLICE of them, SG a power of two >= SLICE): group ids [SG], their mask, the word
+    index [SG, WPG] and its mask."""
+    gl = tl.arange(0, SG)
+    gi = s * SLICE + gl
+    gm = gl < SLICE
+    return gi, gm, gi[:, None] * WPG + tl.arange(0, WPG)[None, :], gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+
+
+@triton.jit
 def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_groups, n_blocks, n_progs,
                       SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, R: tl.constexpr,
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
@@ -152,11 +162,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_grou
     s = tl.program_id(1)
     if PDL:  # launched early (_pdl.py): the next grid may launch now; x is read only after the wait below
         gdc_launch_dependents()
-    gl = tl.arange(0, SG)
-    gi = s * SLICE + gl                                               # this slice's groups
-    gm = gl < SLICE
-    wcol = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]             # [SG, WPG] word index
-    wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+    gi, gm, wcol, wm = _slice_grid(s, SLICE, SG, WPG)
     ri = tl.arange(0, R)
     if PREFETCH:  # the first block's words (AHEAD 2: two blocks'), requested before x is prepared
         nw, nsc, nof = _tile(Wq, SC, OF, pid * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)

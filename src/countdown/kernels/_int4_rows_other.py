@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._gemv import _word_dot, _xload
 from ._glu import _pow2
-from ._int4 import _paired_x, _tile, split_for
+from ._int4 import _paired_x, _slice_grid, _tile, split_for
 from ._int4_rows_list import q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -38,11 +38,7 @@ def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_grou
         gdc_wait()
     part = tl.program_id(0)
     s = tl.program_id(1)
-    gl = tl.arange(0, SG)
-    gi = s * SLICE + gl                                               # this slice's groups
-    gm = gl < SLICE
-    wcol = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]             # [SG, WPG] word index
-    wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
+    gi, gm, wcol, wm = _slice_grid(s, SLICE, SG, WPG)
     ri = tl.arange(0, R)
     total = q_total(CNT, part, n_sets, SUB, R)
     rows, pos, ok = tile_at(IDX, CNT, 0, part, n_sets, ri, d_inter, SET, SUB, R)
