@@ -86,9 +86,9 @@ def _threshold(values, k):
 
 
 # launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
-# tiles of 4 over slices of 64 columns with two tiles in flight, three sets a down program (a flat walk across sets
-# with tails), four column slices, tiles of 4
-SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "O_AHEAD": 2, "SUB": 3,
+# tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets, packed), column slices
+# of 32 words, tiles of 4
+SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3,
                  "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2}]
 
 
@@ -155,6 +155,42 @@ def test_kept_rows_dual_sums_the_kept_rows_of_w_down_t():
         assert (out - wd @ s).norm() < 0.2 * (out - missing).norm()  # in practice it is far below it (0.10 at UR 32)
 
 
+@pytest.mark.parametrize("mode,config,with_bias", [("abs", None, True), ("dual", None, False),
+                                                    ("abs_act", SHAPES[1], True)])
+def test_kept_rows_add_the_residual_in_the_down_launch(mode, config, with_bias):
+    """With a residual h the down launch's last program of each column slice writes h + the partials' sum (+ bias),
+    rounded once to h's dtype: the same numbers as decode_add_partials on the partials (summed in the same order)
+    and within one rounding of h's dtype of the float64 h + s W~d^T (+ bias); twice in a row (the slices' counters
+    set back to 0 by each launch)."""
+    from countdown.kernels._rmsnorm import decode_add_partials
+
+    gate, up, down_t = _mlp(256, 200, 32, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+    h = (4 * torch.randn(1, 256, generator=gen)).to(torch.bfloat16)
+    bias = torch.randn(256, generator=gen).to(torch.bfloat16) if with_bias else None
+    ind = _indicator(x, gate, up, mode)
+    thr = _threshold(_decided(ind, mode), 0.5)
+    other = None if mode == "dual" else _on(gate if mode == "abs" else up)
+
+    def run(residual=None):
+        return _int4_rows.kept_rows(ind, x.to(DEV), other, _on(down_t), torch.tensor(thr), mode, config=config,
+                                    residual=None if residual is None else residual.to(DEV),
+                                    bias=None if bias is None or residual is None else bias.to(DEV))
+
+    partials = run()
+    want = decode_add_partials(h.to(DEV), partials, None if bias is None else bias.to(DEV))
+    for _ in range(2):
+        got = run(h)
+        assert got.dtype == h.dtype and got.shape == h.shape
+        assert torch.equal(got.cpu(), want.cpu())
+    exact = h.double() + partials.sum(0).double().cpu() + (0 if bias is None else bias.double())
+    ulp = 2.0 ** -7 * exact.abs()  # bf16's spacing bounds a rounding to nearest by half of it
+    assert ((got.double().cpu() - exact).abs() <= ulp + 1e-6 * partials.abs().sum(0).double().cpu()).all()
+    assert (got.double().cpu() - h.double()).abs().max() > 0.1  # and the MLP's output is really in it
+    with pytest.raises(ValueError, match="residual and bias"):
+        run(torch.zeros(1, 128))
+
 def test_kept_rows_rejects_bad_input():
     gate, up, down_t = _mlp(256, 96, 32)
     x = torch.randn(1, 256)
@@ -169,8 +205,8 @@ def test_kept_rows_rejects_bad_input():
         _int4_rows.kept_rows(u, x, quantize_rtn(torch.randn(96, 512), 32), down_t, torch.tensor(0.0), "abs")
     with pytest.raises(ValueError, match="AHEAD"):
         _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"AHEAD": 3})
-    with pytest.raises(ValueError, match="O_AHEAD"):
-        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_AHEAD": 3})
+    with pytest.raises(ValueError, match="unknown kept-rows launch setting"):
+        _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_AHEAD": 2})
     with pytest.raises(ValueError, match="O_R"):
         _int4_rows.kept_rows(u, x, gate, down_t, torch.tensor(0.0), "abs", config={"O_R": 0})
 
@@ -178,11 +214,11 @@ def test_kept_rows_rejects_bad_input():
 @pytest.mark.skipif(DEV != "cuda", reason="the inline-asm path needs a GPU")
 def test_kept_rows_at_the_8b_shape_on_the_gpu():
     """The Llama-3.1-8B MLP (4096 x 14336, G = 128), mono and dual at k = 0.7, on the asm path, at the default launch
-    and with one tile of words in flight in down, two sets an other-GEMV program in tiles of 8 rows holding all of x,
-    two tiles in flight."""
+    and with one tile of words in flight in down, two sets an other-GEMV program in tiles of 8 rows holding all of x;
+    and h + the output from the down launch (the residual add in it)."""
     gate, up, down_t = _mlp(4096, 14336, 128, seed=5)
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 1, "O_SUB": 2, "O_R": 8, "O_COLS": 4096, "O_AHEAD": 2})):
+    for mode, config in (("abs", None), ("dual", None), ("abs", {"AHEAD": 1, "O_SUB": 2, "O_R": 8, "O_COLS": 4096})):
         ind = _indicator(x, gate, up, mode)
         thr = _threshold(_decided(ind, mode), 0.7)
         ref, keep = _int4_rows.kept_rows_ref(x, gate, up, down_t, thr, mode, ind=ind)
@@ -191,6 +227,12 @@ def test_kept_rows_at_the_8b_shape_on_the_gpu():
         rel = ((out - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, (mode, rel)
         assert abs(keep.float().mean().item() - 0.3) < 0.01
+        h = torch.randn(1, 4096, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        for _ in range(2):  # twice: the column slices' counters back at 0 after each launch
+            got = _int4_rows.kept_rows(ind, x.to(DEV), _on(gate) if mode == "abs" else None, _on(down_t),
+                                       torch.tensor(thr), mode, config=config, residual=h.to(DEV)).double().cpu()
+            want = h.double() + ref
+            assert ((got - want).norm() / ref.norm()).item() < 1e-2 + 2.0 ** -8 * want.norm() / ref.norm()
 
 
 def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):

@@ -4,7 +4,7 @@
 :func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
 activations, one token), weight copies cycled past the L2 cache. The dense MLP as the 4-bit step runs it (stacked
 gate/up GEMV, down GEMV reading its partials, the residual add summing the down GEMV's partials) against the sparse
-one (the indicator's GEMV, the select, other (mono) and down kernels, the residual add summing the partials). Launch
+one (the indicator's GEMV, the select, other (mono) and down kernels, the residual add in the down launch). Launch
 configurations are swept in stages at the first k (stage ``down``: the down kernel's grid on mono; ``select``: the
 select kernel's on mono and dual with the best down configuration; ``other``: the other GEMV's on mono; each
 checked against the default configuration's output first), then each method's best is timed at every k (stage
@@ -35,18 +35,18 @@ from ..int4.format import nbytes
 GROUP = 128
 # The kept-rows kernels' launch configurations (kernels/_int4_rows.py: select, other, down), swept in stages: the
 # down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of words in
-# flight; NW = 2 lost to 1 at every point of run R5) with the others' defaults, then the select kernel's (SET rows a
-# program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET = 32 lost in runs R4 / R5) on
-# mono and dual, then the other GEMV's on mono (tiles of O_R rows, slices of O_COLS columns, O_WARPS warps, O_AHEAD
-# tiles of words in flight; O_SUB = 2 sets a program lost to 1 at every point of run R7).
-DOWN_GRID = [dict(SUB=sub, UR=ur, NW=1, SLICE=sl, AHEAD=ahead) for sub in (2, 4) for ur in (16, 32)
-             for sl in (16, 32) for ahead in (1, 2)]                                                            # 16
+# flight; NW = 2 lost to 1 at every point of run R5, AHEAD = 1 to 2 in R6-R8) with the others' defaults, then the
+# select kernel's (SET rows a program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET =
+# 32 lost in runs R4 / R5) on mono and dual, then the other GEMV's on mono (O_SUB sets a program, tiles of O_R rows,
+# slices of O_COLS columns; O_WARPS = 8 lost to 4 at every point of R8).
+DOWN_GRID = [dict(SUB=sub, UR=ur, NW=1, SLICE=sl, AHEAD=2) for sub in (2, 4, 8) for ur in (16, 32)
+             for sl in (16, 32)]                                                                                # 12
 SELECT_GRID = [dict(SET=st, A_WARPS=w) for st in (64, 128) for w in (4, 8)]                                     # 4
-OTHER_GRID = [dict(O_R=r, O_COLS=cols, O_WARPS=w, O_AHEAD=a) for r in (8, 16) for cols in (1024, 2048)
-              for w in (4, 8) for a in (1, 2)]                                                                  # 16
+OTHER_GRID = [dict(O_SUB=sub, O_R=r, O_COLS=cols, O_WARPS=4) for sub in (1, 2) for r in (8, 16)
+              for cols in (1024, 2048)]                                                                         # 8
 SMOKE_DOWN = [dict(SUB=1, UR=2, NW=1, SLICE=128), dict(SUB=2, UR=4, NW=2, SLICE=128, AHEAD=2)]
 SMOKE_SELECT = [dict(SET=64, A_WARPS=1), dict(SET=128, A_WARPS=2)]
-SMOKE_OTHER = [dict(O_SUB=1, O_R=4, O_COLS=128, O_WARPS=1), dict(O_SUB=2, O_R=8, O_COLS=256, O_WARPS=2, O_AHEAD=2)]
+SMOKE_OTHER = [dict(O_SUB=1, O_R=4, O_COLS=128, O_WARPS=1), dict(O_SUB=2, O_R=8, O_COLS=256, O_WARPS=2)]
 RULES = {"mono": "abs", "dual": "dual"}
 FIELDS = ["run", "device", "date", "stage", "method", "sparsity", "config", "us", "dense_us", "bytes",
           "roofline_ratio"]
@@ -117,8 +117,7 @@ class _Case:
         o = self.other_rows(gu_mod, picked, full)
         if upto == "other":
             return o
-        p = _int4_rows.down(*picked, *words(down_t), full, o, self.rule)
-        return torch.ops.countdown.decode_add_partials(self.h, p, None)
+        return _int4_rows.down(*picked, *words(down_t), full, o, self.rule, residual=self.h)
 
     def other_rows(self, gu_mod, picked, full):
         """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
@@ -153,7 +152,7 @@ class _Case:
         other_us = 0.0 if self.rule == "dual" else time_graph(
             [lambda i=i: self.other_rows(self.mlps[i][0], picked[i], full) for i in range(n)])
         down_us = time_graph([lambda i=i: _int4_rows.down(*picked[i], *words(self.mlps[i][2]), full, others[i],
-                                                          self.rule) for i in range(n)])
+                                                          self.rule, residual=self.h) for i in range(n)])
         return select_us, other_us, down_us
 
 

@@ -53,9 +53,8 @@ def _mlp_forward(self, x):
 
         rows = self.__dict__.get(_ROWS)
         if rows is not None and _common.available(x):  # sparse rows, or a W_down held transposed (every row kept)
-            y = _kept_rows(x.reshape(1, -1), act_name, *_unpacked(rows)).sum(0)
-            y = y if down.bias is None else y + down.bias
-            return y.to(x.dtype).view(x.shape)
+            zero = x.new_zeros((1, x.shape[-1]))  # no residual here: the MLP's output alone (+ bias)
+            return _kept_rows(zero, down.bias, x.reshape(1, -1), act_name, *_unpacked(rows)).view(x.shape)
         if _common.available(x) and not down.transposed:
             gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
             return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
@@ -101,13 +100,11 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
         if rule is None:  # a patch the kept-rows kernel does not serve: the patched module's own forward
             return (h + mlp(x.view_as(hidden_states)).reshape(1, -1)).view_as(hidden_states)
         ind, other = _roles(rule, gate_up)
-        partials = _kept_rows(x, act_name, rule, ind, other, down, patch.selector.threshold, patch.kept_total,
-                              patch.rows_total)
-        return torch.ops.countdown.decode_add_partials(h, partials, down.bias).view_as(hidden_states)
+        return _kept_rows(h, down.bias, x, act_name, rule, ind, other, down, patch.selector.threshold,
+                          patch.kept_total, patch.rows_total).view_as(hidden_states)
     rows = mlp.__dict__.get(_ROWS)
     if rows is not None:  # sparse rows (sparse_rows) or a W_down held transposed: the indicator GEMV, the kept rows
-        return torch.ops.countdown.decode_add_partials(h, _kept_rows(x, act_name, *_unpacked(rows)),
-                                                       down.bias).view_as(hidden_states)
+        return _kept_rows(h, down.bias, x, act_name, *_unpacked(rows)).view_as(hidden_states)
     gu = gemv_partials(x, gate_up)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)
@@ -157,15 +154,16 @@ def _unpacked(entry: tuple) -> tuple:
     return rule, ind, other, down_t, state.threshold, state.kept, state.rows
 
 
-def _kept_rows(x, act_name, mode, ind, other, down_t, threshold, kept, rows):
-    """fp32 partials [P, d_model] of a sparse 4-bit MLP (kernels/_int4_rows.py) for one token x."""
+def _kept_rows(h, bias, x, act_name, mode, ind, other, down_t, threshold, kept, rows):
+    """h + a sparse 4-bit MLP's output for one token x (+ bias): kernels/_int4_rows.py, the residual add in the down
+    launch."""
     gu = gemv_partials(x, ind)
     if mode == "dual":
         gu = gu.view(gu.shape[0], 2, -1)
     o = other if other is not None else down_t
     return torch.ops.countdown.int4_kept_rows(gu, x, o.qweight.view(torch.int32), o.scale, o.offset,
                                               down_t.qweight.view(torch.int32), down_t.scale, down_t.offset,
-                                              threshold, mode, act_name, kept, rows)
+                                              threshold, mode, act_name, kept, rows, h, bias)
 
 
 def _rows_entry(mlp: nn.Module, rule: str, threshold: torch.Tensor, down_t: Int4Linear | None = None) -> tuple:

@@ -9,8 +9,8 @@ fp32 partial sums over slices of K):
     s[i] = u[i] act(g[i])                      kept rows only
     P[b] = sum over the kept rows of row set b of s[i] Wd~t[i]      fp32 partials [n_parts, d_model]
 
-and y = P.sum(0) is left to the caller (a decode step adds it to the residual in one launch:
-``decode_add_partials``). Wd~t is W_down^T in the 4-bit format, ``[d_inter, d_model]`` with groups along d_model: a
+and y = P.sum(0) is left to the caller, or with a residual h the down launch's last programs write h + y (+ bias)
+in h's dtype (a decode step's residual add, ``decode_add_partials``'s arithmetic, without a launch of its own). Wd~t is W_down^T in the 4-bit format, ``[d_inter, d_model]`` with groups along d_model: a
 kept row is one contiguous run of d_model / 2 bytes and d_model / G scales and offsets, so a skipped row is bytes not
 read. (In W_down's own layout, groups along d_inter, a row of W_down^T is one nibble of every word: nothing could be
 skipped; docs/int4.md measures what the transposed grouping costs in quality.) Bytes a token: the indicator's matrix
@@ -47,8 +47,7 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
-# tile, slices of x of at most O_COLS columns, O_WARPS warps, O_AHEAD tiles of words in flight (2: not yet timed on a
-# GPU, the next sweep's); down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads
+# tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads
 # over 16 words x UR rows), NW warps a program (one row stream each), UR rows a stream a tile, AHEAD tiles of words in
 # flight. The fastest of benchmarks/int4_decode.py --parts rows at the
 # Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, run R7 of results/int4/rows.csv; dual's best, SET 64
@@ -57,8 +56,8 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
 # case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
 # MLP (docs/int4.md).
-CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, O_AHEAD=1, SUB=4, SLICE=16,
-              UR=32, NW=1, AHEAD=2)
+CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
+              AHEAD=2)
 
 
 @triton.jit
@@ -110,9 +109,11 @@ def _config(config: dict | None) -> dict:
     cfg["CHUNK"] = min(cfg["CHUNK"], cfg["SET"])
     if cfg["SET"] % cfg["CHUNK"]:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
-    for key in ("AHEAD", "O_AHEAD"):
-        if cfg[key] not in (1, 2):
-            raise ValueError(f"{key} (tiles of words in flight) is 1 or 2, got {cfg[key]}")
+    if cfg["AHEAD"] not in (1, 2):
+        raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
+    unknown = set(cfg) - set(CONFIG)
+    if unknown:
+        raise ValueError(f"unknown kept-rows launch setting(s) {sorted(unknown)}: the settings are {sorted(CONFIG)}")
     for key in ("SUB", "O_SUB", "O_R", "UR", "NW"):
         if not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ValueError(f"{key} is a positive integer, got {cfg[key]!r}")
@@ -127,8 +128,10 @@ def programs(d_inter: int, config: dict | None = None) -> int:
 
 def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torch.Tensor, mode: str,
               activation: str = "silu", count: tuple[torch.Tensor, torch.Tensor] | None = None,
-              config: dict | None = None) -> torch.Tensor:
-    """fp32 partials ``[P, d_model]`` whose sum over P is the sparse MLP's output for one token ``x [1, d_model]``.
+              config: dict | None = None, residual: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 partials ``[P, d_model]`` whose sum over P is the sparse MLP's output for one token ``x [1, d_model]``;
+    with a ``residual`` h [1, d_model], h + that output (+ ``bias``) in h's dtype instead (the same launches).
 
     ``ind``: the indicator GEMV's fp32 partial sums, ``[S, d_inter]`` (u for mode "abs", g for "abs_act") or
     ``[S, 2, d_inter]`` (g and u, mode "dual"); ``other``: the 4-bit weight (``qweight``, ``scale``, ``offset``) whose
@@ -139,11 +142,12 @@ def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torc
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     words_d, sc_d, of_d = _words(down_t)
     words_o, sc_o, of_o = _words(other) if other is not None else (None, None, None)
-    return launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, activation, count, config)
+    return launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, activation, count, config,
+                  residual, bias)
 
 
 def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, activation="silu", count=None,
-           config=None) -> torch.Tensor:
+           config=None, residual=None, bias=None) -> torch.Tensor:
     """:func:`kept_rows` on the weights' tensors (words int32 [d_inter, d_model / 8], scales, offsets; the other
     weight's None for mode "dual")."""
     d_inter, n_words = words_d.shape
@@ -161,7 +165,7 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
     cfg = _config(config)
     idx, sv, cnt = select(ind, d_inter, threshold, mode, activation, count, cfg)
     o = None if dual else other(x, words_o, sc_o, of_o, idx, cnt, cfg)
-    return down(idx, sv, cnt, words_d, sc_d, of_d, cfg, o, mode, activation)
+    return down(idx, sv, cnt, words_d, sc_d, of_d, cfg, o, mode, activation, residual, bias)
 
 
 def select(ind, d_inter, threshold, mode, activation, count, cfg):
@@ -188,17 +192,20 @@ def select(ind, d_inter, threshold, mode, activation, count, cfg):
 @torch.library.custom_op("countdown::int4_kept_rows", mutates_args=("kept", "rows"))
 def _kept_rows_op(ind: torch.Tensor, x: torch.Tensor, words_o: torch.Tensor, sc_o: torch.Tensor, of_o: torch.Tensor,
                   words_d: torch.Tensor, sc_d: torch.Tensor, of_d: torch.Tensor, threshold: torch.Tensor,
-                  keep_rule: str, activation: str, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                  keep_rule: str, activation: str, kept: torch.Tensor, rows: torch.Tensor, h: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
     # (the rule is not called "mode": torch.compile's functionalization of a mutating op takes a "mode" of its own)
+    # h + the sparse MLP's output (+ bias): a decode step's residual add in the down launch
     from ._common import op_count
 
     other = (None, None, None) if keep_rule == "dual" else (words_o, sc_o, of_o)
-    return launch(ind, x, *other, words_d, sc_d, of_d, threshold, keep_rule, activation, op_count(kept, rows))
+    return launch(ind, x, *other, words_d, sc_d, of_d, threshold, keep_rule, activation, op_count(kept, rows),
+                  residual=h, bias=bias)
 
 
 @_kept_rows_op.register_fake
-def _(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, keep_rule, activation, kept, rows):
-    return x.new_empty((programs(words_d.shape[0]), 8 * words_d.shape[1]), dtype=torch.float32)
+def _(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, keep_rule, activation, kept, rows, h, bias):
+    return torch.empty_like(h)
 
 
 def kept_rows_ref(x: torch.Tensor, gate, up, down_t, threshold: float, mode: str, activation: str = "silu",

@@ -10,7 +10,11 @@ before the current one's arithmetic. A stream's UR rows are summed inside each
 thread as fp16x2 products: one ``lop3`` puts two nibbles in 1024's mantissa (as kernels/_gemv.py), one fma with
 (s', s') and -1024 (s', s') leaves c s' rounded once, s' = s scale 2**e scaled per stream and group; then added to
 fp32 times 2**-e. The offsets' term (``s offset`` per group) is fp32, summed once at the end. Partials are written
-whole (deterministic: no atomics).
+whole; with a residual h (``FIX``) the last program of each column slice to finish (a counter a slice, one atomic a
+program after its stores) sums the slice's partials in program order (as ``decode_add_partials``: the same numbers
+whichever program is last), adds h (and the bias) and writes h' rounded once to h's dtype, then sets the counter back
+to 0: the residual add without a launch of its own (5.0 us of a 4-bit decode step's layer on the H200, run P1 of
+docs/int4.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._glu import _act, _pow2
+from ._glu import _act, _pow2, _round_to
 from ._int4_rows_list import q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -137,10 +141,34 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 
 
 @triton.jit
-def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_groups, n_pos, SET: tl.constexpr,
-                 SUB: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
-                 ASM: tl.constexpr, BIG: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-                 AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0):
+def _last_adds(P, H, B, Y, LOCK, n_cols, wcol, wm, NP: tl.constexpr, HAS_B: tl.constexpr):
+    """After this program's partials are stored: count it done on its column slice's counter; the slice's last
+    program sums the NP partials of the slice's columns in order, adds the residual H (and the bias B) and stores
+    h' in Y's dtype (rounded once), then clears the counter for the next launch."""
+    tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
+    lock = LOCK + tl.program_id(1)
+    done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    if done == NP - 1:
+        tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
+        cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        m = wm[:, :, None] & (cols < n_cols)
+        acc = tl.load(P + cols, mask=m, other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, NP):
+            acc += tl.load(P + j * n_cols + cols, mask=m, other=0.0, cache_modifier=".cg")
+        if HAS_B:
+            acc += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        DT: tl.constexpr = Y.dtype.element_ty
+        y = tl.load(H + cols, mask=m, other=0.0).to(tl.float32) + acc
+        tl.store(Y + cols, _round_to(y, DT).to(DT), mask=m)
+        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inter, n_words, n_groups, n_pos,
+                 SET: tl.constexpr, SUB: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
+                 WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr,
+                 ACT: tl.constexpr, AHEAD: tl.constexpr = 1, FIX: tl.constexpr = 0, NP: tl.constexpr = 1,
+                 HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
@@ -219,14 +247,18 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, n_sets, d_inter, n_words, n_g
     _store_col(P, base, wcol, wm, acc5, boff, 5)
     _store_col(P, base, wcol, wm, acc6, boff, 6)
     _store_col(P, base, wcol, wm, acc7, boff, 7)
+    if FIX:
+        _last_adds(P, H, B, Y, LOCK, n_words * 8, wcol, wm, NP, HAS_B)
 
 
 
 
-def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activation="silu") -> torch.Tensor:
-    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s lists). ``other``:
-    the other GEMV's partial sums at the lists' positions (``_int4_rows_other.other``) for mode "abs" / "abs_act",
-    whose s is formed from them and the indicator value in ``sv``; None: ``sv`` holds s (dual)."""
+def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activation="silu", residual=None,
+         bias=None) -> torch.Tensor:
+    """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s lists), or with a
+    ``residual`` h ([1, d_model]) h + their sum (+ ``bias``) in h's dtype, in the same launch. ``other``: the other
+    GEMV's partial sums at the lists' positions (``_int4_rows_other.other``) for mode "abs" / "abs_act", whose s is
+    formed from them and the indicator value in ``sv``; None: ``sv`` holds s (dual)."""
     from . import _pdl
     from ._common import act_code, interpreting, new_output
 
@@ -237,11 +269,36 @@ def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activa
     wpg = n_words // n_groups
     pdl = _pdl.mode(words_d)
     gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // wpg))  # groups of a column slice: SLICE words
-    _down_kernel[(n_parts, -(-n_groups // gps))](
+    n_slices = -(-n_groups // gps)
+    fix = residual is not None
+    if fix:
+        if residual.numel() != 8 * n_words or (bias is not None and bias.numel() != 8 * n_words):
+            raise ValueError(f"the down kernel's residual and bias have d_model = {8 * n_words} entries, got "
+                             f"{tuple(residual.shape)} and {None if bias is None else tuple(bias.shape)}")
+        y = new_output(tuple(residual.shape), residual.dtype, words_d.device)
+    lock = slice_counters(words_d.device, n_slices) if fix else out
+    _down_kernel[(n_parts, n_slices)](
         idx, sv, cnt, sv if other is None else other, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out,
-        cnt.numel(), d_inter, n_words, n_groups, idx.numel(), SET=cfg["SET"], SUB=cfg["SUB"], UR=cfg["UR"],
+        residual.contiguous() if fix else out, bias.contiguous() if bias is not None else out, y if fix else out,
+        lock, cnt.numel(), d_inter, n_words, n_groups, idx.numel(), SET=cfg["SET"], SUB=cfg["SUB"], UR=cfg["UR"],
         NW=cfg["NW"], GPS=gps, WPG=wpg, AHEAD=cfg["AHEAD"], ASM=words_d.device.type == "cuda" and not interpreting(),
         BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, OS=0 if other is None else other.shape[0],
-        MODE={"abs": 0, "abs_act": 1, "dual": 2}[mode], ACT=act_code(activation), PDL=pdl, num_warps=cfg["NW"],
-        num_stages=1, **_pdl.launch_kwargs(pdl))
-    return out
+        MODE={"abs": 0, "abs_act": 1, "dual": 2}[mode], ACT=act_code(activation), FIX=int(fix), NP=n_parts,
+        HAS_B=int(bias is not None), PDL=pdl, num_warps=cfg["NW"], num_stages=1, **_pdl.launch_kwargs(pdl))
+    return y if fix else out
+
+
+_COUNTERS: dict = {}
+MAX_SLICES = 4096
+
+
+def slice_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The down kernel's counters of finished programs, one a column slice: int32 zeros, allocated once per device
+    (each launch leaves them at 0; a CUDA graph replays on the same tensor) and shared by every launch, which run one
+    after another on a stream (a decode step's kernels each wait for the one before)."""
+    if n > MAX_SLICES:
+        raise ValueError(f"{n} column slices: the down kernel counts at most {MAX_SLICES}; raise SLICE")
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]

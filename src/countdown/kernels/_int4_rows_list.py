@@ -2,9 +2,11 @@
 
 The select kernel writes each set of SET rows' kept rows compacted at the set's own offset (``IDX[b SET + m]``,
 m < ``CNT[b]``). A program of the other GEMV or of the down kernel takes SUB consecutive sets and walks their kept
-rows as one flat sequence of tiles of T rows: a set's last tile is padded (its slots past the count give no row),
-the next set starts a new tile. The set of a tile is found by scalar arithmetic on the sets' counts (a reduction
-over the sets would cross warps at every tile: a shared-memory round trip and barriers, session 30).
+rows as one flat sequence, packed across the sets (the rows of set j follow those of set j - 1 within a tile), in
+tiles of T rows: only the program's last tile is padded. Which set a slot of a tile falls in is found from the sets'
+counts by scalar prefix sums and SUB compares a slot (a reduction over the sets would cross warps at every tile: a
+shared-memory round trip and barriers, session 30). (Each set starting a tile of its own left up to T - 1 empty slots
+a set: at k = 0.7, SET 128 and T 32, 8 tiles a down program for 5 of rows.)
 """
 
 from __future__ import annotations
@@ -19,30 +21,23 @@ def q_total(CNT, part, n_sets, SUB: tl.constexpr, T: tl.constexpr):
     total = part * 0
     for jj in tl.static_range(SUB):
         set_j = part * SUB + jj
-        total += (tl.load(CNT + set_j, mask=set_j < n_sets, other=0) + T - 1) // T
-    return total
+        total += tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
+    return (total + T - 1) // T
 
 
 @triton.jit
 def tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr):
     """(row numbers, list positions, valid) of tile ``q`` of program ``part``'s sets at ``slot`` (values 0..T-1, any
-    shape): row d_inter and valid False past a set's count, and everywhere for q at or past the tiles' number. The
-    counts are read again each tile (from L1)."""
-    end = q * 0
-    first = end
-    cnt = end
-    j = end
+    shape): row d_inter and valid False past the sets' kept rows, and everywhere for q at or past the tiles' number.
+    The counts are read again each tile (from L1)."""
+    m = q * T + slot                     # the slot's place in the program's flat sequence of kept rows
+    pos = m * 0 - 1                      # its list position (-1: past the end)
+    start = q * 0
     for jj in tl.static_range(SUB):
         set_j = part * SUB + jj
         c = tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
-        t = (c + T - 1) // T
-        inside = (q >= end) & (q < end + t)
-        first = tl.where(inside, end, first)
-        cnt = tl.where(inside, c, cnt)
-        j = tl.where(inside, jj, j)
-        end += t
-    m = (q - first) * T + slot
-    valid = m < cnt
-    pos = (part * SUB + j) * SET + m
+        pos = tl.where((m >= start) & (m < start + c), set_j * SET + (m - start), pos)
+        start += c
+    valid = pos >= 0
     rows = tl.load(IDX + pos, mask=valid, other=0)
     return tl.where(valid, rows, d_inter), pos, valid

@@ -9,8 +9,9 @@ list position:
 (positions past a set's count are not written: the down kernel reads none of them). The arithmetic is the dense
 4-bit GEMV's (``_int4.py``: x of a slice paired once per program, ``_word_dot`` on int32 words, the group's scale,
 the asymmetric part in fp32), and so is the shape of the work: a program holds one slice of x (at most ``O_COLS``
-columns) and walks the kept rows of ``O_SUB`` sets in tiles of ``O_R`` rows (``_int4_rows_list.py``), the rows
-``O_AHEAD`` + 1 tiles ahead and the words of the next ``O_AHEAD`` requested before the current one's dot products.
+columns) and walks the kept rows of ``O_SUB`` sets in tiles of ``O_R`` rows (``_int4_rows_list.py``), the rows two
+tiles ahead and the words of the next requested before the current one's dot products (two tiles of words in flight
+lost: docs/int4.md).
 (The select kernel computed
 these rows itself before, one program a set holding all of K: ~4 us a launch more than deciding the rows alone at
 zero kept rows and ~1.6 us a tile of 8 rows, measured on an H200 on 2026-11-28; docs/int4.md.)
@@ -32,7 +33,7 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 @triton.jit
 def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_groups, n_pos, SET: tl.constexpr,
                   SUB: tl.constexpr, R: tl.constexpr, SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr,
-                  ASM: tl.constexpr, BIG: tl.constexpr, AHEAD: tl.constexpr = 1, PDL: tl.constexpr = 0):
+                  ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output, x an earlier kernel's
         gdc_launch_dependents()
         gdc_wait()
@@ -43,10 +44,7 @@ def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_grou
     total = q_total(CNT, part, n_sets, SUB, R)
     rows, pos, ok = tile_at(IDX, CNT, 0, part, n_sets, ri, d_inter, SET, SUB, R)
     w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)   # before x is paired
-    if AHEAD == 2:  # tile 1's words too (a set's kept rows are 2-3 tiles at k = 0.7: most of them in flight at once)
-        rows_m, pos_m, ok_m = tile_at(IDX, CNT, 1, part, n_sets, ri, d_inter, SET, SUB, R)
-        w_m, sc_m, of_m = _tile(WO, SCO, OFO, rows_m, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-    rows_n, pos_n, ok_n = tile_at(IDX, CNT, AHEAD, part, n_sets, ri, d_inter, SET, SUB, R)
+    rows_n, pos_n, ok_n = tile_at(IDX, CNT, 1, part, n_sets, ri, d_inter, SET, SUB, R)
     xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
         _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
         _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
@@ -56,25 +54,20 @@ def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_grou
     else:
         out = O + s * n_pos
     for q in range(0, total):
-        # the rows AHEAD + 1 tiles ahead, the words of tile q + AHEAD (its rows came in the iteration before)
-        rows_nn, pos_nn, ok_nn = tile_at(IDX, CNT, q + AHEAD + 1, part, n_sets, ri, d_inter, SET, SUB, R)
+        # the rows two tiles ahead, the words of the next tile (its rows came in the iteration before)
+        rows_nn, pos_nn, ok_nn = tile_at(IDX, CNT, q + 2, part, n_sets, ri, d_inter, SET, SUB, R)
         w_n, sc_n, of_n = _tile(WO, SCO, OFO, rows_n, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
         d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                       e0, e1, e2, e3, 4, ASM)
         y = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
         tl.store(out + pos, y, mask=ok)
-        if AHEAD == 2:
-            w, sc, of, pos, ok = w_m, sc_m, of_m, pos_m, ok_m
-            w_m, sc_m, of_m, pos_m, ok_m = w_n, sc_n, of_n, pos_n, ok_n
-        else:
-            w, sc, of, pos, ok = w_n, sc_n, of_n, pos_n, ok_n
+        w, sc, of, pos, ok = w_n, sc_n, of_n, pos_n, ok_n
         rows_n, pos_n, ok_n = rows_nn, pos_nn, ok_nn
 
 def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
     """fp32 partial sums ``[S, n_pos]`` of the other 4-bit weight's kept rows times ``x`` at the lists' positions
     (``idx``, ``cnt``: the select kernel's lists of sets of ``cfg["SET"]`` rows). Configuration: ``O_SUB`` sets a
-    program, ``O_R`` rows a tile, ``O_COLS`` most columns of a slice, ``O_WARPS`` warps a program, ``O_AHEAD`` tiles of
-    words in flight (1 or 2)."""
+    program, ``O_R`` rows a tile, ``O_COLS`` most columns of a slice, ``O_WARPS`` warps a program."""
     from . import _pdl
     from ._common import interpreting, new_output
 
@@ -88,6 +81,6 @@ def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
         x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(), idx, cnt, out, n_sets, d_inter,
         n_words, n_groups, n_pos, SET=cfg["SET"], SUB=cfg["O_SUB"], R=cfg["O_R"], SLICE=n_groups // n_splits,
         SG=_pow2(n_groups // n_splits), WPG=group // 8, ASM=x.device.type == "cuda" and not interpreting(),
-        BIG=d_inter * n_words >= 2**31 or n_splits * n_pos >= 2**31, AHEAD=cfg["O_AHEAD"], PDL=pdl,
+        BIG=d_inter * n_words >= 2**31 or n_splits * n_pos >= 2**31, PDL=pdl,
         num_warps=cfg["O_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out
