@@ -405,7 +405,7 @@ def test_down_scales_s_where_fp16_rounds_up():
     s[1] = -(2 - 2.0 ** -13)
     cfg = {**CONFIG, "SET": 16, "SUB": 1, "CHUNK": 16}
     idx = torch.arange(d_inter, dtype=torch.int32, device=DEV)
-    out = down(idx, s.to(DEV), torch.tensor([d_inter], dtype=torch.int32, device=DEV),
+    out = down(idx, s.to(DEV), torch.tensor([d_inter], dtype=torch.int32, device=DEV), None,
                w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), cfg).sum(0).double().cpu()
     want = w.dequantize(torch.float64).t() @ s.double()
     assert torch.isfinite(out).all()

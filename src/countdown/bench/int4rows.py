@@ -111,13 +111,21 @@ class _Case:
         if upto == "indicator":
             return ind
         full = _int4_rows._config(cfg)
-        picked = _int4_rows.select(ind, down_t.qweight.shape[0], self.thr, self.rule, "silu", None, full)
+        picked = _int4_rows.select(ind, down_t.qweight.shape[0], self.thr, self.rule, "silu", None, full,
+                                   self.slices(down_t, full))
         if upto == "select":
             return picked
         o = self.other_rows(gu_mod, picked, full)
         if upto == "other":
             return o
         return _int4_rows.down(*picked, *words(down_t), full, o, self.rule, residual=self.h)
+
+    @staticmethod
+    def slices(down_t, full):
+        """The down kernel's column slices (the select kernel zeroes a counter for each)."""
+        from ..kernels import _int4_rows_down
+
+        return _int4_rows_down.column_slices(words(down_t)[0].shape[1], down_t.scale.shape[1], full)[1]
 
     def other_rows(self, gu_mod, picked, full):
         """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
@@ -144,7 +152,8 @@ class _Case:
         d_inter = self.mlps[0][2].qweight.shape[0]
 
         def select(i):
-            return _int4_rows.select(inds[i], d_inter, self.thr, self.rule, "silu", None, full)
+            return _int4_rows.select(inds[i], d_inter, self.thr, self.rule, "silu", None, full,
+                                     self.slices(self.mlps[i][2], full))
 
         picked = [select(i) for i in range(n)]
         others = [self.other_rows(self.mlps[i][0], picked[i], full) for i in range(n)]

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from ._count import add_count
-from ._glu import _act
-from ._int4_rows_down import down
+from ._glu import _act, _pow2
+from ._int4_rows_down import column_slices, down
 from ._int4_rows_other import other
 from ._pdl import gdc_launch_dependents, gdc_wait
 
@@ -61,13 +61,17 @@ CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARP
 
 
 @triton.jit
-def _select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, d_inter, ind_stride, MODE: tl.constexpr, ACT: tl.constexpr,
-                   S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
-                   PDL: tl.constexpr = 0):
+def _select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_stride, n_locks, MODE: tl.constexpr,
+                   ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
+                   NL: tl.constexpr, PDL: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
+    if NL > 0:  # the down kernel's counters of finished programs (its residual add), zero before it starts
+        if b == 0:
+            li = tl.arange(0, NL)
+            tl.store(LOCK + li, tl.zeros([NL], dtype=tl.int32), mask=li < n_locks)
     set0 = b * SET
     thr = tl.load(THR).to(tl.float32)
     cr = tl.arange(0, CHUNK)
@@ -163,14 +167,16 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
             raise ValueError(f"the other weight's rows must match W_down^T's: words {tuple(words_o.shape)} vs "
                              f"{tuple(words_d.shape)}, scales {tuple(sc_o.shape)} vs {tuple(sc_d.shape)}")
     cfg = _config(config)
-    idx, sv, cnt = select(ind, d_inter, threshold, mode, activation, count, cfg)
+    slices = column_slices(n_words, sc_d.shape[1], cfg)[1] if residual is not None else 0
+    idx, sv, cnt, counters = select(ind, d_inter, threshold, mode, activation, count, cfg, slices)
     o = None if dual else other(x, words_o, sc_o, of_o, idx, cnt, cfg)
-    return down(idx, sv, cnt, words_d, sc_d, of_d, cfg, o, mode, activation, residual, bias)
+    return down(idx, sv, cnt, counters, words_d, sc_d, of_d, cfg, o, mode, activation, residual, bias)
 
 
-def select(ind, d_inter, threshold, mode, activation, count, cfg):
-    """The select kernel: (IDX, SV, CNT), the kept rows of each set of ``cfg["SET"]`` rows compacted (row numbers and
-    the indicator: u for mono, g for cats, s for dual), and their count per set."""
+def select(ind, d_inter, threshold, mode, activation, count, cfg, slices=0):
+    """The select kernel: (IDX, SV, CNT, counters), the kept rows of each set of ``cfg["SET"]`` rows compacted (row
+    numbers and the indicator: u for mono, g for cats, s for dual), their count per set, and ``slices`` int32 zeros
+    (the down kernel's counters for its residual add: :func:`column_slices`)."""
     from . import _pdl
     from ._common import act_code
 
@@ -179,14 +185,15 @@ def select(ind, d_inter, threshold, mode, activation, count, cfg):
     idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=ind.device)
     sv = torch.empty(n_sets * cfg["SET"], dtype=torch.float32, device=ind.device)
     cnt = torch.empty(n_sets, dtype=torch.int32, device=ind.device)
+    counters = torch.empty(max(1, slices), dtype=torch.int32, device=ind.device)
     kept, rows = count if count is not None else (cnt, cnt)
     pdl = _pdl.mode(ind)
     _select_kernel[(n_sets,)](
         ind.contiguous(), idx, sv, cnt, threshold.reshape(1).to(device=ind.device, dtype=torch.float32), kept, rows,
-        d_inter, want, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want, CHUNK=cfg["CHUNK"],
-        SET=cfg["SET"], COUNT=count is not None, PDL=pdl, num_warps=cfg["A_WARPS"], num_stages=1,
-        **_pdl.launch_kwargs(pdl))
-    return idx, sv, cnt
+        counters, d_inter, want, slices, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want,
+        CHUNK=cfg["CHUNK"], SET=cfg["SET"], COUNT=count is not None, NL=_pow2(slices) if slices else 0, PDL=pdl,
+        num_warps=cfg["A_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
+    return idx, sv, cnt, counters
 
 
 @torch.library.custom_op("countdown::int4_kept_rows", mutates_args=("kept", "rows"))

@@ -13,7 +13,7 @@ fp32 times 2**-e. The offsets' term (``s offset`` per group) is fp32, summed onc
 whole; with a residual h (``FIX``) the last program of each column slice to finish (a counter a slice, one atomic a
 program after its stores) sums the slice's partials in program order (as ``decode_add_partials``: the same numbers
 whichever program is last), adds h (and the bias) and writes h' rounded once to h's dtype, then sets the counter back
-to 0: the residual add without a launch of its own (5.0 us of a 4-bit decode step's layer on the H200, run P1 of
+to 0 (the select kernel zeroes them first: a buffer of the launch, no state kept between launches): the residual add without a launch of its own (5.0 us of a 4-bit decode step's layer on the H200, run P1 of
 docs/int4.md).
 """
 
@@ -253,12 +253,20 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inte
 
 
 
-def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activation="silu", residual=None,
+def column_slices(n_words: int, n_groups: int, cfg: dict) -> tuple[int, int]:
+    """(groups a column slice, column slices) of the down kernel's grid for W~d^T rows of ``n_words`` words in
+    ``n_groups`` groups: SLICE words a slice."""
+    gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // (n_words // n_groups)))
+    return gps, -(-n_groups // gps)
+
+
+def down(idx, sv, cnt, counters, words_d, sc_d, of_d, cfg, other=None, mode="dual", activation="silu", residual=None,
          bias=None) -> torch.Tensor:
     """The down kernel: fp32 partials [P, d_model] of s times the kept rows of W~d^T (``select``'s lists), or with a
-    ``residual`` h ([1, d_model]) h + their sum (+ ``bias``) in h's dtype, in the same launch. ``other``: the other
-    GEMV's partial sums at the lists' positions (``_int4_rows_other.other``) for mode "abs" / "abs_act", whose s is
-    formed from them and the indicator value in ``sv``; None: ``sv`` holds s (dual)."""
+    ``residual`` h ([1, d_model]) h + their sum (+ ``bias``) in h's dtype, in the same launch (``counters``: int32, a
+    zero for each of :func:`column_slices`' slices, as ``select`` leaves them; each launch leaves them at 0). ``other``:
+    the other GEMV's partial sums at the lists' positions (``_int4_rows_other.other``) for mode "abs" / "abs_act",
+    whose s is formed from them and the indicator value in ``sv``; None: ``sv`` holds s (dual)."""
     from . import _pdl
     from ._common import act_code, interpreting, new_output
 
@@ -266,39 +274,24 @@ def down(idx, sv, cnt, words_d, sc_d, of_d, cfg, other=None, mode="dual", activa
     n_groups = sc_d.shape[1]
     n_parts = -(-(-(-d_inter // cfg["SET"])) // cfg["SUB"])  # one partial per SUB sets of SET rows
     out = new_output((n_parts, 8 * n_words), torch.float32, words_d.device)
-    wpg = n_words // n_groups
     pdl = _pdl.mode(words_d)
-    gps = min(_pow2(n_groups), max(1, cfg["SLICE"] // wpg))  # groups of a column slice: SLICE words
-    n_slices = -(-n_groups // gps)
+    gps, n_slices = column_slices(n_words, n_groups, cfg)
     fix = residual is not None
     if fix:
         if residual.numel() != 8 * n_words or (bias is not None and bias.numel() != 8 * n_words):
             raise ValueError(f"the down kernel's residual and bias have d_model = {8 * n_words} entries, got "
                              f"{tuple(residual.shape)} and {None if bias is None else tuple(bias.shape)}")
+        if counters is None or counters.dtype != torch.int32 or counters.numel() < n_slices:
+            raise ValueError(f"the down kernel's residual add counts finished programs in {n_slices} int32 zeros "
+                             f"(select's fourth output); got {None if counters is None else counters.dtype}")
         y = new_output(tuple(residual.shape), residual.dtype, words_d.device)
-    lock = slice_counters(words_d.device, n_slices) if fix else out
     _down_kernel[(n_parts, n_slices)](
         idx, sv, cnt, sv if other is None else other, words_d.contiguous(), sc_d.contiguous(), of_d.contiguous(), out,
         residual.contiguous() if fix else out, bias.contiguous() if bias is not None else out, y if fix else out,
-        lock, cnt.numel(), d_inter, n_words, n_groups, idx.numel(), SET=cfg["SET"], SUB=cfg["SUB"], UR=cfg["UR"],
-        NW=cfg["NW"], GPS=gps, WPG=wpg, AHEAD=cfg["AHEAD"], ASM=words_d.device.type == "cuda" and not interpreting(),
+        counters if fix else cnt, cnt.numel(), d_inter, n_words, n_groups, idx.numel(), SET=cfg["SET"],
+        SUB=cfg["SUB"], UR=cfg["UR"], NW=cfg["NW"], GPS=gps, WPG=n_words // n_groups, AHEAD=cfg["AHEAD"],
+        ASM=words_d.device.type == "cuda" and not interpreting(),
         BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, OS=0 if other is None else other.shape[0],
         MODE={"abs": 0, "abs_act": 1, "dual": 2}[mode], ACT=act_code(activation), FIX=int(fix), NP=n_parts,
         HAS_B=int(bias is not None), PDL=pdl, num_warps=cfg["NW"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return y if fix else out
-
-
-_COUNTERS: dict = {}
-MAX_SLICES = 4096
-
-
-def slice_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The down kernel's counters of finished programs, one a column slice: int32 zeros, allocated once per device
-    (each launch leaves them at 0; a CUDA graph replays on the same tensor) and shared by every launch, which run one
-    after another on a stream (a decode step's kernels each wait for the one before)."""
-    if n > MAX_SLICES:
-        raise ValueError(f"{n} column slices: the down kernel counts at most {MAX_SLICES}; raise SLICE")
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
