@@ -50,8 +50,8 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads
 # over 16 words x UR rows), NW warps a program (one row stream each), UR rows a stream a tile, AHEAD tiles of words in
 # flight. The fastest of benchmarks/int4_decode.py --parts rows at the
-# Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, run R7 of results/int4/rows.csv; dual's best, SET 64
-# and A_WARPS 8, was 0.5 % faster for dual). UR = 32 against 16: 8-9 % faster a sparse MLP, 15 % a decode step (runs
+# Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, runs R7 and R9 of results/int4/rows.csv; R9's A_WARPS
+# 8 was 0.1 % faster, noise; dual's best, SET 64, 0.9 % faster for dual). UR = 32 against 16: 8-9 % faster a sparse MLP, 15 % a decode step (runs
 # G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
 # output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
 # case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
