@@ -22,7 +22,9 @@ bits a weight). Parts (``--parts``):
   for ``--rows-config``); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
 * ``step``: ``countdown.decode.generate_fast`` on the fastest step (``fastest_step``: fused attention, compiled,
   CUDA graphs), bf16 first, then the 4-bit model with each backend (only the GEMVs differ); decode tokens/s
-  (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``.
+  (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``;
+  ``--profile``: each 4-bit configuration of ours then profiled, kernel by kernel on the step's critical path
+  (``countdown.bench.int4profile``: ``step_kernels.csv``).
 
 Rows append to ``<out>/decode.csv`` (``run, device, date, weights, method, sparsity, tokens_per_s, bw_share,
 gemv_roofline_ratio``; weights ``bf16``, ``int4`` (ours), ``int4-torch``, ``int4-gemlite``; bw_share = the step's
@@ -42,6 +44,7 @@ import torch
 
 import countdown
 from countdown.bench import time_graph
+from countdown.bench.int4profile import profile_step
 from countdown.int4 import Int4Linear, quantize_rtn, use_backend
 from countdown.kernels import _int4
 
@@ -242,6 +245,9 @@ def step_rows(device, args, bw, stamp, worst, out):
                 log(f"step {backend}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             add(BACKEND_WEIGHTS[backend], tps, ms, step_bytes(model), worst.get(backend))
+            if args.profile and backend == "countdown" and device == "cuda":
+                profile_step(model, ids, args.new_tokens, stamp, {"weights": "int4", "method": "dense",
+                                                                  "sparsity": 0.0}, out, log)
         if args.sparse and (device == "cuda" or args.smoke):
             use_backend(model, "countdown")
             sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse=lambda row: rows.append(row))
@@ -286,6 +292,9 @@ def sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse):
         sparse_rows(model, method, sparse_thresholds(model, ids, method, k))
         try:
             tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
+            if args.profile and ids.is_cuda:  # the step as just timed (compiled, sparse rows set)
+                profile_step(model, ids, args.new_tokens, stamp, {"weights": "int4", "method": method,
+                                                                  "sparsity": k}, out, log)
         except Exception as e:  # noqa: BLE001
             log(f"sparse {method} k={k}: {type(e).__name__}: {str(e)[:300]}")
             continue
@@ -358,6 +367,7 @@ def main(argv=None):
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="profile each 4-bit step of ours (step_kernels.csv)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks this script only)")
     ap.add_argument("--report", action="store_true", help="write decode.md / .png from the CSVs in --out")
     args = ap.parse_args(argv)

@@ -87,9 +87,9 @@ def _threshold(values, k):
 
 # launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
 # tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets, packed), column slices
-# of 32 words, tiles of 4
+# of 32 words, tiles of 4, the lists read before the PDL wait (the order the GPU runs with PDL on)
 SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3,
-                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2}]
+                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2, "EARLY": 1}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
@@ -281,6 +281,35 @@ def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
         sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="PDL runs on a GPU only")
+def test_early_list_reads_under_pdl_give_the_same_step(monkeypatch):
+    """EARLY = 1 (the down kernel reads the select kernel's lists before its PDL wait, the other GEMV signals only
+    once past its own): the folded 4-bit step with mono sparse rows decodes the same tokens and logits, bit for bit,
+    as with EARLY = 0 (the same arithmetic; a list read before select had finished would differ)."""
+    from conftest import captured_logits, tiny_model
+
+    import countdown
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.int4_step import sparse_rows
+    from countdown.decode.linears import fastest_step
+
+    model = countdown.quantize(tiny_model("llama", intermediate_size=512), group=32, lm_head=True).to(DEV)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
+    fastest_step(model)
+    x = torch.randn(1, 64, device=DEV)
+    sparse_rows(model, "mono", [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers])
+    runs = []
+    for early in (0, 1):
+        monkeypatch.setitem(_int4_rows.CONFIG, "EARLY", early)
+        with captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt, 6, compile=False)
+        runs.append((out, steps))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    sparse_rows(model, None, [])
 
 
 def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():

@@ -55,9 +55,12 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
 # output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
 # case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
-# MLP (docs/int4.md).
+# MLP (docs/int4.md). EARLY = 1 (mono / cats with PDL on; session 32, compiled for sm_90 on the CPU, not yet run on a
+# GPU): the other GEMV lets the down kernel launch only once past its own wait, and down reads the row lists, the
+# counts and its first tiles' words before its wait (the select kernel has finished by then), the other GEMV's
+# partials after it: its three dependent round trips (counts, list, words) behind the other GEMV.
 CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
-              AHEAD=2)
+              AHEAD=2, EARLY=0)
 
 
 @triton.jit
@@ -115,6 +118,8 @@ def _config(config: dict | None) -> dict:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
     if cfg["AHEAD"] not in (1, 2):
         raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
+    if cfg["EARLY"] not in (0, 1):
+        raise ValueError(f"EARLY (down reads the lists before its PDL wait) is 0 or 1, got {cfg['EARLY']}")
     unknown = set(cfg) - set(CONFIG)
     if unknown:
         raise ValueError(f"unknown kept-rows launch setting(s) {sorted(unknown)}: the settings are {sorted(CONFIG)}")

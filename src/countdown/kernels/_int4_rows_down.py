@@ -24,18 +24,24 @@ import triton
 import triton.language as tl
 
 from ._glu import _act, _pow2, _round_to
-from ._int4_rows_list import q_total, tile_at
+from ._int4_rows_list import listed, q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _slots(IDX, SV, CNT, O, q, part, n_sets, slot, d_inter, n_pos, SET: tl.constexpr, SUB: tl.constexpr,
-           T: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr):
-    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets at ``slot``: s as the select
-    kernel wrote it (OS = 0, dual), or from its indicator value and the other GEMV's OS partial sums at the row's list
-    position (MODE 0, mono: u act(g); 1, cats: u of the partials times act(g))."""
-    rows, pos, valid = tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET, SUB, T)
-    sv = tl.load(SV + pos, mask=valid, other=0.0)
+def _listed_rows(IDX, SV, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr,
+                 CG: tl.constexpr = False):
+    """(rows, list positions, valid, indicator value or s) of tile ``q`` of a down program's sets at ``slot``: the
+    select kernel's output only (CG: read from L2, before the PDL wait)."""
+    rows, pos, valid = tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET, SUB, T, CG)
+    return rows, pos, valid, listed(SV, pos, valid, 0.0, CG)
+
+
+@triton.jit
+def _s_of(O, sv, pos, valid, n_pos, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr):
+    """s of listed rows: as the select kernel wrote it (OS = 0, dual), or from their indicator value and the other
+    GEMV's OS partial sums at the rows' list positions (MODE 0, mono: u act(g); 1, cats: u of the partials times
+    act(g))."""
     if OS > 0:
         o = tl.load(O + pos, mask=valid, other=0.0)
         for i in tl.static_range(1, OS):
@@ -44,7 +50,15 @@ def _slots(IDX, SV, CNT, O, q, part, n_sets, slot, d_inter, n_pos, SET: tl.const
             sv = sv * _act(o, ACT)
         else:
             sv = o * _act(sv, ACT)
-    return rows, sv
+    return sv
+
+
+@triton.jit
+def _slots(IDX, SV, CNT, O, q, part, n_sets, slot, d_inter, n_pos, SET: tl.constexpr, SUB: tl.constexpr,
+           T: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr):
+    """Row numbers (d_inter past the end) and s of tile ``q`` of a down program's sets at ``slot``."""
+    rows, pos, valid, sv = _listed_rows(IDX, SV, CNT, q, part, n_sets, slot, d_inter, SET, SUB, T)
+    return rows, _s_of(O, sv, pos, valid, n_pos, OS, MODE, ACT)
 
 
 @triton.jit
@@ -168,7 +182,7 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inte
                  SET: tl.constexpr, SUB: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
                  WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr,
                  ACT: tl.constexpr, AHEAD: tl.constexpr = 1, FIX: tl.constexpr = 0, NP: tl.constexpr = 1,
-                 HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                 HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0, EARLY: tl.constexpr = 0):
     # A tile is UR x NW kept rows, words [UR, NW, GPS, WPG]: NW row streams (a warp each where a warp's threads cover
     # GPS x WPG words) keep their own accumulators, summed across streams once at the end; a stream's UR rows are
     # summed inside each thread, in fp16x2 (s' = s scale 2**e, e per stream and group putting the largest |s'| of the
@@ -177,23 +191,33 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inte
     # fp32 times 2**-e. Tiles are requested ahead: the rows of tile q + AHEAD + 1 and the words of tile q + AHEAD (whose
     # rows came in the iteration before) while tile q is summed, so no word load waits on a row number just requested;
     # AHEAD = 2 keeps two tiles' words in flight a warp (twice the bytes in flight with one warp a program).
-    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output
+    # EARLY (PDL behind the other GEMV, which signals only once past its own wait, so the select kernel has finished):
+    # the lists, the first tiles' words and the counts are read before the wait, the other GEMV's partials after it.
+    if PDL:  # launched early (_pdl.py)
         gdc_launch_dependents()
-        gdc_wait()
+        if not EARLY:  # the row lists are the select kernel's output: nothing before the wait
+            gdc_wait()
     part = tl.program_id(0)
     gi = tl.program_id(1) * GPS + tl.arange(0, GPS)               # this column slice's groups
     gm = gi < n_groups
     wcol = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]         # [GPS, WPG] word index in a row
     wm = gm[:, None] & (tl.arange(0, WPG) < WPG)[None, :]
     T: tl.constexpr = UR * NW
-    total = q_total(CNT, part, n_sets, SUB, T)
+    total = q_total(CNT, part, n_sets, SUB, T, EARLY)
     slot = tl.arange(0, UR)[:, None] * NW + tl.arange(0, NW)[None, :]
-    rows, s = _slots(IDX, SV, CNT, O, 0, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
+    rows, pos, ok, s = _listed_rows(IDX, SV, CNT, 0, part, n_sets, slot, d_inter, SET, SUB, T, EARLY)
     w, sc, of = _rows4(WD, SCD, OFD, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
     if AHEAD == 2:  # tile 1's words too, tile 2's rows
-        rows_m, s_m = _slots(IDX, SV, CNT, O, 1, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
+        rows_m, pos_m, ok_m, s_m = _listed_rows(IDX, SV, CNT, 1, part, n_sets, slot, d_inter, SET, SUB, T, EARLY)
         w_m, sc_m, of_m = _rows4(WD, SCD, OFD, rows_m, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
-    rows_n, s_n = _slots(IDX, SV, CNT, O, AHEAD, part, n_sets, slot, d_inter, n_pos, SET, SUB, T, OS, MODE, ACT)
+    rows_n, pos_n, ok_n, s_n = _listed_rows(IDX, SV, CNT, AHEAD, part, n_sets, slot, d_inter, SET, SUB, T, EARLY)
+    if EARLY:
+        if PDL:
+            gdc_wait()  # the other GEMV's partials: s of the rows above
+    s = _s_of(O, s, pos, ok, n_pos, OS, MODE, ACT)
+    if AHEAD == 2:
+        s_m = _s_of(O, s_m, pos_m, ok_m, n_pos, OS, MODE, ACT)
+    s_n = _s_of(O, s_n, pos_n, ok_n, n_pos, OS, MODE, ACT)
     acc0 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc1 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
     acc2 = tl.zeros([NW, GPS, WPG], dtype=tl.float32)
@@ -293,5 +317,6 @@ def down(idx, sv, cnt, counters, words_d, sc_d, of_d, cfg, other=None, mode="dua
         ASM=words_d.device.type == "cuda" and not interpreting(),
         BIG=d_inter * n_words >= 2**31 or n_parts * 8 * n_words >= 2**31, OS=0 if other is None else other.shape[0],
         MODE={"abs": 0, "abs_act": 1, "dual": 2}[mode], ACT=act_code(activation), FIX=int(fix), NP=n_parts,
-        HAS_B=int(bias is not None), PDL=pdl, num_warps=cfg["NW"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        HAS_B=int(bias is not None), PDL=pdl, EARLY=int(bool(cfg["EARLY"] and other is not None)),
+        num_warps=cfg["NW"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return y if fix else out

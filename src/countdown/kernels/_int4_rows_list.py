@@ -16,17 +16,28 @@ import triton.language as tl
 
 
 @triton.jit
-def q_total(CNT, part, n_sets, SUB: tl.constexpr, T: tl.constexpr):
+def listed(P, i, mask, other, CG: tl.constexpr):
+    """P[i] of the select kernel's lists; CG: from L2, not L1 (read before the kernel's PDL wait, while the kernel
+    before it still runs: nothing of them may come from an earlier launch's lines)."""
+    if CG:
+        return tl.load(P + i, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(P + i, mask=mask, other=other)
+
+
+@triton.jit
+def q_total(CNT, part, n_sets, SUB: tl.constexpr, T: tl.constexpr, CG: tl.constexpr = False):
     """The number of tiles of T rows of program ``part``'s SUB sets."""
     total = part * 0
     for jj in tl.static_range(SUB):
         set_j = part * SUB + jj
-        total += tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
+        total += listed(CNT, set_j, set_j < n_sets, 0, CG)
     return (total + T - 1) // T
 
 
 @triton.jit
-def tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr):
+def tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr,
+            CG: tl.constexpr = False):
     """(row numbers, list positions, valid) of tile ``q`` of program ``part``'s sets at ``slot`` (values 0..T-1, any
     shape): row d_inter and valid False past the sets' kept rows, and everywhere for q at or past the tiles' number.
     The counts are read again each tile (from L1)."""
@@ -35,9 +46,9 @@ def tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl
     start = q * 0
     for jj in tl.static_range(SUB):
         set_j = part * SUB + jj
-        c = tl.load(CNT + set_j, mask=set_j < n_sets, other=0)
+        c = listed(CNT, set_j, set_j < n_sets, 0, CG)
         pos = tl.where((m >= start) & (m < start + c), set_j * SET + (m - start), pos)
         start += c
     valid = pos >= 0
-    rows = tl.load(IDX + pos, mask=valid, other=0)
+    rows = listed(IDX, pos, valid, 0, CG)
     return tl.where(valid, rows, d_inter), pos, valid

@@ -33,10 +33,14 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 @triton.jit
 def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_groups, n_pos, SET: tl.constexpr,
                   SUB: tl.constexpr, R: tl.constexpr, SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr,
-                  ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0):
+                  ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output, x an earlier kernel's
-        gdc_launch_dependents()
-        gdc_wait()
+        if LATE:  # the down kernel may launch once every program here is past its wait: select has finished
+            gdc_wait()
+            gdc_launch_dependents()
+        else:
+            gdc_launch_dependents()
+            gdc_wait()
     part = tl.program_id(0)
     s = tl.program_id(1)
     gi, gm, wcol, wm = _slice_grid(s, SLICE, SG, WPG)
@@ -67,7 +71,9 @@ def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_grou
 def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
     """fp32 partial sums ``[S, n_pos]`` of the other 4-bit weight's kept rows times ``x`` at the lists' positions
     (``idx``, ``cnt``: the select kernel's lists of sets of ``cfg["SET"]`` rows). Configuration: ``O_SUB`` sets a
-    program, ``O_R`` rows a tile, ``O_COLS`` most columns of a slice, ``O_WARPS`` warps a program."""
+    program, ``O_R`` rows a tile, ``O_COLS`` most columns of a slice, ``O_WARPS`` warps a program; ``EARLY`` (with
+    PDL): the down kernel after it may launch only once this grid is past its wait (it then reads the lists before its
+    own)."""
     from . import _pdl
     from ._common import interpreting, new_output
 
@@ -81,6 +87,6 @@ def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
         x.contiguous(), words_o.contiguous(), sc_o.contiguous(), of_o.contiguous(), idx, cnt, out, n_sets, d_inter,
         n_words, n_groups, n_pos, SET=cfg["SET"], SUB=cfg["O_SUB"], R=cfg["O_R"], SLICE=n_groups // n_splits,
         SG=_pow2(n_groups // n_splits), WPG=group // 8, ASM=x.device.type == "cuda" and not interpreting(),
-        BIG=d_inter * n_words >= 2**31 or n_splits * n_pos >= 2**31, PDL=pdl,
+        BIG=d_inter * n_words >= 2**31 or n_splits * n_pos >= 2**31, PDL=pdl, LATE=int(cfg["EARLY"]),
         num_warps=cfg["O_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out
