@@ -87,9 +87,9 @@ def _threshold(values, k):
 
 # launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
 # tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets, packed), column slices
-# of 32 words, tiles of 4, the lists read before the PDL wait (the order the GPU runs with PDL on)
+# of 32 words, tiles of 4, the lists read after the PDL wait (EARLY 0; the default reads them before it)
 SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3,
-                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2, "EARLY": 1}]
+                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2, "EARLY": 0}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])

@@ -55,12 +55,13 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
 # output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
 # case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
-# MLP (docs/int4.md). EARLY = 1 (mono / cats with PDL on; session 32, compiled for sm_90 on the CPU, not yet run on a
-# GPU): the other GEMV lets the down kernel launch only once past its own wait, and down reads the row lists, the
-# counts and its first tiles' words before its wait (the select kernel has finished by then), the other GEMV's
-# partials after it: its three dependent round trips (counts, list, words) behind the other GEMV.
+# MLP (docs/int4.md). EARLY = 1 (mono / cats with PDL on, session 32): the other GEMV lets the down kernel launch
+# only once past its own wait, and down reads the row lists, the counts and its first tiles' words before its wait
+# (the select kernel has finished by then), the other GEMV's partials after it: its dependent round trips (counts,
+# list, words) behind the other GEMV. Mono k = 0.7's 8B-shape step 406.6 -> 420.9 tokens/s, the same tokens (H200,
+# 2026-11-28, docs/int4.md); 0 keeps the wait first.
 CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
-              AHEAD=2, EARLY=0)
+              AHEAD=2, EARLY=1)
 
 
 @triton.jit
