@@ -130,12 +130,6 @@ def _config(config: dict | None) -> dict:
     return cfg
 
 
-def programs(d_inter: int, config: dict | None = None) -> int:
-    """How many partials [P, d_model] the kernels write for ``d_inter`` rows: one per SUB sets of SET rows."""
-    cfg = _config(config)
-    return -(-(-(-d_inter // cfg["SET"])) // cfg["SUB"])
-
-
 def kept_rows(ind: torch.Tensor, x: torch.Tensor, other, down_t, threshold: torch.Tensor, mode: str,
               activation: str = "silu", count: tuple[torch.Tensor, torch.Tensor] | None = None,
               config: dict | None = None, residual: torch.Tensor | None = None,
