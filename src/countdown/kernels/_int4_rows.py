@@ -10,10 +10,11 @@ fp32 partial sums over slices of K):
     P[b] = sum over the kept rows of row set b of s[i] Wd~t[i]      fp32 partials [n_parts, d_model]
 
 and y = P.sum(0) is left to the caller, or with a residual h the down launch's last programs write h + y (+ bias)
-in h's dtype (a decode step's residual add, ``decode_add_partials``'s arithmetic, without a launch of its own). Wd~t is W_down^T in the 4-bit format, ``[d_inter, d_model]`` with groups along d_model: a
-kept row is one contiguous run of d_model / 2 bytes and d_model / G scales and offsets, so a skipped row is bytes not
-read. (In W_down's own layout, groups along d_inter, a row of W_down^T is one nibble of every word: nothing could be
-skipped; docs/int4.md measures what the transposed grouping costs in quality.) Bytes a token: the indicator's matrix
+in h's dtype (a decode step's residual add, ``decode_add_partials``'s arithmetic, without a launch of its own).
+Wd~t is W_down^T in the 4-bit format, ``[d_inter, d_model]`` with groups along d_model: a kept row is one
+contiguous run of d_model / 2 bytes and d_model / G scales and offsets, so a skipped row is bytes not read. (In
+W_down's own layout, groups along d_inter, a row of W_down^T is one nibble of every word: nothing could be skipped;
+docs/int4.md measures what the transposed grouping costs in quality.) Bytes a token: the indicator's matrix
 in full (both for dual), then for each kept row one row of the other matrix (not for dual) and one row of Wd~t.
 
 Three launches for mono / cats, two for dual, each shaped like a GEMV rather than like a loop over chunks:
@@ -47,19 +48,19 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
-# tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices of SLICE words (16: a warp's threads
-# over 16 words x UR rows), NW warps a program (one row stream each), UR rows a stream a tile, AHEAD tiles of words in
-# flight. The fastest of benchmarks/int4_decode.py --parts rows at the
+# tile, slices of x of at most O_COLS columns, O_WARPS warps; down: SUB sets a program, d_model cut in column slices
+# of SLICE words (16: a warp's threads over 16 words x UR rows), NW warps a program (one row stream each), UR rows a
+# stream a tile, AHEAD tiles of words in flight. The fastest of benchmarks/int4_decode.py --parts rows at the
 # Llama-3.1-8B MLP for mono at k = 0.7 (NVIDIA H200, 2026-11-28, runs R7 and R9 of results/int4/rows.csv; R9's A_WARPS
-# 8 was 0.1 % faster, noise; dual's best, SET 64, 0.9 % faster for dual). UR = 32 against 16: 8-9 % faster a sparse MLP, 15 % a decode step (runs
-# G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two threads) add about 0.17 % of the MLP's
-# output in rounding (1.7e-3 relative between the two on the H200; below 3e-3 in the float64 tests), against a worst
-# case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in fp16 at a time cost 3-6 % / 17 % of the
-# MLP (docs/int4.md). EARLY = 1 (mono / cats with PDL on, session 32): the other GEMV lets the down kernel launch
-# only once past its own wait, and down reads the row lists, the counts and its first tiles' words before its wait
-# (the select kernel has finished by then), the other GEMV's partials after it: its dependent round trips (counts,
-# list, words) behind the other GEMV. Mono k = 0.7's 8B-shape step 406.6 -> 420.9 tokens/s, the same tokens (H200,
-# 2026-11-28, docs/int4.md); 0 keeps the wait first.
+# 8 was 0.1 % faster, noise; dual's best, SET 64, 0.9 % faster for dual). UR = 32 against 16: 8-9 % faster a
+# sparse MLP, 15 % a decode step (runs G10 / G11); its fp16 sums of a tile's rows (16 a thread, then across two
+# threads) add about 0.17 % of the MLP's output in rounding (1.7e-3 relative between the two on the H200; below 3e-3
+# in the float64 tests), against a worst case of 33 2**-11 of a column's |terms|. Summing 16 or 8 of the 32 rows in
+# fp16 at a time cost 3-6 % / 17 % of the MLP (docs/int4.md). EARLY = 1 (mono / cats with PDL on, session 32): the
+# other GEMV lets the down kernel launch only once past its own wait, and down reads the row lists, the counts and
+# its first tiles' words before its wait (the select kernel has finished by then), the other GEMV's partials after
+# it: its dependent round trips (counts, list, words) behind the other GEMV. Mono k = 0.7's 8B-shape step 406.6 ->
+# 420.9 tokens/s, the same tokens (H200, 2026-11-28, docs/int4.md); 0 keeps the wait first.
 CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
               AHEAD=2, EARLY=1)
 

@@ -13,8 +13,8 @@ fp32 times 2**-e. The offsets' term (``s offset`` per group) is fp32, summed onc
 whole; with a residual h (``FIX``) the last program of each column slice to finish (a counter a slice, one atomic a
 program after its stores) sums the slice's partials in program order (as ``decode_add_partials``: the same numbers
 whichever program is last), adds h (and the bias) and writes h' rounded once to h's dtype, then sets the counter back
-to 0 (the select kernel zeroes them first: a buffer of the launch, no state kept between launches): the residual add without a launch of its own (5.0 us of a 4-bit decode step's layer on the H200, run P1 of
-docs/int4.md).
+to 0 (the select kernel zeroes them first: a buffer of the launch, no state kept between launches): the residual add
+without a launch of its own (5.0 us of a 4-bit decode step's layer on the H200, run P1 of docs/int4.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton.language as tl
 from ._glu import _act, _pow2, _round_to
 from ._int4_rows_list import listed, q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
+from ._rmsnorm import _partial_sum
 
 
 @triton.jit
@@ -155,25 +156,20 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 
 
 @triton.jit
-def _last_adds(P, H, B, Y, LOCK, n_cols, wcol, wm, NP: tl.constexpr, HAS_B: tl.constexpr):
+def _last_adds(P, H, B, Y, LOCK, n_cols, wcol, NP: tl.constexpr, HAS_B: tl.constexpr):
     """After this program's partials are stored: count it done on its column slice's counter; the slice's last
-    program sums the NP partials of the slice's columns in order, adds the residual H (and the bias B) and stores
-    h' in Y's dtype (rounded once), then clears the counter for the next launch."""
+    program sums the NP partials of the slice's columns in order (``decode_add_partials``'s sum), adds the residual H
+    (and the bias B) and stores h' in Y's dtype (rounded once), then clears the counter for the next launch."""
     tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
     lock = LOCK + tl.program_id(1)
     done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
     if done == NP - 1:
         tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
-        cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        m = wm[:, :, None] & (cols < n_cols)
-        acc = tl.load(P + cols, mask=m, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, NP):
-            acc += tl.load(P + j * n_cols + cols, mask=m, other=0.0, cache_modifier=".cg")
-        if HAS_B:
-            acc += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]   # the slice's columns (all < n_cols where wm)
         DT: tl.constexpr = Y.dtype.element_ty
-        y = tl.load(H + cols, mask=m, other=0.0).to(tl.float32) + acc
-        tl.store(Y + cols, _round_to(y, DT).to(DT), mask=m)
+        y = tl.load(H + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + _partial_sum(P, B, cols, n_cols, NP,
+                                                                                             HAS_B, True)
+        tl.store(Y + cols, _round_to(y, DT).to(DT), mask=cols < n_cols)
         tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
@@ -272,9 +268,7 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inte
     _store_col(P, base, wcol, wm, acc6, boff, 6)
     _store_col(P, base, wcol, wm, acc7, boff, 7)
     if FIX:
-        _last_adds(P, H, B, Y, LOCK, n_words * 8, wcol, wm, NP, HAS_B)
-
-
+        _last_adds(P, H, B, Y, LOCK, n_words * 8, wcol, NP, HAS_B)
 
 
 def column_slices(n_words: int, n_groups: int, cfg: dict) -> tuple[int, int]:
