@@ -267,9 +267,10 @@ def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch
 
 def test_step_profile_charges_each_kernel_its_cost_to_the_critical_path():
     """Hand-worked: a 0-10, b 5-12 (overlapping a: charged 10-12), idle 12-15, a 15-20; c 16-18 inside a: charged
-    nothing; two steps halve everything."""
+    nothing; idle 20-21, b 21-22; each gap is named by the kernel that ends it; two steps halve everything."""
     from countdown.bench.int4profile import charge
 
     got = {name: (calls, us) for name, calls, us in charge([(15, 20, "a"), (0, 10, "a"), (5, 12, "b"),
-                                                           (16, 18, "c")], 2)}
-    assert got == {"a": (1.0, 7.5), "b": (0.5, 1.0), "<idle>": (0.0, 1.5), "c": (0.5, 0.0)}
+                                                           (16, 18, "c"), (21, 22, "b")], 2)}
+    assert got == {"a": (1.0, 7.5), "b": (1.0, 1.5), "<idle> before a": (0.5, 1.5), "c": (0.5, 0.0),
+                   "<idle> before b": (0.5, 0.5)}

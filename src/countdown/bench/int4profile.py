@@ -4,7 +4,8 @@
 With programmatic dependent launch (kernels/_pdl.py) a kernel starts before the one before it ends and waits at
 its start, so the profiler's own durations overlap and add up to more than the step. Here each kernel is charged
 the time from the end of the kernels before it (on the device's timeline) to its own end: its cost to the step.
-Time with no kernel running is charged to ``<idle>``. One ``generate_fast`` call is profiled (its prompt's kernels
+Time with no kernel running is charged to ``<idle> before K``, K the kernel that ends the gap (what the device
+waited to start: the host, a launch, a dependency). One ``generate_fast`` call is profiled (its prompt's kernels
 included: they are charged once, the decode kernels once a step); per step = the call's total over its new tokens.
 """
 
@@ -21,7 +22,7 @@ FIELDS = ["run", "device", "date", "weights", "method", "sparsity", "kernel", "c
 
 def critical_path(run, steps: int) -> list[tuple[str, float, float]]:
     """(kernel, calls a step, microseconds a step on the critical path) of the CUDA kernels ``run()`` launches,
-    the most costly first, ``<idle>`` among them."""
+    the most costly first, the ``<idle> before K`` gaps among them (calls: gaps a step)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
@@ -31,13 +32,16 @@ def critical_path(run, steps: int) -> list[tuple[str, float, float]]:
 
 def charge(spans, steps: int) -> list[tuple[str, float, float]]:
     """:func:`critical_path`'s attribution of kernel spans (start, end, name) in microseconds: each kernel pays from
-    the latest end before it (or its own start, if later) to its end, ``<idle>`` the time no kernel ran."""
+    the latest end before it (or its own start, if later) to its end; the time no kernel ran goes to ``<idle> before
+    K``, K the kernel whose start ends the gap."""
     spans = sorted(spans)
     cost = collections.defaultdict(lambda: [0, 0.0])
     end = spans[0][0] if spans else 0.0
     for start, stop, name in spans:
         if start > end:
-            cost["<idle>"][1] += start - end
+            gap = cost[f"<idle> before {name[:66]}"]
+            gap[0] += 1
+            gap[1] += start - end
         entry = cost[name[:80]]
         entry[0] += 1
         entry[1] += max(0.0, stop - max(start, end))

@@ -44,9 +44,10 @@ from ._pdl import gdc_launch_dependents, gdc_wait
 CONFIG = dict(R=8, num_warps=4, PER_SM=3, MAX_COLS=4096, PREFETCH=True, AHEAD=1, ASM=True)
 # Per (N, K) overrides of CONFIG: the fastest of ``benchmarks/int4_decode.py``'s sweep at the Llama-3.1-8B shapes.
 # (NVIDIA H200, 2026-11-27, run G2 of results/int4/decode.md.) q/k/v's K stays in one slice (its output feeds the
-# attention kernel directly).
+# attention kernel directly); its two programs an SM are the fastest inside the compiled step (2026-11-28, docs/int4.md:
+# 12.9 -> ~9 us a layer there), though one was faster alone.
 SHAPE_CONFIGS: dict[tuple[int, int], dict] = {
-    (6144, 4096): dict(R=8, PER_SM=1, MAX_COLS=4096, AHEAD=2),     # q/k/v stacked
+    (6144, 4096): dict(R=8, PER_SM=2, MAX_COLS=4096, AHEAD=2),     # q/k/v stacked
     (4096, 4096): dict(R=16, PER_SM=3, MAX_COLS=1024, AHEAD=2),    # o_proj
     (28672, 4096): dict(R=16, PER_SM=4, MAX_COLS=1024, AHEAD=1),   # gate/up stacked
     (14336, 4096): dict(R=16, PER_SM=4, MAX_COLS=1024, AHEAD=1),   # up or gate alone (sparse rows' indicator; as gate/up)
