@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..int4 import Int4Linear, stack
-from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model
+from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model, qkv_splits
 from .attention import _QKV4, attend, cache_of, decode_layer
 from .layer import _BEFORE as LAYER_BEFORE
 
@@ -68,7 +68,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                    use_cache=False, position_embeddings=None, **kwargs):
     """A 4-bit decoder layer's decode step as a chain of our kernels (PDL on while folded):
 
-        qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV, K in one slice (the norm on its input), bf16
+        qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV (the norm on its input): K in one slice, bf16;
+                                                     or K in slices, the partials summed by the attention kernel
         a   = attention(qkv)                         kernels/_rope_attention.py
         h', x = h + sum(partials of a W_o^T),        the 4-bit GEMV's partials; decode_add_norm: the add and
                 RMSNorm_post(h')                     the norm in one launch
@@ -91,7 +92,11 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     gate_up, down, act_name, _ = entry
     norm, post, o = self.input_layernorm, self.post_attention_layernorm, attn.o_proj
     h = hidden_states.reshape(1, -1)
-    a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
+    parts = qkv_splits(qkv4)
+    if parts == 1:  # K in one slice: the GEMV's finished output
+        a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
+    else:  # K in slices: the attention kernel sums the partials (and the bias) as it loads q, k and v
+        a = attend(attn, gemv_partials(h, qkv4, norm=norm), layer, row, position_embeddings, parts, qkv4.bias)
     h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
                                                float(post.variance_epsilon))
     patch = _patch_of(mlp, x)

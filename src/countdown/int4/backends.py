@@ -28,14 +28,15 @@ BACKENDS = ("countdown", "torch", "gemlite", "reference")
 
 @torch.library.custom_op("countdown::int4_gemv", mutates_args=())
 def _int4_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-               activation: str) -> torch.Tensor:
+               activation: str, norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     from ..kernels import _int4
 
-    return _int4.launch(x, words, scale, offset, activation or None)
+    return _int4.launch(x, words, scale, offset, activation or None,
+                        norm=None if norm_weight is None else (norm_weight, eps))
 
 
 @_int4_gemv.register_fake
-def _(x, words, scale, offset, activation):
+def _(x, words, scale, offset, activation, norm_weight=None, eps=0.0):
     from ..kernels import _int4
 
     n, k = words.shape[0], 8 * words.shape[1]
@@ -64,10 +65,22 @@ def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
                                                module.bias, weight, eps)
 
 
-def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None) -> torch.Tensor:
-    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair)."""
-    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                         activation or "")
+def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None, norm=None) -> torch.Tensor:
+    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair; ``norm``,
+    an RMSNorm module of transformers' Llama kind: of that norm of x)."""
+    if norm is None:
+        return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
+                                             activation or "")
+    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset, "",
+                                         norm.weight, float(norm.variance_epsilon))
+
+
+def qkv_splits(module: Int4Linear) -> int:
+    """How many slices of K our GEMV cuts a (stacked q/k/v) module's weight into (its launch configuration): one,
+    and the GEMV hands the attention its finished output; more, and the attention kernel sums the partials."""
+    from ..kernels import _int4
+
+    return _int4.splits(module.out_features, module.in_features, module.group)
 
 
 def finish(partials: torch.Tensor, module: Int4Linear, shape, dtype: torch.dtype) -> torch.Tensor:

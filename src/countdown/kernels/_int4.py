@@ -158,7 +158,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_grou
                       SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, R: tl.constexpr,
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
                       GLU: tl.constexpr, ACT: tl.constexpr, XS: tl.constexpr, HAS_B: tl.constexpr,
-                      NORM: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                      NORM: tl.constexpr = 0, KP: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     if PDL:  # launched early (_pdl.py): the next grid may launch now; x is read only after the wait below
@@ -179,9 +179,14 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_grou
     x5 = _xval(X, wcol, wm, 5, K, GLU, ACT, XS)
     x6 = _xval(X, wcol, wm, 6, K, GLU, ACT, XS)
     x7 = _xval(X, wcol, wm, 7, K, GLU, ACT, XS)
-    if NORM:  # x is h, K in one slice: transformers' RMSNorm of it first, rounded as the module rounds
-        ss = tl.sum(tl.sum(((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)) + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)),
-                           axis=1), axis=0)
+    if NORM:  # x is h: transformers' RMSNorm of it first, rounded as the module rounds
+        if KP:  # K in slices: each program sums the squares of all of h (the same order in every program)
+            hk = tl.arange(0, KP)
+            hv = tl.load(X + hk, mask=hk < K, other=0.0).to(tl.float32)
+            ss = tl.sum(hv * hv, axis=0)
+        else:  # K in one slice: of the values held
+            ss = tl.sum(tl.sum(((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)) + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)),
+                               axis=1), axis=0)
         r = 1.0 / tl.sqrt(ss / K + eps)
         DT: tl.constexpr = X.dtype.element_ty
         x0 = _round_to(_xload(NW, wcol, wm, 0, 8) * _round_to(x0 * r, DT), DT)
@@ -214,7 +219,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_grou
             dst = OUT + s.to(tl.int64) * n_rows + rows
         else:
             dst = OUT + s * n_rows + rows
-        tl.store(dst, y.to(OUT.dtype.element_ty), mask=rows < n_rows)
+        tl.store(dst, _round_to(y, OUT.dtype.element_ty).to(OUT.dtype.element_ty), mask=rows < n_rows)
 
 
 def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, glu: bool) -> tuple:
@@ -240,8 +245,9 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
     through the 4-bit
     weight ``words`` (``qweight.view(torch.int32)``), ``scale``, ``offset``. ``final``: K in one slice and the output
     ``[1, N]`` itself, in x's dtype, plus ``bias`` if given (what a layer hands on, no sum after it). ``norm``
-    (weight, eps), with ``final``: x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input
-    norm folded into the q/k/v GEMV: each program holds all of h)."""
+    (weight, eps): x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input norm folded into
+    the q/k/v GEMV: with K in one slice each program holds all of h; with K in slices each sums all of h's squares
+    and holds its slice)."""
     global LAST_KERNEL
     from . import _pdl
     from ._common import act_code, interpreting, new_output, persistent_programs
@@ -258,9 +264,9 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
     n_blocks = -(-n // R)
     progs = max(1, min(n_blocks, -(-persistent_programs(x.device, cfg["PER_SM"], INTERPRETER_PROGS) // n_splits)))
     asm = bool(cfg["ASM"]) and not interp
-    if norm is not None and (not final or glu or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
-        raise ValueError(f"a folded norm takes a final GEMV of x [1, K] and a weight [{k}] of x's dtype, got "
-                         f"{tuple(norm[0].shape)} {norm[0].dtype}")
+    if norm is not None and (glu or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
+        raise ValueError(f"a folded norm takes x [1, K] (no GLU input) and a weight [{k}] of x's dtype, got "
+                         f"{'a GLU input, ' if glu else ''}{tuple(norm[0].shape)} {norm[0].dtype}")
     if bias is not None and (not final or bias.shape != (n,)):
         raise ValueError(f"a bias is added to a final output only, and has N = {n} values; got {tuple(bias.shape)}")
     out = new_output((n_splits, n), x.dtype if final else torch.float32, x.device)
@@ -272,5 +278,5 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
         n_blocks, progs, SLICE=n_groups // n_splits, SG=_pow2(n_groups // n_splits), WPG=group // 8, R=R, ASM=asm,
         PREFETCH=bool(cfg["PREFETCH"]), AHEAD=int(cfg["AHEAD"]), BIG=n * (k // 8) >= 2**31 or n_splits * n >= 2**31,
         GLU=glu, ACT=act_code(activation or "silu"), XS=x.numel() // (2 * k) if glu else 1, HAS_B=bias is not None,
-        NORM=norm is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
+        NORM=norm is not None, KP=_pow2(k) if norm is not None and n_splits > 1 else 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out
