@@ -7,6 +7,8 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --smoke --out /tmp/i4                # this script on the CPU
     PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode / rows .md, .png
     PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
+    PYTHONPATH=src python benchmarks/int4_decode.py --parts step --no-baselines --sparse mono:0.7 --out /tmp/i4 \
+        --gemv-config '{"qkv": {"MAX_COLS": 1024}}'     # our step alone, under another launch configuration
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
 every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, group=128, lm_head=True)``: 4.25
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import math
 import os
 
@@ -194,6 +197,17 @@ def step_bytes(model) -> int:
     return total
 
 
+def gemv_config(text: str, shapes: dict) -> None:
+    """Apply --gemv-config, before anything compiles."""
+    from countdown.kernels import _int4
+
+    named = {**shapes, "up": (shapes["gate_up"][0] // 2, shapes["gate_up"][1])} if "gate_up" in shapes else shapes
+    for name, cfg in json.loads(text).items():
+        if name not in named:
+            raise SystemExit(f"--gemv-config: unknown shape {name!r}; give one of {sorted(named)}")
+        log(f"4-bit GEMV configuration of {name} {named[name]}: {_int4.set_shape_config(*named[name], cfg)}")
+
+
 def decode_tps(model, ids, new_tokens: int, repeats: int) -> tuple[float, float]:
     """(decode tokens/s, ms a step): best of ``repeats`` after a first, compiling call."""
     from countdown.decode.generate import generate_fast, reset_decoders
@@ -229,15 +243,16 @@ def step_rows(device, args, bw, stamp, worst, out):
             f"bw {row['bw_share']}")
 
     with torch.no_grad():
-        fastest_step(model)
-        tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
-        add("bf16", tps, ms, step_bytes(model), None)
-        fastest_step(model, on=False)
+        if args.baselines:
+            fastest_step(model)
+            tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
+            add("bf16", tps, ms, step_bytes(model), None)
+            fastest_step(model, on=False)
         countdown.quantize(model, group=GROUP, lm_head=True, transposed_down=args.transposed_down)
         torch.cuda.empty_cache() if device == "cuda" else None
         fastest_step(model)
         for backend in (["countdown", "torch"] + (["gemlite"] if have_gemlite() else [])
-                        if device == "cuda" else ["countdown"]):
+                        if device == "cuda" and args.baselines else ["countdown"]):
             use_backend(model, backend)
             try:
                 tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
@@ -254,7 +269,8 @@ def step_rows(device, args, bw, stamp, worst, out):
     base = {r["weights"]: r["tokens_per_s"] for r in rows if r["method"] == "dense"}
     for r in rows:
         log(f"  {r['weights']:13s} {r['method']:6s} {r['sparsity']:<4} {r['tokens_per_s']:8.1f} tokens/s  "
-            f"{r['tokens_per_s'] / base['bf16']:.2f}x bf16  {r['tokens_per_s'] / base['int4']:.2f}x int4"
+            + (f"{r['tokens_per_s'] / base['bf16']:.2f}x bf16  " if "bf16" in base else "")
+            + f"{r['tokens_per_s'] / base['int4']:.2f}x int4"
             + (f"  {r['tokens_per_s'] / base['int4-torch']:.2f}x int4-torch" if "int4-torch" in base else ""))
 
 
@@ -333,7 +349,8 @@ def report(out: str) -> None:
             vs_t = f"{t / base['int4-torch']:.2f}x" if "int4-torch" in base else "-"
             vs_4 = f"{t / base['int4']:.2f}x" if "int4" in base else "-"
             k = "-" if r["method"] == "dense" else r["sparsity"]
-            lines.append(f"| {r['weights']} | {r['method']} | {k} | {t:.1f} | {t / base['bf16']:.2f}x | {vs_4} | {vs_t} | "
+            vs_b = f"{t / base['bf16']:.2f}x" if "bf16" in base else "-"
+            lines.append(f"| {r['weights']} | {r['method']} | {k} | {t:.1f} | {vs_b} | {vs_4} | {vs_t} | "
                          + (f"{float(r['bw_share']):.0%} | " if r["bw_share"] else "- | ") + f"{r['gemv_roofline_ratio'] or '-'} |")
         mine_g = [g for g in gemvs if g["run"] == run]
         if mine_g:
@@ -364,6 +381,12 @@ def main(argv=None):
     ap.add_argument("--rows-config", default=None,
                     help="launch configuration of the kept-rows kernel for --sparse: JSON (e.g. '{\"BM\": 4}') or a "
                     "rows_best.json of the rows part (its first method's)")
+    ap.add_argument("--gemv-config", default=None,
+                    help="launch configuration of our 4-bit GEMV by shape for this call, over kernels/_int4.py's "
+                    "SHAPE_CONFIGS: JSON keyed by shape name (qkv, o_proj, gate_up, up, down, lm_head), e.g. "
+                    "'{\"qkv\": {\"MAX_COLS\": 1024}}' (q/k/v in slices: the attention sums its partials)")
+    ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                    help="the step part's bf16 step and the baseline GEMVs (--no-baselines: ours only)")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -379,8 +402,6 @@ def main(argv=None):
         return report(args.out)
     parts = set(args.parts.split(","))
     if args.rows_config:
-        import json
-
         from countdown.kernels import _int4_rows
 
         text = open(args.rows_config).read() if os.path.exists(args.rows_config) else args.rows_config
@@ -388,6 +409,8 @@ def main(argv=None):
         cfg = next(iter(cfg.values())) if cfg and isinstance(next(iter(cfg.values())), dict) else cfg
         _int4_rows.CONFIG.update(cfg)
         log(f"kept-rows kernel configuration: {_int4_rows.CONFIG}")
+    if args.gemv_config:
+        gemv_config(args.gemv_config, SMOKE_SHAPES if args.smoke else SHAPES)
     device = "cpu" if args.smoke else "cuda"
     from countdown.bench import copy_bandwidth
 

@@ -225,6 +225,19 @@ def test_4bit_model_decodes_through_the_gemvs(monkeypatch):
         use_backend(model, "marlin")
 
 
+def test_set_shape_config_names_unknown_keys(monkeypatch):
+    """set_shape_config merges into the shape's entry (the benchmark's --gemv-config) and names a key it does not
+    know, with the ones it does, before changing anything."""
+    monkeypatch.setattr(_int4, "SHAPE_CONFIGS", {(64, 32): {"R": 4}})
+    assert _int4.set_shape_config(64, 32, {"MAX_COLS": 32}) == {**_int4.CONFIG, "R": 4, "MAX_COLS": 32}
+    assert _int4.splits(64, 32, 16) == 1 and _int4.splits(64, 64, 16) == 1
+    _int4.set_shape_config(64, 64, {"MAX_COLS": 32})
+    assert _int4.splits(64, 64, 16) == 2
+    with pytest.raises(ValueError, match=r"unknown launch configuration keys \['PERSM'\]; give some of"):
+        _int4.set_shape_config(64, 32, {"PERSM": 2})
+    assert _int4.SHAPE_CONFIGS[(64, 32)] == {"R": 4, "MAX_COLS": 32}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_qkv_gemv_in_slices_hands_the_attention_its_partials(monkeypatch, arch):
     """A q/k/v launch configuration with K in slices: the folded step's q/k/v GEMV writes fp32 partials (the input

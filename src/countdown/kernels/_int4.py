@@ -64,6 +64,16 @@ def config_for(n: int, k: int, config: dict | None = None) -> dict:
     return {**CONFIG, **SHAPE_CONFIGS.get((n, k), {}), **(config or {})}
 
 
+def set_shape_config(n: int, k: int, config: dict) -> dict:
+    """Override an [N, K] weight's launch configuration (``SHAPE_CONFIGS``) for this process; returns the result.
+    Set it before a step compiles: a compiled step keeps the slice counts it was traced with."""
+    unknown = set(config) - set(CONFIG)
+    if unknown:
+        raise ValueError(f"unknown launch configuration keys {sorted(unknown)}; give some of {sorted(CONFIG)}")
+    SHAPE_CONFIGS[(n, k)] = {**SHAPE_CONFIGS.get((n, k), {}), **config}
+    return config_for(n, k)
+
+
 def splits(n: int, k: int, group: int, config: dict | None = None) -> int:
     """How many slices of K (partial sums) the kernel writes for an [N, K] weight."""
     return split_for(k // group, group, config_for(n, k, config)["MAX_COLS"])
