@@ -56,6 +56,23 @@ def test_eos_stops_and_pads_as_transformers_does():
     assert torch.equal(countdown.generate(model, ids, 30, eos_token_id=[]), free)  # [] never stops early
 
 
+def test_no_eos_means_no_host_reads_during_the_decode(monkeypatch):
+    """generate_fast with eos_token_id None or []: the tokens are not looked at until the end (a look waits for the
+    device, which then runs dry); with an EOS, once every 16 steps."""
+    from countdown.decode import decoder
+    from countdown.decode.generate import generate_fast
+
+    looks = []
+    real = decoder._all_finished
+    monkeypatch.setattr(decoder, "_all_finished", lambda i, new, eos: looks.append(i) or real(i, new, eos))
+    model, ids = tiny_model("llama"), _prompt()
+    for eos in (None, []):
+        generate_fast(model, ids, 40, eos_token_id=eos, compile=False)
+    assert looks == []
+    out, _ = generate_fast(model, ids, 40, eos_token_id=[1], compile=False)  # a token the tiny model never picks
+    assert len(looks) == 39 and out.shape[1] == PROMPT + 40
+
+
 def test_streamer_receives_exactly_the_generated_tokens():
     class Recorder:
         def __init__(self):

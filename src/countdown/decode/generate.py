@@ -114,7 +114,8 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     seed: seeds the sampling noise (a private generator: the global RNG is untouched); None draws a
         seed from the global RNG.
     eos_token_id: stop once every row has produced one (checked every 16 steps; the host reads the
-        tokens then); tokens after a row's EOS are left as generated.
+        tokens then, waiting for the device); tokens after a row's EOS are left as generated. None or []: no
+        EOS, no reads until the end.
     max_cache_len: static KV-cache length (default: prompt + new tokens rounded up to 128).
     on_tokens: called with the new tokens ``[batch, n]`` (CPU) as they come (every 16 steps, then once more).
     compile_options: extra ``torch.compile`` arguments, e.g. ``{"backend": "eager"}`` for debugging, or
@@ -180,8 +181,8 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
         setup_s = decoder.warm_up(input_ids, noise_fn, inv_temperature)
         generator.manual_seed(generator.initial_seed())  # the warm-up drew noise: start the seed afresh
     eos = None
-    if eos_token_id is not None:
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if ids:  # no EOS (None or []): no host read of the tokens during the decode
         eos = torch.tensor(ids, dtype=torch.long, device=device)
     tokens, prefill_s, decode_s = decoder.run(input_ids, max_new_tokens, noise_fn, inv_temperature, eos, on_tokens)
     new = tokens.shape[1] - n_prompt
