@@ -105,6 +105,31 @@ def test_add_partials_rounds_once(dtype):
         decode_add_partials(h, parts.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("glu,with_bias", [(True, True), (False, False)])
+def test_residual_add_inside_the_gemv_launch(glu, with_bias):
+    """The residual add in the GEMV's launch (the last slice of each block of rows to finish sums the block's
+    partials in order, adds h and the bias, rounds once): bit for bit decode_add_partials of the same partials; the
+    counters back at zero, so a second launch gives the same again; too few counters named before any work."""
+    from countdown.kernels._rmsnorm import decode_add_partials
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 40, 256
+    w = _weight(n, k, 32)
+    x = torch.randn(3, 2, k, generator=g) if glu else torch.randn(1, k, generator=g).to(torch.bfloat16)
+    h = (3 * torch.randn(1, n, generator=g)).to(torch.bfloat16).to(DEV)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEV) if with_bias else None
+    args = (x.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV),
+            "silu" if glu else None, {"MAX_COLS": 64, "R": 8})  # 4 slices of K
+    want = decode_add_partials(h, _int4.launch(*args), bias)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        got = _int4.launch(*args, bias=bias, residual=h, counters=counters)
+        assert got.dtype == h.dtype and torch.equal(got, want)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="int32 zero counters"):
+        _int4.launch(*args, residual=h, counters=torch.zeros(1, dtype=torch.int32, device=DEV))
+
+
 def test_norm_folded_into_the_final_gemv_and_the_add():
     """The layer's input RMSNorm folded into the q/k/v GEMV (final: bf16 out, bias; or K in slices: fp32 partials)
     and decode_add_norm (the residual
@@ -236,6 +261,34 @@ def test_set_shape_config_names_unknown_keys(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown launch configuration keys \['PERSM'\]; give some of"):
         _int4.set_shape_config(64, 32, {"PERSM": 2})
     assert _int4.SHAPE_CONFIGS[(64, 32)] == {"R": 4, "MAX_COLS": 32}
+
+
+def test_down_gemv_adding_the_residual_gives_the_same_step(monkeypatch):
+    """ADD = 1 (the residual add after the MLP inside the down GEMV's launch): the folded 4-bit step's tokens and
+    logits are those of ADD = 0 (decode_add_partials after it), bit for bit."""
+    from conftest import captured_logits, tiny_model
+
+    import countdown
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import fastest_step
+
+    model = countdown.quantize(tiny_model("llama", intermediate_size=128), group=32, lm_head=True).to(DEV)
+    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    fastest_step(model)
+    runs, adds = [], []
+    real = _int4.launch
+    monkeypatch.setattr(_int4, "launch", lambda *a, **k: adds.append(k.get("residual") is not None) or real(*a, **k))
+    for add in (0, 1):
+        monkeypatch.setitem(_int4.CONFIG, "ADD", add)
+        adds.clear()
+        with captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt, 3, compile=False)
+        runs.append((out, steps, sum(adds)))
+    assert runs[0][2] == 0 and runs[1][2] == 2 * model.config.num_hidden_layers  # two decode steps
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fastest_step(model, on=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

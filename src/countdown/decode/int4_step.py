@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..int4 import Int4Linear, stack
-from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model, qkv_splits
+from ..int4.backends import (adds_in_launch, backend_of, finish, gemv_add, gemv_final, gemv_partials, one_token,
+                             prepare_model, qkv_splits)
 from .attention import _QKV4, attend, cache_of, decode_layer
 from .layer import _BEFORE as LAYER_BEFORE
 
@@ -74,7 +75,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
         h', x = h + sum(partials of a W_o^T),        the 4-bit GEMV's partials; decode_add_norm: the add and
                 RMSNorm_post(h')                     the norm in one launch
         gu  = x [W_gate; W_up]^T                     the stacked 4-bit GEMV (partials)
-        out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials
+        out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials (or
+                                                     the down GEMV's launch: its configuration's ADD)
     """
     attn, mlp = self.self_attn, self.mlp
     qkv4, entry = attn.__dict__.get(_QKV4), mlp.__dict__.get(_GU)
@@ -111,6 +113,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     if rows is not None:  # sparse rows (sparse_rows) or a W_down held transposed: the indicator GEMV, the kept rows
         return _kept_rows(h, down.bias, x, act_name, *_unpacked(rows)).view_as(hidden_states)
     gu = gemv_partials(x, gate_up)
+    if adds_in_launch(down):  # the residual add inside the down GEMV's launch
+        return gemv_add(gu.view(gu.shape[0], 2, -1), down, act_name, h).view_as(hidden_states)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)
     return out.view_as(hidden_states)

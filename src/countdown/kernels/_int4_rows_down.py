@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._glu import _act, _pow2, _round_to
+from ._glu import _act, _pow2
 from ._int4_rows_list import listed, q_total, tile_at
 from ._pdl import gdc_launch_dependents, gdc_wait
-from ._rmsnorm import _partial_sum
+from ._rmsnorm import _add_when_last
 
 
 @triton.jit
@@ -156,24 +156,6 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 
 
 @triton.jit
-def _last_adds(P, H, B, Y, LOCK, n_cols, wcol, NP: tl.constexpr, HAS_B: tl.constexpr):
-    """After this program's partials are stored: count it done on its column slice's counter; the slice's last
-    program sums the NP partials of the slice's columns in order (``decode_add_partials``'s sum), adds the residual H
-    (and the bias B) and stores h' in Y's dtype (rounded once), then clears the counter for the next launch."""
-    tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
-    lock = LOCK + tl.program_id(1)
-    done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-    if done == NP - 1:
-        tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
-        cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]   # the slice's columns (all < n_cols where wm)
-        DT: tl.constexpr = Y.dtype.element_ty
-        y = tl.load(H + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + _partial_sum(P, B, cols, n_cols, NP,
-                                                                                             HAS_B, True)
-        tl.store(Y + cols, _round_to(y, DT).to(DT), mask=cols < n_cols)
-        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inter, n_words, n_groups, n_pos,
                  SET: tl.constexpr, SUB: tl.constexpr, UR: tl.constexpr, NW: tl.constexpr, GPS: tl.constexpr,
                  WPG: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, OS: tl.constexpr, MODE: tl.constexpr,
@@ -267,8 +249,9 @@ def _down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_inte
     _store_col(P, base, wcol, wm, acc5, boff, 5)
     _store_col(P, base, wcol, wm, acc6, boff, 6)
     _store_col(P, base, wcol, wm, acc7, boff, 7)
-    if FIX:
-        _last_adds(P, H, B, Y, LOCK, n_words * 8, wcol, NP, HAS_B)
+    if FIX:  # the last program of this column slice adds the residual (and the bias) to the slice's partials
+        cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]   # the slice's columns (all < n_cols where wm)
+        _add_when_last(P, H, B, Y, LOCK + tl.program_id(1), cols, n_words * 8, NP, HAS_B)
 
 
 def column_slices(n_words: int, n_groups: int, cfg: dict) -> tuple[int, int]:

@@ -124,6 +124,22 @@ def _partial_sum(P, B, i, n, S: tl.constexpr, HAS_B: tl.constexpr, CG: tl.conste
 
 
 @triton.jit
+def _add_when_last(P, H, B, Y, lock, i, n, S: tl.constexpr, HAS_B: tl.constexpr):
+    """For a launch whose S programs (one per partial) each store their partials [S, n] at entries ``i``: count this
+    program done on its ``lock``; the last of the S sums the partials in order (``_add_partials_kernel``'s sum, from
+    L2), adds the residual H (and the bias B) and stores h' in Y's dtype, rounded once; then clears the lock for the
+    next launch. (The residual add of a decode step inside the GEMV's launch: kernels/_int4.py, _int4_rows_down.py.)"""
+    tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
+    done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    if done == S - 1:
+        tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
+        DT: tl.constexpr = Y.dtype.element_ty
+        y = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + _partial_sum(P, B, i, n, S, HAS_B, True)
+        tl.store(Y + i, _round_to(y, DT).to(DT), mask=i < n)
+        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _add_partials_kernel(H, P, B, Y, n, S: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = 0):
     if PDL:  # the partials are the previous kernel's output

@@ -200,7 +200,8 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cb = max(2, _attention._pow2(n_splits))
     _rope_split_kernel[(n_splits, KVH, B)](
         qkv, qkv if bias is None else bias, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T,
-        split_len, 0 if parts else qkv.stride(0), qkv.stride(0) if parts else 0, s_cos, s_sin, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        split_len, 0 if parts else qkv.stride(0), qkv.stride(0) if parts else 0, s_cos, s_sin, k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), mask.stride(1),
         G=G, D=D, BD=BD, GP=max(16, _attention._pow2(G)), BLOCK_N=cfg["BLOCK_N"],
         BOOL_MASK=mask.dtype == torch.uint8, IEEE=k_cache.dtype == torch.float32 or _common.interpreting(),
