@@ -66,7 +66,8 @@ def profile_step(model, ids, new_tokens: int, stamp: dict, what: dict, out: str,
             writer.writerow({**stamp, **what, "kernel": name, "calls_per_step": round(calls, 2),
                              "us_per_step": round(us, 2)})
     total = sum(r[2] for r in rows)
+    idle = sum(r[2] for r in rows if r[0].startswith("<idle>"))
     log(f"  profile {what['weights']} {what['method']} {what['sparsity']}: {total:.0f} us a step on the critical "
-        f"path (prompt included)")
+        f"path (prompt included), {idle:.0f} of them with no kernel running")
     for name, calls, us in rows[:10]:
         log(f"    {us:8.1f} us a step  {calls:6.1f} calls  {us / max(calls, 1e-9):7.2f} us a call  {name[:60]}")
