@@ -111,11 +111,9 @@ def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
 def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None, norm=None) -> torch.Tensor:
     """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair; ``norm``,
     an RMSNorm module of transformers' Llama kind: of that norm of x)."""
-    if norm is None:
-        return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                             activation or "")
-    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset, "",
-                                         norm.weight, float(norm.variance_epsilon))
+    weight, eps = (None, 0.0) if norm is None else (norm.weight, float(norm.variance_epsilon))
+    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
+                                         activation or "", weight, eps)
 
 
 def qkv_splits(module: Int4Linear) -> int:

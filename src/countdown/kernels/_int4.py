@@ -172,7 +172,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_w
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
                       GLU: tl.constexpr, ACT: tl.constexpr, XS: tl.constexpr, HAS_B: tl.constexpr,
                       NORM: tl.constexpr = 0, KP: tl.constexpr = 0, FIX: tl.constexpr = 0, NS: tl.constexpr = 1,
-                      FIX_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     if PDL:  # launched early (_pdl.py): the next grid may launch now; x is read only after the wait below
@@ -227,7 +227,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_w
         d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                       e0, e1, e2, e3, 4, ASM)
         y = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
-        if HAS_B:  # one slice only (launch checks): the finished output
+        if HAS_B and not FIX:  # one slice only (launch checks): the finished output
             y += tl.load(B + rows, mask=rows < n_rows, other=0.0).to(tl.float32)
         if BIG:
             dst = OUT + s.to(tl.int64) * n_rows + rows
@@ -235,7 +235,7 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_w
             dst = OUT + s * n_rows + rows
         tl.store(dst, _round_to(y, OUT.dtype.element_ty).to(OUT.dtype.element_ty), mask=rows < n_rows)
         if FIX:  # the block's last slice to finish adds the residual H (and the bias B) to the NS partials
-            _add_when_last(OUT, H, B, Y, LOCK + blk, rows, n_rows, NS, FIX_B)
+            _add_when_last(OUT, H, B, Y, LOCK + blk, rows, n_rows, NS, HAS_B)
 
 
 def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, glu: bool) -> tuple:
@@ -306,8 +306,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
         n_blocks, progs, SLICE=n_groups // n_splits, SG=_pow2(n_groups // n_splits), WPG=group // 8, R=R, ASM=asm,
         PREFETCH=bool(cfg["PREFETCH"]), AHEAD=int(cfg["AHEAD"]), BIG=n * (k // 8) >= 2**31 or n_splits * n >= 2**31,
         GLU=glu, ACT=act_code(activation or "silu"), XS=x.numel() // (2 * k) if glu else 1,
-        HAS_B=bias is not None and residual is None, NORM=norm is not None,
+        HAS_B=bias is not None, NORM=norm is not None,
         KP=_pow2(k) if norm is not None and n_splits > 1 else 0, FIX=residual is not None, NS=n_splits,
-        FIX_B=bias is not None and residual is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1,
-        **_pdl.launch_kwargs(pdl))
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out if residual is None else y

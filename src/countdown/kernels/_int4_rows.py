@@ -44,7 +44,7 @@ from ._count import add_count
 from ._glu import _act, _pow2
 from ._int4_rows_down import column_slices, down
 from ._int4_rows_other import other
-from ._pdl import gdc_launch_dependents, gdc_wait
+from ._pdl import gdc_enter
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
@@ -71,13 +71,8 @@ CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARP
 def _select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_stride, n_locks, MODE: tl.constexpr,
                    ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
                    NL: tl.constexpr, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0):
-    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output
-        if LATE:  # the other GEMV may launch once every program here is past its wait (it reads x before its own)
-            gdc_wait()
-            gdc_launch_dependents()
-        else:
-            gdc_launch_dependents()
-            gdc_wait()
+    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output; LATE: the other GEMV
+        gdc_enter(LATE)  # launches once every program here is past its wait (it reads x before its own)
     b = tl.program_id(0)
     if NL > 0:  # the down kernel's counters of finished programs (its residual add), zero before it starts
         if b == 0:

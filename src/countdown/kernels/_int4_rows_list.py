@@ -19,10 +19,7 @@ import triton.language as tl
 def listed(P, i, mask, other, CG: tl.constexpr):
     """P[i] of the select kernel's lists; CG: from L2, not L1 (read before the kernel's PDL wait, while the kernel
     before it still runs: nothing of them may come from an earlier launch's lines)."""
-    if CG:
-        return tl.load(P + i, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        return tl.load(P + i, mask=mask, other=other)
+    return tl.load(P + i, mask=mask, other=other, cache_modifier=".cg" if CG else "")
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from ._gemv import _word_dot, _xload
 from ._glu import _pow2
 from ._int4 import _paired_x, _slice_grid, _tile, split_for
 from ._int4_rows_list import q_total, tile_at
-from ._pdl import gdc_launch_dependents, gdc_wait
+from ._pdl import gdc_enter
 
 
 @triton.jit
@@ -44,13 +44,8 @@ def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_grou
             _xload(X, wcol, wm, 0, 8, True), _xload(X, wcol, wm, 1, 8, True), _xload(X, wcol, wm, 2, 8, True),
             _xload(X, wcol, wm, 3, 8, True), _xload(X, wcol, wm, 4, 8, True), _xload(X, wcol, wm, 5, 8, True),
             _xload(X, wcol, wm, 6, 8, True), _xload(X, wcol, wm, 7, 8, True))
-    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output, x an earlier kernel's
-        if LATE:  # the down kernel may launch once every program here is past its wait: select has finished
-            gdc_wait()
-            gdc_launch_dependents()
-        else:
-            gdc_launch_dependents()
-            gdc_wait()
+    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output; LATE: the down kernel launches
+        gdc_enter(LATE)  # once every program here is past its wait (select has finished: it reads the lists early)
     ri = tl.arange(0, R)
     total = q_total(CNT, part, n_sets, SUB, R)
     rows, pos, ok = tile_at(IDX, CNT, 0, part, n_sets, ri, d_inter, SET, SUB, R)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+import triton
+import triton.language as tl
 
 folded = weakref.WeakSet()  # decoder layers folded now (countdown.decode.layer keeps it)
 MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 64, 32  # Hopper's limits per SM
@@ -62,6 +64,19 @@ def weights_early(t: torch.Tensor, programs: int, num_warps: int) -> bool:
 
     per_sm = min(MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // max(1, num_warps))
     return programs <= persistent_programs(t.device, per_sm, 0)
+
+
+@triton.jit
+def gdc_enter(LATE: tl.constexpr):
+    """A PDL-launched program's start: signal that the next grid may launch, then wait for the previous one; LATE:
+    wait first, so the next grid launches only once every program here is past its wait (the kernels before this
+    one have then finished, and the next grid may read their outputs before its own wait)."""
+    if LATE:
+        gdc_wait()
+        gdc_launch_dependents()
+    else:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def launch_kwargs(on) -> dict:

@@ -110,14 +110,10 @@ def decode_add(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def _partial_sum(P, B, i, n, S: tl.constexpr, HAS_B: tl.constexpr, CG: tl.constexpr = False):
     """Entries ``i`` of the sum over S of fp32 partials [S, n] (plus the bias B[i] where HAS_B), in fp32, in order.
     CG: the partials from L2, not L1 (written by other programs of the same launch: kernels/_int4_rows_down.py)."""
-    if CG:
-        m = tl.load(P + i, mask=i < n, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, S):
-            m += tl.load(P + j * n + i, mask=i < n, other=0.0, cache_modifier=".cg")
-    else:
-        m = tl.load(P + i, mask=i < n, other=0.0)
-        for j in tl.static_range(1, S):
-            m += tl.load(P + j * n + i, mask=i < n, other=0.0)
+    cm: tl.constexpr = ".cg" if CG else ""
+    m = tl.load(P + i, mask=i < n, other=0.0, cache_modifier=cm)
+    for j in tl.static_range(1, S):
+        m += tl.load(P + j * n + i, mask=i < n, other=0.0, cache_modifier=cm)
     if HAS_B:
         m += tl.load(B + i, mask=i < n, other=0.0).to(tl.float32)
     return m
