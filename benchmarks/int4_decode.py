@@ -384,7 +384,8 @@ def main(argv=None):
     ap.add_argument("--gemv-config", default=None,
                     help="launch configuration of our 4-bit GEMV by shape for this call, over kernels/_int4.py's "
                     "SHAPE_CONFIGS: JSON keyed by shape name (qkv, o_proj, gate_up, up, down, lm_head), e.g. "
-                    "'{\"qkv\": {\"MAX_COLS\": 1024}}' (q/k/v in slices: the attention sums its partials)")
+                    "'{\"o_proj\": {\"PER_SM\": 2}}' (q/k/v, which hands the attention its finished output, keeps K "
+                    "in one slice)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                     help="the step part's bf16 step and the baseline GEMVs (--no-baselines: ours only)")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "

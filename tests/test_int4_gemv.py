@@ -105,34 +105,8 @@ def test_add_partials_rounds_once(dtype):
         decode_add_partials(h, parts.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("glu,with_bias", [(True, True), (False, False)])
-def test_residual_add_inside_the_gemv_launch(glu, with_bias):
-    """The residual add in the GEMV's launch (the last slice of each block of rows to finish sums the block's
-    partials in order, adds h and the bias, rounds once): bit for bit decode_add_partials of the same partials; the
-    counters back at zero, so a second launch gives the same again; too few counters named before any work."""
-    from countdown.kernels._rmsnorm import decode_add_partials
-
-    g = torch.Generator().manual_seed(7)
-    n, k = 40, 256
-    w = _weight(n, k, 32)
-    x = torch.randn(3, 2, k, generator=g) if glu else torch.randn(1, k, generator=g).to(torch.bfloat16)
-    h = (3 * torch.randn(1, n, generator=g)).to(torch.bfloat16).to(DEV)
-    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEV) if with_bias else None
-    args = (x.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV),
-            "silu" if glu else None, {"MAX_COLS": 64, "R": 8})  # 4 slices of K
-    want = decode_add_partials(h, _int4.launch(*args), bias)
-    counters = torch.zeros(8, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        got = _int4.launch(*args, bias=bias, residual=h, counters=counters)
-        assert got.dtype == h.dtype and torch.equal(got, want)
-        assert not counters.any()
-    with pytest.raises(ValueError, match="int32 zero counters"):
-        _int4.launch(*args, residual=h, counters=torch.zeros(1, dtype=torch.int32, device=DEV))
-
-
 def test_norm_folded_into_the_final_gemv_and_the_add():
-    """The layer's input RMSNorm folded into the q/k/v GEMV (final: bf16 out, bias; or K in slices: fp32 partials)
-    and decode_add_norm (the residual
+    """The layer's input RMSNorm folded into the q/k/v GEMV (final: bf16 out, bias) and decode_add_norm (the residual
     add of partials and the post-attention norm in one launch) against transformers' RMSNorm (rms_norm_ref) and
     float64: the normed input is the module's to one bf16 unit (the fp32 sum of squares in another order)."""
     from countdown.kernels._rmsnorm import decode_add_norm, decode_add_partials, rms_norm_ref
@@ -160,16 +134,8 @@ def test_norm_folded_into_the_final_gemv_and_the_add():
     assert torch.equal(y.cpu(), decode_add_partials(h.to(DEV), parts.to(DEV)).cpu())
     ref = rms_norm_ref(y.cpu(), nw, 1e-5)
     assert ((xn.cpu().double() - ref.double()).abs() <= 2.0 ** -7 * ref.double().abs()).all()
-    # K in 4 slices (fp32 partials; each program sums all of h's squares): summed with the bias and rounded as the
-    # attention kernel does, within the same bound, and near the one-slice output
-    parts = _int4.launch(h.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), None,
-                         {"MAX_COLS": 64}, norm=(nw.to(DEV), 1e-5)).cpu()
-    assert parts.shape == (4, n) and parts.dtype == torch.float32
-    split = (parts.sum(0) + bias.float()).to(torch.bfloat16)
-    assert ((split.double() - want).abs() <= _bound(x, w) + one_unit + 2.0 ** -8 * want.abs()).all()
-    assert (split.double() - out[0].double()).norm() <= 4e-3 * out.double().norm()
-    with pytest.raises(ValueError, match="folded norm"):  # a GLU input has no norm to fold
-        _int4.launch(torch.zeros(2, k), w.qweight.view(torch.int32), w.scale, w.offset, "silu", norm=(nw.float(), 1e-5))
+    with pytest.raises(ValueError, match="folded norm"):
+        _int4.launch(h, w.qweight.view(torch.int32), w.scale, w.offset, None, norm=(nw, 1e-5))
 
 
 def test_stack_views_the_parts():
@@ -261,70 +227,6 @@ def test_set_shape_config_names_unknown_keys(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown launch configuration keys \['PERSM'\]; give some of"):
         _int4.set_shape_config(64, 32, {"PERSM": 2})
     assert _int4.SHAPE_CONFIGS[(64, 32)] == {"R": 4, "MAX_COLS": 32}
-
-
-def test_down_gemv_adding_the_residual_gives_the_same_step(monkeypatch):
-    """ADD = 1 (the residual add after the MLP inside the down GEMV's launch): the folded 4-bit step's tokens and
-    logits are those of ADD = 0 (decode_add_partials after it), bit for bit."""
-    from conftest import captured_logits, tiny_model
-
-    import countdown
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.linears import fastest_step
-
-    model = countdown.quantize(tiny_model("llama", intermediate_size=128), group=32, lm_head=True).to(DEV)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    fastest_step(model)
-    runs, adds = [], []
-    real = _int4.launch
-    monkeypatch.setattr(_int4, "launch", lambda *a, **k: adds.append(k.get("residual") is not None) or real(*a, **k))
-    for add in (0, 1):
-        monkeypatch.setitem(_int4.CONFIG, "ADD", add)
-        adds.clear()
-        with captured_logits(model) as steps:
-            out, _ = generate_fast(model, prompt, 3, compile=False)
-        runs.append((out, steps, sum(adds)))
-    assert runs[0][2] == 0 and runs[1][2] == 2 * model.config.num_hidden_layers  # two decode steps
-    assert torch.equal(runs[0][0], runs[1][0])
-    for a, b in zip(runs[0][1], runs[1][1]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    fastest_step(model, on=False)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_qkv_gemv_in_slices_hands_the_attention_its_partials(monkeypatch, arch):
-    """A q/k/v launch configuration with K in slices: the folded step's q/k/v GEMV writes fp32 partials (the input
-    norm folded in, each program summing all of h's squares) and the attention kernel sums them with the bias
-    (Qwen2's q/k/v have one): the same greedy tokens as the reference (de-quantize + F.linear) and each step's logits
-    within the kernels' rounding, as with K in one slice."""
-    from conftest import captured_logits, tiny_model
-
-    import countdown
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.linears import fastest_step
-
-    model = countdown.quantize(tiny_model(arch, intermediate_size=128), group=32, lm_head=True).to(DEV)
-    attn = model.model.layers[0].self_attn
-    assert (attn.q_proj.bias is not None) == (arch == "qwen2")
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    use_backend(model, "reference")
-    with captured_logits(model) as ref_steps:
-        ref, _ = generate_fast(model, prompt, 3, compile=False)
-    use_backend(model, "countdown")
-    n_qkv = attn.q_proj.out_features + 2 * attn.k_proj.out_features
-    monkeypatch.setitem(_int4.SHAPE_CONFIGS, (n_qkv, 64), {"MAX_COLS": 32})  # K = 64 in groups of 32: two slices
-    shapes = []
-    real = _int4.launch
-    monkeypatch.setattr(_int4, "launch", lambda x, words, *a, **k: shapes.append(
-        (words.shape[0], k.get("final", False), k.get("norm") is not None)) or real(x, words, *a, **k))
-    assert fastest_step(model) == []
-    with captured_logits(model) as steps:
-        out, _ = generate_fast(model, prompt, 3, compile=False)
-    assert (n_qkv, False, True) in shapes and not any(n == n_qkv and final for n, final, _ in shapes)
-    assert torch.equal(out, ref)
-    for got, want in zip(steps, ref_steps):
-        torch.testing.assert_close(got[:, -1], want[:, -1], atol=2e-3, rtol=2e-3)
-    fastest_step(model, on=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline-asm path and the baselines need a GPU")

@@ -87,10 +87,9 @@ def _threshold(values, k):
 
 # launch shapes: the defaults, and small sets read in two chunks, the other GEMV's kept rows two sets a program in
 # tiles of 4 over slices of 64 columns, three sets a down program (a flat walk across sets, packed), column slices
-# of 32 words, tiles of 4, the lists read after the PDL wait (EARLY 0; the default reads them before it), x paired
-# by the other GEMV before the rows are looked up (X_EARLY 1; the default after)
+# of 32 words, tiles of 4, the lists read after the PDL wait (EARLY 0; the default reads them before it)
 SHAPES = [None, {"CHUNK": 16, "SET": 32, "O_SUB": 2, "O_R": 4, "O_COLS": 64, "O_WARPS": 1, "SUB": 3,
-                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2, "EARLY": 0, "X_EARLY": 1}]
+                 "SLICE": 32, "UR": 4, "NW": 2, "AHEAD": 2, "EARLY": 0}]
 
 
 @pytest.mark.parametrize("mode", ["abs", "abs_act", "dual"])
@@ -287,9 +286,8 @@ def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
 @pytest.mark.skipif(DEV != "cuda", reason="PDL runs on a GPU only")
 def test_early_list_reads_under_pdl_give_the_same_step(monkeypatch):
     """EARLY = 1 (the down kernel reads the select kernel's lists before its PDL wait, the other GEMV signals only
-    once past its own), and with it X_EARLY = 1 (the other GEMV pairs x before its wait, the select kernel signals
-    late): the folded 4-bit step with mono sparse rows decodes the same tokens and logits, bit for bit, as with
-    EARLY = 0 (the same arithmetic; a list or an x read before its kernel had finished would differ)."""
+    once past its own): the folded 4-bit step with mono sparse rows decodes the same tokens and logits, bit for bit,
+    as with EARLY = 0 (the same arithmetic; a list read before select had finished would differ)."""
     from conftest import captured_logits, tiny_model
 
     import countdown
@@ -303,16 +301,14 @@ def test_early_list_reads_under_pdl_give_the_same_step(monkeypatch):
     x = torch.randn(1, 64, device=DEV)
     sparse_rows(model, "mono", [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers])
     runs = []
-    for early, x_early in ((0, 0), (1, 0), (1, 1)):
+    for early in (0, 1):
         monkeypatch.setitem(_int4_rows.CONFIG, "EARLY", early)
-        monkeypatch.setitem(_int4_rows.CONFIG, "X_EARLY", x_early)
         with captured_logits(model) as steps:
             out, _ = generate_fast(model, prompt, 6, compile=False)
         runs.append((out, steps))
-    for run in runs[1:]:
-        assert torch.equal(runs[0][0], run[0])
-        for a, b in zip(runs[0][1], run[1]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     sparse_rows(model, None, [])
 
 

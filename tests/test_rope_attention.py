@@ -116,37 +116,3 @@ def test_bad_layouts_are_named():
                             ("k_cache", torch.zeros(B, KVH, T, D - 1), "k_cache and v_cache")):
         with pytest.raises(ValueError, match=words):
             _rope_attention.check(**{**good, key: bad})
-    with pytest.raises(ValueError, match="partial sums"):
-        _rope_attention.check(**good, parts=2)  # a [B, W] qkv given as partials
-    with pytest.raises(ValueError, match="partial sums only"):
-        _rope_attention.check(**{**good, "bias": torch.zeros((H + 2 * KVH) * D)})
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_partial_sums_in_are_the_finished_projection(dtype):
-    """qkv as fp32 partial sums over slices of K (the 4-bit GEMV's) plus the bias: the same output and caches, bit
-    for bit, as the finished projection summed in the same order, biased and rounded to the caches' dtype by torch
-    (round to nearest; the interpreter's own cast would truncate)."""
-    B, H, KVH, T, D, pos, S = 1, 8, 2, 48, 32, 29, 3
-    g = torch.Generator().manual_seed(3)
-    W = (H + 2 * KVH) * D
-    parts = 4 * torch.randn(S, W, generator=g)
-    bias = torch.randn(W, generator=g).to(dtype)
-    qkv = parts[0].clone()
-    for i in range(1, S):
-        qkv = qkv + parts[i]
-    qkv = (qkv + bias.float()).to(dtype)[None]
-    k_cache, v_cache = torch.randn(B, KVH, T, D, generator=g).to(dtype), torch.randn(B, KVH, T, D, generator=g).to(dtype)
-    keep = (torch.arange(T)[None, :] <= pos).expand(B, T)
-    cos, sin = _angles(B, D, pos)
-    got = []
-    for args in ((qkv, 0, None), (parts, S, bias)):
-        kc, vc, p = k_cache.clone().to(DEV), v_cache.clone().to(DEV), torch.tensor(pos, device=DEV)
-        out = _rope_attention.rope_decode_attention(args[0].to(DEV), cos.to(DEV), sin.to(DEV), kc, vc, p,
-                                                    keep.to(DEV), 0.2, H, dict(BLOCK_N=16, SPLITS=2), parts=args[1],
-                                                    bias=None if args[2] is None else args[2].to(DEV))
-        got.append((out.cpu(), kc.cpu(), vc.cpu(), int(p)))
-    for a, b in zip(got[0], got[1]):
-        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    ref, k_ref, _ = _reference(qkv.float(), cos, sin, k_cache.float(), v_cache.float(), pos, keep, 0.2, H)
-    torch.testing.assert_close(got[1][0].double(), ref, rtol=2e-2, atol=2e-2)  # and right: the float64 path

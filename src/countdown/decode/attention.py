@@ -43,16 +43,14 @@ QKV_FIXED = "_countdown_qkv_fixed"  # set by countdown.decode.linears.route_line
 
 @torch.library.custom_op("countdown::rope_decode_attention", mutates_args=("k_cache", "v_cache", "pos"))
 def _rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             pos: torch.Tensor, mask: torch.Tensor, scale: float, n_heads: int, parts: int = 0,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             pos: torch.Tensor, mask: torch.Tensor, scale: float, n_heads: int) -> torch.Tensor:
     from ..kernels import _rope_attention
 
-    return _rope_attention.rope_decode_attention(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads,
-                                                 parts=parts, bias=bias)
+    return _rope_attention.rope_decode_attention(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads)
 
 
 @_rope_op.register_fake
-def _(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads, parts=0, bias=None):
+def _(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads):
     return k_cache.new_empty((k_cache.shape[0], n_heads, k_cache.shape[-1]))
 
 
@@ -224,13 +222,11 @@ def qkv_weights(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return getattr(attn, _WEIGHT), getattr(attn, _BIAS)
 
 
-def attend(attn: nn.Module, qkv: torch.Tensor, layer, row: torch.Tensor, position_embeddings, parts: int = 0,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def attend(attn: nn.Module, qkv: torch.Tensor, layer, row: torch.Tensor, position_embeddings) -> torch.Tensor:
     """The fused decode attention of ``attn`` (rotary embedding, cache write, attention) on the step's
-    QKV projection [B, (H + 2 KVH) D] (``parts`` > 0: its fp32 partial sums [parts, (H + 2 KVH) D] at batch 1, and
-    the projection's ``bias``): [B, H, D]. ``layer`` and ``row`` as :func:`decode_layer` gives them."""
+    QKV projection [B, (H + 2 KVH) D]: [B, H, D]. ``layer`` and ``row`` as :func:`decode_layer` gives them."""
     cos, sin = position_embeddings
     n_heads = attn.q_proj.out_features // attn.head_dim
     return torch.ops.countdown.rope_decode_attention(qkv, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]),
                                                      layer.keys, layer.values, layer.cumulative_length, row,
-                                                     float(attn.scaling), n_heads, parts, bias)
+                                                     float(attn.scaling), n_heads)

@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from ..int4 import Int4Linear, stack
-from ..int4.backends import (adds_in_launch, backend_of, finish, gemv_add, gemv_final, gemv_partials, one_token,
-                             prepare_model, qkv_splits)
+from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model
 from .attention import _QKV4, attend, cache_of, decode_layer
 from .layer import _BEFORE as LAYER_BEFORE
 
@@ -69,14 +68,12 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                    use_cache=False, position_embeddings=None, **kwargs):
     """A 4-bit decoder layer's decode step as a chain of our kernels (PDL on while folded):
 
-        qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV (the norm on its input): K in one slice, bf16;
-                                                     or K in slices, the partials summed by the attention kernel
+        qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV, K in one slice (the norm on its input), bf16
         a   = attention(qkv)                         kernels/_rope_attention.py
         h', x = h + sum(partials of a W_o^T),        the 4-bit GEMV's partials; decode_add_norm: the add and
                 RMSNorm_post(h')                     the norm in one launch
         gu  = x [W_gate; W_up]^T                     the stacked 4-bit GEMV (partials)
-        out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials (or
-                                                     the down GEMV's launch: its configuration's ADD)
+        out = h' + sum(partials of W_down (act(g) u)) the down GEMV reading gu's partials, decode_add_partials
     """
     attn, mlp = self.self_attn, self.mlp
     qkv4, entry = attn.__dict__.get(_QKV4), mlp.__dict__.get(_GU)
@@ -94,11 +91,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     gate_up, down, act_name, _ = entry
     norm, post, o = self.input_layernorm, self.post_attention_layernorm, attn.o_proj
     h = hidden_states.reshape(1, -1)
-    parts = qkv_splits(qkv4)
-    if parts == 1:  # K in one slice: the GEMV's finished output
-        a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
-    else:  # K in slices: the attention kernel sums the partials (and the bias) as it loads q, k and v
-        a = attend(attn, gemv_partials(h, qkv4, norm=norm), layer, row, position_embeddings, parts, qkv4.bias)
+    a = attend(attn, gemv_final(h, qkv4, norm), layer, row, position_embeddings)
     h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
                                                float(post.variance_epsilon))
     patch = _patch_of(mlp, x)
@@ -113,8 +106,6 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     if rows is not None:  # sparse rows (sparse_rows) or a W_down held transposed: the indicator GEMV, the kept rows
         return _kept_rows(h, down.bias, x, act_name, *_unpacked(rows)).view_as(hidden_states)
     gu = gemv_partials(x, gate_up)
-    if adds_in_launch(down):  # the residual add inside the down GEMV's launch
-        return gemv_add(gu.view(gu.shape[0], 2, -1), down, act_name, h).view_as(hidden_states)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)
     return out.view_as(hidden_states)

@@ -28,15 +28,14 @@ BACKENDS = ("countdown", "torch", "gemlite", "reference")
 
 @torch.library.custom_op("countdown::int4_gemv", mutates_args=())
 def _int4_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-               activation: str, norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+               activation: str) -> torch.Tensor:
     from ..kernels import _int4
 
-    return _int4.launch(x, words, scale, offset, activation or None,
-                        norm=None if norm_weight is None else (norm_weight, eps))
+    return _int4.launch(x, words, scale, offset, activation or None)
 
 
 @_int4_gemv.register_fake
-def _(x, words, scale, offset, activation, norm_weight=None, eps=0.0):
+def _(x, words, scale, offset, activation):
     from ..kernels import _int4
 
     n, k = words.shape[0], 8 * words.shape[1]
@@ -57,49 +56,6 @@ def _(x, words, scale, offset, bias, norm_weight, eps):
     return x.new_empty((1, words.shape[0]))
 
 
-@torch.library.custom_op("countdown::int4_gemv_add", mutates_args=())
-def _int4_gemv_add(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                   activation: str, h: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
-    # (counters: counted up and back to zero inside the launch, so no mutation shows)
-    from ..kernels import _int4
-
-    return _int4.launch(x, words, scale, offset, activation or None, bias=bias, residual=h, counters=counters)
-
-
-@_int4_gemv_add.register_fake
-def _(x, words, scale, offset, activation, h, bias, counters):
-    return torch.empty_like(h)
-
-
-_ADD_COUNTERS: dict[torch.device, torch.Tensor] = {}
-ADD_COUNTERS = 1 << 16  # blocks of rows a GEMV with the residual add may have (N / R)
-
-
-def add_counters(device) -> torch.Tensor:
-    """int32 zeros for the residual add inside our GEMV's launch (one a block of rows; every launch leaves them at
-    zero), one buffer a device. :func:`prepare_model` makes it, before any compile: made inside a CUDA-graph capture
-    it would live in the graph's private pool."""
-    key = torch.device(device)
-    if key not in _ADD_COUNTERS:
-        _ADD_COUNTERS[key] = torch.zeros(ADD_COUNTERS, dtype=torch.int32, device=key)
-    return _ADD_COUNTERS[key]
-
-
-def gemv_add(x: torch.Tensor, module: Int4Linear, activation: str | None, h: torch.Tensor) -> torch.Tensor:
-    """h + x W~^T (+ the module's bias) in h's dtype, the residual add inside our GEMV's launch (``activation``: x is
-    the fp32 [S, 2, K] gate/up partials)."""
-    return torch.ops.countdown.int4_gemv_add(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                             activation or "", h, module.bias, add_counters(h.device))
-
-
-def adds_in_launch(module: Int4Linear) -> bool:
-    """Whether the folded step adds the residual inside this (down) module's GEMV launch: its launch configuration's
-    ``ADD`` (kernels/_int4.py)."""
-    from ..kernels import _int4
-
-    return bool(_int4.config_for(module.out_features, module.in_features)["ADD"])
-
-
 def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
     """Our GEMV's finished output [1, N] in x's dtype, bias added (K in one slice); ``norm`` (an RMSNorm module of
     transformers' Llama kind): of that norm of x."""
@@ -108,20 +64,10 @@ def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
                                                module.bias, weight, eps)
 
 
-def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None, norm=None) -> torch.Tensor:
-    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair; ``norm``,
-    an RMSNorm module of transformers' Llama kind: of that norm of x)."""
-    weight, eps = (None, 0.0) if norm is None else (norm.weight, float(norm.variance_epsilon))
+def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None) -> torch.Tensor:
+    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair)."""
     return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                         activation or "", weight, eps)
-
-
-def qkv_splits(module: Int4Linear) -> int:
-    """How many slices of K our GEMV cuts a (stacked q/k/v) module's weight into (its launch configuration): one,
-    and the GEMV hands the attention its finished output; more, and the attention kernel sums the partials."""
-    from ..kernels import _int4
-
-    return _int4.splits(module.out_features, module.in_features, module.group)
+                                         activation or "")
 
 
 def finish(partials: torch.Tensor, module: Int4Linear, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -211,8 +157,6 @@ def prepare_model(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Int4Linear):
             prepare(module)
-            if module.qweight.is_cuda:
-                add_counters(module.qweight.device)
             whole = module.__dict__.get("stacked_into")
             if whole is not None and whole() is not None:
                 prepare(whole())

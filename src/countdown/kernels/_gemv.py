@@ -190,10 +190,9 @@ def _word_dot(w, h0, h1, h2, h3, h4, h5, h6, h7, p0, p1, p2, p3, BITS: tl.conste
 
 # ------------------------------------------------------------------------------------ the kernel
 @triton.jit
-def _xload(X, col, cm, J: tl.constexpr, VPW: tl.constexpr, CG: tl.constexpr = False):
+def _xload(X, col, cm, J: tl.constexpr, VPW: tl.constexpr):
     if J < VPW:
-        # CG: from L2 (read before a PDL wait: L1 may hold an earlier kernel's values of this address)
-        return tl.load(X + col * VPW + J, mask=cm, other=0.0, cache_modifier=".cg" if CG else "").to(tl.float32)
+        return tl.load(X + col * VPW + J, mask=cm, other=0.0).to(tl.float32)
     else:
         return tl.zeros(col.shape, dtype=tl.float32)
 

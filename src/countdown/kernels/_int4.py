@@ -37,14 +37,11 @@ import triton.language as tl
 from ._gemv import _pack2, _word_dot, _xload
 from ._glu import _act, _pow2, _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
-from ._rmsnorm import _add_when_last
 
 # R: rows per block; PER_SM: persistent programs per SM (over all slices); MAX_COLS: most columns of x one
 # program holds; ASM: the inline-asm dequantization on CUDA; PREFETCH: the next block's words requested first
-# (AHEAD 2: the next two blocks'). ADD (read by decode/int4_step.py for the down GEMV's shape): the folded step's
-# residual add after the MLP inside the down GEMV's launch (1; session 33, not yet measured on a GPU) or in a launch
-# of its own (0, ``decode_add_partials``).
-CONFIG = dict(R=8, num_warps=4, PER_SM=3, MAX_COLS=4096, PREFETCH=True, AHEAD=1, ASM=True, ADD=0)
+# (AHEAD 2: the next two blocks').
+CONFIG = dict(R=8, num_warps=4, PER_SM=3, MAX_COLS=4096, PREFETCH=True, AHEAD=1, ASM=True)
 # Per (N, K) overrides of CONFIG: the fastest of ``benchmarks/int4_decode.py``'s sweep at the Llama-3.1-8B shapes.
 # (NVIDIA H200, 2026-11-27, run G2 of results/int4/decode.md.) q/k/v's K stays in one slice (its output feeds the
 # attention kernel directly); its two programs an SM are the fastest inside the compiled step (2026-11-28, docs/int4.md:
@@ -167,12 +164,11 @@ def _slice_grid(s, SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_words, n_groups, n_blocks, n_progs,
+def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_groups, n_blocks, n_progs,
                       SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr, R: tl.constexpr,
                       ASM: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, BIG: tl.constexpr,
                       GLU: tl.constexpr, ACT: tl.constexpr, XS: tl.constexpr, HAS_B: tl.constexpr,
-                      NORM: tl.constexpr = 0, KP: tl.constexpr = 0, FIX: tl.constexpr = 0, NS: tl.constexpr = 1,
-                      PDL: tl.constexpr = 0):
+                      NORM: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     if PDL:  # launched early (_pdl.py): the next grid may launch now; x is read only after the wait below
@@ -193,14 +189,9 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_w
     x5 = _xval(X, wcol, wm, 5, K, GLU, ACT, XS)
     x6 = _xval(X, wcol, wm, 6, K, GLU, ACT, XS)
     x7 = _xval(X, wcol, wm, 7, K, GLU, ACT, XS)
-    if NORM:  # x is h: transformers' RMSNorm of it first, rounded as the module rounds
-        if KP:  # K in slices: each program sums the squares of all of h (the same order in every program)
-            hk = tl.arange(0, KP)
-            hv = tl.load(X + hk, mask=hk < K, other=0.0).to(tl.float32)
-            ss = tl.sum(hv * hv, axis=0)
-        else:  # K in one slice: of the values held
-            sq = ((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)) + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7))
-            ss = tl.sum(tl.sum(sq, axis=1), axis=0)
+    if NORM:  # x is h, K in one slice: transformers' RMSNorm of it first, rounded as the module rounds
+        sq = ((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3)) + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7))
+        ss = tl.sum(tl.sum(sq, axis=1), axis=0)
         r = 1.0 / tl.sqrt(ss / K + eps)
         DT: tl.constexpr = X.dtype.element_ty
         x0 = _round_to(_xload(NW, wcol, wm, 0, 8) * _round_to(x0 * r, DT), DT)
@@ -227,15 +218,13 @@ def _int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, H, Y, LOCK, n_rows, K, n_w
         d = _word_dot(w, h0[None], h1[None], h2[None], h3[None], h4[None], h5[None], h6[None], h7[None],
                       e0, e1, e2, e3, 4, ASM)
         y = tl.sum(tl.sum(d, axis=2) * sc, axis=1) * down + tl.sum((of + 8.0 * sc) * xs[None, :], axis=1)
-        if HAS_B and not FIX:  # one slice only (launch checks): the finished output
+        if HAS_B:  # one slice only (launch checks): the finished output
             y += tl.load(B + rows, mask=rows < n_rows, other=0.0).to(tl.float32)
         if BIG:
             dst = OUT + s.to(tl.int64) * n_rows + rows
         else:
             dst = OUT + s * n_rows + rows
         tl.store(dst, _round_to(y, OUT.dtype.element_ty).to(OUT.dtype.element_ty), mask=rows < n_rows)
-        if FIX:  # the block's last slice to finish adds the residual H (and the bias B) to the NS partials
-            _add_when_last(OUT, H, B, Y, LOCK + blk, rows, n_rows, NS, HAS_B)
 
 
 def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, glu: bool) -> tuple:
@@ -255,19 +244,14 @@ def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
            activation: str | None = None, config: dict | None = None, final: bool = False,
-           bias: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-           residual: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """fp32 partial sums ``[S, N]`` (their sum over S is ``x W~^T``) of one token ``x`` (any float dtype;
     with ``activation``, fp32 gate/up partial sums ``[S_in, 2, K]`` whose ``act(g) * u`` of their sum is the input)
     through the 4-bit
     weight ``words`` (``qweight.view(torch.int32)``), ``scale``, ``offset``. ``final``: K in one slice and the output
     ``[1, N]`` itself, in x's dtype, plus ``bias`` if given (what a layer hands on, no sum after it). ``norm``
-    (weight, eps): x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input norm folded into
-    the q/k/v GEMV: with K in one slice each program holds all of h; with K in slices each sums all of h's squares
-    and holds its slice). ``residual`` h [1, N] (with ``counters``: int32 zeros, at least one a block of R rows,
-    left at zero): h + the sum of the partials (+ ``bias``) in h's dtype instead, the last slice of each block to
-    finish adding them (a decode step's residual add in the GEMV's launch; the same numbers as
-    ``decode_add_partials``)."""
+    (weight, eps), with ``final``: x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input norm
+    folded into the q/k/v GEMV: each program holds all of h)."""
     global LAST_KERNEL
     from . import _pdl
     from ._common import act_code, interpreting, new_output, persistent_programs
@@ -284,29 +268,20 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
     n_blocks = -(-n // R)
     progs = max(1, min(n_blocks, -(-persistent_programs(x.device, cfg["PER_SM"], INTERPRETER_PROGS) // n_splits)))
     asm = bool(cfg["ASM"]) and not interp
-    if norm is not None and (glu or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
-        raise ValueError(f"a folded norm takes x [1, K] (no GLU input) and a weight [{k}] of x's dtype, got "
-                         f"{'a GLU input, ' if glu else ''}{tuple(norm[0].shape)} {norm[0].dtype}")
-    if bias is not None and (not (final or residual is not None) or bias.shape != (n,)):
-        raise ValueError(f"a bias is added to a final output or a residual only, and has N = {n} values; got "
-                         f"{tuple(bias.shape)}")
-    if residual is not None and (final or residual.numel() != n or counters is None or counters.dtype != torch.int32
-                                 or counters.numel() < -(-n // R)):
-        raise ValueError(f"a residual add takes h [1, {n}] (not with final) and int32 zero counters, one a block of "
-                         f"{R} rows ({-(-n // R)}); got h {tuple(residual.shape)}, counters "
-                         f"{None if counters is None else (counters.dtype, counters.numel())}")
+    if norm is not None and (not final or glu or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
+        raise ValueError(f"a folded norm takes a final GEMV of x [1, K] and a weight [{k}] of x's dtype, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype}")
+    if bias is not None and (not final or bias.shape != (n,)):
+        raise ValueError(f"a bias is added to a final output only, and has N = {n} values; got {tuple(bias.shape)}")
     out = new_output((n_splits, n), x.dtype if final else torch.float32, x.device)
-    y = out if residual is None else new_output(tuple(residual.shape), residual.dtype, x.device)
     pdl = _pdl.mode(x)
     LAST_KERNEL = _int4_gemv_kernel[(progs, n_splits)](
         x.contiguous(), words.contiguous(), scale.contiguous(), offset.contiguous(),
         out if bias is None else bias.contiguous(), out if norm is None else norm[0].contiguous(),
-        0.0 if norm is None else float(norm[1]), out, out if residual is None else residual.contiguous(), y,
-        out if counters is None else counters, n, k, k // 8, n_groups,
+        0.0 if norm is None else float(norm[1]), out, n, k, k // 8, n_groups,
         n_blocks, progs, SLICE=n_groups // n_splits, SG=_pow2(n_groups // n_splits), WPG=group // 8, R=R, ASM=asm,
         PREFETCH=bool(cfg["PREFETCH"]), AHEAD=int(cfg["AHEAD"]), BIG=n * (k // 8) >= 2**31 or n_splits * n >= 2**31,
         GLU=glu, ACT=act_code(activation or "silu"), XS=x.numel() // (2 * k) if glu else 1,
-        HAS_B=bias is not None, NORM=norm is not None,
-        KP=_pow2(k) if norm is not None and n_splits > 1 else 0, FIX=residual is not None, NS=n_splits,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=1, **_pdl.launch_kwargs(pdl))
-    return out if residual is None else y
+        HAS_B=bias is not None, NORM=norm is not None, PDL=pdl, num_warps=cfg["num_warps"], num_stages=1,
+        **_pdl.launch_kwargs(pdl))
+    return out

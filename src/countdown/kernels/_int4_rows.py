@@ -44,7 +44,7 @@ from ._count import add_count
 from ._glu import _act, _pow2
 from ._int4_rows_down import column_slices, down
 from ._int4_rows_other import other
-from ._pdl import gdc_enter
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # select: SET rows a program, read CHUNK at a time on A_WARPS warps; other: O_SUB sets a program, O_R kept rows a
@@ -60,19 +60,18 @@ MODES = {"abs": 0, "abs_act": 1, "dual": 2}
 # other GEMV lets the down kernel launch only once past its own wait, and down reads the row lists, the counts and
 # its first tiles' words before its wait (the select kernel has finished by then), the other GEMV's partials after
 # it: its dependent round trips (counts, list, words) behind the other GEMV. Mono k = 0.7's 8B-shape step 406.6 ->
-# 420.9 tokens/s, the same tokens (H200, 2026-11-28, docs/int4.md); 0 keeps the wait first. X_EARLY = 1 (mono / cats
-# with PDL on; session 33, not yet measured on a GPU): the select kernel signals the other GEMV only once past its own
-# wait, and the other GEMV pairs its slice of x (the kernel before the indicator's output) before its wait.
+# 420.9 tokens/s, the same tokens (H200, 2026-11-28, docs/int4.md); 0 keeps the wait first.
 CONFIG = dict(CHUNK=64, SET=128, A_WARPS=4, O_SUB=1, O_R=16, O_COLS=1024, O_WARPS=4, SUB=4, SLICE=16, UR=32, NW=1,
-              AHEAD=2, EARLY=1, X_EARLY=0)
+              AHEAD=2, EARLY=1)
 
 
 @triton.jit
 def _select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_stride, n_locks, MODE: tl.constexpr,
                    ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
-                   NL: tl.constexpr, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0):
-    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output; LATE: the other GEMV
-        gdc_enter(LATE)  # launches once every program here is past its wait (it reads x before its own)
+                   NL: tl.constexpr, PDL: tl.constexpr = 0):
+    if PDL:  # launched early (_pdl.py): everything below reads the indicator GEMV's output
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     if NL > 0:  # the down kernel's counters of finished programs (its residual add), zero before it starts
         if b == 0:
@@ -121,9 +120,8 @@ def _config(config: dict | None) -> dict:
         raise ValueError(f"SET ({cfg['SET']}) must be a multiple of CHUNK ({cfg['CHUNK']})")
     if cfg["AHEAD"] not in (1, 2):
         raise ValueError(f"AHEAD (tiles of words in flight) is 1 or 2, got {cfg['AHEAD']}")
-    if cfg["EARLY"] not in (0, 1) or cfg["X_EARLY"] not in (0, 1):
-        raise ValueError(f"EARLY (down reads the lists before its PDL wait) and X_EARLY (the other GEMV pairs x before "
-                         f"its own) are 0 or 1, got {cfg['EARLY']} and {cfg['X_EARLY']}")
+    if cfg["EARLY"] not in (0, 1):
+        raise ValueError(f"EARLY (down reads the lists before its PDL wait) is 0 or 1, got {cfg['EARLY']}")
     unknown = set(cfg) - set(CONFIG)
     if unknown:
         raise ValueError(f"unknown kept-rows launch setting(s) {sorted(unknown)}: the settings are {sorted(CONFIG)}")
@@ -195,7 +193,6 @@ def select(ind, d_inter, threshold, mode, activation, count, cfg, slices=0):
         ind.contiguous(), idx, sv, cnt, threshold.reshape(1).to(device=ind.device, dtype=torch.float32), kept, rows,
         counters, d_inter, want, slices, MODE=MODES[mode], ACT=act_code(activation), S=ind.numel() // want,
         CHUNK=cfg["CHUNK"], SET=cfg["SET"], COUNT=count is not None, NL=_pow2(slices) if slices else 0, PDL=pdl,
-        LATE=int(cfg["X_EARLY"] and mode != "dual"),
         num_warps=cfg["A_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return idx, sv, cnt, counters
 

@@ -33,29 +33,21 @@ from ._pdl import gdc_enter
 @triton.jit
 def _other_kernel(X, WO, SCO, OFO, IDX, CNT, O, n_sets, d_inter, n_words, n_groups, n_pos, SET: tl.constexpr,
                   SUB: tl.constexpr, R: tl.constexpr, SLICE: tl.constexpr, SG: tl.constexpr, WPG: tl.constexpr,
-                  ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0,
-                  XE: tl.constexpr = 0):
+                  ASM: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr = 0, LATE: tl.constexpr = 0):
+    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output; LATE: the down kernel launches
+        gdc_enter(LATE)  # once every program here is past its wait (select has finished: it reads the lists early)
     part = tl.program_id(0)
     s = tl.program_id(1)
     gi, gm, wcol, wm = _slice_grid(s, SLICE, SG, WPG)
-    if XE:  # x paired before the wait (from L2): the select kernel signals only once past its own wait, so the
-        # kernels before it, x's among them, have finished
-        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
-            _xload(X, wcol, wm, 0, 8, True), _xload(X, wcol, wm, 1, 8, True), _xload(X, wcol, wm, 2, 8, True),
-            _xload(X, wcol, wm, 3, 8, True), _xload(X, wcol, wm, 4, 8, True), _xload(X, wcol, wm, 5, 8, True),
-            _xload(X, wcol, wm, 6, 8, True), _xload(X, wcol, wm, 7, 8, True))
-    if PDL:  # launched early (_pdl.py): the row lists are the select kernel's output; LATE: the down kernel launches
-        gdc_enter(LATE)  # once every program here is past its wait (select has finished: it reads the lists early)
     ri = tl.arange(0, R)
     total = q_total(CNT, part, n_sets, SUB, R)
     rows, pos, ok = tile_at(IDX, CNT, 0, part, n_sets, ri, d_inter, SET, SUB, R)
     w, sc, of = _tile(WO, SCO, OFO, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)   # before x is paired
     rows_n, pos_n, ok_n = tile_at(IDX, CNT, 1, part, n_sets, ri, d_inter, SET, SUB, R)
-    if not XE:
-        xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
-            _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
-            _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
-            _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
+    xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3 = _paired_x(
+        _xload(X, wcol, wm, 0, 8), _xload(X, wcol, wm, 1, 8), _xload(X, wcol, wm, 2, 8),
+        _xload(X, wcol, wm, 3, 8), _xload(X, wcol, wm, 4, 8), _xload(X, wcol, wm, 5, 8),
+        _xload(X, wcol, wm, 6, 8), _xload(X, wcol, wm, 7, 8))
     if BIG:
         out = O + s.to(tl.int64) * n_pos
     else:
@@ -76,7 +68,7 @@ def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
     (``idx``, ``cnt``: the select kernel's lists of sets of ``cfg["SET"]`` rows). Configuration: ``O_SUB`` sets a
     program, ``O_R`` rows a tile, ``O_COLS`` most columns of a slice, ``O_WARPS`` warps a program; ``EARLY`` (with
     PDL): the down kernel after it may launch only once this grid is past its wait (it then reads the lists before its
-    own); ``X_EARLY`` (with PDL): x is paired before the wait (the select kernel then signals late: ``select``)."""
+    own)."""
     from . import _pdl
     from ._common import interpreting, new_output
 
@@ -91,6 +83,5 @@ def other(x, words_o, sc_o, of_o, idx, cnt, cfg) -> torch.Tensor:
         n_words, n_groups, n_pos, SET=cfg["SET"], SUB=cfg["O_SUB"], R=cfg["O_R"], SLICE=n_groups // n_splits,
         SG=_pow2(n_groups // n_splits), WPG=group // 8, ASM=x.device.type == "cuda" and not interpreting(),
         BIG=d_inter * n_words >= 2**31 or n_splits * n_pos >= 2**31, PDL=pdl, LATE=int(cfg["EARLY"]),
-        XE=int(cfg["X_EARLY"]),
         num_warps=cfg["O_WARPS"], num_stages=1, **_pdl.launch_kwargs(pdl))
     return out

@@ -124,7 +124,7 @@ def _add_when_last(P, H, B, Y, lock, i, n, S: tl.constexpr, HAS_B: tl.constexpr)
     """For a launch whose S programs (one per partial) each store their partials [S, n] at entries ``i``: count this
     program done on its ``lock``; the last of the S sums the partials in order (``_add_partials_kernel``'s sum, from
     L2), adds the residual H (and the bias B) and stores h' in Y's dtype, rounded once; then clears the lock for the
-    next launch. (The residual add of a decode step inside the GEMV's launch: kernels/_int4.py, _int4_rows_down.py.)"""
+    next launch. (The residual add of a decode step inside the kept-rows down kernel's launch: _int4_rows_down.py.)"""
     tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
     done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:

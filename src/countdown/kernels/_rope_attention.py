@@ -6,8 +6,7 @@ length's increment, the attention's split and merge), each a few microseconds of
 a few kilobytes of work. Here one layer's block after the (fused) QKV projection is two launches:
 
 1. ``_rope_split_kernel``, one program per (split of the keys, KV head, batch row), as
-   kernels/_attention.py's split kernel, but fed the projection's raw output ``qkv`` [B, (H + 2 KVH) D]
-   (or, at batch 1, the 4-bit GEMV's fp32 partial sums of it over slices of K, summed as they are loaded):
+   kernels/_attention.py's split kernel, but fed the projection's raw output ``qkv`` [B, (H + 2 KVH) D]:
    it applies the rotary embedding (``x cos + rotate_half(x) sin``, Hugging Face's convention: the
    two halves of each head rotate together) to its G query heads and to the new key, in fp32, and
    folds the cache's keys ``t < T, t != pos`` into the running softmax. The new token (position
@@ -32,40 +31,23 @@ import triton.language as tl
 
 from . import _attention, _common, _pdl
 from ._attention import LOG2E, attend_split, combine_partials, store_partials
-from ._glu import _round_to
 from ._pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _qkv_at(X, off, mask, QS: tl.constexpr, s_part, QB, HAS_QB: tl.constexpr, RT: tl.constexpr):
-    """q/k/v at columns ``off`` of the row at X, in fp32: as stored (QS = 0), or the sum of QS fp32 partial sums
-    ``s_part`` apart (in order), plus the bias QB, rounded to RT as the projection's output would be."""
-    v = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)
-    if QS > 0:
-        for i in tl.static_range(1, QS):
-            v += tl.load(X + i * s_part + off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_QB:
-            v += tl.load(QB + off, mask=mask, other=0.0).to(tl.float32)
-        v = _round_to(v, RT)
-    return v
-
-
-@triton.jit
-def _rope(X, base, di, pd, sign, c, s, mask, QS: tl.constexpr, s_part, QB, HAS_QB: tl.constexpr,
-          RT: tl.constexpr):
-    """Rotary embedding of the rows at columns ``base`` of X (one head each): x cos + rotate_half(x) sin, in fp32."""
-    x = _qkv_at(X, base + di, mask, QS, s_part, QB, HAS_QB, RT)
-    xp = _qkv_at(X, base + pd, mask, QS, s_part, QB, HAS_QB, RT)
+def _rope(X, di, pd, sign, c, s, mask):
+    """Rotary embedding of the rows at X (one head each): x cos + rotate_half(x) sin, in fp32."""
+    x = tl.load(X + di, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(X + pd, mask=mask, other=0.0).to(tl.float32)
     return x * c + sign * xp * s
 
 
 @triton.jit
-def _rope_split_kernel(QKV, QB, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len,
-                       s_qkv, s_part, s_cos, s_sin, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
+def _rope_split_kernel(QKV, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split_len,
+                       s_qkv, s_cos, s_sin, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_t,
                        G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BOOL_MASK: tl.constexpr, IEEE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, QS: tl.constexpr = 0,
-                       HAS_QB: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                       NUM_STAGES: tl.constexpr, SKIP_MASKED: tl.constexpr, PDL: tl.constexpr = 0):
     if PDL:  # launched early (_pdl.py); the combine may launch now
         gdc_launch_dependents()
     if PDL:  # qkv is the previous kernel's output
@@ -89,9 +71,7 @@ def _rope_split_kernel(QKV, QB, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split
     row = QKV + b.to(tl.int64) * s_qkv
     h = hk * G + gi
     qm = gm[:, None] & dm[None, :]
-    RT: tl.constexpr = K.dtype.element_ty
-    q = _rope(row, h[:, None] * D, di[None, :], pd[None, :], sign[None, :], c[None, :], s[None, :], qm, QS, s_part,
-              QB, HAS_QB, RT)
+    q = _rope(row + h[:, None] * D, di[None, :], pd[None, :], sign[None, :], c[None, :], s[None, :], qm)
     q = q.to(K.dtype.element_ty)
     m, lsum, acc = attend_split(q, K, V, MASK, b, hk, sp, split_len, T, pos, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                                 sm_b, sm_t, qk_scale, di, dm, GP, BD, BLOCK_N, BOOL_MASK, IEEE, NUM_STAGES, SKIP_MASKED)
@@ -99,8 +79,8 @@ def _rope_split_kernel(QKV, QB, COS, SIN, K, V, POS, MASK, P, qk_scale, T, split
         k_base = K + b.to(tl.int64) * sk_b + hk.to(tl.int64) * sk_h
         v_base = V + b.to(tl.int64) * sv_b + hk.to(tl.int64) * sv_h
         m_base = MASK + b.to(tl.int64) * sm_b
-        k_new = _rope(row, (H + hk) * D, di, pd, sign, c, s, dm, QS, s_part, QB, HAS_QB, RT).to(K.dtype.element_ty)
-        v_new = _qkv_at(row, (H + KVH + hk) * D + di, dm, QS, s_part, QB, HAS_QB, RT).to(V.dtype.element_ty)
+        k_new = _rope(row + (H + hk) * D, di, pd, sign, c, s, dm).to(K.dtype.element_ty)
+        v_new = tl.load(row + (H + KVH + hk) * D + di, mask=dm, other=0.0).to(V.dtype.element_ty)
         inside = pos < T
         if BOOL_MASK:
             keep = tl.load(m_base + pos * sm_t, mask=inside, other=0) != 0
@@ -134,8 +114,7 @@ def _rope_combine_kernel(P, OUT, POS, n_splits, so_b, so_h, H, n_rows, D: tl.con
 
 
 def check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-          pos: torch.Tensor, mask: torch.Tensor, n_heads: int, parts: int = 0,
-          bias: torch.Tensor | None = None) -> None:
+          pos: torch.Tensor, mask: torch.Tensor, n_heads: int) -> None:
     """Raise ValueError naming what does not fit the kernel's layout (see :func:`rope_decode_attention`)."""
     B, KVH, T, D = k_cache.shape
     if v_cache.shape != k_cache.shape or KVH == 0 or n_heads % KVH:
@@ -143,17 +122,8 @@ def check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torc
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if D % 2:
         raise ValueError(f"the rotary embedding needs an even head dimension, got {D}")
-    W = (n_heads + 2 * KVH) * D
-    if parts:
-        if B != 1 or qkv.shape != (parts, W) or qkv.dtype != torch.float32 or not qkv.is_contiguous():
-            raise ValueError(f"qkv as partial sums must be fp32 [parts, (H + 2 KVH) D] = [{parts}, {W}], contiguous, "
-                             f"for a batch of 1; got {qkv.dtype} {tuple(qkv.shape)} with a cache batch of {B}")
-        if bias is not None and (bias.shape != (W,) or not bias.is_contiguous()):
-            raise ValueError(f"the q/k/v bias must be [{W}], contiguous, got {tuple(bias.shape)}")
-    elif bias is not None:
-        raise ValueError("a q/k/v bias is added to partial sums only (parts > 0): add it to a finished qkv first")
-    elif qkv.dim() != 2 or qkv.shape != (B, W) or qkv.stride(-1) != 1:
-        raise ValueError(f"qkv must be [B, (H + 2 KVH) D] = [{B}, {W}] with unit last stride, "
+    if qkv.dim() != 2 or qkv.shape != (B, (n_heads + 2 * KVH) * D) or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be [B, (H + 2 KVH) D] = [{B}, {(n_heads + 2 * KVH) * D}] with unit last stride, "
                          f"got {tuple(qkv.shape)} strides {qkv.stride()}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 2 or t.shape[-1] != D or t.shape[0] not in (1, B) or t.stride(-1) != 1:
@@ -169,18 +139,15 @@ def check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torc
 
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, scale: float, n_heads: int,
-                          config: dict | None = None, parts: int = 0,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          config: dict | None = None) -> torch.Tensor:
     """One decode step of attention, its rotary embedding and cache write included.
 
     qkv [B, (H + 2 KVH) D]: the QKV projection of the step's token, heads in order (q heads, then k,
-    then v), before the rotary embedding; or (``parts`` > 0, batch 1) fp32 partial sums [parts, (H + 2 KVH) D]
-    of it over slices of K (the 4-bit GEMV's), summed in order with ``bias`` and rounded to the caches' dtype
-    as they are loaded; cos, sin [B or 1, D] at the token's position; k_cache,
+    then v), before the rotary embedding; cos, sin [B or 1, D] at the token's position; k_cache,
     v_cache [B, KVH, T, D]: written at ``pos`` (one int element on the device, incremented by one);
     mask [B, T] over the cache after the write (bool, True = attend, or additive). Returns
     [B, H, D] in the caches' dtype, contiguous."""
-    check(qkv, cos, sin, k_cache, v_cache, pos, mask, n_heads, parts, bias)
+    check(qkv, cos, sin, k_cache, v_cache, pos, mask, n_heads)
     cfg = {**_attention.CONFIG, **(config or {})}
     B, KVH, T, D = k_cache.shape
     H = n_heads
@@ -199,14 +166,12 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     pdl = _pdl.mode(qkv)
     cb = max(2, _attention._pow2(n_splits))
     _rope_split_kernel[(n_splits, KVH, B)](
-        qkv, qkv if bias is None else bias, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T,
-        split_len, 0 if parts else qkv.stride(0), qkv.stride(0) if parts else 0, s_cos, s_sin, k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2),
+        qkv, cos, sin, k_cache, v_cache, pos, mask, part, float(scale) * LOG2E, T, split_len,
+        qkv.stride(0), s_cos, s_sin, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), mask.stride(1),
         G=G, D=D, BD=BD, GP=max(16, _attention._pow2(G)), BLOCK_N=cfg["BLOCK_N"],
         BOOL_MASK=mask.dtype == torch.uint8, IEEE=k_cache.dtype == torch.float32 or _common.interpreting(),
-        NUM_STAGES=cfg["num_stages"], SKIP_MASKED=bool(cfg["SKIP_MASKED"]), QS=int(parts), HAS_QB=bias is not None,
-        PDL=pdl, num_warps=cfg["num_warps"],
+        NUM_STAGES=cfg["num_stages"], SKIP_MASKED=bool(cfg["SKIP_MASKED"]), PDL=pdl, num_warps=cfg["num_warps"],
         **_pdl.launch_kwargs(pdl))
     _rope_combine_kernel[(B * H,)](part, out, pos, n_splits, out.stride(0), out.stride(1), H, n_rows, D=D, BD=BD,
                                    CB=cb, PDL=pdl, num_warps=4 if cb <= 32 else 8, **_pdl.launch_kwargs(pdl))
