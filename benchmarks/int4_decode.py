@@ -8,7 +8,7 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode / rows .md, .png
     PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
     PYTHONPATH=src python benchmarks/int4_decode.py --parts step --no-baselines --sparse mono:0.7 --out /tmp/i4 \
-        --gemv-config '{"qkv": {"MAX_COLS": 1024}}'     # our step alone, under another launch configuration
+        --gemv-config '{"o_proj": {"PER_SM": 2}}'     # our step alone, under another launch configuration
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
 every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, group=128, lm_head=True)``: 4.25

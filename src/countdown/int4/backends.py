@@ -19,6 +19,7 @@ the cast and the bias are left to the traced code, where Inductor fuses them wit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .linear import Int4Linear, register_kernel
@@ -54,6 +55,19 @@ def _int4_gemv_final(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
 @_int4_gemv_final.register_fake
 def _(x, words, scale, offset, bias, norm_weight, eps):
     return x.new_empty((1, words.shape[0]))
+
+
+@torch.library.custom_op("countdown::int4_dequantize", mutates_args=())
+def _int4_dequantize(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    from ..kernels import _int4_dequant
+
+    return _int4_dequant.dequantize(qweight, scale, offset, dtype)
+
+
+@_int4_dequantize.register_fake
+def _(qweight, scale, offset, dtype):
+    return qweight.new_empty((qweight.shape[0], 2 * qweight.shape[1]), dtype=dtype)
 
 
 def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
@@ -112,6 +126,27 @@ def _run(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
     else:
         y = layout[1](x.reshape(1, -1))
     return y.view(*x.shape[:-1], module.out_features)
+
+
+def _applies_many(x: torch.Tensor, module: Int4Linear) -> bool:
+    """The calls the one-token GEMVs leave (many tokens: a prompt; a module holding W^T) on CUDA, outside the
+    reference backend: de-quantized by our kernel, then ``F.linear``."""
+    from ..kernels import _int4_dequant
+
+    return x.is_cuda and backend_of(module) != "reference" and x.dtype in _int4_dequant.DTYPES
+
+
+def _run_many(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
+    """``F.linear`` of the weight de-quantized in one pass (``kernels/_int4_dequant.py``): the numbers of
+    ``int4_linear_ref``, bit for bit, at a fraction of its passes over memory. (Eager, as a prompt runs, the kernel
+    is called directly: the custom op's dispatch is host time on a host-bound path; traced, the op.)"""
+    if torch.compiler.is_compiling():
+        w = torch.ops.countdown.int4_dequantize(module.qweight, module.scale, module.offset, x.dtype)
+    else:
+        from ..kernels import _int4_dequant
+
+        w = _int4_dequant.dequantize(module.qweight, module.scale, module.offset, x.dtype)
+    return F.linear(x, w.t() if module.transposed else w, module.bias)
 
 
 def _torch_layout(module: Int4Linear) -> tuple:
@@ -182,3 +217,4 @@ def use_backend(model: nn.Module, backend: str = "countdown") -> int:
 
 
 register_kernel(_applies, _run)
+register_kernel(_applies_many, _run_many)

@@ -46,13 +46,14 @@ def register_kernel(applies: Callable, run: Callable) -> None:
 
 
 def int4_linear(x: torch.Tensor, module: "Int4Linear") -> torch.Tensor:
-    """``x W~^T + b`` for an :class:`Int4Linear`: the first registered kernel that applies, else the reference (a
-    module that holds W^T: ``F.linear`` of its de-quantized transpose; no GEMV kernel takes that layout)."""
-    if module.transposed:
-        return F.linear(x, dequantize(module.qweight, module.scale, module.offset, x.dtype).t(), module.bias)
+    """``x W~^T + b`` for an :class:`Int4Linear`: the first registered kernel that applies (``int4/backends.py``:
+    our GEMV for one token, our one-pass de-quantization then ``F.linear`` for the rest on CUDA), else the reference
+    (a module that holds W^T: ``F.linear`` of its de-quantized transpose)."""
     for applies, run in _KERNELS:
         if applies(x, module):
             return run(x, module)
+    if module.transposed:
+        return F.linear(x, dequantize(module.qweight, module.scale, module.offset, x.dtype).t(), module.bias)
     return int4_linear_ref(x, module.qweight, module.scale, module.offset, module.bias)
 
 
