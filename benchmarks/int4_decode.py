@@ -7,8 +7,7 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --smoke --out /tmp/i4                # this script on the CPU
     PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode / rows .md, .png
     PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
-    PYTHONPATH=src python benchmarks/int4_decode.py --parts step --no-baselines --sparse mono:0.7 --out /tmp/i4 \
-        --gemv-config '{"o_proj": {"PER_SM": 2}}'     # our step alone, under another launch configuration
+    PYTHONPATH=src python benchmarks/int4_decode.py --parts prefill --out results/int4 --run P1  # 4-bit prompts
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
 every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, group=128, lm_head=True)``: 4.25
@@ -22,6 +21,8 @@ bits a weight). Parts (``--parts``):
 * ``rows``: the kept-rows kernel of sparse rows on 4-bit weights alone against the dense 4-bit MLP, over a grid of
   its launch configurations (``countdown.bench.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``
   for ``--rows-config``); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
+* ``prefill``: a 4-bit model's prompt, our one-pass de-quantization against the format's reference and bf16
+  (``countdown.bench.int4prefill``: ``prefill.csv``; ``--tiles`` times the kernel's tiles);
 * ``step``: ``countdown.decode.generate_fast`` on the fastest step (``fastest_step``: fused attention, compiled,
   CUDA graphs), bf16 first, then the 4-bit model with each backend (only the GEMVs differ); decode tokens/s
   (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``;
@@ -220,15 +221,19 @@ def decode_tps(model, ids, new_tokens: int, repeats: int) -> tuple[float, float]
     return best["decode_tokens_per_s"], best["ms_per_step"]
 
 
+def bf16_model(device: str):
+    """The 8B shape (random weights, bf16) on CUDA; a tiny Llama on the CPU (the smoke check)."""
+    if device == "cuda":
+        return countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True)[0]
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    return AutoModelForCausalLM.from_config(LlamaConfig(**SMOKE)).eval()
+
+
 def step_rows(device, args, bw, stamp, worst, out):
     from countdown.decode.linears import fastest_step
 
-    if device == "cuda":
-        model, _ = countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True)
-    else:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOKE)).eval()
+    model = bf16_model(device)
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
     rows = []
@@ -324,55 +329,12 @@ def sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse):
         log(f"step int4 {method:5s} k={k}: {tps:8.1f} tokens/s  {ms:6.3f} ms a step  Sparsity-Real {real:.3f}")
 
 
-def report(out: str) -> None:
-    """decode.md (per run: the step table and the GEMV table) and decode.png from the CSVs in ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(csv.DictReader(open(os.path.join(out, "decode.csv"), newline="")))
-    gemvs = list(csv.DictReader(open(os.path.join(out, "gemv.csv"), newline=""))) \
-        if os.path.exists(os.path.join(out, "gemv.csv")) else []
-    lines = ["# 4-bit decoding: the step and its GEMVs", "",
-             "Llama-3.1-8B shape (random weights), batch 1, bf16 activations, 4-bit RTN group 128 on every decoder "
-             "Linear and lm_head; `PYTHONPATH=src python benchmarks/int4_decode.py` (its docstring says how).", ""]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for run in dict.fromkeys(r["run"] for r in steps):
-        mine = [r for r in steps if r["run"] == run]
-        base = {r["weights"]: float(r["tokens_per_s"]) for r in mine if r["method"] == "dense"}
-        lines += [f"## Run {run} ({mine[0]['device']}, {mine[0]['date']})", "",
-                  "| weights | method | k | tokens/s | vs bf16 | vs int4 dense | vs int4-torch | share of copy bandwidth "
-                  "| worst GEMV / roofline |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in mine:
-            t = float(r["tokens_per_s"])
-            vs_t = f"{t / base['int4-torch']:.2f}x" if "int4-torch" in base else "-"
-            vs_4 = f"{t / base['int4']:.2f}x" if "int4" in base else "-"
-            k = "-" if r["method"] == "dense" else r["sparsity"]
-            vs_b = f"{t / base['bf16']:.2f}x" if "bf16" in base else "-"
-            lines.append(f"| {r['weights']} | {r['method']} | {k} | {t:.1f} | {vs_b} | {vs_4} | {vs_t} | "
-                         + (f"{float(r['bw_share']):.0%} | " if r["bw_share"] else "- | ") + f"{r['gemv_roofline_ratio'] or '-'} |")
-        mine_g = [g for g in gemvs if g["run"] == run]
-        if mine_g:
-            lines += ["", "| GEMV | n x k | backend | us | roofline ratio |", "|---|---|---|---|---|"]
-            lines += [f"| {g['shape']} | {g['n']} x {g['k']} | {g['backend']} | {g['us']} | {g['roofline_ratio']} |"
-                      for g in mine_g]
-        lines.append("")
-        ax.barh([f"{run} {w}" for w in base], list(base.values()))
-    ax.invert_yaxis()
-    ax.set_xlabel("decode tokens/s (batch 1)")
-    ax.set_title("Llama-3.1-8B shape: bf16 vs 4-bit backends")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "decode.png"), dpi=120)
-    with open(os.path.join(out, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/int4")
     ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
-    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, step")
+    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, prefill, step")
+    ap.add_argument("--tiles", default="", help="prefill part: our de-quantization's tiles, rows x bytes (8x256,...)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transposed-down", action="store_true",
                     help="W_down held as W_down^T (quantize(transposed_down=True)): the dense rows decode it through "
@@ -400,6 +362,8 @@ def main(argv=None):
             from countdown.bench import int4rows
 
             int4rows.rows_report(args.out)
+        from countdown.bench.int4report import report
+
         return report(args.out)
     parts = set(args.parts.split(","))
     if args.rows_config:
@@ -441,9 +405,12 @@ def main(argv=None):
         from countdown.bench import int4rows
 
         int4rows.memory_rows({"run": stamp["run"], "date": stamp["date"]}, args.out)
+    if "prefill" in parts:
+        from countdown.bench import int4prefill
+
+        int4prefill.run(bf16_model(device), device, args.out, stamp, args.tiles, args.repeats)
     if "step" in parts:
         step_rows(device, args, bw, stamp, worst, args.out)
-
 
 
 if __name__ == "__main__":

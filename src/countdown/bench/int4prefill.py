@@ -1,43 +1,41 @@
-"""The prompt of a 4-bit model (its calls of many tokens): our one-pass de-quantization then ``F.linear``
-(``kernels/_int4_dequant.py``, what ``Int4Linear`` runs on CUDA) against the format's reference
-(``format.dequantize`` in eager PyTorch, then ``F.linear``) and the bf16 model, in one call.
+"""The prompt of a 4-bit model (its calls of many tokens), the ``prefill`` part of ``benchmarks/int4_decode.py``: our
+one-pass de-quantization then ``F.linear`` (``kernels/_int4_dequant.py``, what ``Int4Linear`` runs on CUDA) against
+the format's reference (``format.dequantize`` in eager PyTorch, then ``F.linear``) and the bf16 model, in one call.
 
-    PYTHONPATH=src python benchmarks/int4_prefill.py --out results/int4 --run P1
-    PYTHONPATH=src python benchmarks/int4_prefill.py --tiles 8x256,16x128,8x512 --out /tmp/p   # the kernel's tiles
-    PYTHONPATH=src python benchmarks/int4_prefill.py --smoke --out /tmp/p                       # this script, CPU
-
-Parts: ``kernel``: each weight shape of the Llama-3.1-8B decoder and lm_head (group 128, fp16 scales) de-quantized
-to bf16 by each path, checked equal bit for bit, microseconds and TB/s of the bytes read and written (codes, scales
-and offsets in, W~ out); ``prompt``: one eager forward of a ``--prompt``-token prompt through the model (random
-weights, bf16), as ``countdown.generate`` runs a prompt, bf16 then 4-bit with each path: milliseconds, best of
-``--repeats``. Rows append, under a lock, to ``<out>/prefill.csv`` (``run, device, date, part, weights, path,
-shape, ms, tb_s, vs_reference``: the reference path's time over this row's).
+``kernel_rows``: each weight shape of the Llama-3.1-8B decoder and lm_head (group 128, fp16 scales) de-quantized to
+bf16 by each path, checked equal bit for bit, microseconds and TB/s of the bytes read and written (codes, scales and
+offsets in, W~ out); ``prompt_rows``: one eager forward of a 64-token prompt through the model (the script's, bf16),
+as ``countdown.generate`` runs a prompt, bf16 then 4-bit with each path, milliseconds, best of the repeats. Rows append,
+under a lock, to ``<out>/prefill.csv`` (``run, device, date, part, weights, path, shape, ms, tb_s, vs_reference``:
+the reference path's time over this row's).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
-import datetime
 import io
 import os
 import sys
 import time
 
+import torch
+
+from ..int4 import backends, linear
+from ..int4.format import dequantize
+from ..io.files import atomic_write
+from ..io.locks import file_lock
+from ..kernels import _common, _int4_dequant
+
 FIELDS = ["run", "device", "date", "part", "weights", "path", "shape", "ms", "tb_s", "vs_reference"]
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336),
           "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"q_proj": (64, 256), "down_proj": (128, 512)}
-SMOKE = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
+PROMPT = 64  # tokens, as the step part's prompt
 
 
 def append(path: str, row: dict) -> None:
     """Add a row to the CSV: under the file's lock, the whole file rewritten atomically."""
-    from countdown.io.files import atomic_write
-    from countdown.io.locks import file_lock
-
     with file_lock(path, wait=60, what="the prefill results"):
         rows = []
         if os.path.exists(path):
@@ -52,8 +50,6 @@ def append(path: str, row: dict) -> None:
 
 def timed(fn, repeats: int, device: str) -> float:
     """Best wall time of ``fn()`` in ms, after one call (synchronized on CUDA)."""
-    import torch
-
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -71,8 +67,6 @@ def timed(fn, repeats: int, device: str) -> float:
 def route(path: str):
     """4-bit Linears' calls of many tokens through ``ours`` (the one-pass kernel, on any device the kernel runs on)
     or the ``reference`` (format.dequantize): the registered kernels swapped for the block."""
-    from countdown.int4 import backends, linear
-
     saved = list(linear._KERNELS)
     linear._KERNELS[:] = [e for e in saved if e[1] is not backends._run_many]
     if path == "ours":
@@ -84,11 +78,8 @@ def route(path: str):
 
 
 def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, tiles: list) -> None:
-    import torch
-
-    from countdown.int4.format import dequantize
-    from countdown.kernels import _int4_dequant
-
+    """Each weight shape de-quantized to bf16 by the reference and by our kernel at each of ``tiles`` (rows, bytes a
+    program), checked equal bit for bit first."""
     g = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in shapes.items():
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=g)
@@ -112,31 +103,25 @@ def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, 
                          "vs_reference": round(ref_ms / ms, 3)})
 
 
-def prompt_rows(device: str, args, stamp: dict, out: str) -> None:
-    import torch
-
+def prompt_rows(model, device: str, repeats: int, stamp: dict, out: str) -> None:
+    """One eager forward of a 64-token prompt through ``model`` (bf16, as loaded), then through it in 4 bits with
+    each path (the model is quantized in place)."""
     import countdown
 
-    if args.smoke:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        model = LlamaForCausalLM(LlamaConfig(**SMOKE)).eval()
-    else:
-        model, _ = countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, args.prompt), device=device, generator=torch.Generator(device).manual_seed(0))
+    ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
-        bf16_ms = timed(lambda: model(ids), args.repeats, device)
-        countdown.quantize(model, group=32 if args.smoke else 128, lm_head=True)
+        bf16_ms = timed(lambda: model(ids), repeats, device)
+        countdown.quantize(model, group=128, lm_head=True)
         times, logits = {}, {}
         for path in ("reference", "ours"):
             with route(path):
-                times[path] = timed(lambda: model(ids), args.repeats, device)
+                times[path] = timed(lambda: model(ids), repeats, device)
                 logits[path] = model(ids).logits
     if not torch.equal(logits["ours"], logits["reference"]):
         sys.exit("the prompt's logits differ between the two 4-bit paths (they should be the same bits)")
-    shape = f"{args.prompt} tokens"
-    print(f"prompt of {args.prompt} tokens: bf16 {bf16_ms:.1f} ms, 4-bit reference {times['reference']:.1f} ms, "
+    shape = f"{PROMPT} tokens"
+    print(f"prompt of {PROMPT} tokens: bf16 {bf16_ms:.1f} ms, 4-bit reference {times['reference']:.1f} ms, "
           f"4-bit ours {times['ours']:.1f} ms ({times['reference'] / times['ours']:.2f}x the reference, "
           f"{times['ours'] / bf16_ms:.2f}x bf16's time)", flush=True)
     append(out, {**stamp, "part": "prompt", "weights": "bf16", "path": "-", "shape": shape, "ms": round(bf16_ms, 3),
@@ -146,41 +131,17 @@ def prompt_rows(device: str, args, stamp: dict, out: str) -> None:
                      "tb_s": "", "vs_reference": round(times["reference"] / ms, 3)})
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/int4")
-    ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
-    ap.add_argument("--parts", default="kernel,prompt", help="any of kernel, prompt")
-    ap.add_argument("--tiles", default="", help="the kernel's tiles to time, rows x bytes (e.g. 8x256,16x128); "
-                    "default: the kernel's own")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Triton's interpreter")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
-    import torch
-
-    from countdown.kernels import _int4_dequant
-
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("this benchmark times the GPU path: run it on a machine with CUDA (or --smoke on the CPU)")
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t] or \
-        [(_int4_dequant.BN, _int4_dequant.BB)]
-    os.makedirs(args.out, exist_ok=True)
-    out = os.path.join(args.out, "prefill.csv")
-    stamp = {"run": args.run, "device": "CPU" if args.smoke else torch.cuda.get_device_name(),
-             "date": datetime.date.today().isoformat()}
-    parts = set(args.parts.split(","))
+def run(model, device: str, out_dir: str, stamp: dict, tiles: str, repeats: int) -> None:
+    """Both parts (``model``: the bf16 model the prompt part quantizes; on the CPU, small shapes and one repeat of
+    the kernel part); ``tiles``: "8x256,16x128" (rows x bytes a program of our kernel), "" for the kernel's own."""
+    if not _common.available(torch.empty(0, device=device)):
+        sys.exit("the prefill part runs our de-quantization kernel: on CUDA, or on the CPU under TRITON_INTERPRET=1")
     default = (_int4_dequant.BN, _int4_dequant.BB)
-    if "kernel" in parts:
-        kernel_rows(SMOKE_SHAPES if args.smoke else SHAPES, device, 1 if args.smoke else args.repeats, stamp, out,
-                    tiles)
+    chosen = [tuple(int(v) for v in t.split("x")) for t in tiles.split(",") if t] or [default]
+    out = os.path.join(out_dir, "prefill.csv")
+    cpu = device == "cpu"
+    try:
+        kernel_rows(SMOKE_SHAPES if cpu else SHAPES, device, 1 if cpu else repeats, stamp, out, chosen)
+    finally:
         _int4_dequant.BN, _int4_dequant.BB = default
-    if "prompt" in parts:
-        prompt_rows(device, args, stamp, out)
-
-
-if __name__ == "__main__":
-    main()
+    prompt_rows(model, device, repeats, stamp, out)
