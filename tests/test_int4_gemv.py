@@ -229,6 +229,33 @@ def test_set_shape_config_names_unknown_keys(monkeypatch):
     assert _int4.SHAPE_CONFIGS[(64, 32)] == {"R": 4, "MAX_COLS": 32}
 
 
+def test_traced_gemv_holds_its_slice_count(monkeypatch):
+    """The slices of K are an argument of the op, read from the shape's configuration when the call is traced: the
+    graph traced under one configuration differs in its code from the graph under another (torch.compile's on-disk
+    cache keys on that code, not on SHAPE_CONFIGS: run D1 of session 35 reused a graph of 4 slices after
+    --gemv-config made it 1 and failed the output's shape check), and each output has the fake's shape."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from countdown.int4.backends import gemv_partials
+
+    monkeypatch.setattr(_int4, "SHAPE_CONFIGS", {})
+    w = _weight(24, 256, 32)
+    module = Int4Linear.from_weight(w).to(DEV)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(DEV)
+    codes, shapes = [], []
+    for max_cols in (64, 256):
+        _int4.set_shape_config(24, 256, {"MAX_COLS": max_cols})
+        graph = make_fx(lambda x: gemv_partials(x, module), tracing_mode="fake", _allow_non_fake_inputs=True)(x)
+        codes.append(graph.code)
+        out = gemv_partials(x, module)
+        assert out.shape == (256 // max_cols, 24)
+        fake = [n.meta["val"].shape for n in graph.graph.nodes if n.op == "call_function"]
+        assert tuple(fake[-1]) == tuple(out.shape)
+        err = (out.sum(0).double().cpu() - (x.double().cpu() @ w.dequantize(torch.float64).T)[0]).abs()
+        assert (err <= _bound(x.cpu(), w)).all()
+    assert codes[0] != codes[1] and "64" in codes[0] and "256" in codes[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline-asm path and the baselines need a GPU")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_gpu_gemv_and_baselines_at_the_8b_shapes(n, k):

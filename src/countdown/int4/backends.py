@@ -29,18 +29,18 @@ BACKENDS = ("countdown", "torch", "gemlite", "reference")
 
 @torch.library.custom_op("countdown::int4_gemv", mutates_args=())
 def _int4_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-               activation: str) -> torch.Tensor:
+               activation: str, max_cols: int) -> torch.Tensor:
     from ..kernels import _int4
 
-    return _int4.launch(x, words, scale, offset, activation or None)
+    return _int4.launch(x, words, scale, offset, activation or None, config={"MAX_COLS": max_cols})
 
 
 @_int4_gemv.register_fake
-def _(x, words, scale, offset, activation):
+def _(x, words, scale, offset, activation, max_cols):
     from ..kernels import _int4
 
     n, k = words.shape[0], 8 * words.shape[1]
-    return x.new_empty((_int4.splits(n, k, k // scale.shape[1]), n), dtype=torch.float32)
+    return x.new_empty((_int4.splits(n, k, k // scale.shape[1], {"MAX_COLS": max_cols}), n), dtype=torch.float32)
 
 
 @torch.library.custom_op("countdown::int4_gemv_final", mutates_args=())
@@ -79,9 +79,15 @@ def gemv_final(x: torch.Tensor, module: Int4Linear, norm=None) -> torch.Tensor:
 
 
 def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = None) -> torch.Tensor:
-    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair)."""
-    return torch.ops.countdown.int4_gemv(x, module.qweight.view(torch.int32), module.scale, module.offset,
-                                         activation or "")
+    """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair). The
+    slices of K (S) are the shape's configuration when this is called, passed to the op: a compiled graph holds
+    them as a constant, so a graph traced under another configuration (torch.compile's on-disk cache included,
+    which does not see ``kernels/_int4.py``'s ``SHAPE_CONFIGS``) is not reused with the wrong output shape."""
+    from ..kernels import _int4
+
+    words = module.qweight.view(torch.int32)
+    max_cols = _int4.config_for(words.shape[0], 8 * words.shape[1])["MAX_COLS"]
+    return torch.ops.countdown.int4_gemv(x, words, module.scale, module.offset, activation or "", max_cols)
 
 
 def finish(partials: torch.Tensor, module: Int4Linear, shape, dtype: torch.dtype) -> torch.Tensor:
