@@ -48,18 +48,20 @@ def append(path: str, row: dict) -> None:
         atomic_write(path, text.getvalue(), what="the prefill results")
 
 
-def timed(fn, repeats: int, device: str) -> float:
-    """Best wall time of ``fn()`` in ms, after one call (synchronized on CUDA)."""
+def timed(fn, repeats: int, device: str, calls: int = 1) -> float:
+    """Best wall time of ``fn()`` in ms, after one call (synchronized on CUDA); ``calls``: that many back to back
+    a timing, the time divided by them (a kernel's own time, not the host's launch of one call)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, (time.perf_counter() - t) / calls)
     return best * 1e3
 
 
@@ -79,7 +81,9 @@ def route(path: str):
 
 def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, tiles: list) -> None:
     """Each weight shape de-quantized to bf16 by the reference and by our kernel at each of ``tiles`` (rows, bytes a
-    program), checked equal bit for bit first."""
+    program), checked equal bit for bit first; on CUDA each timing is of 20 calls back to back (the host's launch of
+    one call would be most of a small shape's time)."""
+    calls = 20 if device == "cuda" else 1
     g = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in shapes.items():
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=g)
@@ -87,7 +91,7 @@ def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, 
         of = (torch.randn(n, k // 128, device=device, generator=g) * 0.05).half()
         nbytes = n * k // 2 + 2 * sc.numel() * 2 + 2 * n * k
         want = dequantize(q, sc, of, torch.bfloat16)
-        ref_ms = timed(lambda q=q, sc=sc, of=of: dequantize(q, sc, of, torch.bfloat16), repeats, device)
+        ref_ms = timed(lambda q=q, sc=sc, of=of: dequantize(q, sc, of, torch.bfloat16), repeats, device, calls)
         print(f"{name:10s} [{n} x {k}] reference {ref_ms * 1e3:9.1f} us  {nbytes / ref_ms / 1e9:5.2f} TB/s", flush=True)
         append(out, {**stamp, "part": "kernel", "weights": "int4", "path": "reference", "shape": name,
                      "ms": round(ref_ms, 4), "tb_s": round(nbytes / ref_ms / 1e9, 3), "vs_reference": 1.0})
@@ -95,7 +99,8 @@ def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, 
             _int4_dequant.BN, _int4_dequant.BB = bn, bb
             if not torch.equal(_int4_dequant.dequantize(q, sc, of, torch.bfloat16), want):
                 sys.exit(f"the one-pass de-quantization differs from format.dequantize at {name}, tile {bn}x{bb}")
-            ms = timed(lambda q=q, sc=sc, of=of: _int4_dequant.dequantize(q, sc, of, torch.bfloat16), repeats, device)
+            ms = timed(lambda q=q, sc=sc, of=of: _int4_dequant.dequantize(q, sc, of, torch.bfloat16), repeats, device,
+                       calls)
             print(f"{'':10s} ours {bn}x{bb:<4d} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:5.2f} TB/s  "
                   f"{ref_ms / ms:5.1f}x the reference", flush=True)
             append(out, {**stamp, "part": "kernel", "weights": "int4", "path": f"ours {bn}x{bb}", "shape": name,
