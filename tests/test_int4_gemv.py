@@ -242,7 +242,7 @@ def test_traced_gemv_holds_its_slice_count(monkeypatch):
     w = _weight(24, 256, 32)
     module = Int4Linear.from_weight(w).to(DEV)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(DEV)
-    codes, shapes = [], []
+    codes = []
     for max_cols in (64, 256):
         _int4.set_shape_config(24, 256, {"MAX_COLS": max_cols})
         graph = make_fx(lambda x: gemv_partials(x, module), tracing_mode="fake", _allow_non_fake_inputs=True)(x)
