@@ -246,10 +246,13 @@ def bound_part(device: str, args, stamp: dict) -> None:
         fastest_step(model)
         return decode_tps(model, ids.to(device), args.new_tokens, args.repeats)[1]
 
-    helpers = {"make_modules": make_modules, "sets_for": sets_for, "mods_bytes": mods_bytes, "append": append,
-               "log": log}
-    int4bound.run(lambda overrides: bf16_model(device, overrides), step_ms, helpers, device, stamp, args.out,
-                  args.bound_k, int4bound.SELECT_US if args.select_us is None else args.select_us)
+    def gemv_us(n, k, config):
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        mods = make_modules(n, k, sets_for(mods_bytes(n, k), device), device)
+        return time_graph(gemv_calls("countdown", mods, x, False, config), device=device)
+
+    int4bound.run(lambda overrides: bf16_model(device, overrides), step_ms, gemv_us, append, log, device, stamp,
+                  args.out, args.bound_k, int4bound.SELECT_US if args.select_us is None else args.select_us)
 
 
 def step_rows(device, args, bw, stamp, worst, out):

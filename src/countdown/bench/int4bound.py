@@ -27,7 +27,6 @@ import os
 import torch
 
 from ..kernels import _int4
-from .timing import time_graph
 
 FIELDS = ["run", "device", "date", "k", "d_inter", "kept_inter", "dense_ms", "narrow_ms", "indicator_us",
           "up_kept_us", "select_us", "free_select_ms", "bound_ms", "bound_vs_dense"]
@@ -51,55 +50,43 @@ def narrow_configs(d_model: int, d_inter: int, kept: int) -> None:
     _int4.set_shape_config(d_model, kept, full_down)
 
 
-def gemv_alone_us(n: int, k: int, config: dict, device: str, make_modules, sets: int) -> float:
-    """Our GEMV of an [n, k] weight alone, microseconds a call, over ``sets`` weight copies."""
-    mods = make_modules(n, k, sets, device)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    us = time_graph([lambda m=m: _int4.launch(x, m.qweight.view(torch.int32), m.scale, m.offset, None, config)
-                     for m in mods], device=device)
-    del mods
-    return us
-
-
-def run(build, step_ms, helpers: dict, device: str, stamp: dict, out: str, k: float,
+def run(build, step_ms, gemv_us, append, log, device: str, stamp: dict, out: str, k: float,
         select_us: float = SELECT_US) -> dict:
     """The bound at sparsity ``k``. ``build(overrides)``: the script's bf16 model with config fields changed
-    (``{}``: as it is); ``step_ms(model)``: ms a decode step of a 4-bit model on its fastest step;
-    ``helpers``: the script's ``make_modules``, ``sets_for``, ``mods_bytes``, ``append`` and ``log``."""
+    (``{}``: as it is); ``step_ms(model)``: ms a decode step of a 4-bit model on its fastest step; ``gemv_us(n, k,
+    config)``: our GEMV of an [n, k] weight alone, microseconds a call; ``append(path, fields, row)``, ``log(msg)``:
+    the script's."""
     import countdown
 
-    log = helpers["log"]
-    times, shape = {}, {}
-    for name in ("dense", "narrow"):
+    def measure(overrides: dict):
         with torch.no_grad():
-            model = build({} if name == "dense" else {"intermediate_size": shape["kept"]})
+            model = build(overrides)
             cfg = model.config
-            if name == "dense":
-                shape = {"d_model": cfg.hidden_size, "d_inter": cfg.intermediate_size,
-                         "layers": cfg.num_hidden_layers, "kept": kept_width(cfg.intermediate_size, k)}
-                narrow_configs(shape["d_model"], shape["d_inter"], shape["kept"])
             countdown.quantize(model, group=128, lm_head=True)
-            times[name] = step_ms(model)
-            log(f"bound: dense 4-bit step at d_inter {cfg.intermediate_size}: {times[name]:.3f} ms "
-                f"({1e3 / times[name]:.1f} tokens/s)")
+            ms = step_ms(model)
             del model
             torch.cuda.empty_cache() if device == "cuda" else None
-    d_model, d_inter, kept = shape["d_model"], shape["d_inter"], shape["kept"]
-    ind_cfg = _int4.config_for(d_inter, d_model)
+        log(f"bound: dense 4-bit step at d_inter {cfg.intermediate_size}: {ms:.3f} ms ({1e3 / ms:.1f} tokens/s)")
+        return cfg, ms
+
+    cfg, dense_ms = measure({})
+    d_model, d_inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kept = kept_width(d_inter, k)
+    narrow_configs(d_model, d_inter, kept)
+    _, narrow_ms = measure({"intermediate_size": kept})
+    ind_cfg = _int4.config_for(d_inter, d_model)  # the indicator's launch configuration for both
     gemv = {}
     for name, n in (("indicator", d_inter), ("up_kept", kept)):
-        sets = helpers["sets_for"](helpers["mods_bytes"](n, d_model), device)
-        gemv[name] = gemv_alone_us(n, d_model, ind_cfg, device, helpers["make_modules"], sets)
+        gemv[name] = gemv_us(n, d_model, ind_cfg)
         log(f"bound: {name} GEMV [{n} x {d_model}] alone {gemv[name]:.2f} us")
-    extra = shape["layers"] * (gemv["indicator"] - gemv["up_kept"]) / 1e3
-    free_ms = times["narrow"] + extra
-    bound_ms = free_ms + shape["layers"] * select_us / 1e3
-    row = {**stamp, "k": k, "d_inter": d_inter, "kept_inter": kept, "dense_ms": round(times["dense"], 4),
-           "narrow_ms": round(times["narrow"], 4), "indicator_us": round(gemv["indicator"], 2),
+    free_ms = narrow_ms + layers * (gemv["indicator"] - gemv["up_kept"]) / 1e3
+    bound_ms = free_ms + layers * select_us / 1e3
+    row = {**stamp, "k": k, "d_inter": d_inter, "kept_inter": kept, "dense_ms": round(dense_ms, 4),
+           "narrow_ms": round(narrow_ms, 4), "indicator_us": round(gemv["indicator"], 2),
            "up_kept_us": round(gemv["up_kept"], 2), "select_us": select_us, "free_select_ms": round(free_ms, 4),
-           "bound_ms": round(bound_ms, 4), "bound_vs_dense": round(times["dense"] / bound_ms, 3)}
-    helpers["append"](os.path.join(out, "bound.csv"), FIELDS, row)
+           "bound_ms": round(bound_ms, 4), "bound_vs_dense": round(dense_ms / bound_ms, 3)}
+    append(os.path.join(out, "bound.csv"), FIELDS, row)
     log(f"bound at k = {k} ({kept} of {d_inter} rows kept, {kept / d_inter:.3f}): mono's step at most "
-        f"{1e3 / bound_ms:.1f} tokens/s ({bound_ms:.3f} ms), {times['dense'] / bound_ms:.3f}x our dense 4-bit "
-        f"({1e3 / times['dense']:.1f}); with the select free {times['dense'] / free_ms:.3f}x")
+        f"{1e3 / bound_ms:.1f} tokens/s ({bound_ms:.3f} ms), {dense_ms / bound_ms:.3f}x our dense 4-bit "
+        f"({1e3 / dense_ms:.1f}); with the select free {dense_ms / free_ms:.3f}x")
     return row
