@@ -15,7 +15,7 @@ import argparse
 import shlex
 import sys
 
-from ..options import Parser, add_number
+from ..options import Parser, add_device_arg, add_number
 
 DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
 
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(a spec this library cannot run is refused, listing the valid ones)")
     add_number(parser, "--sparsity", "-k", range="sparsities", default=[0.7, 0.8, 0.9], help="target sparsities k")
     parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    add_device_arg(parser)
     parser.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl "
                                                       "(a source name if it is one, else a path)")
@@ -66,7 +66,7 @@ def _load(args):
     import countdown
     from ..data.models import shape_names
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     random_weights = args.model in shape_names()
     model, tok = countdown.load_model(args.model, dtype=dtype, device=device,
