@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_number(parser, "--batch", range="batch", default=1, help="rows decoded at once in the speed test")
     add_number(parser, "--prompt", range="prompt", default=64, help="prompt length of the speed test (random tokens)")
     add_number(parser, "--new-tokens", range="max_new_tokens", default=128, help="tokens generated per speed test")
-    add_number(parser, "--samples", range="samples", default=3, help="speed tests per configuration (median)")
+    add_number(parser, "--samples", range="samples", default=3,
+               help="rounds of alternated speed tests (dense, then every configuration once; dense again after the "
+                    "last): each speed-up is the median of the rounds' ratios, printed with their min and max")
     add_number(parser, "--max-ppl-increase", range="max_ppl_increase", default=0.05,
                help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
     parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
@@ -150,14 +152,16 @@ def _bench(args, specs, texts, calib_texts) -> int:
             "step": "plain" if args.plain_step else "fastest (fused attention, fixed GEMVs) on CUDA",
             "command": _command(args)}
     paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
-    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
-    from .opreport import label
+    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up (min-max)':>20s} {'tok/s':>8s}")
+    from .opreport import label, spread
 
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"
         kl = "-" if r["kl"] in ("", None) else f"{r['kl']:.3f}"
-        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
-              f"{r['decode_speedup']:7.2f}x {r['tokens_per_s']:8.1f}")
+        low, high = spread(r)
+        speed = f"{r['decode_speedup']:.2f}x ({low:.2f}-{high:.2f})"
+        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} {speed:>20s} "
+              f"{r['tokens_per_s']:8.1f}")
     print(paths["recommendation"])
     if not speed_only:  # the recommended spec, pasteable into the API and the command line
         for line in usage_lines(rows, args.max_ppl_increase, args.model):
