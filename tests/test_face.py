@@ -68,8 +68,8 @@ def test_every_command_that_takes_a_device_has_the_one_rule(monkeypatch, cuda):
                 with_device.append(command)
     # every command that loads a model (cost reads shapes only; methods / models load nothing)
     assert set(with_device) == {"ppl", "calibrate", "train", "quality", "generate", "eval", "agreement", "sweep",
-                                "bench", "demo", "analyze"}
-    required = {"generate": ["--prompt", "hi"], "quality": ["--artifacts", "a.safetensors"]}
+                                "bench", "demo", "analyze", "serve"}
+    required = {"generate": ["--prompt", "hi"], "quality": ["--artifacts", "a.safetensors"], "serve": ["folder"]}
     for command in with_device:
         args = parser.parse_args([command, *required.get(command, [])])
         assert args.device == ("cuda" if cuda else "cpu"), command

@@ -179,6 +179,8 @@ RANGES: dict[str, Range] = {
     "samples": _int(1),
     "max_ppl_increase": _real(0),
     "analysis_tokens": _int(1),
+    # serve
+    "port": _int(0, 65535),
     # cost
     "d_model": _int(1),
     "d_inter": _int(1),

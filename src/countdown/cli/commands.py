@@ -310,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(sub.add_parser("bench", help="speed and quality of each configuration on your model and machine, "
                                    "with a recommendation")).set_defaults(func=bench_from_args)
 
+    from .serve import add_arguments as serve_arguments, cmd_serve
+    serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible server (transformers') on a countdown model, "
+                                   "e.g. a folder countdown.save wrote")).set_defaults(func=cmd_serve)
+
     p = sub.add_parser("demo", help="the main job: dense against the recommended practical configuration "
                                      "(quality, text, speed); --full: every method at several sparsities")
     p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
