@@ -126,3 +126,43 @@ def test_an_explicit_prac_spec_without_its_kind_still_needs_artifacts(monkeypatc
     monkeypatch.setattr(countdown, "load_model", load)
     assert cli.main(["ppl", "--method", "mono", "--mode", "prac"]) == 2
     assert "needs artifacts" in capsys.readouterr().err
+
+
+DEMO_ON_THE_BASE_INSTALL = r"""
+import sys
+for name in ("triton", "lm_eval", "datasets", "fastapi", "uvicorn", "openai"):
+    sys.modules[name] = None  # not installed: `make demo` installs the base package only
+from pathlib import Path
+import countdown, countdown.data.texts as texts_module
+from countdown.cli import commands, headline
+from conftest import tiny_model
+from test_calibrate import word_texts
+from test_readme import ReadmeTokenizer
+out = Path(sys.argv[1])
+model = tiny_model("llama")
+countdown.load_model = lambda *a, **k: (model, ReadmeTokenizer())
+texts_module.eval_texts = lambda *a, **k: word_texts(1)
+texts_module.calibration_texts = lambda *a, **k: word_texts(0)
+texts_module.cache_root = lambda: out / "cache"
+commands.build_parser()  # every command registers without the extras
+headline.run_headline("tiny", out_dir=out / "demo", max_tokens=512, new_tokens=6, speed_tokens=4, repeats=1)
+"""
+
+
+def test_the_demo_runs_on_the_base_install_and_shows_its_stages(tmp_path):
+    """`make demo` installs no extra: the demo (on a tiny model) runs with triton, lm-eval, datasets and the serving
+    packages absent, and its progress bar names each stage and the time left."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+           "TRITON_INTERPRET": ""}
+    done = subprocess.run([sys.executable, "-c", DEMO_ON_THE_BASE_INSTALL, str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "demo" / "demo.md").is_file() and "| dual[shadow4] k=0.5 |" in done.stdout
+    bar = done.stderr.replace("\r", "\n")
+    for stage in ("download + de-quantize the model", "calibrate", "score dense and sparse", "decode"):
+        assert f"countdown demo, {stage}" in bar, stage
+    assert "<" in bar and "100%" in bar  # tqdm's elapsed<remaining, and the bar completes
