@@ -29,9 +29,10 @@ GPU_FIGURE = ("on an NVIDIA H200 (2026-11-25, run BK, Llama-3.1-8B shape, bf16, 
               "decodes 1.12x the compiled dense decoder (k = 0.7: 1.29x, at +21.8 % perplexity on this model)")
 PROMPT = "Explain in two sentences why the sky is blue."
 FIELDS = ["model", "config", "ppl_decode", "ppl_increase", "sparsity_real", "tokens_per_s", "vs_dense", "device"]
-# The stages of the demo and each one's seconds on the 2-core CPU of results/demo/headline with an empty cache: the
-# overall bar's units, so that its estimate of the time left starts from a measured run (tqdm then follows this run's
-# pace). Download and de-quantize happen on the first run only, as does the calibration (its artifact is cached).
+# The stages of the demo and the seconds each is given: the 157 s of results/demo/headline (2-core CPU, an empty
+# cache) split by stage as an estimate. They are the overall bar's units, so its first estimate of the time left is
+# of that order; tqdm then follows this run's own pace. Download and de-quantize happen on the first run only, as does
+# the calibration (its artifact is cached).
 STAGES = (("download + de-quantize the model (first run only)", 45), ("calibrate (first run only)", 40),
           ("score dense and sparse", 45), ("decode", 30))
 
