@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 # The CPU build of PyTorch; override (e.g. TORCH_SPEC=torch) on a machine with a GPU.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# `make demo` needs the base install only (no pytest, lm-eval, triton or serving packages); `make test`'s dev install
+# includes it, so its stamp stands for both.
+DEMO_STAMP := $(VENV)/.installed-demo
 # pytest-xdist workers for `make test` (CI has two cores; each worker keeps to one torch thread: tests/conftest.py).
 TEST_WORKERS ?= 2
 
@@ -15,11 +18,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/countdown demo
 
 test: $(STAMP)

@@ -25,7 +25,7 @@ from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
 KW = dict(texts=word_texts(0), num_tokens=256, window=128, progress=False)
-REQUIRED = {"generate": ["--prompt", "hi"], "quality": ["--artifacts", "a.safetensors"]}
+REQUIRED = {"generate": ["--prompt", "hi"], "quality": ["--artifacts", "a.safetensors"], "serve": ["folder"]}
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_every_numeric_option_of_every_command_has_a_range():
     assert missing == []
     commands = {c for c, *_ in RANGED}
     assert commands == {"ppl", "calibrate", "train", "quality", "generate", "eval", "agreement", "sweep", "bench",
-                        "demo", "cost", "analyze"}
+                        "demo", "cost", "analyze", "serve"}
     assert len({(c, f) for c, f, *_ in RANGED}) >= 55
 
 

@@ -179,6 +179,8 @@ RANGES: dict[str, Range] = {
     "samples": _int(1),
     "max_ppl_increase": _real(0),
     "analysis_tokens": _int(1),
+    # serve
+    "port": _int(0, 65535),
     # cost
     "d_model": _int(1),
     "d_inter": _int(1),
@@ -277,3 +279,23 @@ def die(prog: str, message: str) -> None:
     """One error line on stderr and exit status 2 (for checks across options, after the parse)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+DEVICE_RULE = "auto: cuda when PyTorch sees a GPU, else cpu"
+
+
+def device_arg(value: str) -> str:
+    """``--device``: ``auto`` (every command's default) is cuda when PyTorch sees a GPU, else cpu; any other value
+    is passed on as given (checked where the model loads)."""
+    if value != "auto":
+        return value
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """The one ``--device`` option of every command that loads a model (:data:`DEVICE_RULE`): its value is
+    resolved when the command line is parsed."""
+    p.add_argument("--device", default="auto", type=device_arg,
+                   help=f"auto, cpu, cuda or cuda:N ({DEVICE_RULE}; default auto)")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .foreign import refuse_foreign_quantization
 from .mlp import GatedMLP, require_gated_mlps
 from .patched import PatchedMLP
 from .prac.base import RowSelector, selectors_for
@@ -203,6 +204,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
     """
+    refuse_foreign_quantization(model, "countdown.sparsify")  # torchao / bitsandbytes / GPTQ... weights
     if is_sparsified(model):
         raise AlreadySparsifiedError(
             "this model is already sparsified; call countdown.unsparsify(model) before patching it again"

@@ -15,7 +15,7 @@ import argparse
 import shlex
 import sys
 
-from ..options import Parser, add_number
+from ..options import Parser, add_device_arg, add_number
 
 DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
 
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(a spec this library cannot run is refused, listing the valid ones)")
     add_number(parser, "--sparsity", "-k", range="sparsities", default=[0.7, 0.8, 0.9], help="target sparsities k")
     parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    add_device_arg(parser)
     parser.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl "
                                                       "(a source name if it is one, else a path)")
@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_number(parser, "--batch", range="batch", default=1, help="rows decoded at once in the speed test")
     add_number(parser, "--prompt", range="prompt", default=64, help="prompt length of the speed test (random tokens)")
     add_number(parser, "--new-tokens", range="max_new_tokens", default=128, help="tokens generated per speed test")
-    add_number(parser, "--samples", range="samples", default=3, help="speed tests per configuration (median)")
+    add_number(parser, "--samples", range="samples", default=3,
+               help="rounds of alternated speed tests (dense, then every configuration once; dense again after the "
+                    "last): each speed-up is the median of the rounds' ratios, printed with their min and max")
     add_number(parser, "--max-ppl-increase", range="max_ppl_increase", default=0.05,
                help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
     parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
@@ -66,7 +68,7 @@ def _load(args):
     import countdown
     from ..data.models import shape_names
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     random_weights = args.model in shape_names()
     model, tok = countdown.load_model(args.model, dtype=dtype, device=device,
@@ -150,14 +152,16 @@ def _bench(args, specs, texts, calib_texts) -> int:
             "step": "plain" if args.plain_step else "fastest (fused attention, fixed GEMVs) on CUDA",
             "command": _command(args)}
     paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
-    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up':>8s} {'tok/s':>8s}")
-    from .opreport import label
+    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up (min-max)':>20s} {'tok/s':>8s}")
+    from .opreport import label, spread
 
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"
         kl = "-" if r["kl"] in ("", None) else f"{r['kl']:.3f}"
-        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} "
-              f"{r['decode_speedup']:7.2f}x {r['tokens_per_s']:8.1f}")
+        low, high = spread(r)
+        speed = f"{r['decode_speedup']:.2f}x ({low:.2f}-{high:.2f})"
+        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} {speed:>20s} "
+              f"{r['tokens_per_s']:8.1f}")
     print(paths["recommendation"])
     if not speed_only:  # the recommended spec, pasteable into the API and the command line
         for line in usage_lines(rows, args.max_ppl_increase, args.model):

@@ -9,12 +9,21 @@ the rest sparse and scored) relative to dense, and KL(dense || sparse) and top-1
 same positions, from one forward per window. SP-Prac artifacts come from
 :func:`countdown.prac.prepare.ensure_artifacts` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
+
+The timings alternate: ``samples`` rounds, each timing dense once and then every configuration at every k once,
+and dense once more at the end. A configuration's speed-up in round r is its tokens/s over the geometric mean of
+the dense timings just before and after that round (:func:`paired_speedups`), so that a machine whose speed drifts
+(a CPU shared with other work, a clock that changes) moves both sides of each ratio; each row gives the median of
+the rounds' ratios and their min and max (``speedup_min`` / ``speedup_max``). On CUDA each round compiles each
+patch state again (Inductor's caches make the repeats cheaper than the first).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +34,7 @@ from ..spec import Spec, parse_spec
 
 COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl", "decode_speedup", "device", "date",
            "ppl", "dense_ppl", "top1", "tokens_per_s", "dense_tokens_per_s", "batch", "new_tokens", "harness", "path",
-           "quality", "artifacts", "weights"]
+           "quality", "artifacts", "weights", "speedup_min", "speedup_max", "samples"]
 
 
 @dataclass
@@ -42,7 +51,7 @@ class BenchSettings:
     batch: int = 1
     prompt: int = 64
     new_tokens: int = 128
-    samples: int = 3
+    samples: int = 3  # rounds of alternated timings (module docstring)
     artifacts_dir: str | None = None
     speed_only: bool = False
     fast_step: bool = True  # CUDA: time every row on countdown.decode.linears.fastest_step (undone after)
@@ -104,11 +113,6 @@ def _quality(model, spec, k, art, held) -> dict:
         unsparsify(model)
 
 
-def _speed(model, prompt, s: BenchSettings, harness: str) -> float:
-    runs = [measure.time_decode(model, prompt, s.new_tokens, harness) for _ in range(max(1, s.samples))]
-    return sorted(r["tokens_per_s"] for r in runs)[len(runs) // 2]
-
-
 @contextlib.contextmanager
 def _fast_step(model, on: bool):
     """The fastest decode step (countdown.decode.linears.fastest_step) around the speed timings only;
@@ -127,18 +131,78 @@ def _fast_step(model, on: bool):
         reset_decoders()  # the compiled steps captured the fused modules
 
 
+def paired_speedups(dense: list[float], sparse: list[list[float]]) -> list[dict]:
+    """Speed-ups from alternated timings: ``dense`` holds the R + 1 dense tokens/s (before round 0, ..., after the
+    last round), ``sparse`` one list of R tokens/s per configuration (round r between dense[r] and dense[r + 1]).
+    Each configuration's ratio in round r is its tokens/s over ``sqrt(dense[r] * dense[r + 1])``; returns per
+    configuration the median, min and max ratio, its median tokens/s and the median of those dense references."""
+    refs = [math.sqrt(a * b) for a, b in zip(dense, dense[1:])]
+    out = []
+    for runs in sparse:
+        if len(runs) != len(refs):
+            raise ValueError(f"{len(runs)} timings of a configuration against {len(refs)} rounds of dense timings")
+        ratios = [t / ref for t, ref in zip(runs, refs)]
+        out.append({"decode_speedup": statistics.median(ratios), "speedup_min": min(ratios),
+                    "speedup_max": max(ratios), "tokens_per_s": statistics.median(runs),
+                    "dense_tokens_per_s": statistics.median(refs), "samples": len(runs)})
+    return out
+
+
+@dataclass
+class _Block:
+    """Timings under one patch of one model: ``points`` are (row, k) pairs timed in turn (k None: the model as
+    it is); ``spec`` / ``art`` patch the model for the block (None: dense)."""
+
+    model: object
+    spec: Spec | None
+    art: object
+    points: list = field(default_factory=list)
+
+
+def _time(model, prompt, s: BenchSettings, harness: str) -> float:
+    return measure.time_decode(model, prompt, s.new_tokens, harness)["tokens_per_s"]
+
+
+def _run_block(block: _Block, prompt, s: BenchSettings, fast: bool, harness: str, path: str, bar) -> list[float]:
+    """One round of ``block``: patched once (one compile on CUDA), each point timed once (thresholds / cuts
+    switched in place), then unpatched."""
+    from ..decode.generate import reset_decoders
+    from ..sparse import sparsify, unsparsify
+    from .runner import private_copy
+    from .speedonly import retarget
+
+    tps = []
+    if block.spec is not None:
+        sparsify(block.model, block.spec, block.points[0][1], mode="prac", artifacts=private_copy(block.art),
+                 path=path)
+    try:
+        with _fast_step(block.model, fast):
+            for row, k in block.points:
+                bar.set_postfix_str(f"{row['method']} k={k:g}" if k is not None else row["method"])
+                if k is not None:
+                    retarget(block.model, block.art, k)
+                tps.append(_time(block.model, prompt, s, harness))
+                bar.update(1)
+    finally:
+        reset_decoders()
+        if block.spec is not None:
+            unsparsify(block.model)
+    return tps
+
+
 def operating_points(model, tokenizer, settings: BenchSettings, model_name: str = "model", log=print,
                      progress: bool = True) -> list[dict]:
     """One row per configuration (dense first, then each available spec x k) with :data:`COLUMNS`.
 
     ``tokenizer`` None (or ``settings.speed_only``) measures speed only, with speed-only artifacts:
     the quality columns are left empty and ``quality`` says ``speed only``. Specs this library cannot
-    run are skipped with the reason logged. ``settings.int4`` adds, last, each spec on a 4-bit copy with W_down
-    held transposed (``weights`` "int4-downT") and the dense row of the model quantized to 4 bits *in place*
-    (``weights`` "int4"; the other rows' ``weights`` is the dtype as loaded)."""
-    from tqdm.auto import tqdm
+    run are skipped with the reason logged. ``settings.int4`` adds, last, the dense row of a copy of the model
+    quantized to 4 bits (``weights`` "int4") and each spec on a 4-bit copy with W_down held transposed (``weights``
+    "int4-downT"; the other rows' ``weights`` is the dtype as loaded). Quality first, then the alternated timings
+    (see the module docstring)."""
+    import copy
 
-    from ..decode.generate import reset_decoders
+    from tqdm.auto import tqdm
 
     s = settings
     speed_only = s.speed_only or tokenizer is None
@@ -146,7 +210,6 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     cuda = device.type == "cuda"
     harness, path = ("compile-cdt", "auto") if cuda else ("eager", "gather")
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    date = datetime.date.today().isoformat()
     model.generation_config.eos_token_id = None  # every run decodes exactly new_tokens
     held = None
     if not speed_only:
@@ -156,132 +219,109 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
     specs = [spec.resolved() for spec in map(parse_spec, s.specs) if not spec.is_dense]
-    total = 1 + len(specs) * len(s.ks) * (2 if s.int4 else 1) + (1 if s.int4 else 0)
-    bar = tqdm(total=total, desc="countdown bench", disable=not progress)
-    base = {"model": model_name, "device": device_name, "date": date, "batch": s.batch, "new_tokens": s.new_tokens,
-            "harness": harness, "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL",
+    bar = tqdm(total=len(specs) * (2 if s.int4 else 1) + (1 if s.int4 else 0), desc="countdown bench: quality",
+               disable=not progress)
+    base = {"model": model_name, "device": device_name, "date": datetime.date.today().isoformat(), "batch": s.batch,
+            "new_tokens": s.new_tokens, "harness": harness,
+            "quality": "speed only (random weights)" if speed_only else "decode-style ppl, KL",
             "weights": str(next(model.parameters()).dtype).replace("torch.", "")}
-    fast = cuda and s.fast_step
-    with _fast_step(model, fast):
-        dense_tps = _speed(model, prompt, s, harness)
-    reset_decoders()
     dense_ppl = None if held is None else held.dense_ppl
-    rows = [{**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0 if dense_ppl else "",
-             "kl": 0.0 if dense_ppl else "", "top1": 1.0 if dense_ppl else "", "decode_speedup": 1.0, "ppl": dense_ppl or "", "dense_ppl": dense_ppl or "",
-             "tokens_per_s": dense_tps, "dense_tokens_per_s": dense_tps, "path": "dense", "artifacts": ""}]
-    bar.update(1)
-    for spec in specs:
-        rows += _spec_rows(model, tokenizer, spec, s, held, prompt, fast, harness, path, base, dense_tps, bar, log)
+    dense_row = {**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0, "ppl_increase": 0.0 if dense_ppl else "",
+                 "kl": 0.0 if dense_ppl else "", "top1": 1.0 if dense_ppl else "", "ppl": dense_ppl or "",
+                 "dense_ppl": dense_ppl or "", "path": "dense", "artifacts": ""}
+    blocks = [block for spec in specs for block in _spec_block(model, tokenizer, spec, s, held, prompt, path, base,
+                                                               bar, log)]
     if s.int4:
-        # the sparse 4-bit rows first (a copy of the model as loaded), listed after the dense 4-bit row (in place)
-        sparse4 = _int4_sparse_rows(model, tokenizer, specs, s, held, prompt, fast, harness, path, base, dense_tps,
-                                    bar, log) if specs else []
-        rows.append(_int4_row(model, tokenizer, s, held, prompt, fast, harness, base, dense_tps, log))
-        rows += sparse4
+        from ..int4 import quantize
+
+        # the sparse 4-bit rows on a copy with W_down^T, listed after the dense 4-bit row (another copy)
+        quantized = quantize(copy.deepcopy(model), group=128, lm_head=True, transposed_down=True)
+        sparse4 = [block for spec in specs for block in _spec_block(
+            quantized, tokenizer, spec, s, held, prompt, path, {**base, "weights": "int4-downT"}, bar, log)]
+        blocks += [_int4_block(model, tokenizer, s, held, base)] + sparse4
+        bar.update(1)
     bar.close()
+    fast = cuda and s.fast_step
+    points = sum(len(b.points) for b in blocks)
+    bar = tqdm(total=s.samples * (1 + points) + 1, desc="countdown bench: speed, alternated", disable=not progress)
+    dense_block = _Block(model, None, None, [(dense_row, None)])
+    dense_tps = _run_block(dense_block, prompt, s, fast, harness, path, bar)
+    sparse_tps = [[] for _ in range(points)]
+    for _ in range(s.samples):
+        timed = [t for block in blocks for t in _run_block(block, prompt, s, fast, harness, path, bar)]
+        for runs, t in zip(sparse_tps, timed):
+            runs.append(t)
+        dense_tps += _run_block(dense_block, prompt, s, fast, harness, path, bar)
+    bar.close()
+    middle = statistics.median(dense_tps)
+    dense_row.update(decode_speedup=1.0, tokens_per_s=middle, dense_tokens_per_s=middle, samples=len(dense_tps),
+                     speedup_min=min(dense_tps) / middle, speedup_max=max(dense_tps) / middle)
+    rows = [dense_row]
+    for (row, _), speed in zip((p for b in blocks for p in b.points), paired_speedups(dense_tps, sparse_tps)):
+        row.update(speed)
+        rows.append(row)
+        if row["weights"].startswith("int4"):
+            log(f"4-bit weights{', W_down held transposed' if row['weights'] == 'int4-downT' else ''}, "
+                f"{row['method']}{'' if row['method'] == 'dense' else ' k = ' + format(row['sparsity'], 'g')}: "
+                f"{row['tokens_per_s']:.1f} tokens/s, {row['decode_speedup']:.2f}x the loaded model"
+                + ("" if row["ppl_increase"] == "" else f", perplexity {100 * row['ppl_increase']:+.1f} %"))
     return rows
 
 
-def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: bool, harness: str, path: str,
-               base: dict, dense_tps: float, bar, log) -> list[dict]:
-    """The rows of one spec at every k on ``model``: quality on the model as held (``held``), speed over
-    ``dense_tps`` (the model as loaded, dense)."""
+def _spec_block(model, tokenizer, spec, s: BenchSettings, held, prompt, path: str, base: dict, bar,
+                log) -> list[_Block]:
+    """The timing block of one spec on ``model`` (its rows at every k, quality filled in), or none where the spec
+    cannot be built here (logged)."""
     from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
     from .runner import private_copy
-    from .speedonly import SpecUnavailable, retarget
+    from .speedonly import SpecUnavailable
 
     speed_only = s.speed_only or tokenizer is None
     dense_ppl = None if held is None else held.dense_ppl
-    rows = []
     bar.set_postfix_str(spec.label)
     try:
         art, art_label = _artifacts(model, tokenizer, spec, s, speed_only)
     except (SpecUnavailable, ValueError, TypeError) as error:
         log(f"skipping {spec.label}: {type(error).__name__}: {str(error)[:200]}")
-        bar.update(len(s.ks))
-        return rows
-    ks = sorted(s.ks, reverse=True)
-    quality = {}
-    for k in ks:
+        bar.update(1)
+        return []
+    block = _Block(model, spec, art)
+    for k in sorted(s.ks, reverse=True):
         if speed_only:
             from .measure import kept_fractions
 
             sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
             try:
-                quality[k] = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
+                q = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
             finally:
                 unsparsify(model)
                 reset_decoders()
         else:
-            quality[k] = _quality(model, spec, k, art, held)
-    # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
-    sparsify(model, spec, ks[0], mode="prac", artifacts=private_copy(art), path=path)
-    try:
-        with _fast_step(model, fast):  # around every k: one compile serves them all
-            for k in ks:
-                retarget(model, art, k)
-                tps = _speed(model, prompt, s, harness)
-                q = quality[k]
-                rows.append({**base, "method": spec.label, "sparsity": k,
-                             "sparsity_real": round(q["sparsity_real"], 4),
-                             "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
-                             "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
-                             "decode_speedup": tps / dense_tps,
-                             "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "",
-                             "tokens_per_s": tps, "dense_tokens_per_s": dense_tps, "path": path,
-                             "artifacts": art_label})
-                bar.update(1)
-    finally:
-        reset_decoders()
-        unsparsify(model)
-    return rows
+            q = _quality(model, spec, k, art, held)
+        block.points.append(({**base, "method": spec.label, "sparsity": k, "sparsity_real": round(q["sparsity_real"], 4),
+                              "ppl_increase": "" if speed_only else q["ppl"] / dense_ppl - 1,
+                              "kl": "" if speed_only else q["kl"], "top1": "" if speed_only else q["top1"],
+                              "ppl": "" if speed_only else q["ppl"], "dense_ppl": dense_ppl or "", "path": path,
+                              "artifacts": art_label}, k))
+    bar.update(1)
+    return [block]
 
 
-def _int4_sparse_rows(model, tokenizer, specs, s: BenchSettings, held, prompt, fast: bool, harness: str, path: str,
-                      base: dict, dense_tps: float, bar, log) -> list[dict]:
-    """Sparse rows on 4-bit weights: each spec at each k on a copy of ``model`` quantized with W_down held
-    transposed (``countdown.quantize(transposed_down=True)``, RTN group 128, lm_head too: the layout whose skipped
-    rows are bytes not read; on CUDA a calibrated mono / cats threshold runs the kept-rows kernels, docs/int4.md),
-    calibrated on that copy; quality against the model as loaded, speed over its dense row. ``weights``
-    "int4-downT"."""
+def _int4_block(model, tokenizer, s: BenchSettings, held, base: dict) -> _Block:
+    """The dense row of a copy of ``model`` quantized to 4 bits (every decoder Linear and lm_head, RTN group 128),
+    scored against the model as loaded (``held``): what a user gets from 4-bit weights alone."""
     import copy
 
     from ..int4 import quantize
-
-    quantized = quantize(copy.deepcopy(model), group=128, lm_head=True, transposed_down=True)
-    rows = []
-    for spec in specs:
-        rows += _spec_rows(quantized, tokenizer, spec, s, held, prompt, fast, harness, path,
-                           {**base, "weights": "int4-downT"}, dense_tps, bar, log)
-    for row in rows:
-        log(f"4-bit weights, W_down held transposed, {row['method']} k = {row['sparsity']}: "
-            f"{row['tokens_per_s']:.1f} tokens/s, {row['decode_speedup']:.2f}x the loaded model"
-            + ("" if row["ppl_increase"] == "" else f", perplexity {100 * row['ppl_increase']:+.1f} %"))
-    return rows
-
-
-def _int4_row(model, tokenizer, s: BenchSettings, held, prompt, fast: bool, harness: str, base: dict,
-              dense_tps: float, log) -> dict:
-    """The dense row of ``model`` quantized in place to 4 bits (every decoder Linear and lm_head, RTN group 128),
-    scored against the model as loaded (``held``) and timed on the same harness: what a user gets from 4-bit weights
-    alone (the sparse 4-bit rows: :func:`_int4_sparse_rows`)."""
-    from ..decode.generate import reset_decoders
-    from ..int4 import quantize
     from .quality import compare_held, held_out
 
-    loaded = str(next(model.parameters()).dtype).replace("torch.", "")
-    quantize(model, group=128, lm_head=True)
+    quantized = quantize(copy.deepcopy(model), group=128, lm_head=True)
     q = None
     if held is not None:
-        q = compare_held(held, held_out(model, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window))
-    with _fast_step(model, fast):
-        tps = _speed(model, prompt, s, harness)
-    reset_decoders()
-    log(f"4-bit weights (RTN group 128, lm_head too): {tps:.1f} tokens/s, {tps / dense_tps:.2f}x the {loaded} model"
-        + ("" if q is None else f", perplexity {100 * q['ppl_increase']:+.1f} %"))
-    return {**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0,
-            "ppl_increase": "" if q is None else q["ppl_increase"], "kl": "" if q is None else q["kl"],
-            "top1": "" if q is None else q["top1"], "decode_speedup": tps / dense_tps, "ppl": "" if q is None else q["ppl"],
-            "dense_ppl": "" if held is None else held.dense_ppl, "tokens_per_s": tps, "dense_tokens_per_s": dense_tps,
-            "path": "int4", "artifacts": "", "weights": "int4"}
+        q = compare_held(held, held_out(quantized, tokenizer, texts=s.texts, max_tokens=s.ppl_tokens, window=s.window))
+    row = {**base, "method": "dense", "sparsity": 0.0, "sparsity_real": 0.0,
+           "ppl_increase": "" if q is None else q["ppl_increase"], "kl": "" if q is None else q["kl"],
+           "top1": "" if q is None else q["top1"], "ppl": "" if q is None else q["ppl"],
+           "dense_ppl": "" if held is None else held.dense_ppl, "path": "int4", "artifacts": "", "weights": "int4"}
+    return _Block(quantized, None, None, [(row, None)])

@@ -16,11 +16,34 @@ def _known(value) -> bool:
     return value not in ("", None) and not (isinstance(value, float) and math.isnan(value))
 
 
+def spread(row: dict) -> tuple[float, float]:
+    """(min, max) of a row's speed-up over its timings; a row measured once (or merged without a spread) is its
+    one value."""
+    low, high = row.get("speedup_min"), row.get("speedup_max")
+    if _known(low) and _known(high):
+        return float(low), float(high)
+    return float(row["decode_speedup"]), float(row["decode_speedup"])
+
+
+def faster(row: dict) -> bool:
+    """Faster than dense beyond the run-to-run spread: every timing of the row above 1.0x."""
+    return _known(row.get("decode_speedup")) and spread(row)[0] > 1.0
+
+
+def speed_text(row: dict) -> str:
+    """``1.23x`` for one timing, ``1.23x (1.10-1.31x over 3 rounds)`` with a spread."""
+    low, high = spread(row)
+    if not (_known(row.get("speedup_min")) and _known(row.get("speedup_max"))):
+        return f"{row['decode_speedup']:.2f}x"
+    rounds = f" over {row['samples']} rounds" if _known(row.get("samples")) else ""
+    return f"{row['decode_speedup']:.2f}x ({low:.2f}-{high:.2f}x{rounds})"
+
+
 def recommended(rows: list[dict], max_ppl_increase: float = 0.05) -> dict | None:
-    """The row :func:`recommendation` names as the one to use: the fastest within the bound (speed only:
-    the fastest), or None where it names none."""
+    """The row :func:`recommendation` names as the one to use: the fastest (median) within the bound whose every
+    timing beat dense (speed only: the fastest such), or None where it names none."""
     every = [r for r in rows if r["method"] != "dense"]
-    sparse = [r for r in every if _known(r.get("decode_speedup"))]
+    sparse = [r for r in every if faster(r)]
     if all(not _known(r.get("ppl_increase")) for r in every):
         return max(sparse, key=lambda r: r["decode_speedup"]) if sparse else None
     ok = [r for r in sparse if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
@@ -30,7 +53,8 @@ def recommended(rows: list[dict], max_ppl_increase: float = 0.05) -> dict | None
 def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str = "") -> str:
     """One line: the fastest configuration within ``max_ppl_increase`` (relative, 0.05 = 5 %) of dense
     decode-style perplexity, and its speed-up (``where``: e.g. " at the Llama-3.1-8B shape on an H200");
-    on speed-only rows, the fastest and that quality was not measured."""
+    on speed-only rows, the fastest and that quality was not measured. A configuration whose speed-up spread
+    reaches down to 1.0x or below (:func:`faster`) is never recommended: the line says so."""
     every = [r for r in rows if r["method"] != "dense"]
     sparse = [r for r in every if _known(r.get("decode_speedup"))]
     if not every:
@@ -39,8 +63,13 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
         if not sparse:
             return "no sparse configuration was measured"
         best = recommended(rows, max_ppl_increase)
+        if best is None:
+            top = max(sparse, key=lambda r: r["decode_speedup"])
+            return (f"speed only (random weights, quality not measured): no configuration is faster than the dense "
+                    f"decoder beyond the run-to-run spread{where}; the fastest is {top['method']} at "
+                    f"k={top['sparsity']:g}: {speed_text(top)}; stay dense")
         return (f"speed only (random weights, quality not measured): the fastest is {best['method']} at "
-                f"k={best['sparsity']:g}: {best['decode_speedup']:.2f}x the dense decoder{where}")
+                f"k={best['sparsity']:g}: {speed_text(best)} the dense decoder{where}")
     pct = f"{100 * max_ppl_increase:g} %"
     within = [r for r in every if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
     ok = [r for r in within if _known(r.get("decode_speedup"))]
@@ -55,10 +84,14 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
         return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
                 f"k={closest['sparsity']:g} ({100 * closest['ppl_increase']:+.1f} %{speed}); stay dense or accept more")
     best = recommended(rows, max_ppl_increase)
-    verdict = "faster" if best["decode_speedup"] > 1 else "(not faster than dense here)"
+    if best is None:
+        top = max(ok, key=lambda r: r["decode_speedup"])
+        return (f"for at most {pct} perplexity increase no configuration is faster than dense beyond the run-to-run "
+                f"spread{where}: the fastest within it, {top['method']} at k={top['sparsity']:g} "
+                f"({100 * top['ppl_increase']:+.1f} %), runs {speed_text(top)}; stay dense")
     return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
             f"({100 * best['ppl_increase']:+.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "
-            f"{best['decode_speedup']:.2f}x {verdict}{where}")
+            f"{speed_text(best)} faster{where}")
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -95,9 +128,11 @@ def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:
     if "prompt" in meta:
         lines.append(f"- speed: tokens/s of `countdown.generate_fast` ({first.get('harness', '-')}, batch "
                      f"{first.get('batch', '-')}, {first.get('new_tokens', '-')} new tokens after a {meta['prompt']}-token "
-                     f"prompt, median of {meta.get('samples', '-')}) over the dense model in the same harness; quality: "
-                     "decode-style perplexity (half of each window a dense prompt) relative to dense, and KL(dense || sparse) "
-                     "in nats.")
+                     f"prompt) over the dense model in the same harness, timed in {meta.get('samples', '-')} alternated "
+                     "rounds (dense, then every configuration, and dense again after the last): the median ratio and, in "
+                     "brackets, its min-max over the rounds (dense: its own timings over their median); a configuration "
+                     "whose spread reaches 1.0x is not recommended. Quality: decode-style perplexity (half of each window "
+                     "a dense prompt) relative to dense, and KL(dense || sparse) in nats.")
     head = ["method", "k", "Sparsity-Real", "ppl increase", "KL", "decode speed-up"] + [c[1] for c in extra] + \
         ["Pareto", "artifacts"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -105,7 +140,7 @@ def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:
         inc = 100 * r["ppl_increase"] if _known(r.get("ppl_increase")) else None
         cells = [label(r), _cell(r.get("sparsity"), "g"), _cell(r.get("sparsity_real"), ".3f"),
                  "-" if inc is None else f"{inc:+.1f} %", _cell(r.get("kl"), ".3f"),
-                 _cell(r.get("decode_speedup"), ".2f") + ("x" if _known(r.get("decode_speedup")) else "")]
+                 speed_text(r).replace(" over", ",") if _known(r.get("decode_speedup")) else "-"]
         cells += [_cell(r.get(key), fmt) for key, _, fmt in extra]
         cells += ["*" if id(r) in front else "", str(r.get("artifacts") or "-")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -157,8 +192,12 @@ def _plot(rows, path, meta, front) -> None:
             continue
         xs = [100 * r["ppl_increase"] if quality else r["sparsity_real"] for r in pts]
         dense = pts[0]["method"] == "dense"
-        ax.plot(xs, [r["decode_speedup"] for r in pts], marker="s" if dense else "o",
-                ls="-" if len(pts) > 1 else "", label=method, ms=6 if dense else 4)
+        ys = [r["decode_speedup"] for r in pts]
+        line, = ax.plot(xs, ys, marker="s" if dense else "o", ls="-" if len(pts) > 1 else "", label=method,
+                        ms=6 if dense else 4)
+        lows, highs = zip(*(spread(r) for r in pts))
+        if lows != tuple(ys) or highs != tuple(ys):  # each point's min-max over the rounds
+            ax.vlines(xs, lows, highs, color=line.get_color(), lw=0.8, alpha=0.6)
         for r, x in zip(pts, xs):
             if r["method"] != "dense":
                 ax.annotate(f"{r['sparsity']:g}", (x, r["decode_speedup"]), fontsize=6)

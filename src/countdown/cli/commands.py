@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from ..options import Parser, add_number
+from ..options import Parser, add_device_arg, add_number
 from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg
 from .prac import add_prac_commands
 
@@ -44,7 +44,10 @@ def _validated_method(args):
     if not method.is_dense:
         check_sparsity(args.sparsity)
     args.mode = resolve_mode(spec, args.mode)
-    check_mode(method, args.mode, args.artifacts)
+    # ppl: a spec naming its kind without --artifacts has it built after the load (and cached)
+    args.build_artifacts = getattr(args, "build_artifacts", False) and spec.kind is not None and args.artifacts is None
+    if not args.build_artifacts:
+        check_mode(method, args.mode, args.artifacts)
     if args.artifacts is not None and not hasattr(args, "artifacts_path"):  # read now: a wrong file is named
         from ..artifacts import load_artifacts                               # before the model load
 
@@ -60,8 +63,16 @@ def _load_sparsified(args, scope: str, path: str = "auto", spec=None):
 
     spec = spec or _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    artifacts = args.artifacts
+    if args.build_artifacts:
+        from ..data.texts import cache_root
+
+        folder = cache_root() / "artifacts"
+        print(f"countdown {args.command}: the {spec.label} artifact at k={args.sparsity:g}: built on first use from "
+              f"the library's calibration text, then cached in {folder} (--artifacts FILE: your own)", file=sys.stderr)
+        artifacts = countdown.ensure_artifacts(model, tok, spec, args.sparsity, folder)
     countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
-                       scope=scope, artifacts=args.artifacts, path=path)
+                       scope=scope, artifacts=artifacts, path=path)
     return model, tok, spec
 
 
@@ -156,12 +167,12 @@ def cmd_demo(args) -> int:
     if not args.full:
         from .headline import run_headline
 
-        run_headline(args.model, out_dir=args.out, max_tokens=args.max_tokens)
+        run_headline(args.model, out_dir=args.out, max_tokens=args.max_tokens, device=args.device)
         return 0
     from .demo import run_demo
 
     run_demo(args.model, sparsities=args.sparsities, max_tokens=args.max_tokens, out_dir=args.out,
-             prac_sparsities=[] if args.no_prac else args.prac_sparsities)
+             prac_sparsities=[] if args.no_prac else args.prac_sparsities, device=args.device)
     return 0
 
 
@@ -227,7 +238,14 @@ def parse_args(argv: list[str] | None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="countdown", description=__doc__)
+    from .. import __version__
+    from ..options import DEVICE_RULE
+
+    parser = Parser(prog="countdown", description=__doc__,
+                    epilog=f"Every command that loads a model takes --device ({DEVICE_RULE}; the default) and "
+                           "--dtype (mostly auto: bf16 on cuda, fp32 on cpu). `countdown <command> --help` lists a "
+                           "command's options and their defaults.")
+    parser.add_argument("--version", action="version", version=f"countdown {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list the sparsification methods")
@@ -238,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ppl", help="perplexity of a (sparsified) model on held-out text")
     add_model_args(p)
-    add_sparse_args(p, default_scope=None)
+    # the default: the configuration the operating-point tables recommend (docs/results.md, within +5 %)
+    add_sparse_args(p, default_scope=None, method="dual[shadow4]", sparsity=0.5, built_artifacts=True)
     p.add_argument("--metric", default="all", choices=["all", "decode"],
                    help="all: every position scored, every position sparse (the papers' convention); decode: the "
                         "first half of each window a dense prompt, the second half sparse and scored (default all)")
@@ -291,9 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(sub.add_parser("bench", help="speed and quality of each configuration on your model and machine, "
                                    "with a recommendation")).set_defaults(func=bench_from_args)
 
+    from .serve import add_arguments as serve_arguments, cmd_serve
+    serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible server (transformers') on a countdown model, "
+                                   "e.g. a folder countdown.save wrote")).set_defaults(func=cmd_serve)
+
     p = sub.add_parser("demo", help="the main job: dense against the recommended practical configuration "
                                      "(quality, text, speed); --full: every method at several sparsities")
     p.add_argument("--model", default="smollm2-135m", help="model to run (default smollm2-135m)")
+    add_device_arg(p)
     p.add_argument("--full", action="store_true",
                    help="the full grid: every method, SP-Ideal and SP-Prac, at several k (about 13 min on 2 cores)")
     add_number(p, "--sparsities", range="sparsities", default="0.5,0.7,0.8,0.9",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..options import add_number
+from ..options import add_device_arg, add_number
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -12,17 +12,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="catalogue name, .gguf file, Hugging Face folder or hub id: a catalogue name if it is one, "
                         "else a path if it exists, else a hub id org/name (default: smollm2-135m)")
     p.add_argument("--dtype", default="auto", help="fp32, bf16, fp16 or auto: bf16 on cuda, fp32 on cpu (default auto)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add_device_arg(p)
 
 
-def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "decode") -> None:
-    """--method, --sparsity, --mode, --artifacts, and --scope unless ``default_scope`` is None."""
-    p.add_argument("--method", default="mono",
+def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "decode", method: str = "mono",
+                    sparsity: float = 0.8, built_artifacts: bool = False) -> None:
+    """--method, --sparsity, --mode, --artifacts, and --scope unless ``default_scope`` is None; ``method`` and
+    ``sparsity`` are the defaults. ``built_artifacts``: a spec naming its SP-Prac kind without --artifacts builds
+    the artifact once and caches it (``args.build_artifacts``), as ``countdown demo`` and ``countdown bench`` do."""
+    p.add_argument("--method", default=method,
                    help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
                         "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
-                        "`countdown methods` lists them; default mono)")
-    add_number(p, "--sparsity", "-k", range="sparsity", default=0.8,
-               help="fraction of rows skipped per token (teal: of the entries of x and of s; default 0.8)")
+                        f"`countdown methods` lists them; default {method})")
+    add_number(p, "--sparsity", "-k", range="sparsity", default=sparsity,
+               help=f"fraction of rows skipped per token (teal: of the entries of x and of s; default {sparsity:g})")
     p.add_argument("--mode", default=None, choices=["ideal", "prac"],
                    help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
                         "--artifacts (default: prac where --method names a kind, else ideal)")
@@ -30,6 +33,13 @@ def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "dec
         p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
                        help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
                             f"(default {default_scope})")
+    if built_artifacts:
+        p.set_defaults(build_artifacts=True)
+        p.add_argument("--artifacts", default=None,
+                       help="thresholds/predictors file for --mode prac, a path (default: for a spec naming its "
+                            "SP-Prac kind, e.g. 'dual[shadow4]', built on first use from the library's calibration "
+                            "text and cached; else none, needed by --mode prac)")
+        return
     p.add_argument("--artifacts", default=None,
                    help="thresholds/predictors file for --mode prac, a path (default none; needed by --mode prac)")
 

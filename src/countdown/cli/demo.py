@@ -72,9 +72,10 @@ def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequenc
 def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEFAULT_SPARSITIES,
              max_tokens: int = 2048, out_dir: str | os.PathLike = "demo_out", methods: Sequence[str] | None = None,
              prompt: str = "Explain in two sentences why the sky is blue.",
-             prac_sparsities: Sequence[float] = (0.7, 0.8, 0.9), log=print) -> dict:
+             prac_sparsities: Sequence[float] = (0.7, 0.8, 0.9), log=print, device: str = "cpu") -> dict:
     """Run the demo; returns the paths written and the cells. ``prac_sparsities=()`` skips SP-Prac. ``out_dir`` is
-    checked writable and locked before the model loads."""
+    checked writable and locked before the model loads. ``device``: where the model runs (bf16 on cuda, fp32 on
+    cpu)."""
     from ..io import claim_output
     from ..options import check
     from ..registry import sparsity_list
@@ -83,10 +84,11 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     sparsities = sparsity_list(list(sparsities))
     prac_sparsities = sparsity_list(list(prac_sparsities)) if len(prac_sparsities) else []
     with claim_output(out_dir, "--out", "demo folder", folder=True, lock_name="demo.md"):
-        return _run_demo(model_name, sparsities, max_tokens, Path(out_dir), methods, prompt, prac_sparsities, log)
+        return _run_demo(model_name, sparsities, max_tokens, Path(out_dir), methods, prompt, prac_sparsities, log,
+                         device)
 
 
-def _run_demo(model_name, sparsities, max_tokens, out: Path, methods, prompt, prac_sparsities, log) -> dict:
+def _run_demo(model_name, sparsities, max_tokens, out: Path, methods, prompt, prac_sparsities, log, device) -> dict:
     from .. import load_model
     from ..data.texts import eval_texts
     from ..io import atomic_write
@@ -96,7 +98,7 @@ def _run_demo(model_name, sparsities, max_tokens, out: Path, methods, prompt, pr
     env = run_environment()
     log(f"countdown demo: {model_name}, k = {', '.join(f'{k:g}' for k in sparsities)}, "
         f"{max_tokens} tokens of XSum per perplexity, results in {out}/")
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype="auto", device=device)
     texts = eval_texts()
     chosen = [m for m in (methods or method_names()) if m != "dense"]
     configs = [("dense", "ideal", None)] + [(m, "ideal", k) for m in chosen for k in sparsities]

@@ -11,10 +11,12 @@ every method, mode and k instead (``cli/demo.py``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,12 @@ GPU_FIGURE = ("on an NVIDIA H200 (2026-11-25, run BK, Llama-3.1-8B shape, bf16, 
               "decodes 1.12x the compiled dense decoder (k = 0.7: 1.29x, at +21.8 % perplexity on this model)")
 PROMPT = "Explain in two sentences why the sky is blue."
 FIELDS = ["model", "config", "ppl_decode", "ppl_increase", "sparsity_real", "tokens_per_s", "vs_dense", "device"]
+# The stages of the demo and the seconds each is given: the 157 s of results/demo/headline (2-core CPU, an empty
+# cache) split by stage as an estimate. They are the overall bar's units, so its first estimate of the time left is
+# of that order; tqdm then follows this run's own pace. Download and de-quantize happen on the first run only, as does
+# the calibration (its artifact is cached).
+STAGES = (("download + de-quantize the model (first run only)", 45), ("calibrate (first run only)", 40),
+          ("score dense and sparse", 45), ("decode", 30))
 
 
 def _speed(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
@@ -38,55 +46,104 @@ def _speed(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
+class Progress:
+    """The demo's overall progress bar (stderr): :data:`STAGES` in order, each advancing the bar by its measured
+    seconds when it ends, with tqdm's estimate of the time left; ``progress=False``: no bar."""
+
+    def __init__(self, progress: bool = True):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=sum(s for _, s in STAGES), desc="countdown demo", unit="s", disable=not progress,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+        self.index = -1
+        self.quiet = not progress
+
+    def next(self) -> None:
+        """Close the current stage (if any) and start the next."""
+        if self.index >= 0:
+            self.bar.update(STAGES[self.index][1])
+        self.index += 1
+        if self.index < len(STAGES):
+            self.bar.set_description_str(f"countdown demo, {STAGES[self.index][0]}")
+
+    def close(self) -> None:
+        while self.index < len(STAGES):
+            self.next()
+        self.bar.close()
+
+    def log(self, message: str) -> None:
+        """A line of the demo's output, written above the bar (stdout)."""
+        if self.quiet:
+            print(message)
+        else:
+            self.bar.write(message, file=sys.stdout)
+
+
 def run_headline(model_name: str = "smollm2-135m", out_dir: str | os.PathLike = "demo_out", max_tokens: int = 2048,
-                 new_tokens: int = 48, speed_tokens: int = 64, repeats: int = 3, log=print) -> dict:
+                 new_tokens: int = 48, speed_tokens: int = 64, repeats: int = 3, log=None, device: str = "cpu",
+                 progress: bool = True) -> dict:
     """Run the headline demo; returns the rows and the paths written. ``out_dir`` is checked writable and locked
-    before the model loads (a second demo into the same folder stops at once)."""
+    before the model loads (a second demo into the same folder stops at once). ``device``: where the model runs
+    (the command line's --device rule: cuda when PyTorch sees a GPU, else cpu); the dtype is bf16 on cuda, fp32 on
+    cpu. ``progress``: a bar per stage (download, de-quantize, calibrate, score, decode) with the time left;
+    ``log``: where the output lines go (default: stdout, above the bars)."""
     from ..io import claim_output
     from ..options import check_all
 
     check_all(max_tokens=max_tokens, max_new_tokens=new_tokens, samples=repeats)  # the numbers before any work
     check_all(max_new_tokens=speed_tokens)
     with claim_output(out_dir, "--out", "demo folder", folder=True, lock_name="demo.md"):
-        return _run_headline(Path(out_dir), model_name, max_tokens, new_tokens, speed_tokens, repeats, log)
+        stages = Progress(progress)
+        try:
+            return _run_headline(Path(out_dir), model_name, max_tokens, new_tokens, speed_tokens, repeats,
+                                 log or stages.log, device, stages)
+        finally:
+            stages.close()
 
 
 def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, speed_tokens: int, repeats: int,
-                  log) -> dict:
-    from .. import ensure_artifacts, load_model, perplexity, sparsify, sparsity_real, unsparsify
+                  log, device: str, stages: Progress) -> dict:
+    from .. import ensure_artifacts, load_model, perplexity, sparsity_real
     from ..data.texts import cache_root, eval_texts
     from ..decode.generate import generate
     from .demo import chat_prompt
 
     t0 = time.time()
-    log(f"countdown demo: dense against {SPEC} at k = {K} on {model_name} (countdown demo --full: every method)")
-    model, tok = load_model(model_name)
+    log(f"countdown demo: dense against {SPEC} at k = {K} on {model_name} (countdown demo --full: every method); "
+        f"about {sum(s for _, s in STAGES) // 60 + 1} minutes on 2 CPU cores from an empty cache")
+    stages.next()
+    model, tok = load_model(model_name, dtype="auto", device=device)
     device = next(model.parameters()).device
     log(f"  model loaded in {time.time() - t0:.0f} s")
+    stages.next()
     start = time.time()
-    art = ensure_artifacts(model, tok, SPEC, K, cache_root() / "artifacts", progress=False)
+    art = ensure_artifacts(model, tok, SPEC, K, cache_root() / "artifacts", progress=not stages.quiet)
     log(f"  {SPEC} artifact (4-bit shadows of W_gate / W_up, cuts calibrated on Wikipedia passages) ready in "
         f"{time.time() - start:.0f} s")
+    stages.next()
     texts = eval_texts()
     ids = chat_prompt(tok, PROMPT).to(device)
+    scores = {}
+    for config in ("dense", SPEC):  # quality first, then every decode: the bar's stages in order
+        with _config(model, config, art):
+            start = time.time()
+            scores[config] = (perplexity(model, tok, texts, max_tokens=max_tokens, metric="decode",
+                                         progress=not stages.quiet, desc=f"perplexity, {config}"),
+                              sparsity_real(model)["mean"] if config != "dense" else 0.0, time.time() - start)
+    stages.next()
     rows, texts_out = [], {}
     for config in ("dense", SPEC):
-        if config != "dense":
-            sparsify(model, SPEC, K, artifacts=art)
-        try:
+        ppl, real, seconds = scores[config]
+        with _config(model, config, art):
             start = time.time()
-            ppl = perplexity(model, tok, texts, max_tokens=max_tokens, metric="decode", progress=False)
-            real = sparsity_real(model)["mean"] if config != "dense" else 0.0
             gen = generate(model, ids, new_tokens, eos_token_id=tok.eos_token_id)
             texts_out[config] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
             tps = _speed(model, ids, speed_tokens, repeats)
-        finally:
-            if config != "dense":
-                unsparsify(model)
         rows.append({"model": model_name, "config": "dense" if config == "dense" else f"{SPEC} k={K:g}",
                      "ppl_decode": round(ppl, 3), "sparsity_real": round(real, 4), "tokens_per_s": round(tps, 2),
                      "device": _device_name(device)})
-        log(f"  {rows[-1]['config']}: perplexity {ppl:.2f}, {tps:.1f} tokens/s ({time.time() - start:.0f} s)")
+        log(f"  {rows[-1]['config']}: perplexity {ppl:.2f}, {tps:.1f} tokens/s "
+            f"({seconds + time.time() - start:.0f} s)")
     dense = rows[0]
     for row in rows:
         row["ppl_increase"] = round(row["ppl_decode"] / dense["ppl_decode"] - 1, 4)
@@ -94,6 +151,21 @@ def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, 
     paths = _write(out, rows, texts_out, max_tokens, time.time() - t0)
     log("\n" + (out / "demo.md").read_text())
     return {"rows": rows, **paths}
+
+
+@contextlib.contextmanager
+def _config(model, config: str, art):
+    """``model`` as ``config`` says for the block: dense as loaded, or sparsified with :data:`SPEC` at :data:`K`."""
+    from .. import sparsify, unsparsify
+
+    if config == "dense":
+        yield
+        return
+    sparsify(model, SPEC, K, artifacts=art)
+    try:
+        yield
+    finally:
+        unsparsify(model)
 
 
 def _device_name(device: torch.device) -> str:

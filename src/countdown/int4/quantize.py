@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..data.texts import log
+from ..foreign import refuse_foreign_quantization
 from .format import GROUPS, quantize_rtn
 from .linear import Int4Linear
 
@@ -71,6 +72,7 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     kernel skips the bytes of skipped rows (kernels/_int4_rows.py) with no second copy; RTN only (a GGUF file's
     W_down blocks run along d_inter). It costs quality: docs/int4.md measures it.
     """
+    refuse_foreign_quantization(model, "countdown.quantize")  # torchao / bitsandbytes / GPTQ... weights
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if group not in GROUPS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ...io import LockedError, UnwritableError
-from ...options import add_number
+from ...options import add_device_arg, add_number
 from .cells import DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, format_k
 from .measure import DEFAULT_CHUNK, DEFAULT_PASS_CONFIGS
 from .runner import run_sweep
@@ -52,7 +52,7 @@ def add_arguments(p) -> None:
     p.add_argument("--scores", default=None, metavar="FILE[,FILE]",
                    help="scores files of such a job: lm-eval cells found there are replayed through lm-eval here (default: none)")
     p.add_argument("--dtype", default="fp32", help="model dtype (default fp32)")
-    p.add_argument("--device", default="cpu", help="model device (default cpu)")
+    add_device_arg(p)
 
 
 def split_list(text) -> list[str]:
