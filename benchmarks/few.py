@@ -11,7 +11,7 @@ replaced, switched back on by COUNTDOWN_FEW=0 (its "chain" columns; the switch i
 timed any more).
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
-inputs (countdown.bench.mlpbench's Problem: random weights, so the tokens' masks are independent and the
+inputs (harness.mlpbench's Problem: random weights, so the tokens' masks are independent and the
 union keeps about 1 - k^T of the rows, as on the real models: README, "Batch 2-8"). Every time is the
 public op as a decode step calls it, indicator included (mono: u = x W_up^T; dual: the rank-512
 predictor's (x A) B). Roofline = the bytes that op must read (the indicator's matrix or the predictor,
@@ -39,11 +39,11 @@ import time
 import torch
 
 import countdown.kernels as K
-from countdown.bench import copy_bandwidth
-from countdown.bench.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
-from countdown.bench.sm90 import Compile
 from countdown.io import atomic_write
 from countdown.kernels import _few
+from harness.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
+from harness.sm90 import Compile
+from harness.timing import copy_bandwidth
 
 
 ACT, E, RANK = "silu", 2, 512

@@ -147,11 +147,12 @@ def main(argv=None):
         return report(args.out)
 
     import countdown
-    from countdown.bench import copy_bandwidth, parse_specs
-    from countdown.bench.measure import step_weight_bytes
-    from countdown.bench.runner import IdTokenizer, generated_texts
-    from countdown.bench.speedonly import (RANDOM_KINDS, decode_prompts, fit_cuts_on_decode, library_artifacts,
-                                           on_device, random_artifacts, retarget)
+    from countdown.spec import parse_specs
+    from countdown.bench.speedonly import (RANDOM_KINDS, IdTokenizer, decode_prompts, fit_cuts_on_decode,
+                                           generated_texts, library_artifacts, random_artifacts, retarget)
+    from harness.runner import on_device
+    from harness.timing import copy_bandwidth
+    from harness.weightbytes import step_weight_bytes
 
     paths = [p for p in args.paths.split(",") if p]
     bad = [p for p in paths if p not in PATHS]

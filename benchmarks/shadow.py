@@ -9,7 +9,7 @@ its ``dual[shadow4]`` batch-1 rows are the selecting kernel's route ("fused") an
 the default; here ``dual[shadow4]`` is the library's default at every batch (one token: "onepass").
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
-inputs (countdown.bench.mlpbench's ``Problem`` and ``safe_time``: over 1 GB per set of calls, far past
+inputs (harness.mlpbench's ``Problem`` and ``safe_time``: over 1 GB per set of calls, far past
 L2). Roofline = bytes a method must read / the copy bandwidth measured in the same run; every row prints
 its ratio to the roofline and its speed-up over dense.
 
@@ -45,8 +45,8 @@ import countdown.kernels as K
 from countdown.kernels import _common, _select
 from countdown.kernels.quant import shadow_bytes
 
-from countdown.bench import copy_bandwidth
-from countdown.bench.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
+from harness.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
+from harness.timing import copy_bandwidth
 
 D_MODEL, D_INTER, ACT = 4096, 14336, "silu"
 BITS, GROUP, RANK = 4, 64, 128

@@ -66,8 +66,8 @@ class BenchSettings:
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
     if speed_only:
-        from .runner import IdTokenizer, generated_texts
-        from .speedonly import RANDOM_KINDS, decode_prompts, fit_cuts_on_decode, library_artifacts, random_artifacts
+        from .speedonly import (RANDOM_KINDS, IdTokenizer, decode_prompts, fit_cuts_on_decode, generated_texts,
+                                library_artifacts, random_artifacts)
 
         if spec.kind in RANDOM_KINDS:
             art = random_artifacts(model, spec, s.ks)
@@ -188,8 +188,7 @@ def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: boo
     ``dense_tps`` (the model as loaded, dense)."""
     from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
-    from .runner import private_copy
-    from .speedonly import SpecUnavailable, retarget
+    from .speedonly import SpecUnavailable, private_copy, retarget
 
     speed_only = s.speed_only or tokenizer is None
     dense_ppl = None if held is None else held.dense_ppl

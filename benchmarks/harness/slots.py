@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from ..decode.cache import cache_kwargs
+from countdown.decode.cache import cache_kwargs
 
 SLOTS: dict[int, nn.Module] = {}
 _NEXT = itertools.count()
@@ -51,7 +51,7 @@ def mlp_half_slot(h: torch.Tensor, norm_w: torch.Tensor, eps: float, slot: int) 
     """A folded layer's ``h + module(RMSNorm(h))`` with the module in ``SLOTS[slot]`` (opaque to torch.compile):
     countdown.decode.layer.mlp_half, so a sparsified module's block route (norm and add with its kernels) runs
     here as it runs in a full-graph compile."""
-    from ..decode.layer import mlp_half
+    from countdown.decode.layer import mlp_half
 
     return mlp_half(SLOTS[slot], h, norm_w, eps)
 
@@ -98,7 +98,7 @@ class SlotModel:
     ``unsparsify`` / ``retarget``; ``mlps``: their ``GatedMLP`` views (taken before the move)."""
 
     def __init__(self, model: nn.Module):
-        from ..mlp import require_gated_mlps
+        from countdown.mlp import require_gated_mlps
 
         self.model = model
         self.mlps = require_gated_mlps(model)
@@ -147,7 +147,7 @@ def _sparse_scope(holder: nn.Module, n_dense: int):
     """Inside: the first ``n_dense`` positions dense, the rest sparse, if ``holder`` is patched."""
     import contextlib
 
-    from ..state import dense_prefix, is_sparsified
+    from countdown.state import dense_prefix, is_sparsified
 
     return dense_prefix(holder, n_dense) if is_sparsified(holder) else contextlib.nullcontext()
 

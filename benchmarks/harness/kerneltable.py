@@ -1,6 +1,6 @@
 """The kernel table: one sparse Gated-MLP per call against dense cuBLAS and its roofline (``benchmarks/kernels.py``).
 
-Per model shape (:data:`~countdown.bench.mlpbench.SHAPES`), batch and target sparsity k, in bf16,
+Per model shape (:data:`harness.mlpbench.SHAPES`), batch and target sparsity k, in bf16,
 :func:`bench_shape` times:
 
     dense      cuBLAS F.linear chain (W_down in nn.Linear layout)
@@ -219,7 +219,7 @@ def write_outputs(rows, outdir, meta):
     os.makedirs(outdir, exist_ok=True)
     cols = ["device", "shape", "method", "sparsity", "batch", "us", "roofline_us", "dense_us", "speedup",
             "bytes", "kept_frac", "union_frac", "note"]
-    from ..io import atomic_write
+    from countdown.io import atomic_write
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
@@ -276,7 +276,7 @@ def plot(rows, path, batch=1):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    from ..io import atomic_path
+    from countdown.io import atomic_path
 
     with atomic_path(path, suffix=".png", what="kernel plot") as tmp:
         fig.savefig(tmp, dpi=120)
