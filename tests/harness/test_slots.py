@@ -96,6 +96,7 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     """In a folded layer (countdown.decode.layer) the slot takes h, so a sparsified MLP's block route runs behind the
     opaque op too (kernels/_block.py: tests/test_block.py); the tokens are the folded model's own."""
     from countdown.decode import attention as fused_attention
+    from countdown.decode import layer as folded_layer
     from countdown.decode.linears import route_linears
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
@@ -120,9 +121,12 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
     hits = []
     real = torch.ops.countdown.gated_block
     monkeypatch.setattr(torch.ops.countdown, "gated_block", lambda *a: hits.append(1) or real(*a))
+    library_half = folded_layer.mlp_half
     with SlotModel(model) as slots:
+        assert folded_layer.mlp_half is not library_half  # the slots' wrapper, while they are in
         patch(slots.holder)
         dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
         assert torch.equal(dec.run(prompt, NEW)[0], ref)  # tokens only: Dynamo would trace a logits hook
         countdown.unsparsify(slots.holder)
+    assert folded_layer.mlp_half is library_half
     assert len(hits) >= (NEW - 1) * model.config.num_hidden_layers  # the block launched from inside the slots
