@@ -13,8 +13,9 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 import pytest
 import torch
 
-# The measurement harness (benchmarks/harness) is imported as ``harness``, as benchmarks/*.py import it (their folder
-# is on sys.path when they run): by its tests in tests/harness/. Appended, so nothing there shadows an installed package.
+# The measurement harness (benchmarks/harness) is imported as ``harness`` by its tests (tests/harness/), as
+# benchmarks/*.py import it (their folder is on sys.path when they run). Appended: nothing there shadows an installed
+# package.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker keeps to one thread: the

@@ -56,7 +56,8 @@ class DecodeSettings:
 
 def on_device(art, device):
     """``art`` with every tensor on ``device``: selectors built from it (every ``sparsify`` and
-    :func:`countdown.bench.speedonly.retarget`) then unpack and copy there, not on the host (seconds per layer at 8B)."""
+    :func:`countdown.bench.speedonly.retarget`) then unpack and copy there, not on the host (seconds per layer at
+    8B)."""
     return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
 
 

@@ -5,8 +5,8 @@
 dense), and shows, for dense and that configuration: decode-style perplexity on held-out XSum text, the
 Sparsity-Real, a greedy continuation of one prompt side by side, and the decode speed this machine measured
 (countdown.generate, batch 1; on a CPU it is honest about not paying), and where the project's GPU figure of the
-same configuration is (the README, docs/results.md). It writes ``demo.md``, ``demo.csv`` and ``demo.png``. ``countdown demo --full`` runs the grid of
-every method, mode and k instead (``cli/demo.py``).
+same configuration is (the README, docs/results.md). It writes ``demo.md``, ``demo.csv`` and ``demo.png``.
+``countdown demo --full`` runs the grid of every method, mode and k instead (``cli/demo.py``).
 """
 
 from __future__ import annotations
