@@ -7,7 +7,8 @@ the real file format and size, with random predictor weights, and fits every lay
 on the sparse model's own decode steps (:func:`fit_cuts_on_decode`), so the kept fraction is k where
 it is timed. Rows made with them are labelled ``speed-only``. Kinds this module cannot synthesise
 (shadow, or a newer one) are built by the library's own ``countdown.prac.prepare`` on the dense model's
-greedy continuations, then cut the same way.
+greedy continuations (:func:`generated_texts`, read back by :class:`IdTokenizer`), then cut the same way.
+:func:`retarget` switches a patched model to another k in place (on a :func:`private_copy` of the artifact).
 """
 
 from __future__ import annotations
