@@ -8,6 +8,7 @@ against our fastest bf16 step.
     PYTHONPATH=src python benchmarks/int4_decode.py --report --out results/int4          # decode / rows .md, .png
     PYTHONPATH=src python benchmarks/int4_decode.py --parts memory --smoke --out results/int4 --run M1
     PYTHONPATH=src python benchmarks/int4_decode.py --parts prefill --out results/int4 --run P1  # 4-bit prompts
+    PYTHONPATH=src python benchmarks/int4_decode.py --parts bound --out results/int4 --run B1    # mono's bound
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16 activations, batch 1,
 every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, group=128, lm_head=True)``: 4.25
@@ -27,7 +28,9 @@ bits a weight). Parts (``--parts``):
   CUDA graphs), bf16 first, then the 4-bit model with each backend (only the GEMVs differ); decode tokens/s
   (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``;
   ``--profile``: each 4-bit configuration of ours then profiled, kernel by kernel on the step's critical path
-  (``harness.int4profile``: ``step_kernels.csv``).
+  (``harness.int4profile``: ``step_kernels.csv``);
+* ``bound``: the fastest mono could be at ``--bound-k`` with kept-rows kernels as fast as our dense GEMVs (a
+  narrow model's dense step plus the indicator: ``countdown.bench.int4bound``, ``bound.csv``).
 
 Rows append to ``<out>/decode.csv`` (``run, device, date, weights, method, sparsity, tokens_per_s, bw_share,
 gemv_roofline_ratio``; weights ``bf16``, ``int4`` (ours), ``int4-torch``, ``int4-gemlite``; bw_share = the step's
@@ -221,13 +224,35 @@ def decode_tps(model, ids, new_tokens: int, repeats: int) -> tuple[float, float]
     return best["decode_tokens_per_s"], best["ms_per_step"]
 
 
-def bf16_model(device: str):
-    """The 8B shape (random weights, bf16) on CUDA; a tiny Llama on the CPU (the smoke check)."""
+def bf16_model(device: str, overrides: dict | None = None):
+    """The 8B shape (random weights, bf16) on CUDA; a tiny Llama on the CPU (the smoke check); ``overrides``:
+    config fields changed (the bound part's narrow model)."""
     if device == "cuda":
-        return countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True)[0]
+        return countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True,
+                                    config_overrides=overrides or None)[0]
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    return AutoModelForCausalLM.from_config(LlamaConfig(**SMOKE)).eval()
+    return AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOKE, **(overrides or {})})).eval()
+
+
+def bound_part(device: str, args, stamp: dict) -> None:
+    """The measured bound of mono's kept rows at ``--bound-k`` (``countdown.bench.int4bound``)."""
+    from countdown.bench import int4bound
+    from countdown.decode.linears import fastest_step
+
+    def step_ms(model):
+        model.generation_config.eos_token_id = None
+        ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        fastest_step(model)
+        return decode_tps(model, ids.to(device), args.new_tokens, args.repeats)[1]
+
+    def gemv_us(n, k, config):
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        mods = make_modules(n, k, sets_for(mods_bytes(n, k), device), device)
+        return time_graph(gemv_calls("countdown", mods, x, False, config), device=device)
+
+    int4bound.run(lambda overrides: bf16_model(device, overrides), step_ms, gemv_us, append, log, device, stamp,
+                  args.out, args.bound_k, int4bound.SELECT_US if args.select_us is None else args.select_us)
 
 
 def step_rows(device, args, bw, stamp, worst, out):
@@ -333,7 +358,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/int4")
     ap.add_argument("--run", default=datetime.datetime.now().strftime("%H%M"), help="the run column (groups a call)")
-    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, prefill, step")
+    ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, prefill, step, bound")
     ap.add_argument("--tiles", default="", help="prefill part: our de-quantization's tiles, rows x bytes (8x256,...)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transposed-down", action="store_true",
@@ -352,6 +377,9 @@ def main(argv=None):
                     help="the step part's bf16 step and the baseline GEMVs (--no-baselines: ours only)")
     ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
                     "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
+    ap.add_argument("--bound-k", type=float, default=0.7, help="bound part: the sparsity k")
+    ap.add_argument("--select-us", type=float, default=None,
+                    help="bound part: the select kernel's microseconds a layer (default: run G16's profile, 1.95)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="profile each 4-bit step of ours (step_kernels.csv)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks this script only)")
@@ -411,6 +439,8 @@ def main(argv=None):
         int4prefill.run(bf16_model(device), device, args.out, stamp, args.tiles, args.repeats)
     if "step" in parts:
         step_rows(device, args, bw, stamp, worst, args.out)
+    if "bound" in parts:
+        bound_part(device, args, stamp)
 
 
 if __name__ == "__main__":
