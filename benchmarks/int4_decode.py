@@ -30,7 +30,7 @@ bits a weight). Parts (``--parts``):
   ``--profile``: each 4-bit configuration of ours then profiled, kernel by kernel on the step's critical path
   (``harness.int4profile``: ``step_kernels.csv``);
 * ``bound``: the fastest mono could be at ``--bound-k`` with kept-rows kernels as fast as our dense GEMVs (a
-  narrow model's dense step plus the indicator: ``countdown.bench.int4bound``, ``bound.csv``).
+  narrow model's dense step plus the indicator: ``harness.int4bound``, ``bound.csv``).
 
 Rows append to ``<out>/decode.csv`` (``run, device, date, weights, method, sparsity, tokens_per_s, bw_share,
 gemv_roofline_ratio``; weights ``bf16``, ``int4`` (ours), ``int4-torch``, ``int4-gemlite``; bw_share = the step's
@@ -236,9 +236,9 @@ def bf16_model(device: str, overrides: dict | None = None):
 
 
 def bound_part(device: str, args, stamp: dict) -> None:
-    """The measured bound of mono's kept rows at ``--bound-k`` (``countdown.bench.int4bound``)."""
-    from countdown.bench import int4bound
+    """The measured bound of mono's kept rows at ``--bound-k`` (``harness.int4bound``)."""
     from countdown.decode.linears import fastest_step
+    from harness import int4bound
 
     def step_ms(model):
         model.generation_config.eos_token_id = None

@@ -22,5 +22,6 @@ this package is ``harness``); the tests of this package (``tests/harness/``) fin
   the kernel table's float64 checks and rows; :mod:`harness.sm90`: Triton kernels compiled for sm_90 without a GPU;
   :mod:`harness.launches`: the compiled kernel of each Triton launch (registers, spills);
 * :mod:`harness.int4quality`, :mod:`harness.int4rows`, :mod:`harness.int4prefill`, :mod:`harness.int4profile`,
-  :mod:`harness.int4report`: the parts of ``benchmarks/int4_quality.py`` and ``benchmarks/int4_decode.py``.
+  :mod:`harness.int4bound`, :mod:`harness.int4report`: the parts of ``benchmarks/int4_quality.py`` and
+  ``benchmarks/int4_decode.py``.
 """

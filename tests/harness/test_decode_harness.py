@@ -1,10 +1,14 @@
 """The decode harness's arithmetic on tiny models (CPU): the weight bytes a step reads (harness.weightbytes), the
-dense step per operation and its report (harness.breakdown, harness.report), the kernel classes of a profile and the
-4-bit step's critical path (harness.int4profile). Times are never asserted."""
+dense step per operation and its report (harness.breakdown, harness.report), the kernel classes of a profile, the
+4-bit step's critical path (harness.int4profile) and the 4-bit bound's narrow width (harness.int4bound). Times are
+never asserted."""
+
+import pytest
 
 import countdown
 from conftest import tiny_model
 from harness.breakdown import kernel_class, op_breakdown
+from harness.int4bound import kept_width
 from harness.report import _breakdown_sections, _mlp_section
 from harness.timing import spread, time_graph
 from harness.weightbytes import step_weight_bytes
@@ -77,3 +81,14 @@ def test_step_profile_charges_each_kernel_its_cost_to_the_critical_path():
                                                            (16, 18, "c"), (21, 22, "b")], 2)}
     assert got == {"a": (1.0, 7.5), "b": (1.0, 1.5), "<idle> before a": (0.5, 1.5), "c": (0.5, 0.0),
                    "<idle> before b": (0.5, 0.5)}
+
+
+def test_bound_kept_width_rounds_down_to_whole_slices():
+    """The bound's narrow model (harness.int4bound): (1 - k) d_inter rounded down to whole 1,024-column
+    slices (fewer rows than k keeps: a generous bound), one group's columns on a small model, k in [0, 1)."""
+    assert kept_width(14336, 0.7) == 4096  # 4,300.8 rows kept -> 4 slices
+    assert kept_width(14336, 0.5) == 7168 and kept_width(14336, 0.9) == 1024 and kept_width(14336, 0.0) == 14336
+    assert kept_width(14336, 0.99) == 1024  # at least one slice
+    assert kept_width(512, 0.7) == 128  # under 8 slices: whole groups
+    with pytest.raises(ValueError, match=r"in \[0, 1\); got 1.0"):
+        kept_width(14336, 1.0)
