@@ -36,10 +36,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with a GPU, from source (e.g. the device tool: `make gpu-test PYTHON=python`): every test file
-# that runs kernels, each kernel compiled for the GPU (the interpreter cannot see GPU-only compile errors);
-# about 6 minutes on an H200. The SmolLM2 download is left out: the device machines have no network.
+# that runs kernels (the harness's in tests/harness/ too), each kernel compiled for the GPU (the interpreter cannot
+# see GPU-only compile errors); about 6 minutes on an H200. The SmolLM2 download is left out: the device machines
+# have no network.
 gpu-test:
-	PYTHONPATH=src $(PYTHON) -m pytest -q -p no:cacheprovider -rf --deselect tests/test_models.py::test_real_smollm2_fetch_load_and_cache $$(grep -l "cuda.is_available" tests/test_*.py)
+	PYTHONPATH=src $(PYTHON) -m pytest -q -p no:cacheprovider -rf --deselect tests/test_models.py::test_real_smollm2_fetch_load_and_cache $$(grep -l "cuda.is_available" tests/test_*.py tests/harness/test_*.py)
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -16,7 +16,7 @@ builds it for a static cache); each of 32 layers has its own cache (more than L2
 - ``ours``: ``kernels/_attention.decode_attention`` on the mask's last row (what ``countdown_decode`` calls).
 
 Each is timed two ways: ``graph`` (the 32 calls captured in one CUDA graph and replayed, as the
-compiled decode step runs them; ``countdown.bench.timing.time_graph``) and ``eager`` (the 32 calls
+compiled decode step runs them; ``harness.timing.time_graph``) and ``eager`` (the 32 calls
 launched from Python, timed with events around the loop: launch overhead included). Roofline: the
 valid prefix of K and V / copy bandwidth. Every case is checked against float64 first (ours no worse
 than 2x SDPA's error + 1e-3; + 1e-2 under the interpreter, which truncates to bf16). ``--sweep`` first times the kernel's configurations under graphs
@@ -38,10 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from countdown.decode.hf_attention import mask_row
-from countdown.bench import copy_bandwidth
-from countdown.bench.timing import time_graph
 from countdown.io import atomic_write
 from countdown.kernels import _attention
+from harness.timing import copy_bandwidth, time_graph
 
 H, KVH, D, LAYERS = 32, 8, 128, 32
 SHAPES = [(1, 640, 576), (1, 2048, 2000), (1, 8192, 8000), (4, 640, 576), (4, 4096, 4000)]  # batch, cache, valid

@@ -17,19 +17,19 @@ has: the fused attention block (``--attention fused``) and every projection on t
 (``--decode-gemv auto``); on an H200 the whole default run takes about five minutes (run AB,
 docs/decode.md).
 
-Runners. ``--runner one-compile`` (default, ``countdown.bench.onecompile``): the compiled dense decoder
+Runners. ``--runner one-compile`` (default, ``harness.onecompile``): the compiled dense decoder
 as ``generate_fast`` runs it (full graph, CUDA graphs, coordinate-descent tuning; compiled twice for the
 spread), then every configuration through ONE compile of the step with the Gated-MLPs behind an opaque
-slot op (``countdown.bench.slots``), one CUDA-graph capture per method, k switched in place; per row
+slot op (``harness.slots``), one CUDA-graph capture per method, k switched in place; per row
 also one MLP alone against its roofline. Fits one 10-minute call. ``--runner per-compile``
-(``countdown.bench.runner``): the earlier one, one full-graph compile per configuration and batch
+(``harness.runner``): the earlier one, one full-graph compile per configuration and batch
 (batch > 1 too).
 
-The logic lives in the library (``countdown.bench``): this script is its command line.
-``countdown.bench.runner`` says what makes it fast (one compile per configuration and batch, k switched
-in place, Inductor caches shared by the whole run, speed-only artifacts), ``countdown.bench.measure``
-how bytes and bandwidth are counted, ``countdown.bench.breakdown`` the per-operation breakdown of the
-dense step (on by default), ``countdown.bench.checks`` the correctness checks run first (generate_fast
+The logic lives in the harness (``benchmarks/harness``): this script is its command line.
+``harness.runner`` says what makes it fast (one compile per configuration and batch, k switched
+in place, Inductor caches shared by the whole run, speed-only artifacts), ``harness.weightbytes``
+how bytes and bandwidth are counted, ``harness.breakdown`` the per-operation breakdown of the
+dense step (on by default), ``harness.checks`` the correctness checks run first (generate_fast
 in every mode against ``model.generate``, one graph per generation).
 
 Rows: decode.csv keeps the columns of earlier runs (``method`` now holds the spec, e.g.
@@ -138,7 +138,7 @@ def specs_of(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from countdown.bench import report as rep
+    from harness import report as rep
 
     if args.report:
         rows, metas = rep.read_runs(args.report.split(","))
@@ -156,10 +156,10 @@ def main(argv=None) -> int:
 
     import countdown
     import countdown.prac.lowrank
-    from countdown.bench import copy_bandwidth
-    from countdown.bench.checks import run_checks
-    from countdown.bench.measure import model_bytes
-    from countdown.bench.runner import DecodeSettings, decode_sweep
+    from harness.checks import run_checks
+    from harness.runner import DecodeSettings, decode_sweep
+    from harness.timing import copy_bandwidth
+    from harness.weightbytes import model_bytes
 
     countdown.prac.lowrank.IN_KERNEL = args.predictor_route == "fused"
     os.makedirs(args.out, exist_ok=True)
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     if not args.skip_checks:
         quick = args.checks == "quick"
         if args.runner == "one-compile":
-            from countdown.bench.checks import run_slot_checks
+            from harness.checks import run_slot_checks
 
             checks_ok = run_slot_checks(lambda *a: log(*a), specs=("mono",) if quick else ("mono", "dual[lowrank]"))
         else:
@@ -251,8 +251,8 @@ def main(argv=None) -> int:
 
 
 def _one_compile(args, model, specs, meta) -> int:
-    from countdown.bench import report as rep
-    from countdown.bench.onecompile import OneCompileSettings, one_compile_sweep
+    from harness import report as rep
+    from harness.onecompile import OneCompileSettings, one_compile_sweep
 
     if _ints(args.batches) != [1]:
         print("--runner one-compile times batch 1; use --runner per-compile for --batches", file=sys.stderr)

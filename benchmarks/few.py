@@ -11,7 +11,7 @@ replaced, switched back on by COUNTDOWN_FEW=0 (its "chain" columns; the switch i
 timed any more).
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
-inputs (countdown.bench.mlpbench's Problem: random weights, so the tokens' masks are independent and the
+inputs (harness.mlpbench's Problem: random weights, so the tokens' masks are independent and the
 union keeps about 1 - k^T of the rows, as on the real models: README, "Batch 2-8"). Every time is the
 public op as a decode step calls it, indicator included (mono: u = x W_up^T; dual: the rank-512
 predictor's (x A) B). Roofline = the bytes that op must read (the indicator's matrix or the predictor,
@@ -39,11 +39,12 @@ import time
 import torch
 
 import countdown.kernels as K
-from countdown.bench import copy_bandwidth
-from countdown.bench.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
-from countdown.bench.sm90 import Compile
 from countdown.io import atomic_write
 from countdown.kernels import _few
+from harness.launches import recorded, stand_in
+from harness.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
+from harness.sm90 import Compile
+from harness.timing import copy_bandwidth
 
 
 ACT, E, RANK = "silu", 2, 512
@@ -157,7 +158,7 @@ def add(rows, stage, p, method, k, path, us, fr, bw, dense_us=None, cfg=None, ke
         f"x dense {r['speedup']:.2f}  union {fr[1]:.3f}  {r['config']}  regs {r['regs']} spills {r['spills']}")
 
 
-def sweep(p: Problem, bw, rows) -> dict:
+def sweep(p: Problem, bw, rows, launches) -> dict:
     n = len(p.xs)
     totals: dict = {}
     for method, k in (("dual", 0.9), ("mono", 0.9), ("dual", 0.7)):  # k = 0.7: chunks past TILE kept rows
@@ -175,7 +176,7 @@ def sweep(p: Problem, bw, rows) -> dict:
                     log(f"sweep {method} {cfg}: output differs from the default, dropped")
                     continue
                 us = safe_time(f"few {cfg}", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=_few.LAST_KERNEL)
+                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=launches.last["few"])
             if us == us:
                 totals[j] = totals.get(j, 0.0) + us
     best = SWEEP[min(totals, key=totals.get)] if totals else dict(_few.CONFIG)
@@ -183,7 +184,7 @@ def sweep(p: Problem, bw, rows) -> dict:
     return best
 
 
-def parts(p: Problem, bw, rows, best) -> None:
+def parts(p: Problem, bw, rows, best, launches) -> None:
     """Where a batched sparse MLP's time goes (T = p.batch, k = 0.9): the indicator alone, the kernel alone
     with the indicator given (also with nothing and everything kept: its fixed cost and its streaming rate),
     the partials' sum alone."""
@@ -207,14 +208,14 @@ def parts(p: Problem, bw, rows, best) -> None:
                                                                      p.w(i)["wdt"], None, thr, mode, ACT, gate, up)
                                        for i in range(n)])
                 roof = (3 if method == "dual" else 2) * frk[1] * full / bw * 1e6
-                add(rows, "parts", p, method, k, label, us, frk, bw, kern=_few.LAST_KERNEL, roof=roof)
+                add(rows, "parts", p, method, k, label, us, frk, bw, kern=launches.last["few"], roof=roof)
             part = _few.few_partials(p.xs[0], ind[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], None, 0.0, mode, ACT,
                                      gate, up)
             us = safe_time("sum", [lambda: part.sum(0).to(p.xs[0].dtype) for _ in range(n)])
             add(rows, "parts", p, method, 0.9, "sum", us, fr, bw, roof=part.numel() * 4 / bw * 1e6)
 
 
-def table(p: Problem, bw, rows, best, ks) -> None:
+def table(p: Problem, bw, rows, best, ks, launches) -> None:
     n = len(p.xs)
     dense_us = safe_time("dense", [lambda i=i: dense_chain(p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wd"], ACT)
                                    for i in range(n)])
@@ -226,19 +227,19 @@ def table(p: Problem, bw, rows, best, ks) -> None:
             fr = fractions(p, method, thr)
             with few_config(best):
                 us = safe_time(f"{method} {k} few", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=_few.LAST_KERNEL)
+            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=launches.last["few"])
 
 
 def compile_check() -> bool:
     """No GPU needed: compile every SWEEP configuration for sm_90 and log registers and shared memory."""
     failures: list = []
-    _few._few_kernel = Compile(_few._few_kernel, failures)
     _few._common.persistent_programs = lambda device, per_sm, _: 132 * per_sm  # an H100 / H200's SMs
     e = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)
     x, w, ind = e(4, 4096), e(14336, 4096), e(4, 14336)
-    for cfg in [None] + SWEEP:
-        _few.few_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
-        _few.few_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
+    with stand_in(["few"], lambda name, jit: Compile(jit, failures)):
+        for cfg in [None] + SWEEP:
+            _few.few_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
+            _few.few_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
     log(f"compile check: {len(failures)} failures")
     return not failures
 
@@ -343,20 +344,21 @@ def main() -> int:
     if smoke:
         SWEEP = [dict(ROWS="chunk", TILE=16, BK=32, BN=32, STAGES=2, num_warps=4, WIDE_BK=32, WIDE_BN=32)]
     best = dict(_few.CONFIG)
-    if "sweep" in stages and 4 in problems:
-        best = sweep(problems[4], bw, rows)
-    meta["best"] = best
-    write(args.out, rows, meta)
-    if "parts" in stages and 4 in problems:
-        parts(problems[4], bw, rows, best)
+    with recorded("few") as launches:  # each row's registers and spills: the kernel it last compiled
+        if "sweep" in stages and 4 in problems:
+            best = sweep(problems[4], bw, rows, launches)
+        meta["best"] = best
         write(args.out, rows, meta)
-    if "table" in stages:
-        for b, p in problems.items():
-            if time.time() - T0 > args.budget:
-                log(f"budget spent: batch {b} skipped")
-                break
-            table(p, bw, rows, best, (0.7, 0.8, 0.9))
+        if "parts" in stages and 4 in problems:
+            parts(problems[4], bw, rows, best, launches)
             write(args.out, rows, meta)
+        if "table" in stages:
+            for b, p in problems.items():
+                if time.time() - T0 > args.budget:
+                    log(f"budget spent: batch {b} skipped")
+                    break
+                table(p, bw, rows, best, (0.7, 0.8, 0.9), launches)
+                write(args.out, rows, meta)
     log("batch method k    union  dense   few     roof   few x roof  few x dense")
     tab = [r for r in rows if r["stage"] == "table"]
     for r in tab:

@@ -6,7 +6,6 @@ and countdown.generate, dense and sparsified, on one GPU, in one call.
         --methods "dual[shadow4]"                                   # spread the slow compiles over calls
     PYTHONPATH=src python benchmarks/generate_paths.py --smoke --out /tmp/gp     # a check of this script (CPU)
     PYTHONPATH=src python benchmarks/generate_paths.py --report --out results       # generate_paths.md / .png
-    PYTHONPATH=src python benchmarks/generate_paths.py --eager-overhead --out results --ks 0.7  # eager's host cost
 
 The Llama-3.1-8B shape with random weights (values do not change batch-1 speed), bf16, batch 1, a prompt of 64
 random tokens, ``--new-tokens`` greedy tokens (EOS off). Sparse rows use speed-only artifacts whose cuts are
@@ -143,27 +142,17 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks this script only)")
     ap.add_argument("--report", action="store_true", help="write generate_paths.md / .png from the CSV in --out")
-    ap.add_argument("--eager-overhead", action="store_true",
-                    help="instead: what a sparse MLP call costs the host in transformers' eager generate against the "
-                    "dense one, and eager generate dense / sparse alternated (countdown.bench.eager), at the first k "
-                    "of --ks; <out>/eager_overhead.md and _profile.txt")
     args = ap.parse_args(argv)
     if args.report:
         return report(args.out)
-    if args.eager_overhead:
-        from countdown.bench.eager import report as eager_report
-
-        os.makedirs(args.out, exist_ok=True)
-        print(eager_report([s for s in args.methods.split(",") if s and s != "teal"], float(args.ks.split(",")[0]),
-                           os.path.join(args.out, "eager_overhead.md")))
-        return None
 
     import countdown
-    from countdown.bench import copy_bandwidth, parse_specs
-    from countdown.bench.measure import step_weight_bytes
-    from countdown.bench.runner import IdTokenizer, generated_texts
-    from countdown.bench.speedonly import (RANDOM_KINDS, decode_prompts, fit_cuts_on_decode, library_artifacts,
-                                           on_device, random_artifacts, retarget)
+    from countdown.spec import parse_specs
+    from countdown.bench.speedonly import (RANDOM_KINDS, IdTokenizer, decode_prompts, fit_cuts_on_decode,
+                                           generated_texts, library_artifacts, random_artifacts, retarget)
+    from harness.runner import on_device
+    from harness.timing import copy_bandwidth
+    from harness.weightbytes import step_weight_bytes
 
     paths = [p for p in args.paths.split(",") if p]
     bad = [p for p in paths if p not in PATHS]

@@ -20,17 +20,17 @@ bits a weight). Parts (``--parts``):
   for each backend and bf16 cuBLAS, cycling through weight copies of more than 256 MB so that none is read from
   the L2 cache; microseconds and the ratio to the roofline (bytes / the copy bandwidth of the same call);
 * ``rows``: the kept-rows kernel of sparse rows on 4-bit weights alone against the dense 4-bit MLP, over a grid of
-  its launch configurations (``countdown.bench.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``
+  its launch configurations (``harness.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``
   for ``--rows-config``); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
 * ``prefill``: a 4-bit model's prompt, our one-pass de-quantization against the format's reference and bf16
-  (``countdown.bench.int4prefill``: ``prefill.csv``; ``--tiles`` times the kernel's tiles);
+  (``harness.int4prefill``: ``prefill.csv``; ``--tiles`` times the kernel's tiles);
 * ``step``: ``countdown.decode.generate_fast`` on the fastest step (``fastest_step``: fused attention, compiled,
   CUDA graphs), bf16 first, then the 4-bit model with each backend (only the GEMVs differ); decode tokens/s
   (prefill excluded) over ``--new-tokens`` greedy tokens after a 64-token prompt, best of ``--repeats``;
   ``--profile``: each 4-bit configuration of ours then profiled, kernel by kernel on the step's critical path
-  (``countdown.bench.int4profile``: ``step_kernels.csv``);
+  (``harness.int4profile``: ``step_kernels.csv``);
 * ``bound``: the fastest mono could be at ``--bound-k`` with kept-rows kernels as fast as our dense GEMVs (a
-  narrow model's dense step plus the indicator: ``countdown.bench.int4bound``, ``bound.csv``).
+  narrow model's dense step plus the indicator: ``harness.int4bound``, ``bound.csv``).
 
 Rows append to ``<out>/decode.csv`` (``run, device, date, weights, method, sparsity, tokens_per_s, bw_share,
 gemv_roofline_ratio``; weights ``bf16``, ``int4`` (ours), ``int4-torch``, ``int4-gemlite``; bw_share = the step's
@@ -50,10 +50,10 @@ import os
 import torch
 
 import countdown
-from countdown.bench import time_graph
-from countdown.bench.int4profile import profile_step
 from countdown.int4 import Int4Linear, quantize_rtn, use_backend
 from countdown.kernels import _int4
+from harness.int4profile import profile_step
+from harness.timing import time_graph
 
 DECODE_FIELDS = ["run", "device", "date", "weights", "method", "sparsity", "tokens_per_s", "bw_share",
                  "gemv_roofline_ratio"]
@@ -236,9 +236,9 @@ def bf16_model(device: str, overrides: dict | None = None):
 
 
 def bound_part(device: str, args, stamp: dict) -> None:
-    """The measured bound of mono's kept rows at ``--bound-k`` (``countdown.bench.int4bound``)."""
-    from countdown.bench import int4bound
+    """The measured bound of mono's kept rows at ``--bound-k`` (``harness.int4bound``)."""
     from countdown.decode.linears import fastest_step
+    from harness import int4bound
 
     def step_ms(model):
         model.generation_config.eos_token_id = None
@@ -387,10 +387,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.report:
         if os.path.exists(os.path.join(args.out, "rows.csv")):
-            from countdown.bench import int4rows
+            from harness import int4rows
 
             int4rows.rows_report(args.out)
-        from countdown.bench.int4report import report
+        from harness.int4report import report
 
         return report(args.out)
     parts = set(args.parts.split(","))
@@ -405,7 +405,7 @@ def main(argv=None):
     if args.gemv_config:
         gemv_config(args.gemv_config, SMOKE_SHAPES if args.smoke else SHAPES)
     device = "cpu" if args.smoke else "cuda"
-    from countdown.bench import copy_bandwidth
+    from harness.timing import copy_bandwidth
 
     bw = copy_bandwidth() if device == "cuda" else float("nan")
     name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
@@ -421,7 +421,7 @@ def main(argv=None):
         if "gemv" in parts:
             worst = gemv_table(device, shapes, bw, stamp, args.out)
     if "rows" in parts:
-        from countdown.bench import int4rows
+        from harness import int4rows
 
         with torch.no_grad():
             int4rows.kernel_rows(device, (256, 512) if args.smoke else (4096, 14336),
@@ -430,11 +430,11 @@ def main(argv=None):
                                  else (int4rows.DOWN_GRID, int4rows.SELECT_GRID, int4rows.OTHER_GRID), stamp,
                                  args.out, bw)
     if "memory" in parts:
-        from countdown.bench import int4rows
+        from harness import int4rows
 
         int4rows.memory_rows({"run": stamp["run"], "date": stamp["date"]}, args.out)
     if "prefill" in parts:
-        from countdown.bench import int4prefill
+        from harness import int4prefill
 
         int4prefill.run(bf16_model(device), device, args.out, stamp, args.tiles, args.repeats)
     if "step" in parts:

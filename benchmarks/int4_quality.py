@@ -55,14 +55,14 @@ from tqdm import tqdm
 
 import countdown
 from countdown.bench.quality import compare_held, decode_quality, held_out
-from countdown.bench.int4quality import LAYOUTS, down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight
-from countdown.bench.qualitygrid import artifact_tag
 from countdown.fingerprint import model_fingerprint
 from countdown.int4.quantize import int4_config
 from countdown.io import atomic_write, file_lock, write_json
 from countdown.mlp import find_gated_mlps
 from countdown.spec import parse_specs
 from countdown.state import dense_prefix
+from harness.int4quality import LAYOUTS, down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight
+from harness.qualitygrid import artifact_tag
 
 FIELDS = ["weights", "method", "sparsity", "sparsity_real", "ppl_increase_vs_bf16", "kl_vs_bf16"]
 WEIGHTS = "fp32,bf16,int4-rtn-g32,int4-rtn-g64,int4-rtn-g128,int4-gguf,int4-gguf+rtn-g128"
@@ -92,7 +92,7 @@ def build(label: str, reference):
 
 
 def layout_of(label: str) -> str:
-    """The layout (countdown.bench.int4quality.LAYOUTS) of a weights label."""
+    """The layout (harness.int4quality.LAYOUTS) of a weights label."""
     return "any" if not label.startswith("int4") else "downT" if "+downT-g" in label else "native"
 
 

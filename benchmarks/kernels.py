@@ -7,11 +7,11 @@
 
 Per model shape (Llama-3.1-8B, Qwen2.5-14B, gemma-2-9b with GELU-tanh, phi-4), batch (1, 2, 4, 8) and target
 sparsity k, bf16: dense cuBLAS, the optimal and naive gathers, cats / mono / dual (predictor included) and
-dual_excl (its mask given) through the public ops (rows: ``countdown.bench.kerneltable``). Each timing is the
+dual_excl (its mask given) through the public ops (rows: ``harness.kerneltable``). Each timing is the
 median over graph replays of 8 back-to-back calls cycling through 4 weight sets and 8 inputs (more than 1 GB
-per shape, far past L2; ``countdown.bench.mlpbench``); roofline = the bytes a method must read over the copy
+per shape, far past L2; ``harness.mlpbench``); roofline = the bytes a method must read over the copy
 bandwidth of the same run. Every op is first checked against float64 at the real shapes
-(``countdown.bench.kernelchecks``) and a wrong one is not timed; ``--sweep`` first picks the launch
+(``harness.kernelchecks``) and a wrong one is not timed; ``--sweep`` first picks the launch
 configurations and where the indicator is computed. Writes kernels.csv / kernels.md / kernels.png (and
 kernels_sweep.json) under ``--out``; prints the main shape's batch-1 rows with their ratios (x roofline,
 speed-up over dense).
@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from countdown.bench import copy_bandwidth
-from countdown.bench.kernelchecks import CHECK_OK, check_real_shapes
-from countdown.bench.kerneltable import bench_shape, plot, sweep, write_outputs
-from countdown.bench.mlpbench import DEV, DOWN_SWEEP, GLU_SWEEP, MAIN, SHAPES, log
-from countdown.bench.sm90 import compile_check
 from countdown.kernels import _down, _glu
+from harness.kernelchecks import CHECK_OK, check_real_shapes
+from harness.kerneltable import bench_shape, plot, sweep, write_outputs
+from harness.mlpbench import DEV, DOWN_SWEEP, GLU_SWEEP, MAIN, SHAPES, log
+from harness.sm90 import compile_check
+from harness.timing import copy_bandwidth
 
 
 def main():

@@ -7,7 +7,7 @@ linear_sweep2.* from ``--shapes o_proj,down --out $OUT/linear2 --budget-s 120`` 
 kernels/_linear.py's CONFIGS), pred/ from ``--shapes pred_b,pred_a,gate_or_up --budget-s 45 --out $OUT/linear``.
 
 Per Llama-3.1-8B projection shape (bf16; W [N, K]): every route timed as CUDA-graph replays of calls
-cycling over enough weight copies that none is found in L2 (countdown.bench.time_graph), median us,
+cycling over enough weight copies that none is found in L2 (harness.timing.time_graph), median us,
 and its share of the device-to-device copy bandwidth measured in the same run (weight bytes / time):
 
     inductor   torch.compile(F.linear) with coordinate-descent tuning, as the decode step compiles it
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks/linear.py times CUDA kernels: run it on a GPU machine")
     import torch._inductor.config as inductor_config
 
-    from countdown.bench import copy_bandwidth, time_graph
+    from harness.timing import copy_bandwidth, time_graph
     from countdown.io import atomic_write, write_json
     from countdown.kernels import _linear
 

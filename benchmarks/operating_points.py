@@ -14,12 +14,12 @@ results/operating_points/<model>.csv / .md / .png (2026-11-25): step 1 with the 
 ``--out /root/out/ops --ks 0.5,0.6,0.7,0.8,0.9 --new-tokens 256 --no-breakdown --budget-s 380`` (H200, run
 results/decode_runs/H200-run-BK); step 3 with ``--speed results/decode_runs/H200-run-BK``.
 
-Quality (``countdown.bench.qualitygrid``): decode-style perplexity increase over dense, KL(dense ||
+Quality (``harness.qualitygrid``): decode-style perplexity increase over dense, KL(dense ||
 sparse) and top-1 agreement on the same positions, Sparsity-Real, on 2,048 held-out XSum tokens;
 SP-Prac artifacts for k = 0.5 ... 0.9 through ``countdown.ensure_artifacts`` (calibration text:
 Wikipedia passages, never XSum; cached and shared with the lm-eval sweep). Speed
-(``countdown.bench.onecompile``): the Llama-3.1-8B shape with random weights, bf16, batch 1.
-Merge (``countdown.bench.merge``): each row's speed is read off the 8B-shape curve of its method at
+(``harness.onecompile``): the Llama-3.1-8B shape with random weights, bf16, batch 1.
+Merge (``harness.merge``): each row's speed is read off the 8B-shape curve of its method at
 the Sparsity-Real measured on the real model (linear interpolation between the timed kept fractions).
 """
 
@@ -37,7 +37,7 @@ def log(message: str) -> None:
 
 
 def quality(args) -> int:
-    from countdown.bench.qualitygrid import run_quality_grid
+    from harness.qualitygrid import run_quality_grid
 
     for name in [m for m in args.models.split(",") if m.strip()]:
         path = run_quality_grid(name.strip(), specs=args.methods, ks=[float(k) for k in args.ks.split(",")],
@@ -48,7 +48,7 @@ def quality(args) -> int:
 
 
 def merge(args) -> int:
-    from countdown.bench.merge import merge_operating_points
+    from harness.merge import merge_operating_points
 
     written = merge_operating_points(args.speed.split(","), quality_dir=args.quality, out_dir=args.out,
                                      sweep_dir=args.sweep, models=args.models.split(",") if args.models else None,

@@ -9,7 +9,7 @@ its ``dual[shadow4]`` batch-1 rows are the selecting kernel's route ("fused") an
 the default; here ``dual[shadow4]`` is the library's default at every batch (one token: "onepass").
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
-inputs (countdown.bench.mlpbench's ``Problem`` and ``safe_time``: over 1 GB per set of calls, far past
+inputs (harness.mlpbench's ``Problem`` and ``safe_time``: over 1 GB per set of calls, far past
 L2). Roofline = bytes a method must read / the copy bandwidth measured in the same run; every row prints
 its ratio to the roofline and its speed-up over dense.
 
@@ -45,8 +45,9 @@ import countdown.kernels as K
 from countdown.kernels import _common, _select
 from countdown.kernels.quant import shadow_bytes
 
-from countdown.bench import copy_bandwidth
-from countdown.bench.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
+from harness.launches import recorded
+from harness.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
+from harness.timing import copy_bandwidth
 
 D_MODEL, D_INTER, ACT = 4096, 14336, "silu"
 BITS, GROUP, RANK = 4, 64, 128
@@ -237,7 +238,12 @@ def gemv_rows(bw: float) -> list[dict]:
 # ---------------------------------------------------------------------------------------- sweep
 def sweep(p: Problem, bw: float) -> dict:
     """Per kernel configuration key, time each candidate (k = 0.9) and keep the fastest whose output
-    matches the default's."""
+    matches the default's; each with the registers and spills of the select kernel it compiled."""
+    with recorded("select") as launches:
+        return _sweep(p, launches)
+
+
+def _sweep(p: Problem, launches) -> dict:
     c = cuts(p, 0.9)
     out = {}
     for key, cands in SWEEP.items():
@@ -253,7 +259,7 @@ def sweep(p: Problem, bw: float) -> dict:
                 same = all(((run(i).float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
                            for i, r in enumerate(ref))
                 t = safe_time(str(cfg), calls) if same else float("nan")
-                kern = _select.LAST_KERNEL
+                kern = launches.last["select"]
                 regs, spills = getattr(kern, "n_regs", -1), getattr(kern, "n_spills", -1)
             except Exception as e:  # noqa: BLE001
                 log(f"config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")

@@ -167,11 +167,11 @@ def main(argv=None) -> int:
         return 2
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-step-"))
     import countdown
-    from countdown.bench.breakdown import profile_steps
-    from countdown.bench.measure import step_weight_bytes
-    from countdown.bench.timing import copy_bandwidth, spread
     from countdown.decode.generate import generate_fast
     from countdown.io import atomic_write, write_json
+    from harness.breakdown import profile_steps
+    from harness.timing import copy_bandwidth, spread
+    from harness.weightbytes import step_weight_bytes
 
     os.makedirs(args.out, exist_ok=True)
     overrides = ({"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4,

@@ -2,6 +2,8 @@
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this
 # when a kernel module is first imported, so it is set before any test imports one.
@@ -10,6 +12,11 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 import pytest
 import torch
+
+# The measurement harness (benchmarks/harness) is imported as ``harness`` by its tests (tests/harness/), as
+# benchmarks/*.py import it (their folder is on sys.path when they run). Appended: nothing there shadows an installed
+# package.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker keeps to one thread: the
 # interpreter's kernels are single-threaded Python, and two workers of two torch threads each would fight over

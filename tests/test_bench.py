@@ -1,5 +1,5 @@
-"""countdown.bench: specs, roofline bytes, speed-only artifacts, the per-op breakdown and `countdown bench`
-on tiny random models (CPU). Speeds are printed by the benchmarks, never asserted here."""
+"""countdown.bench: specs, roofline bytes, speed-only artifacts and `countdown bench` on tiny random models (CPU).
+Speeds are printed by the benchmarks, never asserted here. The harness's step bytes and breakdown: tests/harness/."""
 
 import csv
 import math
@@ -9,16 +9,13 @@ import torch
 
 import countdown
 from conftest import tiny_model
-from countdown.bench import measure, operating
-from countdown.bench.breakdown import op_breakdown
+from countdown.bench import operating
 from countdown.bench.cli import main as bench_main
-from countdown.bench.runner import private_copy
-from countdown.spec import parse_spec
-from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts, retarget
-from countdown.bench.timing import spread, time_graph
+from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, private_copy, random_artifacts, retarget
 from countdown.eval.cost import mlp_weight_bytes
 from countdown.decode.generate import generate_fast
 from countdown.prac.prepare import ensure_artifacts
+from countdown.spec import parse_spec
 from test_calibrate import CharTokenizer, word_texts
 
 
@@ -33,11 +30,6 @@ TOK = Tok()
 
 
 def test_bench_parses_with_the_one_grammar(capsys, tmp_path):
-    import countdown.bench
-    import countdown.spec
-
-    assert countdown.bench.parse_spec is countdown.spec.parse_spec
-    assert countdown.bench.parse_specs is countdown.spec.parse_specs
     # a spec the library cannot run is refused before any model is loaded, listing the valid ones
     assert bench_main(["--model", "tiny", "--methods", "mono,dual[nosuch]", "--out", str(tmp_path)]) == 2
     assert "no SP-Prac kind 'nosuch'; dual takes dual[hybrid<d_rank>], " in capsys.readouterr().err
@@ -57,18 +49,6 @@ def test_roofline_bytes_hand_worked_at_the_llama_8b_shape():
     assert mlp_weight_bytes("teal", d, i, 0.5, kept_in=0.25) == pytest.approx(0.5 * full + 0.5 * full)
     with pytest.raises(ValueError, match="unknown roofline kind"):
         mlp_weight_bytes("magic", d, i, 0.1)
-
-
-def test_step_bytes_are_the_parameters_read():
-    model = tiny_model("llama")
-    mlps = countdown.find_gated_mlps(model)
-    mlp_ids = {id(p) for m in mlps for p in m.module.parameters()}
-    emb = model.get_input_embeddings().weight
-    other = sum(p.numel() * 4 for p in model.parameters() if id(p) not in mlp_ids and p is not emb)
-    assert measure.step_weight_bytes(model, "dense", 1.0, batch=2) == other + 2 * 64 * 4 + sum(3 * 64 * 97 * 4 for _ in mlps)
-    kept = 0.25
-    want = other + 64 * 4 + len(mlps) * (64 * 97 * 4 + 2 * kept * 64 * 97 * 4)
-    assert measure.step_weight_bytes(model, "mono", kept) == int(want)
 
 
 @pytest.mark.parametrize("label", ["mono", "dual[hybrid]"])
@@ -100,42 +80,6 @@ def test_retarget_computes_what_a_fresh_patch_at_that_k_computes():
         got = model(ids).logits
         countdown.unsparsify(model)
         assert torch.equal(got, want)
-
-
-def test_op_breakdown_counts_each_ops_bytes():
-    model = tiny_model("llama")
-    rows = {r["op"]: r for r in op_breakdown(model, batch=1, cache_len=16, filled=5)}
-    layers = model.model.layers
-    qkv = sum(p.numel() * 4 for l in layers for m in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)
-              for p in m.parameters())
-    assert rows["QKV projections"]["bytes"] == qkv and rows["QKV projections"]["calls"] == len(layers)
-    assert rows["lm_head"]["bytes"] == model.lm_head.weight.numel() * 4
-    assert rows["attention (SDPA)"]["bytes"] == len(layers) * 2 * 2 * 16 * 16 * 4  # K and V: 2 heads x 16 x 16
-    assert all(r["us"] > 0 for r in rows.values())
-    assert time_graph([lambda: None]) >= 0
-    assert spread([3.0, 1.0, float("nan"), 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
-    from countdown.bench.report import _breakdown_sections
-
-    ops = list(rows.values())
-    timed = "\n".join(_breakdown_sections({"copy_gbps": 100.0, "breakdown": {"1": {"ops": ops, "step_ms": 2.0}}}))
-    assert "against the compiled step's 2.00 ms" in timed and "lm_head" in timed
-    untimed = "\n".join(_breakdown_sections({"copy_gbps": 100.0, "breakdown": {"1": {"ops": ops, "step_ms": None}}}))
-    assert "(no compiled step timed)" in untimed and "lm_head" in untimed
-
-
-def test_profile_classes_name_every_kernel_of_a_decode_step():
-    """Kernel names seen in a profiled H200 decode step (runs BF and BG, 2026-11-25), each in its class."""
-    from countdown.bench.breakdown import kernel_class
-
-    seen = {"_linear_kernel": "countdown fixed GEMV (projections, indicators)",
-            "_rmsnorm_kernel": "countdown norms and residual adds", "_add_kernel": "countdown norms and residual adds",
-            "_psum_kernel": "countdown sparse kernels", "_onepass_kernel": "countdown sparse kernels",
-            "_teal_gateup_kernel": "countdown sparse kernels", "_gemv_i8_kernel": "countdown shadow GEMV",
-            "_xprep_kernel": "countdown shadow GEMV", "_rope_split_kernel": "attention",
-            "_rope_combine_kernel": "attention", "triton_red_fused__unsafe_view_argmax_mm_select_7": "sampling (argmax)",
-            "triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_view_6": "RMSNorm (+ fused GEMV)",
-            "Memcpy DtoD (Device -> Device)": "copy / index", "some_new_kernel": "other"}
-    assert {name: kernel_class(name) for name in seen} == seen
 
 
 def test_recommendation_and_pareto():
@@ -263,14 +207,3 @@ def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch
     rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
     assert [r["method"] for r in rows] == ["dense", "mono", "dual[shadow4]"]
     assert all(r["ppl_increase"] == "" for r in rows[1:]) and abs(float(rows[2]["sparsity_real"]) - 0.8) < 0.15
-
-
-def test_step_profile_charges_each_kernel_its_cost_to_the_critical_path():
-    """Hand-worked: a 0-10, b 5-12 (overlapping a: charged 10-12), idle 12-15, a 15-20; c 16-18 inside a: charged
-    nothing; idle 20-21, b 21-22; each gap is named by the kernel that ends it; two steps halve everything."""
-    from countdown.bench.int4profile import charge
-
-    got = {name: (calls, us) for name, calls, us in charge([(15, 20, "a"), (0, 10, "a"), (5, 12, "b"),
-                                                           (16, 18, "c"), (21, 22, "b")], 2)}
-    assert got == {"a": (1.0, 7.5), "b": (1.0, 1.5), "<idle> before a": (0.5, 1.5), "c": (0.5, 0.0),
-                   "<idle> before b": (0.5, 0.5)}

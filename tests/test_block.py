@@ -194,39 +194,3 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
         assert len(hits) == (NEW - 1) * n_layers  # NEW - 1 decode steps, none for the prompt
     countdown.unsparsify(model)
     assert not hasattr(model.model.layers[0].mlp, "countdown_sparse")
-
-
-def test_the_one_compile_slots_take_the_block_route(monkeypatch):
-    """benchmarks/decode.py's one-compile harness (each MLP behind an opaque slot op): in a folded layer the slot
-    takes h, so a sparsified MLP's block route runs there too; the tokens are the folded model's own."""
-    import countdown
-    from countdown.decode import attention as fused_attention
-    from countdown.bench.slots import CapturedDecoder, SlotModel
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.linears import route_linears
-    from countdown.prac.threshold import ThresholdSelector
-    from countdown.state import state_of
-    from conftest import tiny_model
-
-    def patch(target):
-        countdown.sparsify(target, "mono", 0.5, path="kernel")
-        for layer in state_of(target).layers:
-            layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
-
-    model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
-    model.generation_config.eos_token_id = None
-    prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    fused_attention.fuse_attention(model)
-    route_linears(model, ("qkv", "norm"))
-    patch(model)
-    ref = generate_fast(model, prompt, NEW, compile="eager")[0][:, 7:]
-    countdown.unsparsify(model)
-    hits = []
-    real = torch.ops.countdown.gated_block
-    monkeypatch.setattr(torch.ops.countdown, "gated_block", lambda *a: hits.append(1) or real(*a))
-    with SlotModel(model) as slots:
-        patch(slots.holder)
-        dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
-        assert torch.equal(dec.run(prompt, NEW)[0], ref)  # (compiled: no logits captured, see above)
-        countdown.unsparsify(slots.holder)
-    assert len(hits) >= (NEW - 1) * model.config.num_hidden_layers  # the block launched from inside the slots

@@ -56,7 +56,7 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
     ref_logits, ref_cache = _step_logits_and_cache(model, prompt)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     n_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    from countdown.bench.measure import model_bytes
+    from harness.weightbytes import model_bytes  # the decode benchmark's count of the bytes a model holds
     model_bytes_before = model_bytes(model)
 
     assert fused_attention.fuse_attention(model) == []

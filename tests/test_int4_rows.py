@@ -465,16 +465,3 @@ def test_sparsify_on_4bit_weights_says_where_the_rows_save_no_bytes(capsys):
         countdown.unsparsify(model)
     countdown.sparsify(base, "dual", 0.6)
     assert "sparsify:" not in capsys.readouterr().err
-
-
-def test_bound_kept_width_rounds_down_to_whole_slices():
-    """The bound's narrow model (countdown.bench.int4bound): (1 - k) d_inter rounded down to whole 1,024-column
-    slices (fewer rows than k keeps: a generous bound), one group's columns on a small model, k in [0, 1)."""
-    from countdown.bench.int4bound import kept_width
-
-    assert kept_width(14336, 0.7) == 4096  # 4,300.8 rows kept -> 4 slices
-    assert kept_width(14336, 0.5) == 7168 and kept_width(14336, 0.9) == 1024 and kept_width(14336, 0.0) == 14336
-    assert kept_width(14336, 0.99) == 1024  # at least one slice
-    assert kept_width(512, 0.7) == 128  # under 8 slices: whole groups
-    with pytest.raises(ValueError, match=r"in \[0, 1\); got 1.0"):
-        kept_width(14336, 1.0)

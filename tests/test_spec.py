@@ -377,7 +377,7 @@ def test_the_bench_recommendation_pastes_into_the_api_and_the_cli(tiny_cli, caps
 
 
 def test_specs_are_the_only_grammar_left():
-    import countdown.bench.qualitygrid as qualitygrid
+    import harness.qualitygrid as qualitygrid
     import countdown.eval.sweep.cells as cells
 
     assert not hasattr(cells, "parse_method_spec") and not hasattr(cells, "_SPEC")

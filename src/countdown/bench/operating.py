@@ -75,8 +75,8 @@ class BenchSettings:
 
 def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool):
     if speed_only:
-        from .runner import IdTokenizer, generated_texts
-        from .speedonly import RANDOM_KINDS, decode_prompts, fit_cuts_on_decode, library_artifacts, random_artifacts
+        from .speedonly import (RANDOM_KINDS, IdTokenizer, decode_prompts, fit_cuts_on_decode, generated_texts,
+                                library_artifacts, random_artifacts)
 
         if spec.kind in RANDOM_KINDS:
             art = random_artifacts(model, spec, s.ks)
@@ -168,8 +168,7 @@ def _run_block(block: _Block, prompt, s: BenchSettings, fast: bool, harness: str
     switched in place), then unpatched."""
     from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
-    from .runner import private_copy
-    from .speedonly import retarget
+    from .speedonly import private_copy, retarget
 
     tps = []
     if block.spec is not None:
@@ -274,8 +273,7 @@ def _spec_block(model, tokenizer, spec, s: BenchSettings, held, prompt, path: st
     cannot be built here (logged)."""
     from ..decode.generate import reset_decoders
     from ..sparse import sparsify, unsparsify
-    from .runner import private_copy
-    from .speedonly import SpecUnavailable
+    from .speedonly import SpecUnavailable, private_copy
 
     speed_only = s.speed_only or tokenizer is None
     dense_ppl = None if held is None else held.dense_ppl

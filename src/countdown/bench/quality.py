@@ -150,32 +150,3 @@ def compare_held(reference: HeldOut, other: HeldOut) -> dict:
         count += dense.shape[0]
     return {"ppl": other.dense_ppl, "ppl_increase": other.dense_ppl / reference.dense_ppl - 1.0, "kl": kl / count,
             "top1": top1 / count, "tokens": count}
-
-
-@torch.no_grad()
-def record_masks(model, held: HeldOut, n_tokens: int = 64) -> torch.Tensor:
-    """Keep masks ``[layers, n_tokens, d_inter]`` (bool) that a sparsified ``model`` (``path="masked"``)
-    picks on the first ``n_tokens`` sparse positions of the first window: real masks to replay at
-    another shape (:mod:`countdown.bench.maskreplay`)."""
-    from ..state import dense_prefix, state_of
-
-    layers = state_of(model).layers
-    n = min(n_tokens, held.rows.shape[1] - held.prompt)
-    masks: list[torch.Tensor | None] = [None] * len(layers)
-
-    def hook(i):
-        def fn(module, args, keep):
-            if masks[i] is None:
-                masks[i] = keep.reshape(-1, keep.shape[-1])[held.prompt:held.prompt + n].cpu().clone()
-        return fn
-
-    handles = [layer.selector.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
-        with dense_prefix(model, held.prompt):
-            model(held.rows[:1].to(next(model.parameters()).device))
-    finally:
-        for h in handles:
-            h.remove()
-    if any(m is None for m in masks):
-        raise RuntimeError("a layer's selector did not run: record masks on a model patched with path='masked'")
-    return torch.stack(masks)

@@ -7,7 +7,8 @@ the real file format and size, with random predictor weights, and fits every lay
 on the sparse model's own decode steps (:func:`fit_cuts_on_decode`), so the kept fraction is k where
 it is timed. Rows made with them are labelled ``speed-only``. Kinds this module cannot synthesise
 (shadow, or a newer one) are built by the library's own ``countdown.prac.prepare`` on the dense model's
-greedy continuations, then cut the same way.
+greedy continuations (:func:`generated_texts`, read back by :class:`IdTokenizer`), then cut the same way.
+:func:`retarget` switches a patched model to another k in place (on a :func:`private_copy` of the artifact).
 """
 
 from __future__ import annotations
@@ -81,12 +82,6 @@ def _shadow_tensors(spec: Spec, mlps, ks) -> tuple[dict, dict]:
             for k in ks:
                 tensors[f"{sparsity_key(k)}/layer{i}/cut"] = torch.tensor(-1e30)
     return tensors, {"bits": bits, "group": group, "cut_rule": "speed-only", "d_rank": None}
-
-
-def on_device(art, device):
-    """``art`` with every tensor on ``device``: selectors built from it (every ``sparsify`` and
-    :func:`retarget`) then unpack and copy there, not on the host (seconds per layer at 8B)."""
-    return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
 
 
 def random_artifacts(model, spec: str | Spec, ks: list[float], seed: int = 7):
@@ -234,3 +229,29 @@ def retarget(model, art, k: float) -> None:
         for name, value in new.named_buffers():
             if name in old_buffers:
                 old_buffers[name].copy_(value)
+
+
+def private_copy(art):
+    """``art`` with its own tensors: a selector may hold a view of an artifact tensor (a CPU threshold
+    does), and :func:`retarget` writes into the selectors' buffers in place."""
+    return type(art)(art.meta, {name: t.clone() for name, t in art.tensors.items()})
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for models without one: the text is token ids separated by spaces."""
+
+    bos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [int(t) for t in text.split()]}
+
+
+def generated_texts(model, prompt_len: int, n_tokens: int, n_prompts: int) -> list[str]:
+    """``n_prompts`` random prompts (seeds 100, 101, ...) each with the dense model's greedy
+    continuation, about ``n_tokens`` tokens in all, as :class:`IdTokenizer` text."""
+    from ..decode.generate import generate_fast
+
+    new = max(1, n_tokens // n_prompts - prompt_len)
+    prompts = decode_prompts(model.config.vocab_size, n_prompts, prompt_len).to(next(model.parameters()).device)
+    out, _ = generate_fast(model, prompts, new, compile="eager")
+    return [" ".join(str(int(t)) for t in row.tolist()) for row in out]

@@ -129,9 +129,6 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     o = attn.o_proj
     h = torch.ops.countdown.decode_linear(a.reshape(B, -1), o.weight, o.bias, h)
     h = h.view_as(hidden_states)
-    slot = getattr(self.mlp, "folded_half", None)  # an opaque slot's (countdown.bench.slots): mlp_half inside
-    if slot is not None:
-        return slot(h, post.weight, float(post.variance_epsilon))
     return mlp_half(self.mlp, h, post.weight, float(post.variance_epsilon))
 
 

@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from ..int4 import backends, linear
-from ..int4.format import dequantize
-from ..io.files import atomic_write
-from ..io.locks import file_lock
-from ..kernels import _common, _int4_dequant
+from countdown.int4 import backends, linear
+from countdown.int4.format import dequantize
+from countdown.io.files import atomic_write
+from countdown.io.locks import file_lock
+from countdown.kernels import _common, _int4_dequant
 
 FIELDS = ["run", "device", "date", "part", "weights", "path", "shape", "ms", "tb_s", "vs_reference"]
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336),

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..kernels import _int4
+from countdown.kernels import _int4
 
 FIELDS = ["run", "device", "date", "k", "d_inter", "kept_inter", "dense_ms", "narrow_ms", "indicator_us",
           "up_kept_us", "select_us", "free_select_ms", "bound_ms", "bound_vs_dense"]

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from .measure import clear_dynamo_counts, dynamo_counts
-from .speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
-from ..spec import parse_spec
+from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+from countdown.spec import parse_spec
+
+
+def dynamo_counts() -> dict:
+    """Dynamo's graph and graph-break counters since they were last cleared: one graph over every
+    call of a configuration means no recompilation."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def clear_dynamo_counts() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
 
 
 def _check_model(device: str):
@@ -31,7 +45,7 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
     tokens; with ``sampling``, a seeded sampled generation must give the same tokens in every mode."""
 
     import countdown
-    from ..decode.generate import generate_fast, reset_decoders
+    from countdown.decode.generate import generate_fast, reset_decoders
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _check_model(device)
@@ -88,16 +102,16 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
 
 def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), ks: tuple[float, ...] = (0.8, 0.5),
                     n_new: int = 24) -> bool:
-    """The one-compile harness (:mod:`countdown.bench.slots`) against eager decoding of the patched model,
+    """The one-compile harness (:mod:`harness.slots`) against eager decoding of the patched model,
     on a small fp32 Llama: dense and each spec at each k (switched in place, one capture per spec) must
     give the eager tokens, and the compiled step must stay one graph with no break over all of them
     (CUDA: Inductor + our CUDA graph; CPU: Dynamo with the eager backend, no graph)."""
 
     import countdown
-    from ..decode.generate import generate_fast, reset_decoders
-    from .runner import private_copy
+    from countdown.decode.generate import generate_fast, reset_decoders
+    from countdown.bench.speedonly import private_copy, retarget
+
     from .slots import CapturedDecoder, SlotModel
-    from .speedonly import retarget
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

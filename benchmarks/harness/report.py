@@ -58,7 +58,7 @@ def fill_references(rows: list) -> None:
 
 
 def write_csv(rows: list, path: str) -> None:
-    from ..io import atomic_write
+    from countdown.io import atomic_write
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=DECODE_COLUMNS, extrasaction="ignore")
@@ -246,7 +246,7 @@ def plot(rows: list, path: str, metas: list) -> None:
     config = metas[0].get("config", "") if metas else ""
     fig.suptitle(f"End-to-end decode, {config}, random weights, prompt {metas[0].get('prompt', 64)}", fontsize=10)
     fig.tight_layout()
-    from ..io import atomic_path
+    from countdown.io import atomic_path
 
     with atomic_path(path, suffix=".png", what="decode plot") as tmp:
         fig.savefig(tmp, dpi=120)
@@ -257,7 +257,7 @@ def write_report(rows: list, metas: list, out_dir: str, log=print) -> None:
     """decode.csv, decode.md, decode_meta.json and decode.png in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     write_csv(rows, os.path.join(out_dir, "decode.csv"))
-    from ..io import atomic_write
+    from countdown.io import atomic_write
 
     atomic_write(os.path.join(out_dir, "decode.md"), markdown(rows, metas), what="decode table")
     atomic_write(os.path.join(out_dir, "decode_meta.json"), json.dumps(metas, indent=1, default=str), what="decode table")

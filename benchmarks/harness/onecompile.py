@@ -7,7 +7,7 @@ Order of work (each step labelled in the log, every row written as soon as it is
 2. per method spec, speed-only artifacts (:mod:`countdown.bench.speedonly`: random predictors, or the
    library's own closed-form fit for kinds it cannot synthesise) with cuts fitted on the model's own
    decode steps for every k, and the kept fraction each k gives (masked path, counted);
-3. the model's Gated-MLPs behind slots (:mod:`countdown.bench.slots`): the step compiled ONCE; dense,
+3. the model's Gated-MLPs behind slots (:mod:`harness.slots`): the step compiled ONCE; dense,
    then each spec patched into the slots, one CUDA-graph capture per spec, every k by copying its cuts
    into the selectors' device buffers (no recompilation: Dynamo's graph count is in every row); per
    (spec, k) decode tokens/s, and the MLP alone (``time_graph`` over the first layers' weights, inputs
@@ -17,7 +17,7 @@ Order of work (each step labelled in the log, every row written as soon as it is
    across compiles).
 
 Between 2 and 3, if mask files are given, masks recorded on real models are replayed at this shape
-against random masks of the same kept fraction (:mod:`countdown.bench.maskreplay`).
+against random masks of the same kept fraction (:mod:`harness.maskreplay`).
 
 Speed-ups against dense are taken against the fastest compiled dense decoder of the run (full-graph or
 slots: the conservative choice), and also against dense in the slots (``speedup_vs_dense_same_harness``).
@@ -30,11 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import measure
+from countdown.bench.measure import kept_fractions, time_decode
+from countdown.bench.speedonly import SpecUnavailable, decode_prompts, retarget
+from countdown.spec import Spec, parse_spec
+
+from .checks import clear_dynamo_counts, dynamo_counts
 from .rows import decode_row, shapes_of
-from .speedonly import SpecUnavailable, decode_prompts, retarget
-from ..spec import Spec, parse_spec
 from .timing import Budget, PeakMemory, spread
+from .weightbytes import model_bytes
 
 SLOT_HARNESS = "one-compile"
 SLOT_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "triton.cudagraphs": False}
@@ -53,7 +56,7 @@ class OneCompileSettings:
     samples: int = 1
     prefills: int = 3  # a row's prefill time: the median of this many runs of the prompt (eager: it varies)
     dense_compiles: int = 2
-    breakdown: bool = True  # the per-op breakdown of the dense step (countdown.bench.breakdown), CUDA only
+    breakdown: bool = True  # the per-op breakdown of the dense step (harness.breakdown), CUDA only
     profile: bool = False  # torch.profiler over the captured slot step: dense, and each spec at its last k
     fit_prompts: int = 8
     fit_tokens: int = 32
@@ -68,10 +71,12 @@ class OneCompileSettings:
 
 def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
     """Speed-only artifacts of ``spec`` at every k, cuts fitted on decode steps; (art, label)."""
-    from ..mlp import require_gated_mlps
-    from ..prac.base import selectors_for
-    from .runner import IdTokenizer, generated_texts
-    from .speedonly import RANDOM_KINDS, SPEED_ONLY, fit_cuts_on_decode, library_artifacts, on_device, random_artifacts
+    from countdown.mlp import require_gated_mlps
+    from countdown.prac.base import selectors_for
+    from countdown.bench.speedonly import (RANDOM_KINDS, SPEED_ONLY, IdTokenizer, fit_cuts_on_decode, generated_texts,
+                                           library_artifacts, random_artifacts)
+
+    from .runner import on_device
 
     art, how = None, ""
     if spec.kind in RANDOM_KINDS:
@@ -98,8 +103,8 @@ def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
 
 def _mlp_inputs(model, prompt, layers: int, tokens: int) -> list[list[torch.Tensor]]:
     """Inputs of the first ``layers`` Gated-MLPs at ``tokens`` dense decode steps (eager)."""
-    from ..decode.generate import generate_fast
-    from ..mlp import require_gated_mlps
+    from countdown.decode.generate import generate_fast
+    from countdown.mlp import require_gated_mlps
 
     mlps = require_gated_mlps(model)[:layers]
     seen: list[list[torch.Tensor]] = [[] for _ in mlps]
@@ -123,8 +128,8 @@ def mlp_time(modules, inputs, reps: int = 25) -> float:
 
 def _mlp_kept(holder, modules, inputs) -> float:
     """Sparsity-Real of the patched ``holder`` on the recorded inputs (counted on the masked path)."""
-    from ..sparse import sparsity_real, state_of
-    from ..state import reset_sparsity_stats
+    from countdown.sparse import sparsity_real, state_of
+    from countdown.state import reset_sparsity_stats
 
     state = state_of(holder)
     path, state.path = state.path, "masked"
@@ -141,11 +146,11 @@ def _mlp_kept(holder, modules, inputs) -> float:
 
 def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print, checkpoint=None) -> list[dict]:
     """Time dense and every spec of ``settings`` at every k on ``model`` (batch 1); returns decode rows
-    (``countdown.bench.report.DECODE_COLUMNS``) and fills ``meta`` (``skipped``, ``dense_spread``,
+    (``harness.report.DECODE_COLUMNS``) and fills ``meta`` (``skipped``, ``dense_spread``,
     ``slot_graphs``, ``kernel``, ``mask_replay``, ``sparsity_real_8b``)."""
-    from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
-    from .runner import private_copy
+    from countdown.decode.generate import reset_decoders
+    from countdown.sparse import sparsify, unsparsify
+    from countdown.bench.speedonly import private_copy
 
     s = settings
     budget = Budget(s.budget_s)
@@ -166,12 +171,12 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
     def dense_full_graph(which: int):
         harness = "compile-cdt" if cuda else "eager"
         torch._dynamo.reset()
-        measure.clear_dynamo_counts()
+        clear_dynamo_counts()
         with PeakMemory() as peak:
-            stats = [measure.time_decode(model, prompt, s.new_tokens, harness, max_cache_len)
+            stats = [time_decode(model, prompt, s.new_tokens, harness, max_cache_len)
                      for _ in range(max(1, s.dense_samples))]
         rows.append(decode_row(ctx, "dense", None, None, stats, (1.0, 1.0), f"full-graph compile #{which}", harness, peak.bytes,
-                               measure.model_bytes(model), graphs=measure.dynamo_counts() if cuda else None))
+                               model_bytes(model), graphs=dynamo_counts() if cuda else None))
         meta.setdefault("dense_spread", {}).setdefault("1", {})[f"{harness} #{which}"] = spread(
             [st["tokens_per_s"] for st in stats])
         reset_decoders()
@@ -210,7 +215,7 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
         try:
             for k in s.ks:
                 retarget(model, art, k)
-                kept[k] = measure.kept_fractions(model, prompt, s.kept_steps)
+                kept[k] = kept_fractions(model, prompt, s.kept_steps)
         finally:
             unsparsify(model)
             reset_decoders()
@@ -239,8 +244,8 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
     """Dense and every prepared spec at every k through one compiled step (see the module docstring).
     If the Inductor compile or its capture fails, the eager step is captured instead (harness
     ``one-compile-eager``: the same for every row, so the ratios hold; said in the log and meta)."""
-    from ..sparse import sparsify, unsparsify
-    from .runner import private_copy
+    from countdown.sparse import sparsify, unsparsify
+    from countdown.bench.speedonly import private_copy
     from .slots import CapturedDecoder, SlotModel
 
     meta, skipped = ctx["meta"], ctx["meta"].setdefault("skipped", {})
@@ -250,7 +255,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
     modules = [g.module for g in slots.mlps[:s.kernel_layers]]
     harness = SLOT_HARNESS
     dec = CapturedDecoder(model, slots.holder, 1, max_cache_len, compile=s.compile, options=SLOT_INDUCTOR_OPTIONS)
-    measure.clear_dynamo_counts()
+    clear_dynamo_counts()
     try:
         dense_kernel = mlp_time(modules, inputs) if inputs else None
         meta["kernel"] = {"dense_us": dense_kernel, "layers": len(modules), "tokens": s.kernel_tokens}
@@ -262,8 +267,8 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
                     _, prefill_s, decode_s = dec.run(prompt, s.new_tokens, s.prefills)
                     stats.append(_stats(s.new_tokens, prefill_s, decode_s, setup))
             row = decode_row(ctx, label, spec, k, stats, kept, art_label, harness, peak.bytes,
-                             measure.model_bytes(model) + measure.model_bytes(slots.holder), art=art,
-                             graphs=measure.dynamo_counts() if s.compile else None,
+                             model_bytes(model) + model_bytes(slots.holder), art=art,
+                             graphs=dynamo_counts() if s.compile else None,
                              kernel_us=dense_kernel if spec is None else kernel_us, kernel_real=kernel_real,
                              dense_kernel_us=dense_kernel)
             rows.append(row)
@@ -318,7 +323,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
             done()
         dec.capture(prompt)
         time_slots("dense", None, None, (1.0, 1.0), "")  # the slot baseline again, after every method
-        meta["slot_graphs"] = measure.dynamo_counts()
+        meta["slot_graphs"] = dynamo_counts()
         log(f"slots: Dynamo over every configuration and k: {meta['slot_graphs']} (1 graph, 0 breaks: no recompile)")
     finally:
         dec.release()
@@ -327,7 +332,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
 
 
 def _floor(dec, slots, prompt, s: OneCompileSettings, meta: dict, log) -> None:
-    """The step with every Gated-MLP a zero fill (:class:`countdown.bench.slots.ZeroMLP`) into
+    """The step with every Gated-MLP a zero fill (:class:`harness.slots.ZeroMLP`) into
     ``meta["floor"]``: what no MLP method can go below in this harness; a row's MLP time in the step is
     its ms/step minus this floor, over the layers (the report's "in the step" column)."""
     from .slots import ZeroMLP

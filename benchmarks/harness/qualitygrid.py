@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..registry import get_method
-from ..spec import parse_specs
+from countdown.registry import get_method
+from countdown.spec import parse_specs
 
 QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense_ppl", "ppl_increase", "kl", "top1",
                    "tokens", "window", "text", "artifacts", "artifact_tag", "seconds", "date", "device", "threads",
@@ -34,7 +34,7 @@ QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense
 KEY = ("model", "method", "sparsity", "window", "text", "artifact_tag")
 DEFAULT_SPECS = "mono,cats,dual,dual[hybrid],dual[lowrank],dejavu,teal"
 DEFAULT_KS = (0.5, 0.6, 0.7, 0.8, 0.9)
-MASK_K = 0.8  # masks recorded for the replay check (countdown.bench.maskreplay) at this k
+MASK_K = 0.8  # masks recorded for the replay check (harness.maskreplay) at this k
 
 
 def artifact_tag(art) -> str:
@@ -55,7 +55,7 @@ def _key(row: dict) -> tuple:
 
 def merge_rows(path: Path, new: list[dict]) -> None:
     """Merge ``new`` into the CSV at ``path`` (a row with the same key is replaced), atomically."""
-    from ..io import atomic_write
+    from countdown.io import atomic_write
 
     rows = {_key(r): r for r in read_rows(path)}
     for r in new:
@@ -70,7 +70,7 @@ def merge_rows(path: Path, new: list[dict]) -> None:
 def _save_masks(path: Path, masks: torch.Tensor, meta: dict) -> None:
     import numpy as np
 
-    from ..io import atomic_path
+    from countdown.io import atomic_path
 
     packed = torch.from_numpy(np.packbits(masks.numpy().astype(bool), axis=-1))
     with atomic_path(path, suffix=".pt") as tmp:
@@ -87,11 +87,13 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
     ``model`` / ``tokenizer``: an already loaded model (else ``load_model(model_name)``); ``texts``:
     held-out text (default XSum); ``calib``: extra ``ensure_artifacts`` options (calibration ``texts``,
     ``num_tokens``; they key another cached file)."""
-    from .. import load_model
-    from ..io import file_lock
-    from ..prac.prepare import ensure_artifacts
-    from ..sparse import sparsify, unsparsify
-    from .quality import held_out, decode_quality, record_masks
+    from countdown import load_model
+    from countdown.io import file_lock
+    from countdown.prac.prepare import ensure_artifacts
+    from countdown.sparse import sparsify, unsparsify
+    from countdown.bench.quality import decode_quality, held_out
+
+    from .maskreplay import record_masks
 
     out = Path(out_dir)
     label = model_name.replace("/", "_")
@@ -99,7 +101,7 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
     parsed = parse_specs(specs) if isinstance(specs, str) else parse_specs(list(specs))
     ks = sorted({round(float(k), 6) for k in ks})
     if artifacts_dir is None:
-        from ..data.texts import cache_root
+        from countdown.data.texts import cache_root
 
         artifacts_dir = cache_root() / "artifacts"
     with file_lock(path, what="quality table"):

@@ -18,21 +18,33 @@ whatever sits in the slot, the original MLP module, patched by ``countdown.spars
 ``countdown.sparsify`` cannot find the MLPs behind the slots: it patches :attr:`SlotModel.holder`, a
 module holding the original MLP modules, and everything that takes a patched model (``retarget``,
 ``dense_prefix``, ``state_of``) takes the holder.
+
+A folded decoder layer (``countdown.decode.layer``) computes its MLP half, ``h + mlp(RMSNorm(h))``, by
+``countdown.decode.layer.mlp_half``, where a sparsified module may take the norm and the add into its own launches
+(its block route). While slots are in, :class:`SlotModel` wraps that function (:data:`FOLDED_HALF` names it) so that
+a slot's whole half goes behind a second opaque op and the module in the slot takes its block route as it would in
+a full-graph compile; every other module is served by the function as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import time
 
 import torch
 from torch import nn
 
-from ..decode.cache import cache_kwargs
+from countdown.decode.cache import cache_kwargs
 
 SLOTS: dict[int, nn.Module] = {}
 _NEXT = itertools.count()
+# (module, function) of a folded layer's MLP half, h + mlp(RMSNorm(h)), as the folded forward looks it up
+FOLDED_HALF = ("countdown.decode.layer", "mlp_half")
+_HALF_MODULE = importlib.import_module(FOLDED_HALF[0])
+_LIBRARY_HALF = getattr(_HALF_MODULE, FOLDED_HALF[1])
+_wrapping = 0  # SlotModels alive: the folded layers' MLP half stays wrapped while any is
 
 
 @torch.library.custom_op("countdown_bench::mlp_slot", mutates_args=())
@@ -49,11 +61,9 @@ def _(x, slot):
 @torch.library.custom_op("countdown_bench::mlp_half_slot", mutates_args=())
 def mlp_half_slot(h: torch.Tensor, norm_w: torch.Tensor, eps: float, slot: int) -> torch.Tensor:
     """A folded layer's ``h + module(RMSNorm(h))`` with the module in ``SLOTS[slot]`` (opaque to torch.compile):
-    countdown.decode.layer.mlp_half, so a sparsified module's block route (norm and add with its kernels) runs
-    here as it runs in a full-graph compile."""
-    from ..decode.layer import mlp_half
-
-    return mlp_half(SLOTS[slot], h, norm_w, eps)
+    the library's own MLP half (:data:`FOLDED_HALF`), so a sparsified module's block route (norm and add with its
+    kernels) runs here as it runs in a full-graph compile."""
+    return _LIBRARY_HALF(SLOTS[slot], h, norm_w, eps)
 
 
 @mlp_half_slot.register_fake
@@ -62,9 +72,8 @@ def _(h, norm_w, eps, slot):
 
 
 class SlotMLP(nn.Module):
-    """Stands where a Gated-MLP module stood; its forward is the opaque slot op. In a folded layer
-    (countdown.decode.layer) the layer calls :meth:`folded_half` instead: the norm and the residual add
-    behind the opaque op too, where the module's block route takes them."""
+    """Stands where a Gated-MLP module stood; its forward is the opaque slot op. In a folded layer its whole
+    MLP half goes behind the opaque half op instead (:func:`_slot_half`)."""
 
     def __init__(self, slot: int):
         super().__init__()
@@ -73,8 +82,20 @@ class SlotMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.countdown_bench.mlp_slot(x, self.slot)
 
-    def folded_half(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.ops.countdown_bench.mlp_half_slot(h, norm_w, eps, self.slot)
+
+def _slot_half(mlp: nn.Module, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The library's MLP half while slots are in: a slot's behind the opaque half op, any other module's as before."""
+    if isinstance(mlp, SlotMLP):
+        return torch.ops.countdown_bench.mlp_half_slot(h, norm_w, eps, mlp.slot)
+    return _LIBRARY_HALF(mlp, h, norm_w, eps)
+
+
+def _wrap_folded_half(on: bool) -> None:
+    """Count a SlotModel in (``on``) or out: from the first in to the last out, the folded layers find
+    :func:`_slot_half` where they look their MLP half up."""
+    global _wrapping
+    _wrapping += 1 if on else -1
+    setattr(_HALF_MODULE, FOLDED_HALF[1], _slot_half if _wrapping > 0 else _LIBRARY_HALF)
 
 
 class ZeroMLP(nn.Module):
@@ -98,7 +119,7 @@ class SlotModel:
     ``unsparsify`` / ``retarget``; ``mlps``: their ``GatedMLP`` views (taken before the move)."""
 
     def __init__(self, model: nn.Module):
-        from ..mlp import require_gated_mlps
+        from countdown.mlp import require_gated_mlps
 
         self.model = model
         self.mlps = require_gated_mlps(model)
@@ -117,6 +138,7 @@ class SlotModel:
         self.holder = _Holder([p[2] for p in self.places])
         for parent, name, _, slot_module in self.places:
             setattr(parent, name, slot_module)
+        _wrap_folded_half(True)
 
     @contextlib.contextmanager
     def replaced(self, make):
@@ -131,10 +153,13 @@ class SlotModel:
             SLOTS.update(before)
 
     def restore(self) -> None:
+        if not self.places:  # restored already
+            return
         for parent, name, original, slot_module in self.places:
             setattr(parent, name, original)
             SLOTS.pop(slot_module.slot, None)
         self.places = []
+        _wrap_folded_half(False)
 
     def __enter__(self) -> "SlotModel":
         return self
@@ -147,7 +172,7 @@ def _sparse_scope(holder: nn.Module, n_dense: int):
     """Inside: the first ``n_dense`` positions dense, the rest sparse, if ``holder`` is patched."""
     import contextlib
 
-    from ..state import dense_prefix, is_sparsified
+    from countdown.state import dense_prefix, is_sparsified
 
     return dense_prefix(holder, n_dense) if is_sparsified(holder) else contextlib.nullcontext()
 

@@ -53,7 +53,7 @@ def charge(spans, steps: int) -> list[tuple[str, float, float]]:
 def profile_step(model, ids, new_tokens: int, stamp: dict, what: dict, out: str, log) -> None:
     """Profile one compiled ``generate_fast`` call (the step already compiled by a timed call before it), append
     its kernels to ``<out>/step_kernels.csv`` and log the costliest ten."""
-    from ..decode.generate import generate_fast
+    from countdown.decode.generate import generate_fast
 
     rows = critical_path(lambda: generate_fast(model, ids, new_tokens, compile=True, eos_token_id=[]), new_tokens)
     path = os.path.join(out, "step_kernels.csv")

@@ -1,6 +1,6 @@
 """One decode row of the one-compile benchmark: tokens/s, bytes read, roofline, and the MLP alone.
 
-Bytes per decode step: every parameter outside the Gated-MLPs (:func:`countdown.bench.measure.
+Bytes per decode step: every parameter outside the Gated-MLPs (:func:`harness.weightbytes.
 non_mlp_weight_bytes`) plus per Gated-MLP :func:`countdown.eval.cost.mlp_weight_bytes` of the row's kind at
 its kept fraction; the roofline time is those bytes over the copy bandwidth of the run. The MLP alone:
 ``kernel_us`` (one Gated-MLP call, median, cycling over the first layers' weights) against
@@ -10,15 +10,15 @@ row's. The shapes are taken once (:func:`shapes_of`) because the MLPs move behin
 
 from __future__ import annotations
 
-from ..eval.cost import mlp_weight_bytes
+from countdown.eval.cost import mlp_weight_bytes
 
 OPTION_KEYS = ("d_rank", "bits", "group")
 
 
 def shapes_of(model) -> dict:
     """What the byte counts need, read before the MLPs move: bytes outside the MLPs, each MLP's shape."""
-    from ..mlp import require_gated_mlps
-    from .measure import non_mlp_weight_bytes
+    from countdown.mlp import require_gated_mlps
+    from .weightbytes import non_mlp_weight_bytes
 
     mlps = require_gated_mlps(model)
     return {"non_mlp_bytes": non_mlp_weight_bytes(model, 1), "mlps": [(m.d_model, m.d_inter) for m in mlps],
@@ -54,7 +54,7 @@ def decode_row(ctx: dict, label: str, spec, k, stats_list: list[dict], kept: tup
                harness: str, peak, patched_bytes: int, art=None, graphs: dict | None = None,
                kernel_us: float | None = None, kernel_real: float | None = None,
                dense_kernel_us: float | None = None) -> dict:
-    """A row with ``countdown.bench.report.DECODE_COLUMNS`` (plus the MLP columns) from the timings of
+    """A row with ``harness.report.DECODE_COLUMNS`` (plus the MLP columns) from the timings of
     one configuration. ``ctx``: ``meta``, ``shapes`` (:func:`shapes_of`), ``copy_bps``, ``batch``,
     ``new_tokens``. The row's figure is the median sample; min and max beside it."""
     meta, shapes, copy_bps = ctx["meta"], ctx["shapes"], ctx["copy_bps"]

@@ -2,7 +2,7 @@
 
 Before ``benchmarks/kernels.py`` times anything, :func:`check_real_shapes` runs mono, cats, dual,
 masked (per token, and with the mask given) and their indicator-inside-the-kernel variants at the real
-shapes of :data:`~countdown.bench.mlpbench.SHAPES` with poisoned outputs, against float64 (the
+shapes of :data:`harness.mlpbench.SHAPES` with poisoned outputs, against float64 (the
 flash-attention rule: no worse than twice PyTorch's own error in the same dtype, plus a tolerance; see
 tests/test_kernels.py), and records the verdict per op in :data:`CHECK_OK`; the table refuses to time an
 op that failed.

@@ -29,8 +29,8 @@ import os
 
 import torch
 
-from ..int4 import Int4Linear, quantize_rtn, stack
-from ..int4.format import nbytes
+from countdown.int4 import Int4Linear, quantize_rtn, stack
+from countdown.int4.format import nbytes
 
 GROUP = 128
 # The kept-rows kernels' launch configurations (kernels/_int4_rows.py: select, other, down), swept in stages: the
@@ -95,7 +95,7 @@ class _Case:
             * per_matrix
 
     def indicator(self, gu_mod):
-        from ..kernels import _int4
+        from countdown.kernels import _int4
 
         if self.rule == "abs":
             return _int4.launch(self.x, *words(gu_mod.stacked_from[1]))
@@ -105,7 +105,7 @@ class _Case:
     def run(self, gu_mod, down, down_t, cfg, upto="all"):
         """The sparse MLP as the step runs it: the indicator GEMV, select, other (mono), down, the residual add
         (``upto``: stop after "indicator", "select" or "other", for the parts' times)."""
-        from ..kernels import _int4_rows
+        from countdown.kernels import _int4_rows
 
         ind = self.indicator(gu_mod)
         if upto == "indicator":
@@ -123,13 +123,13 @@ class _Case:
     @staticmethod
     def slices(down_t, full):
         """The down kernel's column slices (the select kernel zeroes a counter for each)."""
-        from ..kernels import _int4_rows_down
+        from countdown.kernels import _int4_rows_down
 
         return _int4_rows_down.column_slices(words(down_t)[0].shape[1], down_t.scale.shape[1], full)[1]
 
     def other_rows(self, gu_mod, picked, full):
         """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
-        from ..kernels import _int4_rows
+        from countdown.kernels import _int4_rows
 
         if self.rule == "dual":
             return None
@@ -143,7 +143,7 @@ class _Case:
     def alone(self, cfg):
         """Microseconds of the select, other and down kernels each alone, on inputs computed once per weight copy
         (the indicator's partials; select's row lists; the other GEMV's partials). Other: 0 for dual."""
-        from ..kernels import _int4_rows
+        from countdown.kernels import _int4_rows
         from .timing import time_graph
 
         full = _int4_rows._config(cfg)
@@ -167,7 +167,7 @@ class _Case:
 
 def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     """See the module docstring. ``grids`` = (down, select, other configurations)."""
-    from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+    from countdown.kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
     from .timing import time_graph
 
     down_grid, select_grid, other_grid = grids
@@ -270,7 +270,7 @@ def rows_report(out: str) -> None:
     rows = list(csv.DictReader(open(os.path.join(out, "rows.csv"), newline="")))
     lines = ["# Sparse rows on 4-bit weights: one Gated-MLP", "",
              "Llama-3.1-8B MLP (4096 x 14336, RTN group 128, random weights), one token, weight copies cycled past L2; "
-             "`PYTHONPATH=src python benchmarks/int4_decode.py --parts rows` (countdown.bench.int4rows). Microseconds; "
+             "`PYTHONPATH=src python benchmarks/int4_decode.py --parts rows` (harness.int4rows). Microseconds; "
              "the parts by difference (indicator GEMV, select kernel, other GEMV's kept rows, down kernel and residual "
              "add; before run R7 the select kernel computed the other GEMV's rows: its column holds both).", ""]
     def of_run(run):  # (each method's best at each k, {(method, k, part): us}) of one run
@@ -313,7 +313,7 @@ def memory_rows(stamp: dict, out: str) -> None:
     """What the 8B shape holds (arithmetic on the format's sizes; the model built on the meta device)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ..data.models import shape_config_dict
+    from countdown.data.models import shape_config_dict
 
     raw = shape_config_dict("llama-3.1-8b-shape")
     with torch.device("meta"):

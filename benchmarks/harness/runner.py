@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import measure
-from .speedonly import (SPEED_ONLY, RANDOM_KINDS, SpecUnavailable, decode_prompts, fit_cuts_on_decode,
-                        random_artifacts, retarget)
-from ..spec import Spec, parse_spec
+from countdown.bench.measure import kept_fractions, time_decode
+from countdown.bench.speedonly import (SPEED_ONLY, RANDOM_KINDS, IdTokenizer, SpecUnavailable, decode_prompts,
+                                       fit_cuts_on_decode, generated_texts, library_artifacts, private_copy,
+                                       random_artifacts, retarget)
+from countdown.spec import Spec, parse_spec
+
+from .checks import clear_dynamo_counts, dynamo_counts
 from .timing import Budget, PeakMemory, spread
+from .weightbytes import model_bytes, step_weight_bytes
 
 TIMED_PROMPT_SEED = 3
 
@@ -48,6 +52,13 @@ class DecodeSettings:
     batch_specs: list[str] | None = None
     profile: bool = False
     breakdown: bool = True
+
+
+def on_device(art, device):
+    """``art`` with every tensor on ``device``: selectors built from it (every ``sparsify`` and
+    :func:`countdown.bench.speedonly.retarget`) then unpack and copy there, not on the host (seconds per layer at
+    8B)."""
+    return type(art)(art.meta, {name: t.to(device) for name, t in art.tensors.items()})
 
 
 class _Artifacts:
@@ -78,40 +89,18 @@ class _Artifacts:
         return self.cache[spec.label]
 
     def _library(self, spec: Spec):
-        from .speedonly import library_artifacts
-
         s = self.settings
         texts = generated_texts(self.model, s.prompt, 2048, s.fit_prompts)
         return library_artifacts(self.model, spec, s.ks, texts, IdTokenizer(), num_tokens=2048)
 
 
-class IdTokenizer:
-    """A stand-in tokenizer for models without one: the text is token ids separated by spaces."""
-
-    bos_token_id = None
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [int(t) for t in text.split()]}
-
-
-def generated_texts(model, prompt_len: int, n_tokens: int, n_prompts: int) -> list[str]:
-    """``n_prompts`` random prompts (seeds 100, 101, ...) each with the dense model's greedy
-    continuation, about ``n_tokens`` tokens in all, as :class:`IdTokenizer` text."""
-    from ..decode.generate import generate_fast
-
-    new = max(1, n_tokens // n_prompts - prompt_len)
-    prompts = decode_prompts(model.config.vocab_size, n_prompts, prompt_len).to(next(model.parameters()).device)
-    out, _ = generate_fast(model, prompts, new, compile="eager")
-    return [" ".join(str(int(t)) for t in row.tolist()) for row in out]
-
-
 def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpoint=None) -> list[dict]:
     """Time dense and every spec of ``settings`` on ``model`` (on CUDA with the compiled harness, on
-    CPU eager); returns the rows (``countdown.bench.report.DECODE_COLUMNS``) and fills ``meta`` with
+    CPU eager); returns the rows (``harness.report.DECODE_COLUMNS``) and fills ``meta`` with
     ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``. ``checkpoint(rows)``,
     if given, is called after every configuration (e.g. to write the report so far)."""
-    from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
+    from countdown.decode.generate import reset_decoders
+    from countdown.sparse import sparsify, unsparsify
 
     s = settings
     budget = Budget(s.budget_s)
@@ -134,11 +123,11 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
         built = {key: art.meta.get(key) for key in ("d_rank", "bits", "group")} if art is not None else {}
         opts = {key: v for key, v in {**(spec.options if spec else {}), **built}.items()
                 if v is not None and key in ("d_rank", "bits", "group")}
-        nbytes = measure.step_weight_bytes(model, spec.roofline_kind if spec else "dense",
+        nbytes = step_weight_bytes(model, spec.roofline_kind if spec else "dense",
                                            1.0 if spec is None else kept_read, batch, **opts)
         gbps = nbytes / (stats["ms_per_step"] / 1e3) / 1e9
         tps = [st["tokens_per_s"] for st in stats_list]
-        graphs = measure.dynamo_counts() if harness_name.startswith("compile") else None
+        graphs = dynamo_counts() if harness_name.startswith("compile") else None
         row = {
             "device": meta.get("device"), "date": meta.get("date"), "run": meta.get("run"), "config": meta.get("config"),
             "method": label, "harness": harness_name, "sparsity": "" if k is None else k,
@@ -165,7 +154,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
     def timed(prompt, lengths, harness_name, samples):
         out = {}
         for n in lengths:
-            out[n] = [measure.time_decode(model, prompt, n, harness_name, max_cache_len) for _ in range(samples)]
+            out[n] = [time_decode(model, prompt, n, harness_name, max_cache_len) for _ in range(samples)]
         return out
 
     for batch in s.batches:
@@ -174,15 +163,15 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
             for n in s.eager_tokens:
                 with PeakMemory() as peak:
                     res = timed(prompt, [n], "eager", 1)
-                add("dense", None, None, batch, n, res[n], (1.0, 1.0), "", "eager", peak.bytes, measure.model_bytes(model))
+                add("dense", None, None, batch, n, res[n], (1.0, 1.0), "", "eager", peak.bytes, model_bytes(model))
         if budget.left() < s.compile_estimate_s + 15:
             log(f"budget: skipping dense b={batch} ({budget.left():.0f}s left)")
             continue
-        measure.clear_dynamo_counts()
+        clear_dynamo_counts()
         with PeakMemory() as peak:
             res = timed(prompt, s.new_tokens, harness, max(1, s.dense_samples))
         dense_rows = [add("dense", None, None, batch, n, res[n], (1.0, 1.0), "", harness, peak.bytes,
-                          measure.model_bytes(model)) for n in s.new_tokens]
+                          model_bytes(model)) for n in s.new_tokens]
         meta.setdefault("dense_spread", {})[str(batch)] = {
             str(n): spread([st["tokens_per_s"] for st in res[n]]) for n in s.new_tokens}
         if cuda and s.profile and harness != "eager":
@@ -216,14 +205,14 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
             try:
                 for k in ks:
                     retarget(model, art, k)
-                    kept[k] = measure.kept_fractions(model, prompt, s.kept_steps)
+                    kept[k] = kept_fractions(model, prompt, s.kept_steps)
             finally:
                 unsparsify(model)
                 reset_decoders()
             sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
             try:
-                patched = measure.model_bytes(model)
-                measure.clear_dynamo_counts()  # one count over every k: retargeting must not recompile
+                patched = model_bytes(model)
+                clear_dynamo_counts()  # one count over every k: retargeting must not recompile
                 last_k = None
                 for k in ks:
                     if budget.left() < -30:  # once compiled, the other k cost seconds each: finish them
@@ -249,12 +238,6 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
             if checkpoint is not None:
                 checkpoint(rows)
     return rows
-
-
-def private_copy(art):
-    """``art`` with its own tensors: a selector may hold a view of an artifact tensor (a CPU threshold
-    does), and :func:`retarget` writes into the selectors' buffers in place."""
-    return type(art)(art.meta, {name: t.clone() for name, t in art.tensors.items()})
 
 
 def profile(model) -> dict:

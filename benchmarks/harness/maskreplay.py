@@ -3,7 +3,7 @@
 The speed tables are measured at a paper-scale shape with random weights, where the kept rows of a
 speed-only artifact fall without structure; a real model's masks may cluster (rows kept together,
 layers keeping more than others, tokens that keep more) and the kernels read rows in chunks. So masks
-recorded on a real model (:func:`countdown.bench.quality.record_masks`, saved by the quality grid) are
+recorded on a real model (:func:`record_masks`, saved by the quality grid) are
 replayed at the large shape through the masked kernel (``countdown.kernels.masked_gated_mlp``: kept
 rows of W_gate, W_up and W_down only) against
 
@@ -13,7 +13,7 @@ rows of W_gate, W_up and W_down only) against
 A real mask of width ``d_small`` is tiled across the large ``d_inter`` (row ``j`` reads real row
 ``j mod d_small``), which keeps its local structure and its kept fraction; its layers are cycled
 over the large model's first layers. Times are the median per MLP call in one CUDA graph cycling
-over layers x tokens (``countdown.bench.timing.time_graph``).
+over layers x tokens (:func:`harness.timing.time_graph`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,35 @@ import glob
 import os
 
 import torch
+
+
+@torch.no_grad()
+def record_masks(model, held, n_tokens: int = 64) -> torch.Tensor:
+    """Keep masks ``[layers, n_tokens, d_inter]`` (bool) that a sparsified ``model`` (``path="masked"``)
+    picks on the first ``n_tokens`` sparse positions of the first window of ``held``
+    (:class:`countdown.bench.quality.HeldOut`): real masks to replay at another shape."""
+    from countdown.state import dense_prefix, state_of
+
+    layers = state_of(model).layers
+    n = min(n_tokens, held.rows.shape[1] - held.prompt)
+    masks: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook(i):
+        def fn(module, args, keep):
+            if masks[i] is None:
+                masks[i] = keep.reshape(-1, keep.shape[-1])[held.prompt:held.prompt + n].cpu().clone()
+        return fn
+
+    handles = [layer.selector.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with dense_prefix(model, held.prompt):
+            model(held.rows[:1].to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    if any(m is None for m in masks):
+        raise RuntimeError("a layer's selector did not run: record masks on a model patched with path='masked'")
+    return torch.stack(masks)
 
 
 def load_masks(path: str) -> tuple[torch.Tensor, dict]:
@@ -60,7 +89,7 @@ def contiguous_like(masks: torch.Tensor) -> torch.Tensor:
 def replay(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], inputs: list[torch.Tensor],
            masks: torch.Tensor, activation: str, reps: int = 25) -> float:
     """Median microseconds per masked Gated-MLP call over layers x tokens of ``masks``."""
-    from ..kernels import masked_gated_mlp
+    from countdown.kernels import masked_gated_mlp
     from .timing import time_graph
 
     device = inputs[0].device
@@ -73,8 +102,8 @@ def replay(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], input
 def replay_files(model, paths: list[str], copy_bps: float, layers: int = 8, tokens: int = 8, log=print) -> list[dict]:
     """Replay every mask file of ``paths`` (files or folders of ``*.pt``) on ``model``'s first ``layers``
     Gated-MLPs: one dict per file with the kept fraction and the three timings."""
-    from ..eval.cost import mlp_weight_bytes
-    from ..mlp import require_gated_mlps
+    from countdown.eval.cost import mlp_weight_bytes
+    from countdown.mlp import require_gated_mlps
 
     files: list[str] = []
     for p in paths:

@@ -1,6 +1,6 @@
 """The kernel table: one sparse Gated-MLP per call against dense cuBLAS and its roofline (``benchmarks/kernels.py``).
 
-Per model shape (:data:`~countdown.bench.mlpbench.SHAPES`), batch and target sparsity k, in bf16,
+Per model shape (:data:`harness.mlpbench.SHAPES`), batch and target sparsity k, in bf16,
 :func:`bench_shape` times:
 
     dense      cuBLAS F.linear chain (W_down in nn.Linear layout)
@@ -35,17 +35,10 @@ from countdown.eval.cost import mlp_weight_bytes
 from countdown.kernels import _common, _down, _glu
 
 from .kernelchecks import CHECK_OK
+from .launches import recorded
 from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, dense_chain, down_reduce,
                        log, patched, safe_time)
 from .timing import time_graph
-
-
-def kernel_info(mod) -> str:
-    k = mod.LAST_KERNEL
-    try:
-        return f"regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
-    except AttributeError:
-        return ""
 
 
 def sweep(rank, name=MAIN):
@@ -53,7 +46,13 @@ def sweep(rank, name=MAIN):
 
     The GLU kernel is timed alone; the down kernel inside the masked chain (GLU + down: the GLU part
     is the same for every down candidate, and the chain is what clears the down's workspace). A
-    candidate whose output differs from the default configuration's is dropped."""
+    candidate whose output differs from the default configuration's is dropped. Each row's ``info``: the
+    registers, spills and shared memory of the kernel last compiled (:mod:`harness.launches`)."""
+    with recorded("glu", "down") as launches:
+        return _sweep(rank, name, launches)
+
+
+def _sweep(rank, name, launches):
     d_model, d_inter, act = SHAPES[name]
     best = {}
     rows = []
@@ -94,10 +93,10 @@ def sweep(rank, name=MAIN):
                     tot += us
                     per.append(f"{kind}@{k}:{us:.1f}")
                     rows.append(dict(kernel="glu", kind=kind, batch=batch, k=k, config=ci, us=us,
-                                     info=kernel_info(_glu)))
+                                     info=launches.info("glu")))
             if tot == tot:  # not NaN
                 res.append((tot, ci))
-            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{kernel_info(_glu)}]")
+            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{launches.info('glu')}]")
         if res:
             best[("glu", batch)] = GLU_SWEEP[batch][min(res)[1]]
         res = []
@@ -120,10 +119,10 @@ def sweep(rank, name=MAIN):
                         tot += us if k < 1 else 0.0
                         per.append(f"{k}:{us:.1f}")
                         rows.append(dict(kernel="masked_chain", kind="down", batch=batch, k=k, config=ci, us=us,
-                                         info=kernel_info(_down)))
+                                         info=launches.info("down")))
                 if tot == tot:
                     res.append((tot, ci))
-                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{kernel_info(_down)}]")
+                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{launches.info('down')}]")
         if res:
             best[("down", batch)] = DOWN_SWEEP[batch][min(res)[1]]
         p = None  # frees the weights (the closures above are done with them)
@@ -219,7 +218,7 @@ def write_outputs(rows, outdir, meta):
     os.makedirs(outdir, exist_ok=True)
     cols = ["device", "shape", "method", "sparsity", "batch", "us", "roofline_us", "dense_us", "speedup",
             "bytes", "kept_frac", "union_frac", "note"]
-    from ..io import atomic_write
+    from countdown.io import atomic_write
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
@@ -276,7 +275,7 @@ def plot(rows, path, batch=1):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    from ..io import atomic_path
+    from countdown.io import atomic_path
 
     with atomic_path(path, suffix=".png", what="kernel plot") as tmp:
         fig.savefig(tmp, dpi=120)

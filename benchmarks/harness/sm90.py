@@ -4,7 +4,8 @@
 own arguments through Triton's own ptxas and logs the resource usage (``cuobjdump -res-usage``), so the real
 compiler's type and layout errors (which the CPU interpreter cannot see) show up before device time is
 spent. :func:`compile_check` does it for every variant of ``_glu.py`` / ``_down.py`` the kernel table runs
-(``benchmarks/kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel.
+(``benchmarks/kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel (each
+through :func:`harness.launches.stand_in`, for the block of the check only).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from countdown.kernels import _down, _glu
 
+from .launches import stand_in
 from .mlpbench import DOWN_SWEEP, DTYPE, GLU_SWEEP, MAIN, SHAPES, log
 
 
@@ -90,41 +92,39 @@ def compile_check(shapes, only_defaults=False) -> bool:
     print registers, spills and shared memory; False if any fails to compile. Catches what the CPU
     interpreter cannot (type and layout errors of the real compiler) before spending device time."""
     failures = []
-    _glu._sparse_glu_kernel = Compile(_glu._sparse_glu_kernel, failures)
-    _down._sparse_down_kernel = Compile(_down._sparse_down_kernel, failures)
-    _down._sum_partials_kernel = Compile(_down._sum_partials_kernel, failures)
-    for name in shapes:
-        d_model, d_inter, act = SHAPES[name]
-        for batch in (1, 8):
-            b = 1 if batch == 1 else 8
-            glu_cfgs = [None] + (GLU_SWEEP[b] if name == MAIN and not only_defaults else [])
-            down_cfgs = [None] + (DOWN_SWEEP[b] if name == MAIN and not only_defaults else [])
-            dtypes = (DTYPE, torch.float16, torch.float32) if name == MAIN else (DTYPE,)
-            for dt in dtypes:
-                e = lambda *shape, d=dt: torch.empty(shape, dtype=d)
-                x, w, ind = e(batch, d_model), e(d_inter, d_model), e(batch, d_inter)
-                mask = torch.empty(batch, d_inter, dtype=torch.uint8)
-                plan = _down.DownPlan(batch, d_inter, d_model)
-                work = plan.workspace("cpu", zeroed=False)
-                thr_t = torch.empty((), dtype=torch.float32)
-                for cfg in glu_cfgs if dt == DTYPE else [None]:
-                    for mode, gate, up, kw in (("abs", True, False, {}), ("abs_act", False, True, {}),
-                                               ("gt", True, True, {}), ("mask", True, True, {})):
-                        src = mask if mode == "mask" else ind
-                        _glu.sparse_glu(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
-                                        config=cfg, zero=work, **kw)
-                    if cfg is None and batch > 1:
-                        _glu.sparse_glu(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
-                for cfg in down_cfgs if dt == DTYPE else [None]:
-                    for reduce in ("atomic", "splitk"):
-                        c = {**(cfg or {}), "reduce": reduce}
-                        pl = _down.DownPlan(batch, d_inter, d_model, config=c)
-                        _down.sparse_down(ind, None, w, plan=pl)
-                    if cfg is None:
-                        _down.sparse_down(ind, mask.bool(), w, plan=plan, workspace=work)
-                        if batch > 1:
-                            pl = _down.DownPlan(batch, d_inter, d_model, per_token=True)
-                            _down.sparse_down(ind, None, w, per_token=True, plan=pl)
+    with stand_in(["glu", "down", "sum_partials"], lambda name, jit: Compile(jit, failures)):
+        for name in shapes:
+            d_model, d_inter, act = SHAPES[name]
+            for batch in (1, 8):
+                b = 1 if batch == 1 else 8
+                glu_cfgs = [None] + (GLU_SWEEP[b] if name == MAIN and not only_defaults else [])
+                down_cfgs = [None] + (DOWN_SWEEP[b] if name == MAIN and not only_defaults else [])
+                dtypes = (DTYPE, torch.float16, torch.float32) if name == MAIN else (DTYPE,)
+                for dt in dtypes:
+                    e = lambda *shape, d=dt: torch.empty(shape, dtype=d)
+                    x, w, ind = e(batch, d_model), e(d_inter, d_model), e(batch, d_inter)
+                    mask = torch.empty(batch, d_inter, dtype=torch.uint8)
+                    plan = _down.DownPlan(batch, d_inter, d_model)
+                    work = plan.workspace("cpu", zeroed=False)
+                    thr_t = torch.empty((), dtype=torch.float32)
+                    for cfg in glu_cfgs if dt == DTYPE else [None]:
+                        for mode, gate, up, kw in (("abs", True, False, {}), ("abs_act", False, True, {}),
+                                                   ("gt", True, True, {}), ("mask", True, True, {})):
+                            src = mask if mode == "mask" else ind
+                            _glu.sparse_glu(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
+                                            config=cfg, zero=work, **kw)
+                        if cfg is None and batch > 1:
+                            _glu.sparse_glu(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
+                    for cfg in down_cfgs if dt == DTYPE else [None]:
+                        for reduce in ("atomic", "splitk"):
+                            c = {**(cfg or {}), "reduce": reduce}
+                            pl = _down.DownPlan(batch, d_inter, d_model, config=c)
+                            _down.sparse_down(ind, None, w, plan=pl)
+                        if cfg is None:
+                            _down.sparse_down(ind, mask.bool(), w, plan=plan, workspace=work)
+                            if batch > 1:
+                                pl = _down.DownPlan(batch, d_inter, d_model, per_token=True)
+                                _down.sparse_down(ind, None, w, per_token=True, plan=pl)
     log(f"compile check: {len(failures)} failures")
     return not failures
 

@@ -1,13 +1,13 @@
-"""countdown.bench.mlpbench / kerneltable: the kernel-timing harness of benchmarks/kernels.py, few.py and shadow.py
+"""harness.mlpbench / kerneltable: the kernel-timing harness of benchmarks/kernels.py, few.py and shadow.py
 (CPU, tiny shapes; speeds are never asserted)."""
 
 import csv
 
 import torch
 
-from countdown.bench import mlpbench
-from countdown.bench.kerneltable import write_outputs
 from countdown.kernels import _down
+from harness import mlpbench
+from harness.kerneltable import write_outputs
 
 
 def test_gap_threshold_sits_between_two_distinct_values_near_the_quantile():

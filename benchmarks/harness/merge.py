@@ -1,8 +1,8 @@
 """Operating points: the quality of each configuration on a real model joined with its speed at a
 paper-scale shape, one table, plot and recommendation per model.
 
-Quality comes from the CPU grid (:mod:`countdown.bench.qualitygrid`, ``<quality>/<model>.csv``), speed
-from the one-compile decode benchmark (:mod:`countdown.bench.onecompile`, ``decode.csv``: Llama-3.1-8B
+Quality comes from the CPU grid (:mod:`harness.qualitygrid`, ``<quality>/<model>.csv``), speed
+from the one-compile decode benchmark (:mod:`harness.onecompile`, ``decode.csv``: Llama-3.1-8B
 shape, random weights, batch 1); speed is decode tokens/s (steps/s, the prefill left out), tokens/s
 columns too. A row's speed is read off its method's 8B-shape curve at the
 Sparsity-Real the method reached ON THE REAL MODEL (linear interpolation between the kept fractions
@@ -68,7 +68,7 @@ def _interp(points: list[tuple[float, dict]], x: float, key: str):
 def sweep_label(method_label: str) -> str:
     """The sweep's name of a bench spec: the plain method where the spec is its default kind
     (:func:`countdown.eval.sweep.cells.column_label`); a label that is no spec stays as it is."""
-    from ..eval.sweep.cells import column_label
+    from countdown.eval.sweep.cells import column_label
 
     try:
         return column_label(method_label)
@@ -82,8 +82,8 @@ def task_scores(path: Path) -> tuple[dict, float | None, list[str], dict]:
     the tasks dense has there."""
     import json
 
-    from ..eval.sweep.cells import AGREEMENT_TASK, PPL_TASKS
-    from ..eval.sweep.tables import average_scores
+    from countdown.eval.sweep.cells import AGREEMENT_TASK, PPL_TASKS
+    from countdown.eval.sweep.tables import average_scores
 
     if not path.exists():
         return {}, None, [], {}
@@ -111,7 +111,7 @@ def sweep_cell(method_label: str, kinds: dict) -> str | None:
     """The sweep's method whose SP-Prac artifacts were of the same method and kind as ``method_label``
     (its own spelling first: the sweep's plain ``dual`` was the hybrid kind before shadow became the
     default), or None."""
-    from ..spec import parse_spec
+    from countdown.spec import parse_spec
 
     try:
         spec = parse_spec(method_label).resolved()
@@ -189,7 +189,7 @@ def merge_operating_points(speed_dirs: Sequence[str], quality_dir: str = "result
     ``{model: paths and recommendation}``. ``harnesses``: whose rows make the speed curves (default the
     one-compile benchmark's; ``("compile-cdt",)`` reads the earlier per-compile runs); ``note``: a first
     line for the Markdown and the plot's title (e.g. that the speed is a trial's)."""
-    from .opreport import write_operating_points
+    from countdown.bench.opreport import write_operating_points
     from .qualitygrid import read_rows
     from .report import fill_references, read_runs
 

@@ -151,7 +151,7 @@ def profile_steps(model, n_steps: int = 16) -> dict:
     """Device time per decode step by kernel class (:data:`KERNEL_CLASSES`), from torch.profiler over
     ``n_steps`` calls of the model's cached (compiled or captured) step, after a ``generate_fast`` run
     made it. Returns :func:`profile_calls`' dict."""
-    from ..decode.generate import _DECODERS, _scope
+    from countdown.decode.generate import _DECODERS, _scope
 
     decoder = _DECODERS[model]
     # The static cache writes at its own running length: start it afresh so the n_steps + 2 writes fit.

@@ -1,4 +1,4 @@
-"""countdown.bench.int4quality (the sparse rows of benchmarks/int4_quality.py): the float twin computes the 4-bit
+"""harness.int4quality (the sparse rows of benchmarks/int4_quality.py): the float twin computes the 4-bit
 model's numbers, W_down^T rounding against a NumPy re-implementation of the format's min-max rounding along
 d_model, and the bytes per layout against the arithmetic written out by hand."""
 
@@ -12,9 +12,9 @@ from torch import nn
 
 import countdown
 from conftest import tiny_model
-from countdown.bench.int4quality import (down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight)
 from countdown.int4 import Int4Linear, unpack
 from countdown.spec import parse_spec
+from harness.int4quality import down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight
 
 IDS = torch.randint(3, 120, (2, 12), generator=torch.Generator().manual_seed(3))
 

@@ -1,6 +1,6 @@
 """The Gated-MLP kernel-timing harness: random problems at real shapes, CUDA-graph timing, kernel tables.
 
-Shared by ``benchmarks/kernels.py`` (the kernel table, :mod:`~countdown.bench.kerneltable`),
+Shared by ``benchmarks/kernels.py`` (the kernel table, :mod:`harness.kerneltable`),
 ``benchmarks/few.py`` (2-8 tokens) and ``benchmarks/shadow.py`` (the shadow indicator):
 
 * :class:`Problem`: NSETS weight sets and NSLOTS inputs of one shape and batch (more than 1 GB per shape,
