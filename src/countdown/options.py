@@ -224,6 +224,14 @@ def number(range_name: str) -> Callable[[str], Any]:
     return parse
 
 
+def path_option(text: str) -> str:
+    """An argparse ``type`` for a path option: an empty (or blank) string is refused at the parse, never read
+    as "the default" or as the current folder."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"must be a path, got {text!r}")
+    return text
+
+
 def sparsities(text: str) -> list[float]:
     """An argparse ``type`` for comma-separated k: each a number in (0, 1), distinct, at least one."""
     r = RANGES["sparsity"]

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from ..options import Parser, add_number
+from ..options import Parser, add_number, path_option
 from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg
 from .prac import add_prac_commands
 
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_number(p, "--sparsities", range="sparsities", default="0.5,0.7,0.8,0.9",
                help="with --full: k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
     add_number(p, "--max-tokens", range="max_tokens", default=2048, help="tokens of XSum per perplexity (default 2048)")
-    p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png (default demo_out)")
+    p.add_argument("--out", default="demo_out", type=path_option, help="folder for demo.md / demo.csv / demo.png (default demo_out)")
     add_number(p, "--prac-sparsities", range="sparsities", default="0.7,0.8,0.9",
                help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
     p.add_argument("--no-prac", action="store_true",
@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                help="k values (default 0.5 0.6 0.7 0.8 0.9)")
     add_number(p, "--max-tokens", range="analysis_tokens", default=2048, help="tokens of text (default 2048)")
     p.add_argument("--texts", default=None, help=TEXTS_HELP)
-    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
-    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
+    p.add_argument("--plot", default=None, type=path_option, help="write the tornado plot to this PNG (default: no plot)")
+    p.add_argument("--json", default=None, type=path_option, help="write all figures (per layer too) to this JSON file (default: none)")
     p.set_defaults(func=cmd_analyze)
     _state_defaults(sub)
     return parser
