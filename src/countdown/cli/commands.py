@@ -7,8 +7,8 @@ import contextlib
 import json
 import sys
 
-from ..options import Parser, add_number, path_option
-from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg
+from ..options import Parser, add_number, check_at_most, path_option
+from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg, warnings_as_lines
 from .prac import add_prac_commands
 
 
@@ -79,12 +79,12 @@ def cmd_ppl(args) -> int:
     spec = _validated_method(args)
     texts = load_text_arg(args.texts)  # a wrong --texts stops before the model load
     model, tok, spec = _load_sparsified(args, "decode", spec=spec)  # the metric, not the scope, decides what is sparse
-    ppl = countdown.perplexity(model, tok, texts=texts, max_tokens=args.max_tokens,
-                               window=args.window, metric=args.metric)
+    ppl, tokens = countdown.perplexity(model, tok, texts=texts, max_tokens=args.max_tokens, window=args.window,
+                                       metric=args.metric, return_tokens=True)
     result = {"model": args.model, "method": spec.label, "mode": args.mode, "metric": args.metric,
               "sparsity": None if spec.is_dense else args.sparsity, "perplexity": ppl,
               "sparsity_real": None if spec.is_dense else countdown.sparsity_real(model)["mean"],
-              "tokens": args.max_tokens}
+              "tokens": tokens}  # the text tokens scored, not the --max-tokens asked for
     if args.json:
         print(json.dumps(result))
     else:
@@ -177,13 +177,16 @@ def cmd_cost(args) -> int:
         d_model, d_inter = first.d_model, first.d_inter
     if d_model is None or d_inter is None:
         raise ValueError("give --d-model and --d-inter (or --model to read them from a model)")
-    tables = {k: cost_table(d_model, d_inter, args.d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
+    d_rank = min(512, d_model) if args.d_rank is None else args.d_rank
+    check_at_most("--d-rank", d_rank, f"{args.model}'s d_model" if args.model else "--d-model", d_model,
+                  "a predictor's rank is at most its input's width")
+    tables = {k: cost_table(d_model, d_inter, d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
               for k in args.sparsity}
     if args.json:
         print(json.dumps({f"{k:g}": t for k, t in tables.items()}, indent=2))
     else:
         for k, table in tables.items():
-            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={args.d_rank} k={k:g}"))
+            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={d_rank} k={k:g}"))
             print()
     return 0
 
@@ -309,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
     add_number(p, "--d-model", range="d_model", help="hidden size (default: from --model; one of the two is needed)")
     add_number(p, "--d-inter", range="d_inter", help="Gated-MLP width (default: from --model)")
-    add_number(p, "--d-rank", range="d_rank", default=512, help="predictor rank for dual / dejavu (default 512)")
+    add_number(p, "--d-rank", range="d_rank", default=None,
+               help="predictor rank for dual / dejavu, at most d_model (default 512, or d_model where smaller)")
     add_number(p, "--sparsity", range="sparsity", nargs="+", default=[0.7, 0.8, 0.9],
                help="k values (default 0.7 0.8 0.9)")
     add_number(p, "--c-act", range="c_act", default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return args
     got: list[int] = []
     try:
-        with _sigterm_unwinds() as got:
+        with _sigterm_unwinds() as got, warnings_as_lines(args.command):
             return args.func(args)
     except KeyboardInterrupt as err:
         # Ctrl-C / SIGTERM: say what is safe and how to go on, not a traceback

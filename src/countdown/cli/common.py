@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
+import warnings
 
 from ..options import add_number
 
@@ -56,3 +60,21 @@ def check_model_arg(name: str) -> None:
         raise
     except (ValueError, FileNotFoundError):
         pass
+
+
+@contextlib.contextmanager
+def warnings_as_lines(command: str):
+    """While a command runs, countdown's own warnings (a text shorter than asked for, ...) print as one line,
+    ``countdown <command>: warning: ...``, not as Python's ``file:line: Category: ...`` with a source line; other
+    libraries' warnings print as they always do."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not os.path.abspath(filename).startswith(package):
+                return shown(message, category, filename, lineno, file, line)
+            print(f"countdown {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+        warnings.showwarning = show
+        yield

@@ -120,7 +120,7 @@ def _refine_on_decode(args, model, tok, art) -> None:
 
     # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
     texts = args.texts or calibration_texts()
-    windows = [w for w in token_windows(tok, texts, 8 * 32, 32) if w.shape[1] == 32][:8]
+    windows = [w for w in token_windows(tok, texts, 8 * 32, 32, name=None) if w.shape[1] == 32][:8]
     history = countdown.refine_cuts_on_decode(model, art, torch.cat(windows), new_tokens=64,
                                               rounds=args.refine_on_decode)
     for k, rounds in history.items():

@@ -417,8 +417,9 @@ def as_texts(texts, default: str = DEFAULT_EVAL_SOURCE) -> list[str]:
     bad = next((t for t in items if not isinstance(t, str)), None)
     if bad is not None:
         raise TypeError(f"texts must be a list of strings, found a {type(bad).__name__} in it")
-    if not items:
-        raise ValueError("texts is an empty list: give at least one text, or None for the default text")
+    if not any(text.strip() for text in items):  # as load_texts refuses a file of blanks: "holds no text"
+        raise ValueError(f"texts holds no text: {'it is an empty list' if not items else 'every string is blank'}; "
+                         "give at least one text, or None for the default text")
     return items
 
 
