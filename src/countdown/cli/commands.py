@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..options import Parser, add_number, check_at_most, path_option
-from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg, warnings_as_lines
+from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg, shell_advice, warnings_as_lines
 from .prac import add_prac_commands
 
 
@@ -392,13 +392,13 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except KeyboardInterrupt as err:
         # Ctrl-C / SIGTERM: say what is safe and how to go on, not a traceback
-        detail = str(err) or "nothing of this run was saved except what it reported as written"
+        detail = shell_advice(str(err)) or "nothing of this run was saved except what it reported as written"
         how = "terminated (SIGTERM)" if got or isinstance(err, Terminated) else "interrupted"
         print(f"countdown {args.command}: {how}: {detail}", file=sys.stderr)
         return 143 if how != "interrupted" else 130
     except (ValueError, TypeError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
             AlreadySparsifiedError, NotSparsifiedError, LockedError, UnwritableError) as err:
-        print(f"countdown {args.command}: error: {err}", file=sys.stderr)
+        print(f"countdown {args.command}: error: {shell_advice(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:  # an OS error (disk full, read-only, permission, ...) from anywhere: one line
         if os_error_of(err) is None:

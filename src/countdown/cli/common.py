@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import warnings
 
@@ -78,3 +79,27 @@ def warnings_as_lines(command: str):
 
         warnings.showwarning = show
         yield
+
+
+_SPARSIFIED = ("--model names a model saved sparsified (countdown.save keeps its sparsity); this command needs it "
+               "dense: give the dense model (its catalogue name, .gguf file or folder) as --model")
+_TOKENIZER = "(tokenizer.json, tokenizer_config.json, ... from the model it came from)"
+
+# The API's Python advice, and what the same error says on the command line (the model there is --model's, the
+# options are flags). Each pattern replaces the clause it matches, or the whole message where it says so.
+SHELL_ADVICE: list[tuple[re.Pattern, str]] = [
+    (re.compile(r".*call countdown\.unsparsify\(model\)[^;:]*|.*\(countdown\.unsparsify first\).*"
+                r"|.*or countdown\.unsparsify\(model\) first.*", re.S), _SPARSIFIED),
+    (re.compile(r" \(force=True\)"), ""),
+    (re.compile(r"pass (\S+) \(([a-z_]+)=\.\.\.\)"), r"pass \1"),
+    (re.compile(r"\(tokenizer\.save_pretrained\(folder\)\), or pass the tokenizer"), _TOKENIZER),
+    (re.compile(r"pass --checkpoint DIR \(checkpoint=\.\.\.\)"), "pass --checkpoint DIR"),
+]
+
+
+def shell_advice(message: str) -> str:
+    """``message`` (an error of the Python API) with its Python advice replaced by the command line's: what a
+    command prints, so that no shell user is told to call ``countdown.unsparsify(model)``."""
+    for pattern, replacement in SHELL_ADVICE:
+        message = pattern.sub(replacement, message)
+    return message

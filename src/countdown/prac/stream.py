@@ -18,7 +18,7 @@ from torch import nn
 
 from ..mlp import GatedMLP
 from ..registry import Method
-from ..state import is_sparsified
+from ..state import AlreadySparsifiedError, is_sparsified
 from ..tp import refuse_sharded
 
 DEFAULT_WINDOW = 512
@@ -120,7 +120,7 @@ class _StopForward(Exception):
 def check_unpatched(model: nn.Module) -> None:
     """Calibration reads the dense model: refuse a patched one (sparse upstream layers change x)."""
     if is_sparsified(model):
-        raise RuntimeError("calibrate/train on the dense model: call countdown.unsparsify(model) first "
+        raise AlreadySparsifiedError("calibrate/train on the dense model: call countdown.unsparsify(model) first "
                            "(a patched model feeds sparse activations to later layers)")
 
 
