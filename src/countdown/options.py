@@ -158,11 +158,12 @@ def _vocab(model: Any) -> int | None:
     return size if isinstance(size, int) else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def check_sampling(top_k: Any = None, top_p: Any = None, seed: Any = None, vocab: int | None = None) -> None:
+def check_sampling(top_k: Any = None, top_p: Any = None, seed: Any = None, model_or_vocab: Any = None) -> None:
     """The sampling arguments of a generate call, checked whether or not it samples (greedy decoding ignores
     them, but ``top_p=1.5`` is a mistake either way, as ``temperature=0`` is): ranges of :data:`RANGES`, and
-    ``top_k`` at most the vocabulary where it is known."""
+    ``top_k`` at most the vocabulary of ``model_or_vocab`` (a model, or the vocabulary's size) where given."""
     check_all(top_p=top_p, seed=seed)
+    vocab = model_or_vocab if isinstance(model_or_vocab, int) or model_or_vocab is None else _vocab(model_or_vocab)
     if top_k is not None and check("top_k", top_k) > (vocab if vocab is not None else math.inf):
         raise ValueError(f"top_k must be {RANGES['top_k'].text} and at most the vocabulary ({vocab}), got {top_k}")
 

@@ -239,7 +239,7 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     (tens of seconds; later calls of the same batch and length reuse it). On CPU it decodes eagerly.
     """
     ids = _prompt_ids(input_ids)
-    check_sampling(top_k, top_p, seed)  # checked greedy or not, as temperature is
+    check_sampling(top_k, top_p, seed, model)  # checked greedy or not, as temperature is
     refuse_meta(model, "generate")
     if streamer is not None and ids.shape[0] != 1:
         raise ValueError(f"a streamer takes one sequence; got a batch of {ids.shape[0]}")
