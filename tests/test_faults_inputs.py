@@ -201,10 +201,10 @@ def _meta_model():
 def test_a_model_on_the_meta_device_is_named_as_such(what, call, tmp_path):
     """c16ac8c: "has no Gated-MLP block"; quantize and perplexity: RuntimeError "Tensor.item() cannot be called on
     meta tensors"; generate: "META device type not an accelerator"; save: NotImplementedError."""
-    from countdown.mlp import MetaTensorError
-
-    with pytest.raises(MetaTensorError, match=f"^{what}: the model's weights are meta tensors .*load the weights first"):
+    with pytest.raises(Exception, match=f"^{what}: the model's weights are meta tensors .*load the weights first") \
+            as caught:
         call(_meta_model(), tmp_path / "saved")
+    assert type(caught.value).__name__ == "MetaTensorError" and isinstance(caught.value, ValueError)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -213,7 +213,6 @@ def test_a_folder_saved_over_while_it_loads_is_read_again_as_one_save(tmp_path, 
     another checkpoint or a fine-tune". Now the load sees the folder change, reads it again and says so; a folder
     that changes under both reads is named."""
     import countdown.data.models as models
-    from countdown.data.snapshot import FolderReplacedError
 
     kw = dict(texts=word_texts(0), num_tokens=256, window=128, progress=False)
     saved = []
@@ -240,6 +239,8 @@ def test_a_folder_saved_over_while_it_loads_is_read_again_as_one_save(tmp_path, 
     assert f"{folder} changed while load_model read it (another process saved into it): reading it again" in \
         capsys.readouterr().err
     saves.extend([1, 0])
+    from countdown.data.snapshot import FolderReplacedError
+
     with pytest.raises(FolderReplacedError, match="changed twice while load_model read it: another process is saving"):
         countdown.load_model(folder)
 
@@ -253,7 +254,6 @@ def test_the_cli_gives_shell_advice_not_python_calls(calib, tmp_path, monkeypatc
     """c16ac8c: "calibrate/train on the dense model: call countdown.unsparsify(model) first" from `countdown
     calibrate` on a model given sparsified (a folder countdown.save wrote)."""
     import countdown.data.models as models
-    from countdown.cli.common import shell_advice
 
     sparse = tiny_model("llama")
     countdown.sparsify(sparse, "mono", 0.8)
@@ -269,6 +269,8 @@ def test_the_cli_gives_shell_advice_not_python_calls(calib, tmp_path, monkeypatc
     assert cli.main(calibrate_argv(calib, foreign)) == 2
     line = one_error_line(capsys.readouterr().err, "pass --force to overwrite it")
     assert "force=True" not in line
+    from countdown.cli.common import shell_advice
+
     for message in ("this model is already sparsified; call countdown.unsparsify(model) before patching it again",
                     "quantize the model before sparsifying it (countdown.unsparsify first): the selectors were built",
                     "model folder f has no tokenizer (none of x): copy the tokenizer files of this model into it "
@@ -304,13 +306,14 @@ print([name for name, module in sys.modules.items() if name.startswith("triton")
 def test_quantize_and_a_cpu_forward_need_no_triton():
     """c16ac8c: ModuleNotFoundError: No module named 'triton' (the 4-bit Linear imported its CUDA de-quantization
     kernel to decide whether it applies)."""
-    from countdown.int4.backends import DEQUANT_DTYPES
-    from countdown.kernels._int4_dequant import DTYPES
-
-    assert DEQUANT_DTYPES == DTYPES  # the decision's copy of what the kernel writes
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in ("src", env.get("PYTHONPATH", "")) if p)
+    here = os.path.dirname(os.path.dirname(countdown.__file__))  # the countdown this test imported
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, env=env, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["3 1 True 6", "[]"], done.stdout
+    from countdown.int4.backends import DEQUANT_DTYPES
+    from countdown.kernels._int4_dequant import DTYPES
+
+    assert DEQUANT_DTYPES == DTYPES  # the decision's copy of what the kernel writes
