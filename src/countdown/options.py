@@ -6,7 +6,10 @@ range stops the parse, before any model is loaded, with one line naming the opti
 option's ``--help`` states the range. The API functions call :func:`check` on the same names, so
 ``countdown.perplexity(..., max_tokens=-5)`` and ``countdown ppl --max-tokens -5`` say the same thing.
 Ranges that depend on the model (a window no longer than its positions, a ``top_k`` within its vocabulary,
-a ``group`` that divides ``d_model``) are checked where the model is known, before the work.
+token ids within it, a ``group`` that divides ``d_model``) are checked where the model is known, before the work
+(:func:`check_token_ids`, :func:`check_sampling`, :func:`check_at_most`). An integer too large for a float
+(``10**400``) is out of range, never an OverflowError. Text shorter than a token count asks for is judged by one
+rule, :func:`check_found`: below the range's minimum refused, below the request a :class:`ShortInputWarning`.
 
 This module imports nothing from countdown (every layer may use it).
 """

@@ -37,7 +37,7 @@ def _token_ids(tokenizer, texts: Sequence[str], needed: int) -> list[int]:
 def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> torch.Tensor:
     """``[n_windows, window]`` token ids: the first ``max_tokens`` tokens of the joined texts, whole windows
     only (held-out sets that need equal windows; :func:`perplexity` also scores a shorter last one)."""
-    rows = _windows(tokenizer, texts, max_tokens, window)
+    rows = _windows(tokenizer, texts, max_tokens, window, short_ok=False)
     if rows[0].shape[1] < window:
         body = window - (getattr(tokenizer, "bos_token_id", None) is not None)
         held = rows[0].shape[1] - (window - body)
@@ -49,10 +49,13 @@ def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int)
     return rows[0]
 
 
-def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> list[torch.Tensor]:
+def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int, short_ok: bool = True
+             ) -> list[torch.Tensor]:
     """The whole windows ``[n, window]``; fewer tokens than one window make one shorter window ``[1, w]``.
     Tokens after the last whole window are not scored: a short window there would score them with little
-    context, and the committed tables (2,048 tokens in windows of 511 + BOS) would move."""
+    context, and the committed tables (2,048 tokens in windows of 511 + BOS) would move. ``short_ok``: text
+    shorter than ``max_tokens`` is judged by :func:`countdown.options.check_found` (False: the caller has its
+    own, stricter rule)."""
     if window < 4:
         raise ValueError(f"window must be at least 4 tokens, got {window}")
     if max_tokens < 2:
@@ -62,7 +65,10 @@ def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> l
     bos = getattr(tokenizer, "bos_token_id", None)
     body = window - 1 if bos is not None else window
     ids = _token_ids(tokenizer, texts, max(body, max_tokens))[:max_tokens]
-    check_found("max_tokens", len(ids), max_tokens)  # fewer than 2: refused; fewer than asked: a warning
+    if short_ok:
+        check_found("max_tokens", len(ids), max_tokens)  # fewer than 2: refused; fewer than asked: a warning
+    elif len(ids) < 2:
+        raise ValueError(f"the texts hold {len(ids)} tokens: give at least 2")
     n_full = len(ids) // body
     parts = []
     if n_full:
