@@ -174,7 +174,7 @@ def test_driver_matches_direct_float64(tiny_llama):
 
 def test_driver_leaves_no_hooks_and_rejects_empty(tiny_llama):
     before = [len(layer.mlp._forward_pre_hooks) for layer in tiny_llama.model.layers]
-    with pytest.raises(ValueError, match="no tokens"):
+    with pytest.raises(ValueError, match="holds no text"):  # a blank text: refused before the model runs
         collect_indicator_stats(tiny_llama, ByteTokenizer(), [""], [0.7])
     collect_indicator_stats(tiny_llama, ByteTokenizer(), ["hello"], [0.7], max_tokens=3)  # a list: the text
     assert [len(layer.mlp._forward_pre_hooks) for layer in tiny_llama.model.layers] == before

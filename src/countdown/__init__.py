@@ -12,6 +12,7 @@ Quick start::
 """
 
 from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
+from .data.snapshot import one_save
 from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
 from .registry import Method, get_method, kept_rows, methods
 from .sparse import sparsify, unsparsify
@@ -39,6 +40,7 @@ def load_texts(source: str = "xsum", limit: int | None = None) -> list:
     return _load_texts(source, limit=limit)
 
 
+@one_save  # a saved folder is read as one save, even while another process saves over it
 def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", **kwargs):
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id (a string is a
     catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,

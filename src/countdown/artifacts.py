@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .fingerprint import dtype_name, model_fingerprint, model_meta, model_probe, other_weights  # noqa: F401
-from .io import atomic_path, read_safetensors
+from .io import atomic_path, entry_kind, read_safetensors, refuse_special
 from .mlp import GatedMLP
 from .registry import Method, check_sparsity, get_method
 
@@ -160,13 +160,16 @@ class Artifacts:
 
         An existing file at ``path`` is replaced only if it is a countdown artifact (any version):
         anything else (a notes file passed by mistake) raises :class:`ArtifactError` unless
-        ``force=True``.
+        ``force=True``. What is no regular file (a FIFO, a device, a socket) and an empty path are refused
+        whatever ``force`` says (:func:`countdown.io.refuse_special`).
         """
         from safetensors.torch import save_file
 
-        path = Path(path)
         if not force:
             refuse_foreign(path)
+        else:
+            refuse_special(path)  # a FIFO, a device or an empty path, whatever force says
+        path = Path(path)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.tensors.items()}
         header = {"countdown": canonical_meta(self.meta), "countdown_sha256": artifact_checksum(self.meta, tensors)}
         with atomic_path(path, suffix=".safetensors", what="artifact") as tmp:  # OS errors: one WriteError
@@ -219,9 +222,10 @@ def read_meta(path: str | os.PathLike) -> dict | None:
 
 def refuse_foreign(path: str | os.PathLike) -> None:
     """Raise :class:`ArtifactError` if ``path`` exists and is not a countdown artifact."""
-    path = Path(path)
     if os.path.isdir(path):
-        raise ArtifactError(f"{path} is a folder: give a file name for the artifact (e.g. {path}/mono.safetensors)")
+        raise ArtifactError(f"{path} is a folder: give a file name for the artifact (e.g. {Path(path)}/mono.safetensors)")
+    refuse_special(path)  # a FIFO or a device: refused whatever force says (opening a FIFO would block)
+    path = Path(path)
     if os.path.exists(path) and not is_artifact_file(path):
         raise ArtifactError(f"{path} exists and is not a countdown artifact: refusing to replace it; choose another "
                             "path, or pass --force (force=True) to overwrite it")
@@ -268,6 +272,10 @@ def load_artifacts(path: str | os.PathLike) -> Artifacts:
     if path.is_dir():
         raise ArtifactError(f"{path} is a folder, not an artifact file: give the .safetensors file (a folder saved by "
                             "countdown.save keeps it as countdown_artifacts.safetensors)")
+    kind = entry_kind(path)
+    if kind is not None:  # a FIFO is never opened: that would block
+        raise ArtifactError(f"{path} is {kind}, not an artifact file: give the .safetensors file written by "
+                            "`countdown calibrate` / `countdown train` (Artifacts.save)")
     if not path.is_file():
         raise ArtifactError(f"no artifact file at {path}: build one with countdown.calibrate / "
                             "countdown.train_predictors and save it, or use ensure_artifacts")

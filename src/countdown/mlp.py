@@ -30,6 +30,21 @@ class NoGatedMLPError(ValueError):
     """The model has no module of the Gated-MLP form y = down(act(gate(x)) * up(x))."""
 
 
+class MetaTensorError(ValueError):
+    """The model's weights are on the meta device: shapes without values, nothing to compute with."""
+
+
+def refuse_meta(model: nn.Module, what: str) -> None:
+    """A model whose weights are meta tensors (built under ``torch.device("meta")``, or ``from_pretrained`` with
+    weights not loaded yet) is refused by name before ``what`` runs: its probe, its quantization or its forward
+    would fail inside PyTorch ("Tensor.item() cannot be called on meta tensors") or report no Gated-MLP."""
+    meta = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise MetaTensorError(f"{what}: the model's weights are meta tensors (shapes without values; {meta} is one): "
+                              "load the weights first (from_pretrained, or load_state_dict(state, assign=True) on a "
+                              "model built under torch.device('meta')), then call it again")
+
+
 def _gelu_tanh(t):
     return F.gelu(t, approximate="tanh")
 
@@ -278,7 +293,9 @@ def find_gated_mlps(model: nn.Module) -> list[GatedMLP]:
 
 
 def require_gated_mlps(model: nn.Module) -> list[GatedMLP]:
-    """Like :func:`find_gated_mlps`, but a model without any raises a clear error."""
+    """Like :func:`find_gated_mlps`, but a model without any raises a clear error (a model on the meta device
+    another, :class:`MetaTensorError`)."""
+    refuse_meta(model, "countdown")
     found = find_gated_mlps(model)
     if not found:
         raise NoGatedMLPError(

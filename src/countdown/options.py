@@ -6,7 +6,10 @@ range stops the parse, before any model is loaded, with one line naming the opti
 option's ``--help`` states the range. The API functions call :func:`check` on the same names, so
 ``countdown.perplexity(..., max_tokens=-5)`` and ``countdown ppl --max-tokens -5`` say the same thing.
 Ranges that depend on the model (a window no longer than its positions, a ``top_k`` within its vocabulary,
-a ``group`` that divides ``d_model``) are checked where the model is known, before the work.
+token ids within it, a ``group`` that divides ``d_model``) are checked where the model is known, before the work
+(:func:`check_token_ids`, :func:`check_sampling`, :func:`check_at_most`). An integer too large for a float
+(``10**400``) is out of range, never an OverflowError. Text shorter than a token count asks for is judged by one
+rule, :func:`check_found`: below the range's minimum refused, below the request a :class:`ShortInputWarning`.
 
 This module imports nothing from countdown (every layer may use it).
 """
@@ -17,6 +20,7 @@ import argparse
 import math
 import numbers
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,7 +73,7 @@ class Range:
         if self.choices:
             return value in self.choices
         if self.fraction:
-            return value >= 1 and float(value).is_integer() or 0 < value < 1
+            return value >= 1 and (isinstance(value, int) or float(value).is_integer()) or 0 < value < 1
         if self.low is not None and (value < self.low or self.open_low and value == self.low):
             return False
         return not (self.high is not None and (value > self.high or self.open_high and value == self.high))
@@ -79,15 +83,17 @@ class Range:
         a ValueError naming ``name`` and the range for a number outside it."""
         if isinstance(value, (str, bytes)) or isinstance(value, bool) or not isinstance(value, numbers.Real):
             hint = " (parse it first)" if isinstance(value, (str, bytes)) else ""
-            raise TypeError(f"{name} must be {self.text}, got {type(value).__name__} {value!r}{hint}")
+            raise TypeError(f"{name} must be {self.text}, got {type(value).__name__} {shown(value)}{hint}")
         if self.integer and not self.fraction and not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be {self.text}, got {type(value).__name__} {value!r}")
-        if isinstance(value, numbers.Integral):
-            number = int(value) if self.integer else float(value)
+            raise ValueError(f"{name} must be {self.text}, got {type(value).__name__} {shown(value)}")
+        if isinstance(value, numbers.Integral) and self.integer:
+            number = int(value)
         else:
-            number = float(value)
-        if not math.isfinite(number) or not self.holds(number):
-            raise ValueError(f"{name} must be {self.text}, got {value!r}")
+            number = real(value)  # an integer too large for a float is +-inf here, not an OverflowError
+        if not finite(number) or not self.holds(number):
+            raise ValueError(f"{name} must be {self.text}, got {shown(value)}")
+        if isinstance(number, int) and abs(number) > INT64_MAX:  # torch takes 64-bit integers at most
+            raise ValueError(f"{name} must be {self.text} of at most 2^63 - 1, got {shown(value)}")
         if self.fraction and number >= 1:
             number = int(number)
         return number
@@ -112,6 +118,88 @@ class Range:
             raise ValueError(f"must be {self.text}, got {text!r}") from None
 
 
+def real(value: Any) -> float:
+    """``float(value)``, with an integer beyond the floats' range as +-inf (``float(10**400)`` raises
+    OverflowError): the range check then names the argument."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def finite(number: float) -> bool:
+    return isinstance(number, int) or math.isfinite(number)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, a huge integer as its first digits and length (``10**400`` is 401 digits)."""
+    text = repr(value)
+    return f"{text[:12]}... ({len(text)} digits)" if isinstance(value, int) and len(text) > 40 else text[:200]
+
+
+def check_token_ids(ids: Any, model_or_vocab: Any, name: str = "input_ids") -> None:
+    """Every token id in ``ids`` (a tensor or a sequence of ints) is in ``[0, vocab)``, the vocabulary of the
+    model's input embeddings (or the int given): a ValueError naming ``name``, the id and the vocabulary, not an
+    IndexError from inside the embedding. One host read of the ids' minimum and maximum."""
+    vocab = model_or_vocab if isinstance(model_or_vocab, int) else _vocab(model_or_vocab)
+    if vocab is None:
+        return
+    values = ids.reshape(-1) if hasattr(ids, "reshape") and hasattr(ids, "numel") else list(ids)
+    if (values.numel() if hasattr(values, "numel") else len(values)) == 0:
+        return
+    low, high = int(min(values) if isinstance(values, list) else values.min()), \
+        int(max(values) if isinstance(values, list) else values.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary of {vocab} (ids 0 to "
+                         f"{vocab - 1}): encode the text with this model's own tokenizer")
+
+
+def _vocab(model: Any) -> int | None:
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    size = getattr(embeddings, "num_embeddings", None)
+    return size if isinstance(size, int) else getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def check_sampling(top_k: Any = None, top_p: Any = None, seed: Any = None, model_or_vocab: Any = None) -> None:
+    """The sampling arguments of a generate call, checked whether or not it samples (greedy decoding ignores
+    them, but ``top_p=1.5`` is a mistake either way, as ``temperature=0`` is): ranges of :data:`RANGES`, and
+    ``top_k`` at most the vocabulary of ``model_or_vocab`` (a model, or the vocabulary's size) where given."""
+    check_all(top_p=top_p, seed=seed)
+    vocab = model_or_vocab if isinstance(model_or_vocab, int) or model_or_vocab is None else _vocab(model_or_vocab)
+    if top_k is not None and check("top_k", top_k) > (vocab if vocab is not None else math.inf):
+        raise ValueError(f"top_k must be {RANGES['top_k'].text} and at most the vocabulary ({vocab}), got {top_k}")
+
+
+def check_at_most(name: str, value: Any, bound_name: str, bound: int, why: str = "") -> None:
+    """``value`` (of the argument ``name``) no larger than ``bound`` (the argument or quantity ``bound_name``)."""
+    if value is not None and bound is not None and value > bound:
+        raise ValueError(f"{name} must be at most {bound_name} ({bound}), got {shown(value)}" + (f": {why}" if why else ""))
+
+
+class ShortInputWarning(UserWarning):
+    """The text held fewer tokens than asked for (but at least the documented minimum): the run used them all and
+    reports how many it used."""
+
+
+def check_found(range_name: str, found: int, requested: int, name: str | None = None,
+                what: str = "the texts") -> int:
+    """Tokens ``found`` in the text against ``requested`` (the argument ``name``, of the range ``range_name``),
+    the one rule of every function that reads a number of tokens of text and of the command line that calls it:
+    fewer than the range's minimum (:data:`RANGES`: 2 for perplexity, 64 for calibration) is a ValueError; fewer
+    than asked, a :class:`ShortInputWarning` (once per call), and the run goes on with what there is. Returns
+    ``found``, the count the caller reports."""
+    name = name or range_name
+    low = RANGES[range_name].low
+    if low is not None and found < low:
+        raise ValueError(f"{what} hold {found} tokens, fewer than the {_fmt(low)} that {name} needs at least "
+                         f"({RANGES[range_name].text}): give more text")
+    if found < requested:
+        warnings.warn(f"{what} hold {found} tokens, fewer than {name}={requested}: using those {found}",
+                      ShortInputWarning, stacklevel=3)
+    return found
+
+
 def _fmt(value: float) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         return str(int(value))
@@ -129,6 +217,7 @@ def _real(low=None, high=None, **kw) -> Range:
 
 
 SEED_MAX = 2 ** 32 - 1
+INT64_MAX = 2 ** 63 - 1
 
 # name -> range. The names are the API's parameter names where one range serves one parameter.
 RANGES: dict[str, Range] = {
@@ -224,6 +313,14 @@ def number(range_name: str) -> Callable[[str], Any]:
     parse.__name__ = range_name
     parse.range_text = r.text  # type: ignore[attr-defined]
     return parse
+
+
+def path_option(text: str) -> str:
+    """An argparse ``type`` for a path option: an empty (or blank) string is refused at the parse, never read
+    as "the default" or as the current folder."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"must be a path, got {text!r}")
+    return text
 
 
 def sparsities(text: str) -> list[float]:

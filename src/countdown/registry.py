@@ -123,15 +123,15 @@ def check_sparsity(sparsity: float) -> float:
     """
     import numbers
 
-    from .options import RANGES
+    from .options import RANGES, real, shown
 
     if isinstance(sparsity, (str, bytes)) or isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
         hint = " (parse it first: float(text))" if isinstance(sparsity, (str, bytes)) else ""
-        raise TypeError(f"sparsity must be a real number in (0, 1), got {type(sparsity).__name__} {sparsity!r}{hint}")
-    k = float(sparsity)
+        raise TypeError(f"sparsity must be a real number in (0, 1), got {type(sparsity).__name__} {shown(sparsity)}{hint}")
+    k = real(sparsity)  # 10**400 is inf here (float() would raise OverflowError), then refused below
     if math.isnan(k) or not RANGES["sparsity"].holds(k):
         raise ValueError(f"sparsity must be {RANGES['sparsity'].text}, strictly between 0 and 1 (the fraction of rows "
-                         f"skipped), got {sparsity!r}; use method='dense' for no sparsity")
+                         f"skipped), got {shown(sparsity)}; use method='dense' for no sparsity")
     return k
 
 

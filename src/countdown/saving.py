@@ -68,8 +68,10 @@ def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite:
     ``overwrite=True``. The folder is checked writable and locked (``.<name>.lock`` beside it) before anything
     is written; a symbolic link is written through."""
     from .io import atomic_folder, check_writable_dir, file_lock, recover, resolve_link
+    from .mlp import refuse_meta
 
     folder = Path(folder)
+    refuse_meta(model, "save")  # meta tensors hold nothing to write: refused before the folder is touched
     record = _record(model)  # refuses before any write
     target = resolve_link(folder)
     recover(target)  # a save killed between its two renames: the old folder is put back first

@@ -5,17 +5,19 @@
     countdown bench --model smollm2-135m --int4           # and the model in 4 bits, dense, last
 
 Writes ``<out>/<model>.csv`` / ``.md`` / ``.png`` (columns model, method, sparsity, sparsity_real,
-ppl_increase, kl, decode_speedup, device, date, ...) and prints the table and a one-line
-recommendation. :func:`add_arguments` and :func:`bench_from_args` are what ``countdown.cli`` registers.
+ppl_increase, kl, decode_speedup, device, date, ..., run) and prints the table and a one-line
+recommendation. The CSV keeps the rows of every run into the folder (``run`` says which), the report and plot
+show the latest run. :func:`add_arguments` and :func:`bench_from_args` are what ``countdown.cli`` registers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
-from ..options import Parser, add_device_arg, add_number
+from ..options import Parser, add_device_arg, add_number, path_option
 
 DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
 
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="method specs (countdown.spec), e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal "
                              "(a spec this library cannot run is refused, listing the valid ones)")
     add_number(parser, "--sparsity", "-k", range="sparsities", default=[0.7, 0.8, 0.9], help="target sparsities k")
-    parser.add_argument("--out", default="bench_out", help="folder for <model>.csv / .md / .png")
+    parser.add_argument("--out", default="bench_out", type=path_option, help="folder for <model>.csv / .md / .png")
     add_device_arg(parser)
     parser.add_argument("--dtype", default=None, help="bf16 / fp16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--texts", default=None, help="held-out text for quality: xsum (default), wiki or a .txt/.jsonl "
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     "last): each speed-up is the median of the rounds' ratios, printed with their min and max")
     add_number(parser, "--max-ppl-increase", range="max_ppl_increase", default=0.05,
                help="the recommendation's quality bound: relative perplexity increase (0.05 = 5 %%)")
-    parser.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
+    parser.add_argument("--artifacts-dir", default=None, type=path_option, help="SP-Prac artifact cache (default <countdown cache>/artifacts)")
     parser.add_argument("--speed-only", action="store_true", help="skip quality; speed-only artifacts")
     parser.add_argument("--plain-step", action="store_true",
                         help="CUDA: time transformers' own attention and Inductor's GEMVs instead of the fastest step "
@@ -114,14 +116,22 @@ def bench_from_args(args) -> int:
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"countdown bench: error: {error}", file=sys.stderr)
         return 2
-    from ..io import check_writable_dir, claim_output
+    from ..io import check_writable_dir, read_table
+    from .operating import COLUMNS
 
-    # the outputs are checked (and the table locked) before the model loads, not after the measurements
-    with claim_output(args.out, "--out", "bench table", folder=True,
-                      lock_name=f"{str(args.model).replace('/', '_')}.csv"):
-        if args.artifacts_dir is not None and not args.speed_only:
-            check_writable_dir(args.artifacts_dir, "--artifacts-dir")
-        return _bench(args, specs, texts, calib_texts)
+    # the outputs are checked before the model loads, not after the measurements; the table is locked only while
+    # this run adds its rows to it (runs into one folder proceed side by side and keep every row)
+    check_writable_dir(args.out, "--out")
+    read_table(_table(args), COLUMNS, "bench table")  # a file there that is no bench table is refused now
+    if args.artifacts_dir is not None and not args.speed_only:
+        check_writable_dir(args.artifacts_dir, "--artifacts-dir")
+    return _bench(args, specs, texts, calib_texts)
+
+
+def _table(args):
+    from pathlib import Path
+
+    return Path(args.out) / f"{str(args.model).replace('/', '_')}.csv"
 
 
 def _bench(args, specs, texts, calib_texts) -> int:
@@ -151,7 +161,13 @@ def _bench(args, specs, texts, calib_texts) -> int:
     meta = {"model": args.model, "prompt": args.prompt, "samples": args.samples, "skipped": skipped,
             "step": "plain" if args.plain_step else "fastest (fused attention, fixed GEMVs) on CUDA",
             "command": _command(args)}
-    paths = write_operating_points(rows, args.out, meta, args.max_ppl_increase, columns=COLUMNS)
+    from ..io import adding_rows
+
+    with adding_rows(_table(args), COLUMNS, "bench table", "--out") as (work, added):  # earlier runs' rows kept
+        paths = write_operating_points(rows, str(work), meta, args.max_ppl_increase, columns=COLUMNS)
+        added.extend(rows)
+    paths = {key: value if key == "recommendation" else f"{args.out}/{os.path.basename(value)}"
+             for key, value in paths.items()}
     print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up (min-max)':>20s} {'tok/s':>8s}")
     from .opreport import label, spread
 

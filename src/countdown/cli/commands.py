@@ -7,8 +7,8 @@ import contextlib
 import json
 import sys
 
-from ..options import Parser, add_device_arg, add_number
-from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg
+from ..options import Parser, add_device_arg, add_number, check_at_most, path_option
+from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg, shell_advice, warnings_as_lines
 from .prac import add_prac_commands
 
 
@@ -90,12 +90,12 @@ def cmd_ppl(args) -> int:
     spec = _validated_method(args)
     texts = load_text_arg(args.texts)  # a wrong --texts stops before the model load
     model, tok, spec = _load_sparsified(args, "decode", spec=spec)  # the metric, not the scope, decides what is sparse
-    ppl = countdown.perplexity(model, tok, texts=texts, max_tokens=args.max_tokens,
-                               window=args.window, metric=args.metric)
+    ppl, tokens = countdown.perplexity(model, tok, texts=texts, max_tokens=args.max_tokens, window=args.window,
+                                       metric=args.metric, return_tokens=True)
     result = {"model": args.model, "method": spec.label, "mode": args.mode, "metric": args.metric,
               "sparsity": None if spec.is_dense else args.sparsity, "perplexity": ppl,
               "sparsity_real": None if spec.is_dense else countdown.sparsity_real(model)["mean"],
-              "tokens": args.max_tokens}
+              "tokens": tokens}  # the text tokens scored, not the --max-tokens asked for
     if args.json:
         print(json.dumps(result))
     else:
@@ -188,13 +188,16 @@ def cmd_cost(args) -> int:
         d_model, d_inter = first.d_model, first.d_inter
     if d_model is None or d_inter is None:
         raise ValueError("give --d-model and --d-inter (or --model to read them from a model)")
-    tables = {k: cost_table(d_model, d_inter, args.d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
+    d_rank = min(512, d_model) if args.d_rank is None else args.d_rank
+    check_at_most("--d-rank", d_rank, f"{args.model}'s d_model" if args.model else "--d-model", d_model,
+                  "a predictor's rank is at most its input's width")
+    tables = {k: cost_table(d_model, d_inter, d_rank, k, c_act=args.c_act, dtype_bytes=args.dtype_bytes)
               for k in args.sparsity}
     if args.json:
         print(json.dumps({f"{k:g}": t for k, t in tables.items()}, indent=2))
     else:
         for k, table in tables.items():
-            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={args.d_rank} k={k:g}"))
+            print(format_cost_table(table, title=f"d_model={d_model} d_inter={d_inter} d_rank={d_rank} k={k:g}"))
             print()
     return 0
 
@@ -323,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_number(p, "--sparsities", range="sparsities", default="0.5,0.7,0.8,0.9",
                help="with --full: k for the SP-Ideal rows (default 0.5,0.7,0.8,0.9)")
     add_number(p, "--max-tokens", range="max_tokens", default=2048, help="tokens of XSum per perplexity (default 2048)")
-    p.add_argument("--out", default="demo_out", help="folder for demo.md / demo.csv / demo.png (default demo_out)")
+    p.add_argument("--out", default="demo_out", type=path_option, help="folder for demo.md / demo.csv / demo.png (default demo_out)")
     add_number(p, "--prac-sparsities", range="sparsities", default="0.7,0.8,0.9",
                help="k for the SP-Prac rows (default 0.7,0.8,0.9)")
     p.add_argument("--no-prac", action="store_true",
@@ -333,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cost", help="theoretical FLOPs and memory traffic of each method (the paper's appendix)")
     add_number(p, "--d-model", range="d_model", help="hidden size (default: from --model; one of the two is needed)")
     add_number(p, "--d-inter", range="d_inter", help="Gated-MLP width (default: from --model)")
-    add_number(p, "--d-rank", range="d_rank", default=512, help="predictor rank for dual / dejavu (default 512)")
+    add_number(p, "--d-rank", range="d_rank", default=None,
+               help="predictor rank for dual / dejavu, at most d_model (default 512, or d_model where smaller)")
     add_number(p, "--sparsity", range="sparsity", nargs="+", default=[0.7, 0.8, 0.9],
                help="k values (default 0.7 0.8 0.9)")
     add_number(p, "--c-act", range="c_act", default=5.0, help="FLOPs per activation (SiLU ~ 5; default 5)")
@@ -349,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                help="k values (default 0.5 0.6 0.7 0.8 0.9)")
     add_number(p, "--max-tokens", range="analysis_tokens", default=2048, help="tokens of text (default 2048)")
     p.add_argument("--texts", default=None, help=TEXTS_HELP)
-    p.add_argument("--plot", default=None, help="write the tornado plot to this PNG (default: no plot)")
-    p.add_argument("--json", default=None, help="write all figures (per layer too) to this JSON file (default: none)")
+    p.add_argument("--plot", default=None, type=path_option, help="write the tornado plot to this PNG (default: no plot)")
+    p.add_argument("--json", default=None, type=path_option, help="write all figures (per layer too) to this JSON file (default: none)")
     p.set_defaults(func=cmd_analyze)
     _state_defaults(sub)
     return parser
@@ -408,17 +412,17 @@ def main(argv: list[str] | None = None) -> int:
         return args
     got: list[int] = []
     try:
-        with _sigterm_unwinds() as got:
+        with _sigterm_unwinds() as got, warnings_as_lines(args.command):
             return args.func(args)
     except KeyboardInterrupt as err:
         # Ctrl-C / SIGTERM: say what is safe and how to go on, not a traceback
-        detail = str(err) or "nothing of this run was saved except what it reported as written"
+        detail = shell_advice(str(err)) or "nothing of this run was saved except what it reported as written"
         how = "terminated (SIGTERM)" if got or isinstance(err, Terminated) else "interrupted"
         print(f"countdown {args.command}: {how}: {detail}", file=sys.stderr)
         return 143 if how != "interrupted" else 130
     except (ValueError, TypeError, FileNotFoundError, PackageUnavailableError, CorruptDownloadError,
             AlreadySparsifiedError, NotSparsifiedError, LockedError, UnwritableError) as err:
-        print(f"countdown {args.command}: error: {err}", file=sys.stderr)
+        print(f"countdown {args.command}: error: {shell_advice(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:  # an OS error (disk full, read-only, permission, ...) from anywhere: one line
         if os_error_of(err) is None:

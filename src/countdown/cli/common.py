@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
+import sys
+import warnings
 
 from ..options import add_device_arg, add_number
 
@@ -66,3 +71,45 @@ def check_model_arg(name: str) -> None:
         raise
     except (ValueError, FileNotFoundError):
         pass
+
+
+@contextlib.contextmanager
+def warnings_as_lines(command: str):
+    """While a command runs, countdown's own warnings (a text shorter than asked for, ...) print as one line,
+    ``countdown <command>: warning: ...``, not as Python's ``file:line: Category: ...`` with a source line; other
+    libraries' warnings print as they always do."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not os.path.abspath(filename).startswith(package):
+                return shown(message, category, filename, lineno, file, line)
+            print(f"countdown {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+        warnings.showwarning = show
+        yield
+
+
+_SPARSIFIED = ("--model names a model saved sparsified (countdown.save keeps its sparsity); this command needs it "
+               "dense: give the dense model (its catalogue name, .gguf file or folder) as --model")
+_TOKENIZER = "(tokenizer.json, tokenizer_config.json, ... from the model it came from)"
+
+# The API's Python advice, and what the same error says on the command line (the model there is --model's, the
+# options are flags). Each pattern replaces the clause it matches, or the whole message where it says so.
+SHELL_ADVICE: list[tuple[re.Pattern, str]] = [
+    (re.compile(r".*call countdown\.unsparsify\(model\)[^;:]*|.*\(countdown\.unsparsify first\).*"
+                r"|.*or countdown\.unsparsify\(model\) first.*", re.S), _SPARSIFIED),
+    (re.compile(r" \(force=True\)"), ""),
+    (re.compile(r"pass (\S+) \(([a-z_]+)=\.\.\.\)"), r"pass \1"),
+    (re.compile(r"\(tokenizer\.save_pretrained\(folder\)\), or pass the tokenizer"), _TOKENIZER),
+    (re.compile(r"pass --checkpoint DIR \(checkpoint=\.\.\.\)"), "pass --checkpoint DIR"),
+]
+
+
+def shell_advice(message: str) -> str:
+    """``message`` (an error of the Python API) with its Python advice replaced by the command line's: what a
+    command prints, so that no shell user is told to call ``countdown.unsparsify(model)``."""
+    for pattern, replacement in SHELL_ADVICE:
+        message = pattern.sub(replacement, message)
+    return message

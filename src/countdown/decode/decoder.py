@@ -236,6 +236,7 @@ class Decoder:
         with torch.no_grad():
             timer.mark()
             logits = self.prefill(input_ids)
+            self.prompt_logits = logits  # read once after the decode (countdown.nonfinite), never in a step
             first = sample_tokens(logits, noise_fn(), inv_temperature, self.top_k, self.top_p)[:, None]
             timer.mark()
             steps = max_new_tokens - 1

@@ -39,7 +39,9 @@ import weakref
 import torch
 from torch import nn
 
-from ..options import check, check_optional
+from ..mlp import refuse_meta
+from ..nonfinite import check_finite_logits
+from ..options import check, check_optional, check_sampling, check_token_ids
 
 # Re-exported: the decoder, its sampling rule and helpers lived here before the split.
 from .decoder import (CUDA_INDUCTOR_OPTIONS, EOS_CHECK_EVERY, MODES, WARMUP_STEPS, Decoder, _all_finished, _mark_step, _patch_state, _scope, _synchronize, _Timer, sample_tokens)
@@ -136,6 +138,7 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     if batch < 1 or n_prompt < 1:
         raise ValueError(f"input_ids needs at least one row and one token, got shape {tuple(input_ids.shape)}")
     max_new_tokens = check("max_new_tokens", max_new_tokens)
+    check_token_ids(input_ids, model)  # an id beyond the vocabulary: a ValueError naming it, not an IndexError
     temperature = check("temperature", temperature)  # 0 = greedy
     seed, top_p = check_optional("seed", seed), check_optional("top_p", top_p)
     head = model.get_output_embeddings()  # out_features first: a 4-bit head builds its weight on each read
@@ -185,6 +188,7 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     if ids:  # no EOS (None or []): no host read of the tokens during the decode
         eos = torch.tensor(ids, dtype=torch.long, device=device)
     tokens, prefill_s, decode_s = decoder.run(input_ids, max_new_tokens, noise_fn, inv_temperature, eos, on_tokens)
+    check_finite_logits(decoder.prompt_logits, "generate")  # once per call, after the last step: NaN weights
     new = tokens.shape[1] - n_prompt
     total_s = prefill_s + decode_s
     stats = {
@@ -235,6 +239,8 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     (tens of seconds; later calls of the same batch and length reuse it). On CPU it decodes eagerly.
     """
     ids = _prompt_ids(input_ids)
+    check_sampling(top_k, top_p, seed, model)  # checked greedy or not, as temperature is
+    refuse_meta(model, "generate")
     if streamer is not None and ids.shape[0] != 1:
         raise ValueError(f"a streamer takes one sequence; got a batch of {ids.shape[0]}")
     temperature = check("sample_temperature", temperature, "temperature")  # (do_sample=False is greedy)

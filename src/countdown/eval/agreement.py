@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode.cache import cache_kwargs, output_cache
+from ..nonfinite import check_finite
 from ..spec import parse_spec, resolve_mode
 from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
@@ -180,8 +181,8 @@ def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode
         "exact_match": sum(p["exact"] for p in per_prompt) / n,
         "prefix_match": sum(p["prefix"] for p in per_prompt) / n,
         "token_match": sum(p["token"] for p in per_prompt) / n,
-        "kl": float(all_kl.mean()), "top1": float(all_top1.float().mean()),
-        "n_sparse_positions": int(all_kl.numel()), "sparsity_real": real, "per_prompt": per_prompt,
+        "kl": check_finite(float(all_kl.mean()), "the KL divergence from the dense model"),
+        "top1": float(all_top1.float().mean()), "n_sparse_positions": int(all_kl.numel()), "sparsity_real": real, "per_prompt": per_prompt,
     }
     if judge_url:
         result["judge"] = judge_win_rate(prompts, [p["dense"] for p in per_prompt], [p["sparse"] for p in per_prompt],

@@ -97,7 +97,7 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
     if is_sparsified(model):
         raise ValueError("the model is sparsified: call countdown.unsparsify(model) first")
     from ..data.texts import as_texts
-    from ..options import check
+    from ..options import check, check_found
 
     ks = _sparsities(sparsities)
     max_tokens = check("analysis_tokens", max_tokens, "max_tokens")
@@ -132,8 +132,7 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
     finally:
         for handle in handles:
             handle.remove()
-    if tokens == 0:
-        raise ValueError("no tokens to analyse: the texts are empty")
+    check_found("analysis_tokens", tokens, max_tokens, "max_tokens")  # none: refused; fewer than asked: a warning
     overall = {k: {} for k in ks}
     for per_k in counts.values():
         for k in ks:

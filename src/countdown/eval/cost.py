@@ -100,9 +100,11 @@ def cost_table(d_model: int, d_inter: int, d_rank: int, sparsity: float, c_act: 
     With ``dtype_bytes`` (e.g. 2 for bf16) each entry also gets ``mem_bytes`` and
     ``mem_mib = mem_bytes / 2**20``, the real traffic at that element size.
     """
-    from ..options import check, check_optional
+    from ..options import check, check_at_most, check_optional
 
     d_m, d_i, d_r = check("d_model", d_model), check("d_inter", d_inter), check("d_rank", d_rank)
+    check_at_most("d_rank", d_r, "d_model", d_m, "a predictor of rank above its input's width costs more and predicts "
+                  "nothing more (x A B has rank at most d_model)")
     check("c_act", c_act)  # validated; an int stays an int (integer FLOP counts)
     dtype_bytes = check_optional("dtype_bytes", dtype_bytes)
     s = kept_rows(d_i, sparsity)

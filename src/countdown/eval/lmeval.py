@@ -41,6 +41,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from ..nonfinite import check_finite_values
 from ..spec import parse_spec, resolve_mode
 from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
 
@@ -160,6 +161,7 @@ class CountdownLM(HFLM):
                         self.cache_hook.add_partial("loglikelihood", cache_key, answer)
                     bar.update(1)
         bar.close()
+        check_finite_values(results, "lm-eval's log-likelihoods")  # a NaN would still rank the choices: refused
         return results
 
     def _forward_dense_prefix(self, ids: torch.Tensor, n_dense: torch.Tensor,

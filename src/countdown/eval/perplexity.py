@@ -15,13 +15,13 @@ sparsity costs. (``sparsify``'s ``scope`` decides what ``generate`` does; it pla
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..nonfinite import check_finite, finite_exp
 from ..sparse import dense_prefix, is_sparsified
 
 
@@ -37,7 +37,7 @@ def _token_ids(tokenizer, texts: Sequence[str], needed: int) -> list[int]:
 def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> torch.Tensor:
     """``[n_windows, window]`` token ids: the first ``max_tokens`` tokens of the joined texts, whole windows
     only (held-out sets that need equal windows; :func:`perplexity` also scores a shorter last one)."""
-    rows = _windows(tokenizer, texts, max_tokens, window)
+    rows = _windows(tokenizer, texts, max_tokens, window, short_ok=False)
     if rows[0].shape[1] < window:
         body = window - (getattr(tokenizer, "bos_token_id", None) is not None)
         held = rows[0].shape[1] - (window - body)
@@ -49,18 +49,25 @@ def token_windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int)
     return rows[0]
 
 
-def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int) -> list[torch.Tensor]:
+def _windows(tokenizer, texts: Sequence[str], max_tokens: int, window: int, short_ok: bool = True
+             ) -> list[torch.Tensor]:
     """The whole windows ``[n, window]``; fewer tokens than one window make one shorter window ``[1, w]``.
     Tokens after the last whole window are not scored: a short window there would score them with little
-    context, and the committed tables (2,048 tokens in windows of 511 + BOS) would move."""
+    context, and the committed tables (2,048 tokens in windows of 511 + BOS) would move. ``short_ok``: text
+    shorter than ``max_tokens`` is judged by :func:`countdown.options.check_found` (False: the caller has its
+    own, stricter rule)."""
     if window < 4:
         raise ValueError(f"window must be at least 4 tokens, got {window}")
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2 (a token and the next one to predict), got {max_tokens}")
+    from ..options import check_found
+
     bos = getattr(tokenizer, "bos_token_id", None)
     body = window - 1 if bos is not None else window
     ids = _token_ids(tokenizer, texts, max(body, max_tokens))[:max_tokens]
-    if len(ids) < 2:
+    if short_ok:
+        check_found("max_tokens", len(ids), max_tokens)  # fewer than 2: refused; fewer than asked: a warning
+    elif len(ids) < 2:
         raise ValueError(f"the texts hold {len(ids)} tokens: give at least 2")
     n_full = len(ids) // body
     parts = []
@@ -88,7 +95,7 @@ METRICS = {"all": 0.0, "decode": 0.5}  # metric -> the share of each window that
 @torch.no_grad()
 def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: int = 8192,
                window: int = 512, metric: str = "all", batch_size: int = 4, progress: bool = True,
-               desc: str = "perplexity", prompt_fraction: float | None = None) -> float:
+               desc: str = "perplexity", prompt_fraction: float | None = None, return_tokens: bool = False):
     """exp(mean next-token NLL) over the scored tokens of ``max_tokens`` tokens of held-out text.
 
     texts: defaults to :func:`countdown.data.texts.eval_texts` (XSum articles, never calibration text); a string
@@ -98,8 +105,14 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
     metric: ``"all"`` (every position scored and sparse) or ``"decode"`` (the first half of each window a
         dense prompt, the rest sparse and scored); see the module docstring. ``prompt_fraction`` sets that
         share directly instead (0 is ``"all"``, 0.5 ``"decode"``).
+    Text with fewer than ``max_tokens`` tokens is scored whole, with a :class:`countdown.options.ShortInputWarning`;
+    fewer than 2 is refused. ``return_tokens``: return ``(perplexity, tokens)``, ``tokens`` the text tokens the
+    windows held (BOS not counted; tokens after the last whole window are not scored), the count to report.
+    A result that is not finite (NaN or inf logits) is a :class:`countdown.nonfinite.NonFiniteError` naming the
+    likely cause, never a result.
     """
     from ..data.models import require_tokenizer
+    from ..mlp import refuse_meta
     from ..data.texts import as_texts
     from ..options import check
 
@@ -111,13 +124,16 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
         prompt_fraction = METRICS[metric]
     prompt_fraction = check("prompt_fraction", prompt_fraction)
     check_window(model, window)
+    refuse_meta(model, "perplexity")
     require_tokenizer(tokenizer, "perplexity")
     texts = as_texts(texts)
     device = next(model.parameters()).device
     sparse = is_sparsified(model)
     total_nll, total_count = 0.0, 0
-    batches = [rows[i: i + batch_size] for rows in _windows(tokenizer, texts, max_tokens, window)
-               for i in range(0, rows.shape[0], batch_size)]
+    windows = _windows(tokenizer, texts, max_tokens, window)
+    text_tokens = sum(rows.numel() for rows in windows) - (getattr(tokenizer, "bos_token_id", None) is not None) * \
+        sum(rows.shape[0] for rows in windows)
+    batches = [rows[i: i + batch_size] for rows in windows for i in range(0, rows.shape[0], batch_size)]
     bar = tqdm(batches, desc=desc, disable=not progress, leave=False)
     for batch in bar:
         batch = batch.to(device)
@@ -137,5 +153,6 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
         nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum")
         total_nll += float(nll)
         total_count += target.numel()
-        bar.set_postfix(ppl=f"{math.exp(total_nll / total_count):.2f}")
-    return math.exp(total_nll / total_count)
+        bar.set_postfix(ppl=f"{finite_exp(total_nll / total_count):.2f}")
+    ppl = check_finite(finite_exp(total_nll / total_count), "perplexity")
+    return (ppl, text_tokens) if return_tokens else ppl

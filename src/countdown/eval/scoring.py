@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode.cache import cache_kwargs, output_cache
+from ..nonfinite import check_finite_values
 from ..sparse import dense_prefix, sparsify, state_of, unsparsify
 
 
@@ -238,6 +239,8 @@ def score_requests(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]
     if seconds is not None:
         for i, t in enumerate(times):
             seconds[i] += t
+    for config, scored in zip(configs, results):  # a NaN would still rank the choices: refused
+        check_finite_values(scored, f"the log-likelihoods of {config.method} {config.mode or ''} {config.sparsity or ''}")
     return results, [None if config.is_dense else counts[c].mean() for c, config in enumerate(configs)]
 
 

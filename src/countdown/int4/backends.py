@@ -134,12 +134,16 @@ def _run(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
     return y.view(*x.shape[:-1], module.out_features)
 
 
+DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/_int4_dequant.py writes
+
+
 def _applies_many(x: torch.Tensor, module: Int4Linear) -> bool:
     """The calls the one-token GEMVs leave (many tokens: a prompt; a module holding W^T) on CUDA, outside the
-    reference backend: de-quantized by our kernel, then ``F.linear``."""
-    from ..kernels import _int4_dequant
+    reference backend, where Triton is installed: de-quantized by our kernel, then ``F.linear``. Decided without
+    importing the kernel (which imports Triton): a CPU call, or an install without Triton, takes the reference."""
+    from ..kernels._common import has_triton
 
-    return x.is_cuda and backend_of(module) != "reference" and x.dtype in _int4_dequant.DTYPES
+    return x.is_cuda and backend_of(module) != "reference" and x.dtype in DEQUANT_DTYPES and has_triton()
 
 
 def _run_many(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:

@@ -47,8 +47,10 @@ def int4_config(model: nn.Module) -> dict | None:
 
 
 def _refuse(model: nn.Module) -> None:
+    from ..mlp import refuse_meta
     from ..state import is_sparsified
 
+    refuse_meta(model, "quantize")
     if is_sparsified(model):
         raise ValueError("quantize the model before sparsifying it (countdown.unsparsify first): the selectors "
                          "were built on the weights as they are")

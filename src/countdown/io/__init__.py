@@ -20,23 +20,29 @@ model and data caches, benchmark results) goes through this module:
   that the previous file is unchanged.
 * :func:`file_lock`: an advisory ``fcntl`` lock on ``.<name>.lock`` beside the output, held for a whole
   run. A second run on the same output stops at once (or waits, if asked) with a message naming the lock
-  file and the process that holds it, so two runs never both print "wrote".
-* :func:`check_writable` / :func:`check_writable_dir`: create the target's folder and a probe file in it
-  *before* any work starts, so an unwritable ``--out`` fails in a second, not after an hour of
+  file and the process that holds it, so two runs never both print "wrote". The holder removes the lock
+  file as it lets go (while still holding it; a new holder checks that the file it locked is still the
+  path's), so no lock file stays beside an output.
+* :func:`check_writable` / :func:`check_writable_dir`: refuse what is no regular file (a FIFO, a device, a
+  socket: :func:`refuse_special`, whatever ``force`` says) or an empty path, then create the target's folder
+  and a probe file in it *before* any work starts, so an unwritable ``--out`` fails in a second, not after an hour of
   calibration; :func:`claim_output` checks and locks in one step (what every command does with each
   output before it loads the model).
+* :func:`adding_rows` / :func:`read_table`: a CSV table that several runs add rows to (``countdown bench``),
+  each row marked with its run, merged under the table's lock: no run replaces another's rows.
 * :func:`read_safetensors`: read a safetensors file through one open file, so a writer replacing it at
   the same moment cannot pair one file's header with another's tensors (safetensors' own ``safe_open``
   opens the path a second time for the tensors).
 * :func:`describe_os_error`: the one line the command line prints for any OS error.
 
 One module a concern: ``errors.py`` (OS errors as one line), ``files.py`` (atomic files and folders),
-``locks.py`` (checks before the work, locks), ``safetensors_file.py`` (reading an artifact safely).
+``locks.py`` (checks before the work, locks), ``tables.py`` (tables several runs add to), ``safetensors_file.py`` (reading an artifact safely).
 """
 
 from __future__ import annotations
 
 from .errors import (LockedError, NAME_MAX, REPLACED, TMP_MARK, UnwritableError, WriteError, _ALWAYS_WRITE, _RUST_OS_ERROR, _WRITE_ERRNOS, _concerns, _error, _free, _name_max, _related, describe_os_error, explain, os_error_of, write_error, writing)  # noqa: F401
-from .files import (_alive, _check_name, _clean_stale, _default_mode, _fit, _fsync_dir, _fsync_file, _fsync_tree, _make_work_dir, _opt, _refuse_read_only, _tmp_prefix, _umask, _write_all, atomic_folder, atomic_path, atomic_write, files_into, fix_modes, glob_escape, lock_file_of, recover, resolve_link, write_json)  # noqa: F401
+from .files import (_alive, _check_name, _clean_stale, _default_mode, _fit, _fsync_dir, _fsync_file, _fsync_tree, _make_work_dir, _opt, _refuse_read_only, _tmp_prefix, _umask, _write_all, atomic_folder, atomic_path, atomic_write, entry_kind, files_into, fix_modes, glob_escape, lock_file_of, read_only_mount, recover, refuse_special, resolve_link, write_json)  # noqa: F401
 from .locks import (_holder, check_writable, check_writable_dir, claim_output, file_lock)  # noqa: F401
+from .tables import RUN, adding_rows, read_table, run_id, table_text  # noqa: F401
 from .safetensors_file import (_PROC_FD, _parse_safetensors, read_safetensors)  # noqa: F401

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -71,17 +72,78 @@ def _default_mode(path: Path, folder: bool = False) -> int:
 
 
 def _refuse_read_only(path: Path, option: str | None) -> None:
-    """A file nobody may write (mode 0444; for root too) or this user may not is not replaced."""
+    """A file nobody may write (mode 0444; for root too) or this user may not is not replaced; on a file system
+    mounted read-only the message says so (no chmod can fix that)."""
     try:
         st = os.stat(path)
     except OSError:
         return
     if os.path.isdir(path):
         return
-    if not st.st_mode & 0o222 or not os.access(path, os.W_OK):
+    if st.st_mode & 0o222 and os.access(path, os.W_OK):
+        return
+    where = f" ({option})" if option else ""
+    if read_only_mount(path):
+        raise _error(UnwritableError, f"cannot replace {path}: the file system it is on is mounted read-only; "
+                     f"choose a path on a writable disk{where}", errno.EROFS, path)
+    if not st.st_mode & 0o222:
         raise _error(UnwritableError, f"cannot replace {path}: it is read-only (mode {st.st_mode & 0o777:04o}); "
-                     f"make it writable (chmod u+w {path}) or choose another path"
-                     + (f" ({option})" if option else ""), errno.EACCES, path)
+                     f"make it writable (chmod u+w {path}) or choose another path{where}", errno.EACCES, path)
+    raise _error(UnwritableError, f"cannot replace {path}: you may not write it (mode {st.st_mode & 0o777:04o}, "
+                 f"owner uid {st.st_uid}); choose another path or ask its owner{where}", errno.EACCES, path)
+
+
+def read_only_mount(path: str | os.PathLike) -> bool:
+    """Whether the file system holding ``path`` (or its nearest existing folder) is mounted read-only."""
+    for place in (Path(path), *Path(path).parents):
+        try:
+            return bool(os.statvfs(place).f_flag & os.ST_RDONLY)
+        except (OSError, AttributeError):
+            continue
+    return False
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def entry_kind(path: str | os.PathLike) -> str | None:
+    """What is at ``path`` (a symbolic link followed) when it is not a regular file: ``"a folder"``,
+    ``"a FIFO (named pipe)"``, ``"a character device"``, ...; None for a regular file or nothing there. Only
+    ``stat``: a FIFO is never opened (that would block)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return next((name for test, name in _SPECIAL if test(mode)), "not a regular file")
+
+
+def refuse_special(path: str | os.PathLike, option: str | None = None, folder: bool = False) -> None:
+    """Refuse, before any work, an output path that holds something countdown must not write over, whatever
+    ``force`` says: a FIFO, a device, a socket (and a folder where a file is written, or a file where a folder
+    is). An empty path is refused too. Writing through a FIFO blocks in ``open()``; replacing a device node
+    replaces it by a regular file."""
+    where = f" ({option})" if option else ""
+    if isinstance(path, (str, bytes)) and not path.strip():
+        raise _error(UnwritableError, f"cannot write {path!r}: the path is empty; give a "
+                     f"{'folder' if folder else 'file'} path{where}", errno.ENOENT, None)
+    kind = entry_kind(path)
+    if folder:
+        if kind == "a folder" or not os.path.lexists(path):
+            return
+        kind = kind or "a file"
+        raise _error(UnwritableError, f"cannot use {path} as an output folder: it is {kind}, not a folder; "
+                     f"choose another path{where}", errno.ENOTDIR, path)
+    if kind == "a folder":
+        raise _error(UnwritableError, f"cannot write {path}: it is a folder; give a file name inside it{where}",
+                     errno.EISDIR, path)
+    if kind is not None:
+        raise _error(UnwritableError, f"cannot write {path}: it is {kind}, not a regular file; countdown writes "
+                     f"only regular files: give a file path{where}", errno.EINVAL, path)
 
 
 def _opt(option: str | None) -> str:
@@ -192,6 +254,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = "", what: str = "", optio
     comes out as one :class:`WriteError` naming ``what`` and ``path``, the fix (with ``option``, ``hint``)
     and that the previous file is unchanged. The new file gets the old one's mode, or the umask's. A
     symbolic link at ``path`` is written through (its target is replaced, the link stays)."""
+    refuse_special(path, option)
     path = resolve_link(path)
     with writing(path, what, option, hint):
         _refuse_read_only(path, option)
@@ -218,14 +281,13 @@ def _write_all(fd: int, data: bytes) -> None:
 def atomic_write(path: str | os.PathLike, data: bytes | str, what: str = "", option: str | None = None) -> Path:
     """Replace ``path`` with ``data`` (str is written as UTF-8) atomically (see :func:`atomic_path`); returns
     the path."""
-    path = Path(path)
     with atomic_path(path, what=what, option=option) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             _write_all(fd, data.encode() if isinstance(data, str) else data)
         finally:
             os.close(fd)
-    return path
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, data, what: str = "") -> Path:
@@ -258,6 +320,7 @@ def atomic_folder(folder: str | os.PathLike, what: str = "folder", option: str |
     cannot be put in place, the old one is put back). Modes: the old folder's, else the umask's; each file
     keeps the mode of the file of the same name it replaces. A symbolic link at ``folder`` is written
     through. OS errors come out as :class:`WriteError` (see :func:`atomic_path`)."""
+    refuse_special(folder, option, folder=True)
     folder = resolve_link(folder)
     with writing(folder, what, option, hint):
         work = _make_work_dir(folder)
@@ -290,12 +353,15 @@ def files_into(folder: str | os.PathLike, what: str = "folder", option: str | No
     written there replaces the file of the same name in ``folder`` atomically (keeping its mode; a new file
     gets the umask's), and the folder's other files stay. On an error ``folder`` is as it was. OS errors
     come out as :class:`WriteError`."""
+    refuse_special(folder, option, folder=True)
     folder = resolve_link(folder)
     with writing(folder, what, option, hint):
         folder.mkdir(parents=True, exist_ok=True)
         work = _make_work_dir(folder / "new")
         try:
             yield work
+            for entry in work.iterdir():  # a FIFO or device where a file goes is refused before any replace
+                refuse_special(folder / entry.name, option, folder=entry.is_dir())
             fix_modes(work, like=folder)
             _fsync_tree(work)
             for entry in sorted(work.iterdir()):

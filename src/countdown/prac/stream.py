@@ -18,7 +18,7 @@ from torch import nn
 
 from ..mlp import GatedMLP
 from ..registry import Method
-from ..state import is_sparsified
+from ..state import AlreadySparsifiedError, is_sparsified
 from ..tp import refuse_sharded
 
 DEFAULT_WINDOW = 512
@@ -49,11 +49,15 @@ def resolve_texts(texts) -> tuple[list[str], str]:
     return texts, f"{source} ({len(texts)} passages, sha256 {digest})"
 
 
-def token_windows(tokenizer, texts: Iterable[str], num_tokens: int, window: int = DEFAULT_WINDOW
-                  ) -> list[torch.Tensor]:
+def token_windows(tokenizer, texts: Iterable[str], num_tokens: int, window: int = DEFAULT_WINDOW,
+                  name: str | None = "num_tokens") -> list[torch.Tensor]:
     """The first ``num_tokens`` tokens of the texts (joined by blank lines) as windows of ``window``
     tokens, each starting with BOS when the tokenizer has one (as :func:`countdown.perplexity`
-    scores text, so calibration sees the same positions): LongTensors ``[1, <= window]``."""
+    scores text, so calibration sees the same positions): LongTensors ``[1, <= window]``.
+
+    ``name``: the argument that asked for ``num_tokens``; the windows' tokens (BOS included, as ``num_tokens``
+    counts them) are checked against it by :func:`countdown.options.check_found`: fewer than 64 refused, fewer
+    than asked a warning. None: no check (a count the library chose)."""
     if num_tokens < 1 or window < 2:
         raise ValueError(f"num_tokens must be >= 1 and window >= 2, got {num_tokens} and {window}")
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -73,6 +77,10 @@ def token_windows(tokenizer, texts: Iterable[str], num_tokens: int, window: int 
         chunk = chunk[:num_tokens - used]
         out.append(torch.tensor([chunk], dtype=torch.long))
         used += len(chunk)
+    if name is not None:
+        from ..options import check_found
+
+        check_found("num_tokens", used, num_tokens, name)
     return out
 
 
@@ -112,7 +120,7 @@ class _StopForward(Exception):
 def check_unpatched(model: nn.Module) -> None:
     """Calibration reads the dense model: refuse a patched one (sparse upstream layers change x)."""
     if is_sparsified(model):
-        raise RuntimeError("calibrate/train on the dense model: call countdown.unsparsify(model) first "
+        raise AlreadySparsifiedError("calibrate/train on the dense model: call countdown.unsparsify(model) first "
                            "(a patched model feeds sparse activations to later layers)")
 
 

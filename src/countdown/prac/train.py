@@ -24,6 +24,7 @@ from torch import nn
 
 from ..artifacts import ArtifactError, sparsity_key
 from ..mlp import GatedMLP
+from ..nonfinite import check_finite
 from ..registry import Method, kept_rows
 from .stream import indicator_of
 from .base import SelectorKind
@@ -67,7 +68,7 @@ def train_bce(predictor: nn.Module, X: torch.Tensor, Y: torch.Tensor, *, epochs:
             loss.backward()
             opt.step()
             total += float(loss.detach()) * idx.numel()
-        losses.append(total / n)
+        losses.append(check_finite(total / n, f"{desc}: the training loss"))  # per epoch: no read per batch
     return losses
 
 

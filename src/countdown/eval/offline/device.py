@@ -71,14 +71,14 @@ def score_job(model, job: dict, configs: dict[str, EvalConfig], scores: dict, ou
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ...options import Parser, add_number
+    from ...options import Parser, add_number, path_option
 
     p = Parser(prog="python -m countdown.eval.offline.device", description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True, help="<model>.job.json.gz from `countdown sweep --export`")
     p.add_argument("--weights", required=True, help="weights pack (countdown.eval.offline.weights)")
     p.add_argument("--config-dir", required=True, help="folder with the model's config.json")
-    p.add_argument("--artifacts-dir", default=None, help="folder of the job's artifact files (default: beside --job)")
-    p.add_argument("--out", required=True, help="scores file to write (and to resume, if it exists)")
+    p.add_argument("--artifacts-dir", default=None, type=path_option, help="folder of the job's artifact files (default: beside --job)")
+    p.add_argument("--out", required=True, type=path_option, help="scores file to write (and to resume, if it exists)")
     p.add_argument("--device", default="cuda")
     add_number(p, "--chunk", range="chunk", default=512, help="prompts whose KV caches are held at once (default 512)")
     add_number(p, "--batch-tokens", range="batch_tokens", default=None,

@@ -186,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
 
     from ...data import models
+    from ...options import path_option
 
     p = argparse.ArgumentParser(prog="python -m countdown.eval.offline.weights", description=main.__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"catalogue model ({', '.join(models.CATALOGUE)})")
-    p.add_argument("--out", required=True, help="the .pack file to write")
+    p.add_argument("--out", required=True, type=path_option, help="the .pack file to write")
     args = p.parse_args(argv)
     if args.model not in models.CATALOGUE:
         p.error(f"--model {args.model!r} is not a catalogue model: choose from {', '.join(models.CATALOGUE)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ...io import LockedError, UnwritableError
-from ...options import add_device_arg, add_number
+from ...options import add_device_arg, add_number, path_option
 from .cells import DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, format_k
 from .measure import DEFAULT_CHUNK, DEFAULT_PASS_CONFIGS
 from .runner import run_sweep
@@ -39,14 +39,14 @@ def add_arguments(p) -> None:
                help="configurations per shared pass over a task's documents; each pass is saved when it ends "
                     f"(default {DEFAULT_PASS_CONFIGS})")
     add_number(p, "--threads", range="threads", default=None, help="torch threads (default: cores - 1)")
-    p.add_argument("--artifacts-dir", default=None, help="SP-Prac artifact cache (default <cache>/artifacts)")
-    p.add_argument("--out", default="results/quality", help="folder for <model>.csv / .md / .png (default results/quality)")
+    p.add_argument("--artifacts-dir", default=None, type=path_option, help="SP-Prac artifact cache (default <cache>/artifacts)")
+    p.add_argument("--out", default="results/quality", type=path_option, help="folder for <model>.csv / .md / .png (default results/quality)")
     add_number(p, "--wait", range="wait", default=DEFAULT_WAIT,
                help="seconds to wait for another sweep's merge into the same --out "
                         f"(each merge holds the folder's lock briefly; default {DEFAULT_WAIT:g})")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite <model>.md / .png from the CSV as it stands; compute nothing")
-    p.add_argument("--export", default=None, metavar="DIR",
+    p.add_argument("--export", default=None, type=path_option, metavar="DIR",
                    help="write the job of the pending lm-eval cells (requests as token ids, SP-Prac artifacts) to DIR "
                         "for `python -m countdown.eval.offline.device` on a GPU; measure nothing (default: off)")
     p.add_argument("--scores", default=None, metavar="FILE[,FILE]",

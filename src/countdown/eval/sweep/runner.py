@@ -218,6 +218,7 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         return [c for c in cells if c.key(label) not in done]
 
     todo = pending()
+    store.meta(), store.doc_rows()  # a damaged side file (or a FIFO there) is named now, not after the work
     n_measured = len(cells) - len(todo)
     if report_only:  # rewrite the report from the CSV as it stands (e.g. a sweep still under way)
         log(f"countdown sweep: report only; {n_measured} of {len(cells)} cells in {store.csv}")

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from ...io import atomic_write, file_lock, write_json
+from ...io import atomic_write, file_lock, refuse_special, write_json
 from .cells import CSV_FIELDS, KEY_FIELDS, row_key
 
 DOC_FIELDS = [*KEY_FIELDS, "metric", "n", "doc_ids", "values"]
@@ -28,6 +28,7 @@ DEFAULT_WAIT = 60.0  # seconds a write waits for another run's merge (each merge
 def read_rows(path: str | os.PathLike, fields: Sequence[str] = CSV_FIELDS) -> list[dict]:
     """The rows of a sweep CSV as dicts of strings (``[]`` when the file does not exist)."""
     path = Path(path)
+    refuse_special(path)  # a FIFO there would block the open below
     if not path.exists():
         return []
     with open(path, newline="", encoding="utf-8") as fh:
@@ -121,11 +122,16 @@ class SweepStore:
 
     def meta(self) -> dict:
         meta = {"runs": [], "artifacts": {}, "splits": {}}
+        refuse_special(self.meta_path)
         if self.meta_path.exists():
             try:
-                meta.update(json.loads(self.meta_path.read_text(encoding="utf-8")))
-            except json.JSONDecodeError:
-                pass
+                found = json.loads(self.meta_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                found = error
+            if not isinstance(found, dict):  # never dropped in silence: the next write would lose what it held
+                raise ValueError(f"{self.meta_path} is damaged (not a JSON object: {found}); move it aside (the "
+                                 f"runs, artifacts and splits it lists are then not carried on) or restore it")
+            meta.update(found)
         return meta
 
     def add(self, rows: Sequence[dict] = (), docs: Sequence[dict] = (),
