@@ -76,7 +76,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
             art = library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=1024)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
-    from ..prac.prepare import ensure_artifacts
+    from ..prac.prepare import prepare
 
     if s.artifacts_dir is None:
         from ..data.texts import cache_root
@@ -89,15 +89,15 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         options["texts"] = s.calib_texts
     if s.calib_tokens is not None:
         options["num_tokens"] = s.calib_tokens
-    art = ensure_artifacts(model, tokenizer, spec, s.ks, folder, **options)
+    art = prepare(model, tokenizer, spec, s.ks, cache_dir=folder, **options)
     return art, f"{art.kind}, {art.meta['data'].get('num_tokens')} tokens of {art.meta['data'].get('name')}"
 
 
 def _quality(model, spec, k, art, held) -> dict:
-    from ..sparse import sparsify, unsparsify
+    from ..sparse import sparsify, unsparsify, with_mode
     from .quality import decode_quality
 
-    sparsify(model, spec, k, mode="prac", artifacts=art, path="masked")
+    sparsify(model, with_mode(spec, "prac", art), k, artifacts=art, path="masked")
     try:
         return decode_quality(model, held)
     finally:
@@ -187,7 +187,7 @@ def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: boo
     """The rows of one spec at every k on ``model``: quality on the model as held (``held``), speed over
     ``dense_tps`` (the model as loaded, dense)."""
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
+    from ..sparse import sparsify, unsparsify, with_mode
     from .runner import private_copy
     from .speedonly import SpecUnavailable, retarget
 
@@ -207,7 +207,7 @@ def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: boo
         if speed_only:
             from .measure import kept_fractions
 
-            sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
+            sparsify(model, with_mode(spec, "prac", art), k, artifacts=private_copy(art), path="masked")
             try:
                 quality[k] = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
             finally:
@@ -216,7 +216,7 @@ def _spec_rows(model, tokenizer, spec, s: BenchSettings, held, prompt, fast: boo
         else:
             quality[k] = _quality(model, spec, k, art, held)
     # one patch (one compile on CUDA) for every k: the thresholds / cuts are switched in place
-    sparsify(model, spec, ks[0], mode="prac", artifacts=private_copy(art), path=path)
+    sparsify(model, with_mode(spec, "prac", art), ks[0], artifacts=private_copy(art), path=path)
     try:
         with _fast_step(model, fast):  # around every k: one compile serves them all
             for k in ks:

@@ -16,22 +16,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "decode") -> None:
-    """--method, --sparsity, --mode, --artifacts, and --scope unless ``default_scope`` is None."""
+    """--method, --sparsity, --mode (deprecated), --artifacts, and --scope unless ``default_scope`` is None."""
     p.add_argument("--method", default="mono",
-                   help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
-                        "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
-                        "`countdown methods` lists them; default mono)")
+                   help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown) for SP-Ideal, "
+                        "or a method and its SP-Prac kind, e.g. 'dual[shadow4]', 'mono[threshold]', 'dual[lowrank]' "
+                        "(SP-Prac, with --artifacts; `countdown methods` lists them; default mono)")
     add_number(p, "--sparsity", "-k", range="sparsity", default=0.8,
                help="fraction of rows skipped per token (teal: of the entries of x and of s; default 0.8)")
     p.add_argument("--mode", default=None, choices=["ideal", "prac"],
-                   help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
-                        "--artifacts (default: prac where --method names a kind, else ideal)")
+                   help="deprecated: the spec says it (a plain method is SP-Ideal, a kind in brackets SP-Prac); "
+                        "prac with a plain method takes the artifact's kind (default none)")
     if default_scope is not None:
         p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
                        help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
                             f"(default {default_scope})")
     p.add_argument("--artifacts", default=None,
-                   help="thresholds/predictors file for --mode prac, a path (default none; needed by --mode prac)")
+                   help="the SP-Prac spec's thresholds/predictors file, a path (default none; needed by a spec "
+                        "with a kind)")
 
 
 def load_text_arg(source: str | None):

@@ -53,7 +53,7 @@ def run_headline(model_name: str = "smollm2-135m", out_dir: str | os.PathLike = 
 
 def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, speed_tokens: int, repeats: int,
                   log) -> dict:
-    from .. import ensure_artifacts, load_model, perplexity, sparsify, sparsity_real, unsparsify
+    from .. import load_model, perplexity, prepare, sparsify, sparsity_real, unsparsify
     from ..data.texts import cache_root, eval_texts
     from ..decode.generate import generate
     from .demo import chat_prompt
@@ -64,7 +64,7 @@ def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, 
     device = next(model.parameters()).device
     log(f"  model loaded in {time.time() - t0:.0f} s")
     start = time.time()
-    art = ensure_artifacts(model, tok, SPEC, K, cache_root() / "artifacts", progress=False)
+    art = prepare(model, tok, SPEC, K, cache_dir=cache_root() / "artifacts", progress=False)
     log(f"  {SPEC} artifact (4-bit shadows of W_gate / W_up, cuts calibrated on Wikipedia passages) ready in "
         f"{time.time() - start:.0f} s")
     texts = eval_texts()
