@@ -141,10 +141,19 @@ def _unfuse(attn: nn.Module) -> None:
                 proj.bias = nn.Parameter(proj.bias.detach().clone(), requires_grad=proj.bias.requires_grad)
         attn._buffers.pop(_WEIGHT, None)
         attn._buffers.pop(_BIAS, None)
-    attn.forward = getattr(attn, _BEFORE)
+    restore_forward(attn, getattr(attn, _BEFORE))
     delattr(attn, _BEFORE)
     if hasattr(attn, QKV_FIXED):
         delattr(attn, QKV_FIXED)
+
+
+def restore_forward(module: nn.Module, saved) -> None:
+    """Give ``module`` back the forward saved before a swap: its class's (no instance attribute left behind) or the
+    instance's own where it had one."""
+    if getattr(saved, "__self__", None) is module and getattr(saved, "__func__", None) is type(module).forward:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = saved
 
 
 def fused_current(attn: nn.Module) -> bool:

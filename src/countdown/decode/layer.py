@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .attention import (QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, fused_current, is_fused,
-                        qkv_weights)
+                        qkv_weights, restore_forward)
 from ..kernels import _common
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
@@ -82,7 +82,7 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     for i, layer in enumerate(decoder_layers(model, "fold_norms")):
         if not on:
             if is_folded(layer):
-                layer.forward = getattr(layer, _BEFORE)
+                restore_forward(layer, getattr(layer, _BEFORE))
                 delattr(layer, _BEFORE)
                 _pdl.folded.discard(layer)
             continue
