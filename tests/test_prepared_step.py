@@ -166,7 +166,8 @@ def test_a_model_moved_where_no_kernel_runs_gets_its_step_undone():
     step = PreparedStep.install(model)
     model.to("meta")
     assert f"its device changed ({step.key.device} -> meta)" in step.stale()
-    assert current_step(model) is None and step.undone and PreparedStep.of(model) is None  # undone, not prepared again
+    assert current_step(model) == StepKey.of(model) and step.undone
+    assert PreparedStep.of(model) is None  # undone, not prepared again
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 

@@ -105,6 +105,25 @@ def test_a_spec_carries_k_scope_and_prints_its_method_part():
         parse_spec("mono", scope="prompt")
 
 
+def test_a_models_configuration_is_its_spec_k_scope_and_weight_format():
+    from countdown.spec import WeightFormat
+
+    model = tiny_model("llama", intermediate_size=96)
+    assert Spec.of(model) == parse_spec("dense") and Spec.of(model).weights is None
+    countdown.quantize(model, group=32, transposed_down=True)
+    weights = Spec.of(model).weights
+    assert (weights.bits, weights.group, weights.source, weights.scale_dtype, weights.transposed_down) == \
+        (4, 32, "rtn", "float16", True) and weights.record == model.config.countdown_int4
+    countdown.sparsify(model, parse_spec("mono", 0.5, "all").at(weights=weights))  # k, scope from the spec
+    assert Spec.of(model) == parse_spec("mono", 0.5, "all").at(weights=WeightFormat.from_record(
+        model.config.countdown_int4))
+    assert repr(Spec.of(model)) == ("Spec('mono', k=0.5, scope='all', weights='int4 (groups of 32, float16 scales, "
+                                    "W_down transposed)')")
+    countdown.unsparsify(model)
+    with pytest.raises(ValueError, match=r"the spec's weights are int4 .* but the model's are as loaded"):
+        countdown.sparsify(tiny_model("llama"), parse_spec("mono", 0.5).at(weights=weights))
+
+
 PRAC_QUALITY = {  # benchmarks/prac_quality.py's labels in results/prac_quality -> the configuration they name
     "dual[shadow4-g32]": "dual[shadow4g32]", "dual[shadow4-pooled]": "dual[shadow4,cut_rule=pooled]",
     "teal[greedy]": "teal", "teal[uniform]": "teal[allocation=uniform]", "mono[threshold]": "mono",

@@ -92,8 +92,8 @@ def quantize(model, group: int = 128, source: str = "rtn", **kwargs):
 
 
 def save(model, folder, tokenizer=None, overwrite: bool = False, **kwargs):
-    """Save a dense or sparsified model so that :func:`load_model` gives it back the same.
-    See :func:`countdown.saving.save`."""
+    """Save a dense, sparsified or 4-bit model so that :func:`load_model` gives it back the same: its configuration
+    (``Spec.of(model)``) goes into config.json as ``quantization_config``. See :mod:`countdown.saving`."""
     from .saving import save as _save
 
     return _save(model, folder, tokenizer=tokenizer, overwrite=overwrite, **kwargs)

@@ -76,7 +76,8 @@ def quantization_config(model: nn.Module) -> dict | None:
 
 def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite: bool = False,
          **save_pretrained_kwargs) -> Path:
-    """Write ``model`` (dense or sparsified) and its sparsity configuration to ``folder``; returns the folder.
+    """Write ``model`` (dense, sparsified or 4-bit) and its configuration (:func:`quantization_config`, in
+    config.json) to ``folder``; returns the folder.
     ``tokenizer`` is saved with it when given; other keyword arguments go to ``save_pretrained``. The folder is
     written beside its place and renamed into it (:func:`countdown.io.atomic_folder`): a failed save (a full
     disk, a kill) leaves the folder that was there as it was; an existing, non-empty one is replaced only with

@@ -113,7 +113,7 @@ def _decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temp
             top_k: int | None = None, compile: bool | str | None = None, seed: int | None = None,
             eos_token_id: int | list[int] | None = None, max_cache_len: int | None = None,
             compile_options: dict | None = None, top_p: float | None = None,
-            on_tokens=None) -> tuple[torch.Tensor, dict]:
+            on_tokens=None, key: StepKey | None = None) -> tuple[torch.Tensor, dict]:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` ``[batch, prompt]`` (no padding: every
     row is a full prompt of the same length); returns ``(tokens [batch, prompt + new], stats)``.
 
@@ -174,8 +174,8 @@ def _decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temp
     if model.training:
         raise ValueError("generation needs the model in eval mode: call model.eval() first")
 
-    current_step(model)  # a step prepared before and stale since is prepared again: never run stale
-    key = StepKey.of(model)
+    if key is None:  # (generate has made the step fit and passes its key)
+        key = current_step(model)  # a step prepared before and stale since is prepared again: never run stale
     decoder = _DECODERS.get(model)
     setup_s = 0.0
     if decoder is None or not decoder.matches(model, mode, batch, max_cache_len, greedy, top_k, compile_options,
@@ -280,7 +280,7 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     device = next(model.parameters()).device
     if model.training:
         raise ValueError("generation needs the model in eval mode: call model.eval() first")
-    current_step(model, install=fast_step and device.type == "cuda")
+    key = current_step(model, install=fast_step and device.type == "cuda")
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     on_tokens = None
     if streamer is not None:
@@ -289,7 +289,7 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     tokens, stats = _decode(model, ids, max_new_tokens, temperature=temperature if do_sample else 0.0,
                             top_k=top_k if do_sample else None, top_p=top_p if do_sample else None, seed=seed,
                             eos_token_id=eos or None, on_tokens=on_tokens, compile=compile,
-                            compile_options=compile_options, max_cache_len=max_cache_len)
+                            compile_options=compile_options, max_cache_len=max_cache_len, key=key)
     if streamer is not None:
         streamer.end()
     tokens = _pad_after_eos(tokens, ids.shape[1], eos, pad)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields
 from torch import nn
 
 STEP_ATTR = "_countdown_prepared_step"
+PATCH_ATTR = "countdown_sparse"  # the submodule countdown.sparsify hangs on each Gated-MLP
 
 
 class StaleStepError(RuntimeError):
@@ -50,7 +51,8 @@ class StaleStepError(RuntimeError):
 class StepKey:
     """What a prepared decode step (and the compiled decoder over it) depends on; equal keys: the step fits."""
 
-    weights: tuple  # (name, data pointer, shape, dtype, device) of every parameter and persistent buffer
+    weights: tuple  # (name, data pointer, shape, dtype, device) of every parameter and persistent buffer (the
+    #                 sparsity patch's own, its selectors', are the patch's: keyed by ``patch``)
     weight_format: str | None  # countdown.quantize's record (JSON), None where not quantized
     patch: tuple | None  # countdown.sparsify's state: (serial, spec, k, scope, path, artifact), None where not patched
     backends: tuple  # the backend of every 4-bit Linear (countdown.int4.use_backend)
@@ -65,9 +67,12 @@ class StepKey:
 
         weights, backends = [], []
         for prefix, module in model.named_modules():
+            if f".{PATCH_ATTR}" in f".{prefix}":  # the patch's selectors: keyed by the patch (they build layouts lazily)
+                continue
+            skip = module._non_persistent_buffers_set
             for name, t in (*module._parameters.items(), *module._buffers.items()):
-                if t is not None and name not in module._non_persistent_buffers_set:
-                    weights.append((f"{prefix}.{name}", t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device)))
+                if t is not None and name not in skip:  # objects, not their text: this runs at every decode
+                    weights.append((prefix, name, t.data_ptr(), t.shape, t.dtype, t.device))
             if isinstance(module, Int4Linear):
                 backends.append(getattr(module, "backend", "countdown"))
         first = next(iter(model.parameters()), None)
@@ -104,24 +109,21 @@ _CHANGED = {
 
 
 def _swaps(model: nn.Module) -> dict[str, int]:
-    """How many of each swap of the step are on ``model`` now (by the markers each swap leaves)."""
-    from .attention import _QKV4, QKV_FIXED, is_fused
+    """How many of each swap of the step are on ``model`` now, by the marker each swap leaves in a module's
+    ``__dict__`` (one pass, no attribute lookups that fail: this runs at every decode of a prepared model)."""
+    from . import attention, int4_step, layer, linears
     from .hf_attention import NAME
-    from .int4_step import _GU, _ROWS
-    from .layer import is_folded
-    from .linears import is_routed
 
-    modules = list(model.modules())
-    return {
-        "attention": sum(is_fused(m) for m in modules),
-        "attention4": sum(_QKV4 in m.__dict__ for m in modules),
-        "qkv": sum(bool(getattr(m, QKV_FIXED, False)) for m in modules),
-        "linears": sum(is_routed(m) for m in modules),
-        "layers": sum(is_folded(m) for m in modules),
-        "mlp4": sum(_GU in m.__dict__ for m in modules),
-        "rows4": sum(_ROWS in m.__dict__ for m in modules),
-        "implementation": int(getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME),
-    }
+    markers = {"attention": attention._BEFORE, "attention4": attention._QKV4, "qkv": attention.QKV_FIXED,
+               "linears": linears._ROUTED, "layers": layer._BEFORE, "mlp4": int4_step._GU, "rows4": int4_step._ROWS}
+    counts = dict.fromkeys(markers, 0)
+    for module in model.modules():
+        found = module.__dict__
+        for name, marker in markers.items():
+            if found.get(marker) is not None and found.get(marker) is not False:
+                counts[name] += 1
+    counts["implementation"] = int(getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME)
+    return counts
 
 
 _SWAP_TEXT = {
@@ -233,18 +235,21 @@ class PreparedStep:
         return f"<PreparedStep {'undone' if self.undone else ', '.join(self.swaps) or 'nothing swapped'}>"
 
 
-def current_step(model: nn.Module, install: bool = False) -> PreparedStep | None:
-    """The step a decode of ``model`` runs now: the prepared one where it fits; prepared again where it is stale
-    (undone only where the kernels cannot run on the model's device now); prepared where none is and ``install``.
-    A model with no prepared step and no ``install`` is left as it is (a step built by hand included)."""
+def current_step(model: nn.Module, install: bool = False) -> StepKey:
+    """Make the step a decode of ``model`` runs now fit it: the prepared one where it fits; prepared again where it
+    is stale (undone only where the kernels cannot run on the model's device now); prepared where none is and
+    ``install``. A model with no prepared step and no ``install`` is left as it is (a step built by hand included).
+    Returns the model's key as it decodes (what its compiled decoder is keyed on)."""
     from ..kernels import _common
 
     step = PreparedStep.of(model)
-    if step is not None and step.stale():
+    key = StepKey.of(model)
+    if step is not None and (step.key != key or _swaps(model) != step.installed):
         step.undo()
         first = next(iter(model.parameters()), None)
         install = install or (first is not None and _common.available(first))
         step = None
+        key = key if install else StepKey.of(model)  # the model as it is now, its step undone
     if step is None and install:
         step = PreparedStep.install(model)
-    return step
+    return key if step is None else step.key
