@@ -256,9 +256,9 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     check_artifacts_given(spec, artifacts)
     _check_choice(path, PATHS, "path")
     if spec.weights is not None and spec.weights != Spec.of(model).weights:
-        raise ValueError(f"the spec's weights are {spec.weights} but the model's are "
-                         f"{Spec.of(model).weights or 'as loaded (not quantized)'}: quantize the model as the spec says "
-                         "(countdown.quantize) or drop the spec's weights")
+        have = Spec.of(model).weights or "as loaded (not quantized)"
+        raise ValueError(f"the spec's weights are {spec.weights} but the model's are {have}: quantize the model as the "
+                         "spec says (countdown.quantize) or drop the spec's weights")
     mlps = require_gated_mlps(model)
     if path == "kernel" and not m.is_dense and not kernels.available(mlps[0].w_down):
         why = ("Triton is not installed" if not kernels._common.has_triton() else

@@ -29,7 +29,8 @@ name, storage, shape, dtype, device), the weight format (``countdown.quantize``'
 it (:func:`current_step`): a step prepared for another state of the model (a ``quantize``, ``sparsify``,
 ``unsparsify``, another artifact, a ``use_backend``, a ``.to()`` since) is undone and prepared again (undone only,
 where the kernels cannot run on the model's device now), and the compiled decoder is built again with it: a stale
-step never runs.
+step never runs. (Outside a decode, in ``model.generate`` or a plain forward, a fused attention whose q/k/v were
+replaced since runs its own forward: ``attention.fused_current``.)
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class StepKey:
 
         weights, backends = [], []
         for prefix, module in model.named_modules():
-            if f".{PATCH_ATTR}" in f".{prefix}":  # the patch's selectors: keyed by the patch (they build layouts lazily)
+            if f".{PATCH_ATTR}" in f".{prefix}":  # the patch's selectors: keyed by the patch (layouts built lazily)
                 continue
             skip = module._non_persistent_buffers_set
             for name, t in (*module._parameters.items(), *module._buffers.items()):

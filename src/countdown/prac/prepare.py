@@ -180,7 +180,8 @@ CACHE_OPTION = "the artifact cache folder: --artifacts-dir, or COUNTDOWN_CACHE f
 
 def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: str | os.PathLike,
                      **options: Any) -> Artifacts:
-    """Deprecated alias (it warns) of ``prepare(model, tokenizer, method, sparsity, cache_dir=cache_dir, **options)``."""
+    """Deprecated alias (it warns) of
+    ``prepare(model, tokenizer, method, sparsity, cache_dir=cache_dir, **options)``."""
     _deprecated("ensure_artifacts", "call countdown.prepare(model, tokenizer, spec, k, cache_dir=folder)")
     return prepare(model, tokenizer, method, sparsity, cache_dir=cache_dir, **options)
 
