@@ -28,7 +28,7 @@ from . import kernels
 from .mlp import GatedMLP, require_gated_mlps
 from .patched import PatchedMLP
 from .prac.base import KINDS, RowSelector, selectors_for
-from .artifacts import Artifacts, load_artifacts, method_mismatch, read_meta
+from .artifacts import ArtifactError, Artifacts, load_artifacts, method_mismatch, read_meta
 from .registry import Method, check_sparsity, get_method, kept_rows
 from .spec import DEFAULT_SCOPE, SCOPES, Spec, artifact_spec, check_artifact, parse_spec, resolve_mode
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
@@ -180,6 +180,8 @@ def with_mode(spec: str | Spec | Method, mode: str | None, artifacts: Any = None
         raise method_mismatch(meta["method"], spec.method)
     try:
         return spec._keep(artifact_spec(meta))
+    except ArtifactError:  # a kind not registered: said as the artifact's own error
+        raise
     except ValueError:  # options recorded outside the spec grammar (a harness's stand-in artifact): its kind alone
         return spec._keep(parse_spec(f"{spec.method}[{meta['kind']}]"))
 
