@@ -91,7 +91,7 @@ class StepKey:
         out = []
         for f in fields(self):
             before, after = getattr(self, f.name), getattr(now, f.name)
-            if before != after:
+            if before != after and not (f.name == "backends" and not (before and after)):  # quantize says it
                 out.append(_CHANGED[f.name](before, after))
         return out
 
@@ -194,7 +194,7 @@ class PreparedStep:
         why = self.key.changes(StepKey.of(model))
         missing = [name for name, n in _swaps(model).items() if n != self.installed[name]]
         if missing:
-            why.append(f"its swaps were changed outside it ({', '.join(missing)})")
+            why.append(f"its swaps changed since ({', '.join(missing)})")
         return why
 
     def check(self) -> None:
