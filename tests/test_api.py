@@ -1,4 +1,5 @@
-"""The public API says what it does: top-level builders, strict arguments, one registry of kinds."""
+"""The public API says what it does: its names, one builder (and its deprecated aliases), strict arguments, one
+registry of kinds."""
 
 import math
 import os
@@ -16,12 +17,18 @@ from test_calibrate import TOK, word_texts
 KW = dict(texts=word_texts(0), num_tokens=256, window=128, progress=False)
 
 
-def test_builders_are_callable_at_the_top_level():
-    assert callable(countdown.calibrate) and callable(countdown.train_predictors) and callable(countdown.prepare)
+def test_the_public_names_and_the_aliases_beside_them():
+    assert len(countdown.__all__) <= 25 and all(hasattr(countdown, name) for name in countdown.__all__)
+    deprecated = ("calibrate", "train_predictors", "ensure_artifacts", "generate_fast")
+    assert not set(deprecated) & set(countdown.__all__) and all(callable(getattr(countdown, n)) for n in deprecated)
+    for name in deprecated:  # each says what it is an alias of
+        assert "alias" in getattr(countdown, name).__doc__.lower()
     model = tiny_model("llama")
-    art = countdown.calibrate(model, TOK, "mono", 0.8, **KW)
-    assert art.kind == "threshold" and art.sparsities == [0.8]
-    assert countdown.prepare(model, TOK, "mono", 0.8, **KW).tensors["thresholds"].shape == (1, 2)
+    art = countdown.prepare(model, TOK, "mono", 0.8, **KW)  # a plain method builds its default kind
+    assert art.kind == "threshold" and art.sparsities == [0.8] and art.tensors["thresholds"].shape == (1, 2)
+    with pytest.warns(DeprecationWarning, match="countdown.calibrate is a deprecated alias of countdown.prepare"):
+        same = countdown.calibrate(model, TOK, "mono", 0.8, **KW)
+    assert torch.equal(same.tensors["thresholds"], art.tensors["thresholds"])
 
 
 @pytest.mark.parametrize("bad, error", [("0.8", TypeError), (True, TypeError), (float("nan"), ValueError),
@@ -32,9 +39,9 @@ def test_sparsity_must_be_a_real_number(bad, error):
         countdown.sparsify(model, "mono", bad)
     assert not countdown.is_sparsified(model)
     with pytest.raises(error, match="sparsity"):
-        countdown.calibrate(model, TOK, "mono", bad, **KW)
+        countdown.prepare(model, TOK, "mono", bad, **KW)
     with pytest.raises(error, match="sparsity"):
-        countdown.calibrate(model, TOK, "mono", [0.7, bad], **KW)
+        countdown.prepare(model, TOK, "mono", [0.7, bad], **KW)
 
 
 def test_numpy_and_tensor_sparsities_are_numbers():
@@ -47,10 +54,12 @@ def test_numpy_and_tensor_sparsities_are_numbers():
         countdown.unsparsify(model)
 
 
-def test_ideal_mode_with_artifacts_is_an_error_that_names_prac():
+def test_an_ideal_spec_with_artifacts_is_an_error_that_names_the_prac_spec():
     model = tiny_model("llama")
-    art = countdown.calibrate(model, TOK, "mono", 0.8, **KW)
-    with pytest.raises(ValueError, match="mode='prac'"):
+    art = countdown.prepare(model, TOK, "mono", 0.8, **KW)
+    with pytest.raises(ValueError, match=r"'mono' is SP-Ideal .*\('mono\[threshold\]' for this artifact\)"):
+        countdown.sparsify(model, "mono", 0.8, artifacts=art)
+    with pytest.raises(ValueError, match=r"'mono' is SP-Ideal"), pytest.warns(DeprecationWarning, match="mode='ideal'"):
         countdown.sparsify(model, "mono", 0.8, mode="ideal", artifacts=art)
     assert not countdown.is_sparsified(model)
 
@@ -122,11 +131,11 @@ def toy_kind():
 
 def test_a_new_kind_is_one_class_and_one_registry_line(toy_kind, tmp_path):
     model = tiny_model("llama")
-    art = countdown.train_predictors(model, TOK, "dual", [0.6, 0.9], kind="toy-first-input", **KW)
+    art = countdown.prepare(model, TOK, "dual", [0.6, 0.9], kind="toy-first-input", **KW)
     path = art.save(tmp_path / "toy.safetensors")
     ids = torch.randint(3, 120, (2, 33), generator=torch.Generator().manual_seed(0))
     for k in (0.6, 0.9):
-        countdown.sparsify(model, "dual", k, mode="prac", artifacts=path, scope="all")
+        countdown.sparsify(model, "dual[toy-first-input]", k, artifacts=path, scope="all")
         with torch.no_grad():
             model(input_ids=ids)
         real = countdown.sparsity_real(model)["mean"]

@@ -159,7 +159,7 @@ def test_ensure_artifacts_builds_once_then_loads(model, tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("should have loaded from the cache")
 
-    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "prepare", no_build)
+    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "_build", no_build)  # (ensure_artifacts: prepare's alias)
     again = ensure_artifacts(model, TOK, "mono", 0.9, tmp_path, **KW)  # a subset of a cached file
     assert torch.equal(again.tensors["thresholds"], first.tensors["thresholds"])
     with pytest.raises(AssertionError, match="cache"):

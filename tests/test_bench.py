@@ -117,9 +117,11 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
     rows = list(csv.DictReader(open(out / "tiny.csv")))
     assert list(rows[0])[:9] == ["model", "method", "sparsity", "sparsity_real", "ppl_increase", "kl",
                                  "decode_speedup", "device", "date"]
-    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("mono", "0.8"), ("mono", "0.5"),
-                                                              ("dual[lowrank]", "0.8"), ("dual[lowrank]", "0.5"),
-                                                              ("teal", "0.8"), ("teal", "0.5")]
+    # SP-Prac rows, each labelled with its spec (which names the kind: mono[threshold], teal[teal])
+    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("mono[threshold]", "0.8"),
+                                                              ("mono[threshold]", "0.5"), ("dual[lowrank]", "0.8"),
+                                                              ("dual[lowrank]", "0.5"), ("teal[teal]", "0.8"),
+                                                              ("teal[teal]", "0.5")]
     assert [abs(float(r["sparsity_real"]) - float(r["sparsity"])) < 0.05 for r in rows[-2:]] == [True, True]
     assert (out / "tiny.md").exists() and (out / "tiny.png").stat().st_size > 0
     # quality columns against an independent recomputation with the cached artifact
@@ -157,8 +159,8 @@ def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
     printed = capsys.readouterr()
     assert "4-bit weights" in printed.err and "dense (int4)" in printed.out
     rows = list(csv.DictReader(open(out / "tiny.csv")))
-    assert [(r["method"], r["weights"]) for r in rows] == [("dense", "float32"), ("mono", "float32"), ("dense", "int4"),
-                                                           ("mono", "int4-downT")]
+    assert [(r["method"], r["weights"]) for r in rows] == [("dense", "float32"), ("mono[threshold]", "float32"),
+                                                           ("dense", "int4"), ("mono[threshold]", "int4-downT")]
     texts = countdown.load_texts(held_out)
     dense = countdown.perplexity(reference, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
                                  progress=False)
@@ -179,7 +181,7 @@ def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
     assert int4 != dense and float(rows[2]["kl"]) > 0 and 0 < float(rows[2]["top1"]) <= 1
     assert float(rows[2]["decode_speedup"]) == pytest.approx(float(rows[2]["tokens_per_s"]) / float(rows[2]["dense_tokens_per_s"]))
     table = (out / "tiny.md").read_text()
-    assert "| dense (int4) |" in table and "| mono (int4, W_down^T) |" in table
+    assert "| dense (int4) |" in table and "| mono[threshold] (int4, W_down^T) |" in table
 
 
 def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
@@ -189,7 +191,7 @@ def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "speed only" in printed
     rows = list(csv.DictReader(open(out / "tiny.csv")))
-    assert rows[1]["method"] == "cats" and rows[1]["ppl_increase"] == "" and rows[1]["kl"] == ""
+    assert rows[1]["method"] == "cats[threshold]" and rows[1]["ppl_increase"] == "" and rows[1]["kl"] == ""
     assert math.isfinite(float(rows[1]["decode_speedup"]))
     assert bench_main(["--model", "tiny", "--methods", "dual[", "--out", str(out)]) == 2
 
@@ -205,5 +207,5 @@ def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch
     printed = capsys.readouterr().out
     assert "speed only (random weights" in printed and "quality not measured" in printed
     rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
-    assert [r["method"] for r in rows] == ["dense", "mono", "dual[shadow4]"]
+    assert [r["method"] for r in rows] == ["dense", "mono[threshold]", "dual[shadow4]"]
     assert all(r["ppl_increase"] == "" for r in rows[1:]) and abs(float(rows[2]["sparsity_real"]) - 0.8) < 0.15

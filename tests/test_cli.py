@@ -31,10 +31,12 @@ def test_calibrate_then_ppl_with_the_artifact(tiny, tmp_path, capsys):
     art = load_artifacts(out)
     assert art.method == "mono" and art.sparsities == [0.6, 0.8] and art.meta["data"]["num_tokens"] == 512
     assert "wrote" in capsys.readouterr().out
-    assert cli.main(["ppl", "--method", "mono", "-k", "0.8", "--mode", "prac", "--artifacts", str(out),
+    assert cli.main(["ppl", "--method", "mono[threshold]", "-k", "0.8", "--artifacts", str(out),
                      "--texts", held_out, "--max-tokens", "512", "--window", "128", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["mode"] == "prac" and result["perplexity"] > 1
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)
+    assert result["mode"] == "prac" and result["method"] == "mono[threshold]" and result["perplexity"] > 1
+    assert "deprecated" not in printed.err  # no --mode: no deprecation
     assert result["sparsity_real"] == pytest.approx(0.8, abs=0.05)  # fresh text from the same distribution
     assert not countdown.is_sparsified(model) or countdown.unsparsify(model)
 
@@ -72,6 +74,7 @@ def test_train_with_refine_on_decode(tiny, tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--method", "dual"], "countdown train"),
     (["train", "--method", "mono"], "countdown calibrate"),
+    (["calibrate", "--method", "dual[lowrank]"], "kind 'lowrank' is gradient-trained: use `countdown train`"),
     (["calibrate", "--method", "mono", "-k", "1.5"], "sparsity"),
 ])
 def test_wrong_method_or_sparsity_is_a_clear_error(tiny, argv, message, capsys):

@@ -361,7 +361,7 @@ def test_a_string_sparsity_is_a_type_error(model):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--mode", "ideal", "--artifacts", "x.safetensors"], "mode='prac'"),
+    (["--mode", "ideal", "--artifacts", "x.safetensors"], "is SP-Ideal (the exact per-token top-k) and would ignore"),
     (["--mode", "prac"], "needs artifacts"),
 ], ids=["ideal with artifacts", "prac without"])
 def test_a_mode_that_cannot_use_the_artifacts_is_an_error_naming_the_mode(argv, message, loads, capsys):

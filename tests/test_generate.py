@@ -108,6 +108,42 @@ def test_sampling_is_seeded_and_padded_prompts_are_refused():
         countdown.generate(model, ids, 4, do_sample=True, temperature=0)
 
 
+def test_a_left_padded_batch_without_its_mask_is_warned_about():
+    """As transformers warns: rows that start with the pad token (some rows, not all: a left-padded batch) and no
+    attention mask. The batch is decoded as given; with its mask it is refused (padded prompts), and a batch whose
+    every row starts with the pad token (a pad that is also BOS) is no sign of padding."""
+    model, ids = tiny_model("llama"), _prompt(batch=2)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    padded = ids.clone()
+    padded[0, :2] = 0
+    with pytest.warns(UserWarning, match=r"rows \[0\] of the batch start with the pad token \(0\).*left-padded"):
+        out = countdown.generate(model, padded, 3)
+    assert torch.equal(out, _hf(model, padded, 3))  # decoded as given, every position a token of the prompt
+    with pytest.raises(ValueError, match="padded"):
+        countdown.generate(model, {"input_ids": padded, "attention_mask": (padded != 0).long()}, 3)
+    import warnings
+
+    both = ids.clone()
+    both[:, 0] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        countdown.generate(model, ids, 3)
+        countdown.generate(model, both, 3)
+
+
+def test_one_generate_gives_its_statistics_on_request():
+    """generate_fast is generate with the benchmarks' defaults: the same tokens, the same statistics' keys."""
+    from countdown.decode.generate import generate_fast
+
+    model, ids = tiny_model("llama"), _prompt()
+    model.generation_config.eos_token_id = None
+    tokens, stats = countdown.generate(model, ids, 6, return_stats=True, compile=False)
+    fast, fast_stats = generate_fast(model, ids, 6)
+    assert torch.equal(tokens, fast) and stats.keys() == fast_stats.keys()
+    assert stats["mode"] == "eager" and stats["new_tokens"] == 6 and stats["prompt_tokens"] == PROMPT
+    assert "generate_fast" not in countdown.__all__ and countdown.generate_fast is not countdown.generate
+
+
 def test_top_p_draws_from_the_nucleus():
     """Nucleus sampling against float64: the smallest set of most likely tokens whose mass reaches p."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]])

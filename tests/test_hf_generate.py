@@ -59,7 +59,7 @@ def test_static_cache_fullgraph_compiled_generate_matches_eager(method):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel route's CUDA graphs need a GPU")
-@pytest.mark.parametrize("method", ["mono", "dual[shadow4]"])
+@pytest.mark.parametrize("method", ["mono[threshold]", "dual[shadow4]"])
 def test_eager_generate_replays_each_layers_kernel_route_from_a_cuda_graph(method):
     """transformers' eager generate on CUDA: each sparse MLP's decode step is captured once and replayed,
     giving the logits of the uncaptured kernel route (the same kernels) and of the masked path (same rows)."""
@@ -73,7 +73,7 @@ def test_eager_generate_replays_each_layers_kernel_route_from_a_cuda_graph(metho
     kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     runs = {}
     for path in ("masked", "kernel"):
-        countdown.sparsify(model, method, 0.7, mode="prac", artifacts=art, path=path)
+        countdown.sparsify(model, method, 0.7, artifacts=art, path=path)
         try:
             runs[path] = model.generate(ids, **kw)
             graphs = [len(getattr(layer, "_graphs", {})) for layer in state_of(model).layers]

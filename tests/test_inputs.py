@@ -374,7 +374,7 @@ def test_the_artifact_cache_serves_the_same_model_in_another_dtype(model, tmp_pa
     import countdown.prac.prepare as prepare
 
     built = countdown.ensure_artifacts(model, TOK, "mono", 0.7, tmp_path, **KW)
-    monkeypatch.setattr(prepare, "prepare", lambda *a, **k: pytest.fail("rebuilt for another dtype"))
+    monkeypatch.setattr(prepare, "_build", lambda *a, **k: pytest.fail("rebuilt for another dtype"))
     again = countdown.ensure_artifacts(copy.deepcopy(model).to(torch.float16), TOK, "mono", 0.7, tmp_path, **KW)
     assert torch.equal(again.tensors["thresholds"], built.tensors["thresholds"])
     assert len(list(tmp_path.glob("*.safetensors"))) == 1

@@ -53,14 +53,17 @@ IDS = torch.randint(3, 120, (2, 24), generator=torch.Generator().manual_seed(0))
      {"bits": 4, "cut_rule": "pooled"}),
     ("dual[lowrank,epochs=1,d_rank=8]", "dual[lowrank8,epochs=1]", "dual", "lowrank", {"d_rank": 8, "epochs": 1}),
     ("dual[hybrid,cut_rule=mean-quantile]", "dual[hybrid]", "dual", "hybrid", {}),  # a default option drops out
-    ("mono[threshold]", "mono", "mono", "threshold", {}),  # the method's only kind: its name is not printed
-    ("mono[rule=pooled]", "mono[rule=pooled]", "mono", "threshold", {"rule": "pooled"}),
-    ("teal[teal]", "teal", "teal", "teal", {}),
-    ("teal[allocation=uniform]", "teal[allocation=uniform]", "teal", "teal", {"allocation": "uniform"}),
+    ("mono[threshold]", "mono[threshold]", "mono", "threshold", {}),  # SP-Prac always prints its kind
+    ("mono[rule=pooled]", "mono[threshold,rule=pooled]", "mono", "threshold", {"rule": "pooled"}),  # kind implied
+    ("cats[threshold]", "cats[threshold]", "cats", "threshold", {}),
+    ("teal[teal]", "teal[teal]", "teal", "teal", {}),
+    ("teal[allocation=uniform]", "teal[teal,allocation=uniform]", "teal", "teal", {"allocation": "uniform"}),
 ])
 def test_labels_parse_and_print_one_way(text, label, method, kind, options):
     spec = parse_spec(text)
     assert (spec.label, spec.method, spec.kind, spec.options) == (label, method, kind, options)
+    assert spec.mode == ("ideal" if kind is None else "prac")  # every spec says SP-Ideal or SP-Prac by itself
+    assert ("[" in spec.label) == (kind is not None)
     again = parse_spec(spec.label)  # the label is a spec of the same configuration, printed the same
     assert again.label == spec.label and again.resolved() == spec.resolved()
     assert str(spec) == spec.label and parse_spec(spec) is spec
@@ -71,7 +74,8 @@ def test_a_plain_method_resolves_to_its_default_kind_named_in_full():
     assert parse_spec("dual").resolved() == parse_spec("dual[shadow4]") == parse_spec("dual[shadow]")
     assert parse_spec("dual").resolved().label == "dual[shadow4]"
     assert parse_spec("dejavu").resolved().label == "dejavu[lowrank]"
-    assert [parse_spec(m).resolved().label for m in ("mono", "cats", "teal", "dense")] == ["mono", "cats", "teal", "dense"]
+    assert [parse_spec(m).resolved().label for m in ("mono", "cats", "teal", "dense")] == \
+        ["mono[threshold]", "cats[threshold]", "teal[teal]", "dense"]
     assert parse_spec("mono").resolved().kind == "threshold" and parse_spec("teal").resolved().kind == "teal"
     assert parse_spec("dual[lowrank]").with_options(d_rank=32).label == "dual[lowrank32]"
     assert parse_specs("mono, dual[hybrid],mono,dual[shadow4,cut_rule=pooled]") == \
@@ -85,6 +89,39 @@ def test_a_bracketed_kind_implies_prac():
         resolve_mode("dual[shadow4]", "ideal")
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         resolve_mode("dual", "fast")
+
+
+def test_a_spec_carries_k_scope_and_prints_its_method_part():
+    spec = parse_spec("dual[shadow]", k=0.5, scope="all")
+    assert (spec.label, str(spec), spec.k, spec.scope, spec.weights) == ("dual[shadow4]", "dual[shadow4]", 0.5, "all", None)
+    assert repr(spec) == "Spec('dual[shadow4]', k=0.5, scope='all')"
+    assert spec != parse_spec("dual[shadow4]") and spec == parse_spec("dual[shadow4]").at(0.5, "all")
+    assert spec.resolved() is spec and spec.with_options(bits=3).label == "dual[shadow3]"
+    assert spec.with_options(bits=3).k == 0.5  # the method part changes, k and scope stay
+    assert parse_spec("dual", k=0.8).resolved() == parse_spec("dual[shadow4]", k=0.8)
+    with pytest.raises(ValueError, match="sparsity"):
+        parse_spec("mono", k=1.5)
+    with pytest.raises(ValueError, match="unknown scope 'prompt'"):
+        parse_spec("mono", scope="prompt")
+
+
+def test_a_models_configuration_is_its_spec_k_scope_and_weight_format():
+    from countdown.spec import WeightFormat
+
+    model = tiny_model("llama", intermediate_size=96)
+    assert Spec.of(model) == parse_spec("dense") and Spec.of(model).weights is None
+    countdown.quantize(model, group=32, transposed_down=True)
+    weights = Spec.of(model).weights
+    assert (weights.bits, weights.group, weights.source, weights.scale_dtype, weights.transposed_down) == \
+        (4, 32, "rtn", "float16", True) and weights.record == model.config.countdown_int4
+    countdown.sparsify(model, parse_spec("mono", 0.5, "all").at(weights=weights))  # k, scope from the spec
+    assert Spec.of(model) == parse_spec("mono", 0.5, "all").at(weights=WeightFormat.from_record(
+        model.config.countdown_int4))
+    assert repr(Spec.of(model)) == ("Spec('mono', k=0.5, scope='all', weights='int4 (groups of 32, float16 scales, "
+                                    "W_down transposed)')")
+    countdown.unsparsify(model)
+    with pytest.raises(ValueError, match=r"the spec's weights are int4 .* but the model's are as loaded"):
+        countdown.sparsify(tiny_model("llama"), parse_spec("mono", 0.5).at(weights=weights))
 
 
 PRAC_QUALITY = {  # benchmarks/prac_quality.py's labels in results/prac_quality -> the configuration they name
@@ -198,17 +235,41 @@ def test_sparsify_with_a_spec_is_the_method_in_prac_mode(model, shadow4, tmp_pat
     assert shadow4.kind == "shadow" and shadow4.meta["bits"] == 4 and artifact_spec(shadow4).label == "dual[shadow4]"
     assert shadow4.tensors.keys() == plain.tensors.keys()
     assert all(torch.equal(shadow4.tensors[n], plain.tensors[n]) for n in plain.tensors)
-    want = logits(model, "dual", 0.8, mode="prac", artifacts=plain)
+    want = logits(model, "dual[shadow4]", 0.8, artifacts=plain)
     dense = logits(model, "dense", None)
     assert not torch.allclose(want, dense, atol=1e-3)  # the sparse model computes something else than dense
     path = shadow4.save(tmp_path / "shadow4.safetensors")
-    for spec, kwargs in [("dual[shadow4]", {}), ("dual[shadow]", {}), ("D-CountDown[shadow4]", {}),
-                         ("dual[shadow4]", {"mode": "prac"}), (parse_spec("dual[shadow4]"), {}),
-                         ("dual", {"mode": "prac"})]:
-        assert torch.equal(logits(model, spec, 0.8, artifacts=shadow4, **kwargs), want), spec
+    for spec in ["dual[shadow4]", "dual[shadow]", "D-CountDown[shadow4]", parse_spec("dual[shadow4]")]:
+        assert torch.equal(logits(model, spec, 0.8, artifacts=shadow4), want), spec
     assert torch.equal(logits(model, "dual[shadow4]", 0.8, artifacts=path), want)  # a path too
-    # no kind in brackets, no mode: SP-Ideal, as always
-    assert torch.equal(logits(model, "dual", 0.8), logits(model, "dual", 0.8, mode="ideal"))
+    # k and the scope from the spec (logits() asks for scope="all": the spec's must agree)
+    assert torch.equal(logits(model, parse_spec("dual[shadow4]", k=0.8, scope="all"), None, artifacts=shadow4), want)
+    with pytest.raises(ValueError, match="sparsity=0.6 was given but the spec says sparsity=0.8"):
+        countdown.sparsify(model, parse_spec("dual[shadow4]", k=0.8), 0.6, artifacts=shadow4)
+    assert not countdown.is_sparsified(model)
+    # no kind in brackets: SP-Ideal, as always
+    assert not torch.equal(logits(model, "dual", 0.8), want)
+
+
+def test_mode_is_deprecated_and_folds_into_the_spec(model, shadow4, tmp_path):
+    want = logits(model, "dual[shadow4]", 0.8, artifacts=shadow4)
+    path = shadow4.save(tmp_path / "shadow4.safetensors")
+    for spec, mode, artifacts in [("dual", "prac", shadow4), ("dual", "prac", path), ("dual[shadow4]", "prac", shadow4)]:
+        with pytest.warns(DeprecationWarning, match=r"mode='prac' .* is deprecated.*write 'dual\[shadow4\]'"):
+            assert torch.equal(logits(model, spec, 0.8, mode=mode, artifacts=artifacts), want), (spec, artifacts)
+    with pytest.warns(DeprecationWarning, match=r"mode='ideal' .*write 'dual' \(a plain method is SP-Ideal\)"):
+        ideal = logits(model, "dual", 0.8, mode="ideal")
+    assert torch.equal(ideal, logits(model, "dual", 0.8))
+    # a plain method in prac mode takes the artifact's kind and options, read from the file's header
+    from countdown.sparse import with_mode
+
+    assert with_mode("dual", "prac", path) == parse_spec("dual[shadow4]")
+    assert with_mode("dual", None, path) == parse_spec("dual") and with_mode("mono", "ideal") == parse_spec("mono")
+    with pytest.raises(ValueError, match="mode='prac' needs artifacts for dual.*'dual\\[shadow4\\]'"):
+        countdown.sparsify(model, "dual", 0.8, mode="prac")
+    with pytest.raises(ArtifactMismatchError, match="made for method 'dual', not 'mono'"):
+        countdown.sparsify(model, "mono", 0.8, mode="prac", artifacts=shadow4)
+    assert not countdown.is_sparsified(model)
 
 
 def test_a_kind_that_disagrees_is_refused_naming_both(model, shadow4):
@@ -220,8 +281,10 @@ def test_a_kind_that_disagrees_is_refused_naming_both(model, shadow4):
         assert not countdown.is_sparsified(model)
     with pytest.raises(ValueError, match=r"names an SP-Prac kind \(shadow\), which implies mode='prac'"):
         countdown.sparsify(model, "dual[shadow4]", 0.8, mode="ideal", artifacts=shadow4)
-    with pytest.raises(ValueError, match="mode='prac' needs artifacts"):
+    with pytest.raises(ValueError, match=r"'dual\[shadow4\]' is SP-Prac \(its kind in brackets\) and needs its artifact"):
         countdown.sparsify(model, "dual[shadow4]", 0.8)
+    with pytest.raises(ValueError, match=r"'dual' is SP-Ideal .*\('dual\[shadow4\]' for this artifact\)"):
+        countdown.sparsify(model, "dual", 0.8, artifacts=shadow4)
     with pytest.raises(ArtifactMismatchError, match="made for method 'dual', not 'mono'"):
         countdown.sparsify(model, "mono[threshold]", 0.8, artifacts=shadow4)
     assert not countdown.is_sparsified(model)
@@ -229,35 +292,44 @@ def test_a_kind_that_disagrees_is_refused_naming_both(model, shadow4):
     with pytest.raises(ValueError, match=r"'dual\[shadow4\]' names SP-Prac kind 'shadow' but kind='hybrid' was given"):
         countdown.prepare(model, TOK, "dual[shadow4]", 0.8, kind="hybrid", **KW)
     with pytest.raises(ValueError, match=r"'dual\[shadow4\]' says bits=4 but bits=3 was given"):
-        countdown.calibrate(model, TOK, "dual[shadow4]", 0.8, bits=3, **KW)
-    with pytest.raises(ValueError, match="kind 'lowrank' is gradient-trained: use countdown.train_predictors"):
+        countdown.prepare(model, TOK, "dual[shadow4]", 0.8, bits=3, **KW)
+    # the deprecated builders keep the checks their names promised
+    with pytest.warns(DeprecationWarning, match="countdown.calibrate is a deprecated alias of countdown.prepare"), \
+            pytest.raises(ValueError, match="kind 'lowrank' is gradient-trained: use countdown.train_predictors"):
         countdown.calibrate(model, TOK, "dual[lowrank]", 0.8, **KW)
-    with pytest.raises(ValueError, match="kind 'threshold' applies to cats and mono only"):
+    with pytest.warns(DeprecationWarning, match="countdown.train_predictors is a deprecated alias"), \
+            pytest.raises(ValueError, match="kind 'threshold' applies to cats and mono only"):
         countdown.train_predictors(model, TOK, "dual", 0.8, kind="threshold", **KW)
 
 
 def test_every_builder_takes_a_spec(model, tmp_path, monkeypatch):
-    trained = countdown.train_predictors(model, TOK, "dual[lowrank8,epochs=1]", 0.8, **KW)
-    same = countdown.train_predictors(model, TOK, "dual", 0.8, kind="lowrank", d_rank=8, epochs=1, **KW)
+    trained = countdown.prepare(model, TOK, "dual[lowrank8,epochs=1]", 0.8, **KW)
+    with pytest.warns(DeprecationWarning, match="train_predictors"):
+        same = countdown.train_predictors(model, TOK, "dual", 0.8, kind="lowrank", d_rank=8, epochs=1, **KW)
     assert trained.meta["d_rank"] == 8 and trained.meta["training"]["epochs"] == 1
     assert all(torch.equal(trained.tensors[n], same.tensors[n]) for n in same.tensors)
     assert artifact_spec(trained).label == "dual[lowrank8,epochs=1]"
-    pooled = countdown.calibrate(model, TOK, "mono[rule=pooled]", 0.8, **KW)
+    with pytest.warns(DeprecationWarning, match="calibrate"):
+        pooled = countdown.calibrate(model, TOK, "mono[rule=pooled]", 0.8, **KW)
     assert pooled.kind == "threshold" and pooled.meta["rule"] == "pooled"
-    assert artifact_spec(pooled).label == "mono[rule=pooled]"
-    # ensure_artifacts: one cached file per configuration, however it is spelled
-    first = countdown.ensure_artifacts(model, TOK, "dual[shadow4]", 0.8, tmp_path, **KW)
+    assert artifact_spec(pooled).label == "mono[threshold,rule=pooled]"
+    # prepare(cache_dir=): one cached file per configuration, however it is spelled (ensure_artifacts: its alias)
+    first = countdown.prepare(model, TOK, "dual[shadow4]", 0.8, cache_dir=tmp_path, **KW)
     assert len(list(tmp_path.glob("dual-*.safetensors"))) == 1
 
     def no_build(*args, **kwargs):
         raise AssertionError("should have loaded from the cache")
 
-    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "prepare", no_build)
-    for spelling in (("dual", {}), ("dual", {"kind": "shadow"}), ("dual[shadow]", {}), ("dual", {"bits": 4})):
-        again = countdown.ensure_artifacts(model, TOK, spelling[0], 0.8, tmp_path, **spelling[1], **KW)
+    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "_build", no_build)
+    for spelling in (("dual", {}), ("dual", {"kind": "shadow"}), ("dual[shadow]", {}), ("dual", {"bits": 4}),
+                     ("dual", {"window": 128})):  # an argument at its default keys the file as if left out
+        again = countdown.prepare(model, TOK, spelling[0], 0.8, cache_dir=tmp_path, **{**KW, **spelling[1]})
         assert torch.equal(again.tensors["k=0.8/layer0/cut"], first.tensors["k=0.8/layer0/cut"])
+    with pytest.warns(DeprecationWarning, match="ensure_artifacts"):
+        again = countdown.ensure_artifacts(model, TOK, "dual", 0.8, tmp_path, **KW)
+    assert torch.equal(again.tensors["k=0.8/layer0/cut"], first.tensors["k=0.8/layer0/cut"])
     with pytest.raises(AssertionError, match="cache"):
-        countdown.ensure_artifacts(model, TOK, "dual[shadow3]", 0.8, tmp_path, **KW)  # another configuration
+        countdown.prepare(model, TOK, "dual[shadow3]", 0.8, cache_dir=tmp_path, **KW)  # another configuration
 
 
 def test_the_eval_entry_points_take_a_spec(model, shadow4):
@@ -322,7 +394,9 @@ def test_the_cli_accepts_specs(tiny_cli, capsys):
     assert (bracketed["method"], bracketed["mode"]) == ("dual[shadow4]", "prac")  # no --mode: implied
     assert main(["ppl", "--method", "dual", "--mode", "prac", "-k", "0.8", "--artifacts",
                      "dual-shadow4-smollm2-135m-k0.8.safetensors", *ppl]) == 0
-    assert json.loads(capsys.readouterr().out)["perplexity"] == bracketed["perplexity"]
+    printed = capsys.readouterr()  # --mode still works this release, with a warning naming the spec to write
+    assert json.loads(printed.out)["perplexity"] == bracketed["perplexity"]
+    assert "--mode prac) is deprecated" in printed.err and "write 'dual[shadow4]'" in printed.err
     assert main(["train", "--method", "dual[lowrank8]", "-k", "0.8", "--epochs", "1", "--texts", "calib.txt",
                      "--num-tokens", "256", "--out", "lr.safetensors"]) == 0
     assert countdown.load_artifacts("lr.safetensors").meta["d_rank"] == 8
@@ -340,7 +414,8 @@ def test_the_cli_accepts_specs(tiny_cli, capsys):
         assert message in capsys.readouterr().err
     assert main(["methods"]) == 0
     listed = capsys.readouterr().out
-    assert "dual[shadow<bits>]" in listed and "default kind (plain dual, --mode prac): dual[shadow4]" in listed
+    assert "dual[shadow<bits>]" in listed and "default kind (built for plain dual): dual[shadow4]" in listed
+    assert "SP-Prac: mono[threshold] (kind threshold)" in listed and "--mode" not in listed
 
 
 def test_the_bench_recommendation_pastes_into_the_api_and_the_cli(tiny_cli, capsys, monkeypatch):
@@ -361,7 +436,7 @@ def test_the_bench_recommendation_pastes_into_the_api_and_the_cli(tiny_cli, caps
         pasted = model(IDS).logits
     countdown.unsparsify(model)
     art = real_prepare(model, TOK, "dual[shadow4]", 0.8, **KW)
-    assert torch.equal(logits(model, "dual", 0.8, mode="prac", artifacts=art), pasted)
+    assert torch.equal(logits(model, "dual[shadow4]", 0.8, artifacts=art), pasted)
     assert not torch.allclose(logits(model, "dense", None), pasted, atol=1e-3)
     # the shell form, run as printed (the calibration text added)
     build, gen = shlex.split(shell.split(":", 1)[1]), shlex.split(use)

@@ -119,7 +119,7 @@ def test_interrupted_sweep_resumes_to_the_same_csv(setup, full_run, monkeypatch,
     for name in ("measure_task_shared", "measure_lmeval", "measure_ppl", "measure_agreement"):
         monkeypatch.setattr(sweep.measure, name, counted(getattr(sweep.measure, name)))
     builds = []
-    monkeypatch.setattr(countdown.prac.prepare, "prepare", lambda *a, **k: builds.append("build"))
+    monkeypatch.setattr(countdown.prac.prepare, "_build", lambda *a, **k: builds.append("build"))  # a cache miss
 
     out = tmp_path / "resumed"
     lines = []

@@ -100,7 +100,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
     ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``. ``checkpoint(rows)``,
     if given, is called after every configuration (e.g. to write the report so far)."""
     from countdown.decode.generate import reset_decoders
-    from countdown.sparse import sparsify, unsparsify
+    from countdown.sparse import sparsify, unsparsify, with_mode
 
     s = settings
     budget = Budget(s.budget_s)
@@ -200,7 +200,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
                 log(f"skipping {error}")
                 continue
             ks = sorted(s.ks, reverse=True)
-            sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="masked")
+            sparsify(model, with_mode(spec.method, "prac", art), ks[0], artifacts=private_copy(art), path="masked")
             kept = {}
             try:
                 for k in ks:
@@ -209,7 +209,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
             finally:
                 unsparsify(model)
                 reset_decoders()
-            sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+            sparsify(model, with_mode(spec.method, "prac", art), ks[0], artifacts=private_copy(art), path="auto")
             try:
                 patched = model_bytes(model)
                 clear_dynamo_counts()  # one count over every k: retargeting must not recompile

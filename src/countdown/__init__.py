@@ -9,6 +9,12 @@ Quick start::
     #          artifacts=countdown.prepare(model, tok, "dual[shadow4]", 0.8))
     print(countdown.perplexity(model, tok))
     countdown.unsparsify(model)
+
+``__all__`` lists the supported names. Importable beside them, and not listed: the deprecated aliases
+(``calibrate``, ``train_predictors``, ``ensure_artifacts``: of :func:`prepare`; ``generate_fast``: :func:`generate`
+with the benchmarks' defaults) and the building blocks of extensions and the harness (``KINDS``, ``Method``,
+``get_method``, ``kept_rows``, ``GatedMLP``, ``find_gated_mlps``, ``catalogue``, ``predictor_quality``,
+``refine_cuts_on_decode``, ``ArtifactMismatchError``).
 """
 
 from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
@@ -19,8 +25,9 @@ from .sparse import sparsify, unsparsify
 from .spec import Spec, parse_spec
 from .state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)
 from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
-from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors
+from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors  # the last three: deprecated aliases
 from .prac.quality import predictor_quality, refine_cuts_on_decode
+from .decode.prepared import PreparedStep
 
 __version__ = "0.1.0"
 
@@ -45,12 +52,14 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id (a string is a
     catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,
     the same rule as ``--model``). A folder written by :func:`save` (or ``save_pretrained`` of a sparsified or
-    4-bit model) comes back sparsified and quantized as it was saved. See :func:`countdown.data.models.load_model`."""
+    4-bit model, by this release or an earlier one) comes back sparsified and quantized as it was saved
+    (:func:`countdown.saving.saved_config`). See :func:`countdown.data.models.load_model`."""
     from pathlib import Path
 
     from .data.models import load_model as _load, model_source, parse_device, parse_dtype
     from .int4.loading import load_int4, saved_int4
-    from .saving import ARTIFACTS_NAME, saved_config
+    from .saving import ARTIFACTS_NAME, countdown_quantization_known, drop_loaded_record, saved_config
+    from .sparse import with_mode
 
     # the folder as load_model reads the string (a catalogue name is never a folder of that name)
     folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
@@ -61,14 +70,17 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
             raise ValueError(f"a saved 4-bit model takes no {', '.join(kwargs)}")
         device = parse_device(device)
         dtype = parse_dtype(("bf16" if device.type == "cuda" else "fp32") if dtype == "auto" else dtype)
-        model, tokenizer = load_int4(folder, dtype, device)
+        model, tokenizer = load_int4(folder, dtype, device, int4)
     else:
-        model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
+        with countdown_quantization_known():
+            model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
     record = saved_config(folder) if folder is not None else None
+    if record is not None:
+        drop_loaded_record(model)  # the model's state holds it from here on
     if record is not None and record["spec"] is not None:
         artifacts = folder / ARTIFACTS_NAME if record["artifacts"] else None
-        sparsify(model, record["spec"], record["sparsity"], mode=record["mode"], scope=record["scope"],
-                 artifacts=artifacts, path=record["path"])
+        spec = with_mode(record["spec"], record.get("mode"), artifacts)  # a version 1 or 2 record's mode folded in
+        sparsify(model, spec, record["k"], scope=record["scope"], artifacts=artifacts, path=record["path"])
     return model, tokenizer
 
 
@@ -82,8 +94,8 @@ def quantize(model, group: int = 128, source: str = "rtn", **kwargs):
 
 
 def save(model, folder, tokenizer=None, overwrite: bool = False, **kwargs):
-    """Save a dense or sparsified model so that :func:`load_model` gives it back the same.
-    See :func:`countdown.saving.save`."""
+    """Save a dense, sparsified or 4-bit model so that :func:`load_model` gives it back the same: its configuration
+    (``Spec.of(model)``) goes into config.json as ``quantization_config``. See :mod:`countdown.saving`."""
     from .saving import save as _save
 
     return _save(model, folder, tokenizer=tokenizer, overwrite=overwrite, **kwargs)
@@ -97,20 +109,22 @@ def evaluate(model, tokenizer, tasks, **kwargs) -> dict:
     return _evaluate(model, tokenizer, tasks, **kwargs)
 
 
+def generate(model, input_ids, max_new_tokens: int = 128, **kwargs):
+    """Generate with the fastest decode step the library has, in one call (dense or sparsified; on CUDA the
+    step is prepared (:class:`PreparedStep`) and compiled on the first call; its statistics with
+    ``return_stats=True``). See :func:`countdown.decode.generate.generate`."""
+    from .decode.generate import generate as _generate
+
+    return _generate(model, input_ids, max_new_tokens, **kwargs)
+
+
 def generate_fast(model, input_ids, max_new_tokens: int, **kwargs):
-    """Static-cache, CUDA-graph decoding of a dense or patched model (eager on CPU).
+    """Alias kept for the benchmarks: :func:`generate` with their defaults (no step prepared, ``temperature`` 0 is
+    greedy, no EOS unless given, tokens after a row's EOS left as generated, ``(tokens, stats)`` returned).
     See :func:`countdown.decode.generate.generate_fast`."""
     from .decode.generate import generate_fast as _generate_fast
 
     return _generate_fast(model, input_ids, max_new_tokens, **kwargs)
-
-
-def generate(model, input_ids, max_new_tokens: int = 128, **kwargs):
-    """Generate with the fastest decode step the library has, in one call (dense or sparsified; on CUDA the
-    step is prepared and compiled on the first call). See :func:`countdown.decode.generate.generate`."""
-    from .decode.generate import generate as _generate
-
-    return _generate(model, input_ids, max_new_tokens, **kwargs)
 
 
 def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -> float:
@@ -121,10 +135,8 @@ def perplexity(model, tokenizer, texts=None, max_tokens: int = 8192, **kwargs) -
 
 
 __all__ = [
-    "AlreadySparsifiedError", "ArtifactError", "ArtifactMismatchError", "Artifacts", "GatedMLP", "KINDS", "Method",
-    "NoGatedMLPError", "NotSparsifiedError", "Spec", "calibrate", "catalogue", "dense_prefix", "ensure_artifacts",
-    "evaluate", "find_gated_mlps", "generate", "generate_fast", "get_method", "is_sparsified", "kept_rows",
-    "load_artifacts", "load_model", "load_texts", "methods", "parse_spec", "perplexity", "predictor_quality", "prepare",
-    "quantize", "refine_cuts_on_decode",
-    "reset_sparsity_stats", "save", "sparsify", "sparsity_real", "train_predictors", "unsparsify",
+    "AlreadySparsifiedError", "ArtifactError", "Artifacts", "NoGatedMLPError", "NotSparsifiedError", "PreparedStep",
+    "Spec", "dense_prefix", "evaluate", "generate", "is_sparsified", "load_artifacts", "load_model", "load_texts",
+    "methods", "parse_spec", "perplexity", "prepare", "quantize", "reset_sparsity_stats", "save", "sparsify",
+    "sparsity_real", "unsparsify",
 ]

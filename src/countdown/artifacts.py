@@ -40,8 +40,8 @@ from .registry import Method, check_sparsity, get_method
 FORMAT = "countdown-artifacts"
 FORMAT_VERSION = 2
 SPARSITY_TOL = 1e-6
-REBUILD = ("delete it and rebuild it (`countdown calibrate` / `countdown train`, countdown.calibrate / "
-           "countdown.train_predictors, or countdown.ensure_artifacts)")
+REBUILD = ("delete it and rebuild it (`countdown calibrate` / `countdown train`, or countdown.prepare; "
+           "prepare(..., cache_dir=...) rebuilds a cached one)")
 # Metadata every artifact must carry, with the JSON type it must have.
 REQUIRED_META = {"format": str, "format_version": int, "method": str, "kind": str, "sparsities": list,
                  "selection": str, "data": dict, "version": str, "model": dict}
@@ -111,8 +111,7 @@ class Artifacts:
                 return i
         raise ArtifactMismatchError(
             f"these {self.method} artifacts hold k in {self.sparsities}, not k={k}: build them for "
-            f"k={k} (countdown.calibrate / countdown.train_predictors / ensure_artifacts with "
-            f"sparsity={k}, or a list that includes it)"
+            f"k={k} (countdown.prepare with sparsity={k}, or a list that includes it)"
         )
 
     def key(self, sparsity: float) -> str:
@@ -277,8 +276,8 @@ def load_artifacts(path: str | os.PathLike) -> Artifacts:
         raise ArtifactError(f"{path} is {kind}, not an artifact file: give the .safetensors file written by "
                             "`countdown calibrate` / `countdown train` (Artifacts.save)")
     if not path.is_file():
-        raise ArtifactError(f"no artifact file at {path}: build one with countdown.calibrate / "
-                            "countdown.train_predictors and save it, or use ensure_artifacts")
+        raise ArtifactError(f"no artifact file at {path}: build one with countdown.prepare and save it "
+                            "(`countdown calibrate` / `countdown train`)")
     what = _not_safetensors(path)
     if what is not None:
         raise ArtifactError(f"{path} is not a countdown artifact ({what}): give the .safetensors file written by "
@@ -340,11 +339,7 @@ def check_artifacts(artifacts: Artifacts, mlps: list[GatedMLP], method: str | Me
     """Raise :class:`ArtifactMismatchError` unless ``artifacts`` fit; returns the sparsity index."""
     m = get_method(method)
     if artifacts.method != m.name:
-        raise ArtifactMismatchError(
-            f"these artifacts were made for method {artifacts.method!r}, not {m.name!r}: build {m.name} "
-            f"artifacts for this model (countdown.calibrate / countdown.train_predictors with "
-            f"method={m.name!r}), or sparsify with method={artifacts.method!r}"
-        )
+        raise method_mismatch(artifacts.method, m.name)
     k = check_sparsity(sparsity)
     index = artifacts.sparsity_index(k)
     want = artifacts.meta["model"]
@@ -361,6 +356,13 @@ def check_artifacts(artifacts: Artifacts, mlps: list[GatedMLP], method: str | Me
     if why is not None:
         raise ArtifactMismatchError(why)
     return index
+
+
+def method_mismatch(have: str, want: str) -> ArtifactMismatchError:
+    """The error for an artifact of method ``have`` given where method ``want`` runs."""
+    return ArtifactMismatchError(f"these artifacts were made for method {have!r}, not {want!r}: build {want} "
+                                 f"artifacts for this model (countdown.prepare with method={want!r}), or sparsify "
+                                 f"with method={have!r}")
 
 
 def footprint(artifacts: Artifacts, model) -> dict:

@@ -1,67 +1,83 @@
-"""Saving a sparsified model and loading it back the same.
+"""Saving a sparsified or 4-bit model and loading it back the same.
 
     countdown.save(model, "my-model", tokenizer)      # or model.save_pretrained("my-model") on a sparsified model
-    model, tok = countdown.load_model("my-model")     # the same sparsified model: same logits
+    model, tok = countdown.load_model("my-model")     # the same model: same logits
 
-A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit) plus
-``countdown.json`` (the spec, k, mode, scope and path ``sparsify`` was given) and, for SP-Prac,
-``countdown_artifacts.safetensors`` (the selectors, checksummed). ``transformers.from_pretrained`` alone loads the
-dense model; :func:`countdown.load_model` patches it again as :func:`saved_config` says. A 4-bit model
-(``countdown.quantize``) saves its 4-bit Linears as their codes, scales and offsets, and its configuration in
-config.json and in countdown.json's ``"int4"``: only :func:`countdown.load_model` rebuilds those Linears
-(:mod:`countdown.int4.loading`). A configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac
-selectors replaced by hand) is refused before anything is written. The folder is written beside its place and
-renamed into it, so a failed save leaves no half folder and an existing folder is replaced only with
-``overwrite=True``.
+A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit; a 4-bit
+model's Linears as their codes, scales and offsets) whose config.json carries the model's configuration
+(:class:`countdown.spec.Spec`: ``Spec.of(model)``) as ``quantization_config``, the shape a transformers
+``QuantizationConfigMixin`` is built from (:func:`quantization_config`)::
+
+    "quantization_config": {"quant_method": "countdown", "format_version": 3, "countdown": "0.1.0",
+                            "spec": "dual[shadow4]", "method": "dual", "kind": "shadow", "options": {"bits": 4},
+                            "mode": "prac", "k": 0.5, "scope": "decode", "path": "auto",
+                            "artifacts": "countdown_artifacts.safetensors", "weights": null}
+
+``weights`` is the :class:`~countdown.spec.WeightFormat` of a 4-bit model (bits, group, source, scale dtype,
+lm_head, transposed_down, and ``record``: what :func:`countdown.quantize` recorded, from which its modules are
+rebuilt), ``artifacts`` the SP-Prac selectors' file in the folder (checksummed), ``spec`` null where the model is not
+sparsified. ``transformers.from_pretrained`` alone logs "Unknown quantization type" and loads the dense model (a
+4-bit one with random Linears); :func:`countdown.load_model` rebuilds it as :func:`saved_config` says. Folders of
+earlier releases (``countdown.json`` format versions 1 and 2, ``countdown_int4`` in config.json) load the same.
+A configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac selectors replaced by hand) is
+refused before anything is written. The folder is written beside its place and renamed into it, so a failed save
+leaves no half folder and an existing folder is replaced only with ``overwrite=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
 
 from torch import nn
 
-CONFIG_NAME = "countdown.json"
+QUANT_METHOD = "countdown"  # quantization_config's quant_method (the transformers quantizer's name)
+RECORD_VERSION = 3  # 3: the record in config.json's quantization_config
+CONFIG_NAME = "countdown.json"  # versions 1 and 2 (read only): 1 the sparsity, 2 also a 4-bit model's "int4"
 ARTIFACTS_NAME = "countdown_artifacts.safetensors"
-FORMAT = "countdown-sparsified"
-FORMAT_VERSION = 2  # 2: a 4-bit model's configuration under "int4"
+FORMAT = "countdown-sparsified"  # countdown.json's format
+FORMAT_VERSION = 2
+INT4_ATTR = "countdown_int4"  # model.config's attribute of countdown.quantize's record (countdown.int4.quantize)
 PATCH_ATTR = "countdown_sparse"  # the patched layer sparsify hangs on each Gated-MLP module (not saved)
 
 
-def _record(model: nn.Module) -> dict | None:
-    """What ``countdown.json`` holds for ``model`` (None: a dense model with its weights as loaded), refusing what
-    cannot round-trip. A 4-bit model (``countdown.quantize``) records its configuration under ``"int4"`` (format
-    version 2); it also travels in config.json, which ``countdown.load_model`` reads to rebuild the 4-bit modules."""
+def quantization_config(model: nn.Module) -> dict | None:
+    """The ``quantization_config`` record of ``model`` (None: a dense model with its weights as loaded), refusing
+    what cannot round-trip."""
+    from dataclasses import asdict
+
     from . import __version__
+    from .spec import Spec
     from .state import STATE_ATTR
 
     state = getattr(model, STATE_ATTR, None)
-    int4 = getattr(getattr(model, "config", None), "countdown_int4", None)
-    if state is None:
-        if int4 is None:
-            return None
-        return {"format": FORMAT, "format_version": 2, "countdown": __version__, "spec": None, "sparsity": None,
-                "mode": None, "scope": None, "path": None, "artifacts": None, "int4": int4}
-    if any(layer.mlp.tp is not None for layer in state.layers):
+    spec = Spec.of(model)
+    if state is None and spec.weights is None:
+        return None
+    if state is not None and any(layer.mlp.tp is not None for layer in state.layers):
         raise ValueError("a tensor-parallel shard cannot be saved as a sparsified model: save the model dense "
                          "(countdown.unsparsify first) with its artifacts, and sparsify it again after loading")
-    if state.mode == "prac" and state.artifacts is None:
+    if state is not None and state.mode == "prac" and state.artifacts is None:
         raise ValueError("this SP-Prac model's selectors did not come from an artifact, so they cannot be saved; "
                          "build them with countdown.prepare and sparsify(..., artifacts=...) to save the model")
-    record = {"format": FORMAT, "format_version": 1, "countdown": __version__, "spec": state.spec.label,
-              "sparsity": state.sparsity, "mode": state.mode, "scope": state.scope, "path": state.path,
-              "artifacts": ARTIFACTS_NAME if state.mode == "prac" else None}
-    if int4 is not None:
-        record.update(format_version=2, int4=int4)
-    return record
+    patched = state is not None
+    return {"quant_method": QUANT_METHOD, "format_version": RECORD_VERSION, "countdown": __version__,
+            "spec": spec.label if patched else None, "method": spec.method if patched else None,
+            "kind": spec.kind, "options": dict(spec.options) if patched else None,
+            "mode": spec.mode if patched else None, "k": spec.k, "scope": spec.scope if patched else None,
+            "path": state.path if patched else None,
+            "artifacts": ARTIFACTS_NAME if patched and state.mode == "prac" else None,
+            "weights": None if spec.weights is None else asdict(spec.weights)}
 
 
 def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite: bool = False,
          **save_pretrained_kwargs) -> Path:
-    """Write ``model`` (dense or sparsified) and its sparsity configuration to ``folder``; returns the folder.
+    """Write ``model`` (dense, sparsified or 4-bit) and its configuration (:func:`quantization_config`, in
+    config.json) to ``folder``; returns the folder.
     ``tokenizer`` is saved with it when given; other keyword arguments go to ``save_pretrained``. The folder is
     written beside its place and renamed into it (:func:`countdown.io.atomic_folder`): a failed save (a full
     disk, a kill) leaves the folder that was there as it was; an existing, non-empty one is replaced only with
@@ -72,7 +88,7 @@ def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite:
 
     folder = Path(folder)
     refuse_meta(model, "save")  # meta tensors hold nothing to write: refused before the folder is touched
-    record = _record(model)  # refuses before any write
+    record = quantization_config(model)  # refuses before any write
     target = resolve_link(folder)
     recover(target)  # a save killed between its two renames: the old folder is put back first
     if os.path.exists(target) and not (os.path.isdir(target) and not any(target.iterdir())) and not overwrite:
@@ -84,8 +100,8 @@ def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite:
 
 
 def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwargs: dict) -> None:
-    """The weights as loaded (the patch's own buffers left out), the tokenizer, the record and the artifact, into
-    ``folder``."""
+    """The weights as loaded (the patch's own buffers left out), the tokenizer, the record (into config.json) and
+    the artifact, into ``folder``."""
     from .io import atomic_write
     from .state import STATE_ATTR
 
@@ -102,7 +118,10 @@ def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwarg
 
             art = state.artifacts
             (art if isinstance(art, Artifacts) else load_artifacts(art)).save(folder / ARTIFACTS_NAME)
-        atomic_write(folder / CONFIG_NAME, json.dumps(record, indent=2) + "\n")
+        config = json.loads((folder / "config.json").read_text())
+        config.pop(INT4_ATTR, None)  # in the record's weights now: one place
+        config["quantization_config"] = record
+        atomic_write(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _save_pretrained(model: nn.Module, folder: Path, **kwargs) -> None:
@@ -117,9 +136,38 @@ def _save_pretrained(model: nn.Module, folder: Path, **kwargs) -> None:
 
 
 def saved_config(folder: str | os.PathLike) -> dict | None:
-    """``countdown.json`` of a saved folder, or None where the folder holds a dense model. ``spec`` is None in the
-    record of a 4-bit model that is not sparsified."""
-    path = Path(folder) / CONFIG_NAME
+    """The configuration a saved folder records, as :func:`quantization_config` writes it (None: a dense model, or
+    no folder): config.json's ``quantization_config``, or the records of earlier releases (countdown.json versions
+    1 and 2, ``countdown_int4`` in config.json) in the same shape, with their ``mode`` (the spec of a version 1 or 2
+    record may need it: ``mono`` with mode ``prac``; :func:`countdown.sparse.with_mode`)."""
+    from dataclasses import asdict
+
+    from .spec import WeightFormat
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    record = config.get("quantization_config")
+    if isinstance(record, dict) and record.get("quant_method") == QUANT_METHOD:
+        if record.get("format_version", RECORD_VERSION) > RECORD_VERSION:
+            raise ValueError(f"{config_path} was written by a newer countdown (record version "
+                             f"{record['format_version']}); upgrade countdown to load it")
+        return record
+    old = _legacy_record(folder)
+    int4 = config.get(INT4_ATTR) or (old or {}).get("int4")
+    if old is None and int4 is None:
+        return None
+    old = old or {"format_version": 2, "spec": None}
+    weights = WeightFormat.from_record(int4)
+    return {"quant_method": QUANT_METHOD, "format_version": old.get("format_version", 1),
+            "countdown": old.get("countdown"), "spec": old.get("spec"), "mode": old.get("mode"),
+            "k": old.get("sparsity"), "scope": old.get("scope"), "path": old.get("path"),
+            "artifacts": old.get("artifacts"), "weights": None if weights is None else asdict(weights)}
+
+
+def _legacy_record(folder: Path) -> dict | None:
+    """countdown.json of a folder saved by an earlier release (format versions 1 and 2), or None."""
+    path = folder / CONFIG_NAME
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
@@ -130,6 +178,31 @@ def saved_config(folder: str | os.PathLike) -> dict | None:
         raise ValueError(f"{path} was written by a newer countdown (format version {record['format_version']}); "
                          "upgrade countdown to load it")
     return record
+
+
+def _unknown_countdown_quantization(record: logging.LogRecord) -> bool:
+    return "got countdown" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def countdown_quantization_known():
+    """Inside, transformers does not log "Unknown quantization type, got countdown" (countdown.load_model reads
+    that record itself)."""
+    logger = logging.getLogger("transformers.quantizers.auto")
+    logger.addFilter(_unknown_countdown_quantization)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_unknown_countdown_quantization)
+
+
+def drop_loaded_record(model: nn.Module) -> None:
+    """What ``from_pretrained`` left of the record on ``model.config`` (a dict: no quantizer took it) goes: the
+    model's configuration is its state, written again by :func:`countdown.save` (a stale record in a later plain
+    ``save_pretrained`` would sparsify the model again at its next load)."""
+    record = getattr(model.config, "quantization_config", None)
+    if isinstance(record, dict) and record.get("quant_method") == QUANT_METHOD:
+        del model.config.quantization_config
 
 
 def save_pretrained_method(model: nn.Module):
@@ -144,7 +217,7 @@ def save_pretrained_method(model: nn.Module):
         if args:
             raise TypeError("save_pretrained on a sparsified model takes the folder and keyword arguments")
         folder = Path(save_directory)
-        record = _record(model)  # refuses before any write
+        record = quantization_config(model)  # refuses before any write
         target = resolve_link(folder)
         with file_lock(target, what="saved model folder"), files_into(target, what="saved model") as work:
             _write(model, record, work, None, kwargs)

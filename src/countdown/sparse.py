@@ -16,6 +16,8 @@ those rows. Two equivalent paths:
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,18 +28,16 @@ from . import kernels
 from .foreign import refuse_foreign_quantization
 from .mlp import GatedMLP, require_gated_mlps
 from .patched import PatchedMLP
-from .prac.base import RowSelector, selectors_for
-from .artifacts import Artifacts, load_artifacts
+from .prac.base import KINDS, RowSelector, selectors_for
+from .artifacts import ArtifactError, Artifacts, load_artifacts, method_mismatch, read_meta
 from .registry import Method, check_sparsity, get_method, kept_rows
-from .spec import MODES, Spec, check_artifact, parse_spec, resolve_mode
+from .spec import DEFAULT_SCOPE, SCOPES, Spec, artifact_spec, check_artifact, parse_spec, resolve_mode
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
                     is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
 from .teal import InputSparseGatedMLP, TealTopK, refuse_teal_sharded
 from .tp import shard_selectors
 
-SCOPES = ("decode", "all")
 PATHS = ("auto", "masked", "gather", "kernel")
-DEFAULT_SCOPE = "decode"
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,50 +156,92 @@ def build_selectors(mlps: list[GatedMLP], method: Method, sparsity: float | None
         return [TealTopK(kept_rows(m.d_model, sparsity), kept_rows(m.d_inter, sparsity)) for m in mlps]
     if mode == "ideal":
         return [TopKSelector(method, kept_rows(m.d_inter, sparsity)) for m in mlps]
-    if artifacts is None:
-        raise ValueError(
-            f"mode='prac' needs artifacts for {method.name} at k={sparsity}: make them with "
-            f"`countdown calibrate` / `countdown train` (or countdown.calibrate / countdown.train_predictors) "
-            "and pass artifacts=<path or object>"
-        )
     return selectors_for(artifacts, mlps, method, sparsity)
 
 
-def check_mode(method: Method, mode: str, artifacts: Any) -> None:
-    """Refuse a mode that cannot use what was given: artifacts belong to mode='prac' (every entry
-    point calls this before its work, the command line before the model load)."""
-    _check_choice(mode, MODES, "mode")
-    if mode == "ideal" and artifacts is not None and not method.is_dense:
-        raise ValueError("artifacts are used by mode='prac' (calibrated thresholds / predictors); mode='ideal' "
-                         "takes the exact per-token top-k and would ignore them: pass mode='prac' (--mode prac), "
-                         "or drop artifacts (--artifacts)")
-    if mode == "prac" and artifacts is None and not method.is_dense:
-        raise ValueError(f"mode='prac' needs artifacts for {method.name}: make them with `countdown calibrate` / "
-                         "`countdown train` (countdown.calibrate / countdown.train_predictors) and pass "
-                         "artifacts=<path or object> (--artifacts PATH), or use mode='ideal'")
+def with_mode(spec: str | Spec | Method, mode: str | None, artifacts: Any = None) -> Spec:
+    """The spec that says ``mode`` by itself: the ``mode=`` of earlier releases folded in (no warning here; the
+    entry points that take ``mode=`` warn). None or ``"ideal"`` leave the spec as it is (``"ideal"`` with a kind is
+    refused); ``"prac"`` on a plain method names the artifact's kind and options (``"dual"`` with a dual[hybrid]
+    artifact -> ``dual[hybrid]``; a path's metadata is read, not its tensors)."""
+    spec = parse_spec(spec)
+    if mode is None:
+        return spec
+    resolve_mode(spec, mode)
+    if mode == "ideal" or spec.kind is not None or spec.is_dense:
+        return spec
+    if artifacts is None:
+        raise ValueError(f"mode='prac' needs artifacts for {spec.method}: build them with countdown.prepare(model, "
+                         f"tokenizer, {spec.resolved().label!r}, k) (`countdown calibrate` / `countdown train`) and "
+                         f"pass artifacts=<path or object> (--artifacts PATH) with the spec {spec.resolved().label!r}")
+    meta = artifacts.meta if isinstance(artifacts, Artifacts) else read_meta(artifacts)
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        meta = load_artifacts(artifacts).meta  # its own error: no such file, corrupt, an unknown kind
+    if meta.get("method") != spec.method:
+        raise method_mismatch(meta["method"], spec.method)
+    try:
+        return spec._keep(artifact_spec(meta))
+    except ArtifactError:  # a kind not registered: said as the artifact's own error
+        raise
+    except ValueError:  # options recorded outside the spec grammar (a harness's stand-in artifact): its kind alone
+        return spec._keep(parse_spec(f"{spec.method}[{meta['kind']}]"))
+
+
+def mode_warning(spec: Spec, mode: str) -> str:
+    """The deprecation message of ``mode=`` (``--mode``), naming the spec that says it (``spec``: folded)."""
+    how = "a plain method is SP-Ideal" if spec.kind is None else "the kind in brackets makes it SP-Prac"
+    return (f"mode={mode!r} (--mode {mode}) is deprecated and goes in the next release: a spec says SP-Ideal or "
+            f"SP-Prac by itself; write {spec.label!r} ({how})")
+
+
+def check_artifacts_given(spec: Spec, artifacts: Any) -> None:
+    """Refuse a spec that cannot use what was given: an SP-Prac spec needs its artifact, an SP-Ideal one takes
+    none (every entry point calls this before its work, the command line before the model load)."""
+    if spec.is_dense:
+        return
+    if spec.mode == "ideal" and artifacts is not None:
+        have = _artifact_label(artifacts)
+        have = f" ({have!r} for this artifact)" if have else ""
+        raise ValueError(f"{spec.label!r} is SP-Ideal (the exact per-token top-k) and would ignore the artifacts "
+                         f"(calibrated thresholds / predictors): write the artifact's spec, the method with its kind "
+                         f"in brackets{have}, for SP-Prac, or drop artifacts (--artifacts)")
+    if spec.mode == "prac" and artifacts is None:
+        raise ValueError(f"{spec.label!r} is SP-Prac (its kind in brackets) and needs its artifact: build it with "
+                         f"countdown.prepare(model, tokenizer, {spec.label!r}, k) (`countdown calibrate` / `countdown "
+                         f"train`) and pass artifacts=<path or object> (--artifacts PATH), or write {spec.method!r} "
+                         "for SP-Ideal")
+
+
+def _artifact_label(artifacts: Any) -> str | None:
+    """The spec of an artifact (an object, or a path whose header is read), or None where it cannot be read."""
+    try:
+        return artifact_spec(artifacts.meta if isinstance(artifacts, Artifacts) else read_meta(artifacts)).label
+    except Exception:  # no file, no metadata, a kind not registered: the error names the rest
+        return None
 
 
 def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | None = None, mode: str | None = None,
-             scope: str = DEFAULT_SCOPE, artifacts: Any = None, path: str = "auto",
+             scope: str | None = None, artifacts: Any = None, path: str = "auto",
              tp_topk: str = "exact") -> nn.Module:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
     method: a method spec (:mod:`countdown.spec`): a name from :func:`countdown.methods` (or an alias such
-        as ``"m-countdown"``), or a method with its SP-Prac kind in brackets (``"dual[shadow4]"``,
-        ``"dual[hybrid]"``, ``"dual[lowrank]"``), which implies ``mode="prac"`` and must be the artifact's.
-    sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense; teal:
-        the fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.teal`).
-    mode: ``"ideal"`` (exact per-token top-(1-k) of the indicator) or ``"prac"`` (calibrated
-        thresholds / trained predictors from ``artifacts``); default ``"prac"`` where ``method`` names a
-        kind, else ``"ideal"``. ``"ideal"`` with a kind is refused.
-    scope: ``"decode"`` (default, the paper's setting: the prompt, i.e. any forward that starts
+        as ``"m-countdown"``) for SP-Ideal (the exact per-token top-(1-k) of the indicator), or a method with its
+        SP-Prac kind in brackets (``"dual[shadow4]"``, ``"mono[threshold]"``, ``"dual[lowrank]"``): calibrated
+        thresholds / trained predictors from ``artifacts``, whose kind it must be. A :class:`~countdown.spec.Spec`
+        may carry k and the scope (``parse_spec("dual[shadow4]", k=0.5)``).
+    sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense; teal: the
+        fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.teal`); default the spec's.
+    mode: deprecated (it warns; it goes in the next release): ``"prac"`` with a plain method takes the artifact's
+        kind, ``"ideal"`` with a kind is refused. Write the spec instead.
+    scope: ``"decode"`` (the default, the paper's setting: the prompt, i.e. any forward that starts
         with an empty KV cache, stays dense; generated tokens are sparse) or ``"all"`` (every
-        position sparse, as in perplexity-style evaluation).
+        position sparse, as in perplexity-style evaluation); default the spec's, else ``"decode"``.
     path: ``"auto"`` (default: decode steps take the Triton kernels on CUDA with SP-Prac selectors, replayed
         from a CUDA graph when called eagerly, and ``"gather"`` on the CPU; ``"masked"`` otherwise), ``"masked"`` (dense projections, skipped rows zeroed), ``"gather"``
         (only kept rows are read: fewer FLOPs, for CPU decoding) or ``"kernel"`` (the kernels
         wherever Triton can run, e.g. under TRITON_INTERPRET=1). All compute the same function.
-    artifacts: for ``mode="prac"``, an :class:`~countdown.artifacts.Artifacts` or the path of its file (a string is
+    artifacts: for an SP-Prac spec, an :class:`~countdown.artifacts.Artifacts` or the path of its file (a string is
         always a path, as ``--artifacts``); it fits the model it was built on in fp32, bf16 and fp16 alike.
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
@@ -209,13 +251,18 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         raise AlreadySparsifiedError(
             "this model is already sparsified; call countdown.unsparsify(model) before patching it again"
         )
-    spec = parse_spec(method)
+    spec = with_mode(method, mode, artifacts)
+    if mode is not None:
+        warnings.warn(mode_warning(spec, mode), DeprecationWarning, stacklevel=2)
     m = get_method(spec.method)
-    k = None if m.is_dense else check_sparsity(sparsity)
-    mode = resolve_mode(spec, mode)
-    check_mode(m, mode, artifacts)
-    _check_choice(scope, SCOPES, "scope")
+    k = None if m.is_dense else check_sparsity(_one_of("sparsity", sparsity, spec.k))
+    scope = _check_choice(_one_of("scope", scope, spec.scope) or DEFAULT_SCOPE, SCOPES, "scope")
+    check_artifacts_given(spec, artifacts)
     _check_choice(path, PATHS, "path")
+    if spec.weights is not None and spec.weights != Spec.of(model).weights:
+        have = Spec.of(model).weights or "as loaded (not quantized)"
+        raise ValueError(f"the spec's weights are {spec.weights} but the model's are {have}: quantize the model as the "
+                         "spec says (countdown.quantize) or drop the spec's weights")
     mlps = require_gated_mlps(model)
     if path == "kernel" and not m.is_dense and not kernels.available(mlps[0].w_down):
         why = ("Triton is not installed" if not kernels._common.has_triton() else
@@ -225,14 +272,15 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     if m.structure == "inputs":
         refuse_teal_sharded(mlps)
     given = artifacts  # kept as given (a path is not held in memory as its tensors: countdown.save re-reads it)
-    if mode == "prac" and not m.is_dense:
+    if spec.mode == "prac" and not m.is_dense:
         artifacts = artifacts if isinstance(artifacts, Artifacts) else load_artifacts(artifacts)
-        check_artifact(spec, artifacts)  # a kind in brackets must be the artifact's
-    selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
+        check_artifact(spec, artifacts)  # the kind in brackets must be the artifact's
+    selectors = build_selectors(mlps, m, k, spec.mode, artifacts)  # may raise: nothing patched yet
     shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
 
-    state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path, spec=spec,
-                          artifacts=given if mode == "prac" and not m.is_dense else None)
+    spec = replace(spec, k=None, scope=None, weights=None)  # the state holds them in its own fields
+    state = SparsityState(method=m, sparsity=k, mode=spec.mode, scope=scope, path=path, spec=spec,
+                          artifacts=given if spec.mode == "prac" and not m.is_dense else None)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
         layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
         layer = layer_class(mlp, selector, state, index)
@@ -256,8 +304,15 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
 
         object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
     if not m.is_dense:
-        _note_4bit_route(mlps, m, mode)
+        _note_4bit_route(mlps, m, spec.mode)
     return model
+
+
+def _one_of(name: str, given: Any, in_spec: Any) -> Any:
+    """``given``, else the spec's; both given and different is refused."""
+    if given is not None and in_spec is not None and given != in_spec:
+        raise ValueError(f"{name}={given!r} was given but the spec says {name}={in_spec!r}: drop one")
+    return in_spec if given is None else given
 
 
 def _note_4bit_route(mlps: list[GatedMLP], m: Method, mode: str) -> None:

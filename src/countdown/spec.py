@@ -1,46 +1,54 @@
-"""Method specs: one string names a method configuration; parsed here, accepted wherever a method is named.
+"""Method specs and the configuration object: one string names a method configuration; parsed here, accepted
+wherever a method is named; a :class:`Spec` carries it from the API to the saved file.
 
     spec := METHOD                                   dense, cats, mono, dual, dejavu, teal, or an alias (m-countdown)
           | METHOD "[" KIND [N] {L N} {"," KEY "=" VALUE} "]"
 
-A plain METHOD names no SP-Prac kind: SP-Ideal unless mode="prac" is asked for (then the artifact's kind;
-building, the method's default kind, :data:`countdown.prac.base.DEFAULT_KIND`). Brackets name an SP-Prac
-*kind* and its options, and so imply mode="prac". The kinds a method takes are those of the kind registry
-that serve it (:func:`countdown.prac.base.kinds_for`); each kind says how its options are written
-(:class:`countdown.prac.base.SelectorKind`: ``spec_number``, ``spec_letters``), any option of it
+Every spec says by itself whether it is SP-Ideal or SP-Prac (:attr:`Spec.mode`): a plain METHOD is SP-Ideal
+(the exact per-token top-k), brackets name an SP-Prac *kind* and its options. The kinds a method takes are those
+of the kind registry that serve it (:func:`countdown.prac.base.kinds_for`); each kind says how its options are
+written (:class:`countdown.prac.base.SelectorKind`: ``spec_number``, ``spec_letters``), any option of it
 (``get_kind(kind).defaults``) may be written ``KEY=VALUE``, so a new kind needs no edit here::
 
     dual[shadow4]       4-bit shadows of W_gate and W_up  (dual[shadow3g32]: 3 bits, groups of 32)
     dual[hybrid]        dense u + a low-rank gate estimate (dual[hybrid64]: rank 64)
     dual[lowrank]       the paper's low-rank predictor     (dual[lowrank256]; dejavu[lowrank])
     dual[ternary]       the paper's ternary predictor
-    dual[shadow4,cut_rule=pooled]   mono[rule=pooled]   teal[allocation=uniform]
+    mono[threshold]     the calibrated threshold            (mono[rule=pooled]: the method's only kind, implied)
+    dual[shadow4,cut_rule=pooled]   teal[allocation=uniform]
 
-Labels (:attr:`Spec.label`) print one way per configuration: the registry's method name; the kind unless it
-is the method's only one (mono's thresholds, teal's: ``mono[threshold]`` prints ``mono``); the kind's number
-when given (shadow's bits always: ``dual[shadow]`` prints ``dual[shadow4]``); other options only where they
-differ from the kind's defaults, letters first, then ``key=value`` sorted. :meth:`Spec.resolved` names the
-default kind of a plain method (``dual`` -> ``dual[shadow4]``, ``dejavu`` -> ``dejavu[lowrank]``).
-Labels of earlier result files still parse (:data:`LEGACY`).
+Labels (:attr:`Spec.label`) print one way per configuration: the registry's method name; the kind, always, for
+SP-Prac (``mono[rule=pooled]`` prints ``mono[threshold,rule=pooled]``); the kind's number when given (shadow's
+bits always: ``dual[shadow]`` prints ``dual[shadow4]``); other options only where they differ from the kind's
+defaults, letters first, then ``key=value`` sorted. :meth:`Spec.resolved` names the default kind of a plain
+method (``dual`` -> ``dual[shadow4]``, ``dejavu`` -> ``dejavu[lowrank]``). Labels of earlier result files still
+parse (:data:`LEGACY`), and so does the ``mode=`` of earlier releases (:func:`with_mode`, deprecated).
+
+Beside the method part, a :class:`Spec` may carry the sparsity ``k``, the ``scope`` and the weight format ``weights``
+(:class:`WeightFormat`, what :func:`countdown.quantize` made): ``Spec.of(model)`` is the whole configuration of a
+model, the object :func:`countdown.save` writes into config.json (:mod:`countdown.saving`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .artifacts import ArtifactMismatchError, Artifacts
 from .prac.base import KINDS, default_kind, get_kind, kinds_for
-from .registry import Method, get_method, methods
+from .registry import Method, check_sparsity, get_method, methods
+from .state import STATE_ATTR
 
 MODES = ("ideal", "prac")
+SCOPES = ("decode", "all")
+DEFAULT_SCOPE = "decode"
 
 # Labels in committed result files (benchmarks/prac_quality.py's table) -> the spec they meant.
 LEGACY = {
     "dual[shadow4-g32]": "dual[shadow4g32]",
     "dual[shadow4-pooled]": "dual[shadow4,cut_rule=pooled]",
-    "teal[greedy]": "teal[teal]",  # TEAL's greedy allocation: the teal kind's default (prints as teal)
+    "teal[greedy]": "teal[teal]",  # TEAL's greedy allocation: the teal kind's default
     "teal[uniform]": "teal[allocation=uniform]",
 }
 # Labels of result files that are no library configuration, and why.
@@ -53,15 +61,51 @@ _TERM = re.compile(r"^(\d+)?((?:[a-z]\d+)*)$")
 
 
 @dataclass(frozen=True)
+class WeightFormat:
+    """The weight format :func:`countdown.quantize` made: ``bits`` per weight in groups of ``group`` columns with a
+    scale and an offset each (``scale_dtype``), from ``source`` ("rtn": rounded to nearest; "gguf": the GGUF file's
+    own blocks), the output projection too where ``lm_head``, each W_down held transposed where ``transposed_down``.
+    ``record`` is :func:`countdown.quantize`'s own record (``model.config.countdown_int4``: which modules, how
+    many), kept as it is for the file (not compared)."""
+
+    bits: int = 4
+    group: int = 128
+    source: str = "rtn"
+    scale_dtype: str = "float16"
+    lm_head: bool = False
+    transposed_down: bool = False
+    record: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @classmethod
+    def from_record(cls, record: dict | None) -> WeightFormat | None:
+        """The format of a ``countdown_int4`` record (None: not quantized)."""
+        if not record:
+            return None
+        return cls(bits=4, group=int(record.get("rtn_group", 128)), source=record.get("source", "rtn"),
+                   scale_dtype=record.get("rtn_scale_dtype", "float16"), lm_head=bool(record.get("lm_head", False)),
+                   transposed_down=bool(record.get("transposed")), record=dict(record))
+
+    def __str__(self) -> str:
+        how = f"groups of {self.group}" if self.source == "rtn" else f"{self.source} blocks"
+        return (f"int{self.bits} ({how}, {self.scale_dtype} scales{', lm_head' if self.lm_head else ''}"
+                f"{', W_down transposed' if self.transposed_down else ''})")
+
+
+@dataclass(frozen=True)
 class Spec:
-    """One method configuration: ``method`` (a registry name), ``kind`` (an SP-Prac kind, or None where none
-    is named), ``options`` (the kind's options the spec writes; read-only) and ``label`` (the canonical
-    text, see the module docstring). Make one with :func:`parse_spec`."""
+    """One configuration. The method part: ``method`` (a registry name), ``kind`` (an SP-Prac kind, or None: SP-Ideal),
+    ``options`` (the kind's options the spec writes; read-only) and ``label`` (their canonical text, see the module
+    docstring); where set, ``k`` (the fraction of rows skipped), ``scope`` ("decode": the prompt dense; "all") and
+    ``weights`` (the :class:`WeightFormat` of a quantized model). Make one with :func:`parse_spec`; ``str()`` is the
+    label, :attr:`mode` says SP-Ideal or SP-Prac, ``Spec.of(model)`` is a model's."""
 
     method: str
     kind: str | None = None
     options: dict = field(default_factory=dict, compare=False, hash=False)
     label: str = ""
+    k: float | None = None
+    scope: str | None = None
+    weights: WeightFormat | None = None
 
     def __post_init__(self):
         if not self.label:
@@ -69,6 +113,17 @@ class Spec:
 
     def __str__(self) -> str:
         return self.label
+
+    def __repr__(self) -> str:
+        rest = [f"{name}={getattr(self, name)!r}" for name in ("k", "scope") if getattr(self, name) is not None]
+        if self.weights is not None:
+            rest.append(f"weights={str(self.weights)!r}")
+        return f"Spec({', '.join([repr(self.label), *rest])})"
+
+    @property
+    def mode(self) -> str:
+        """``"prac"`` where the spec names an SP-Prac kind, else ``"ideal"`` (dense too)."""
+        return "ideal" if self.kind is None else "prac"
 
     @property
     def is_dense(self) -> bool:
@@ -86,22 +141,53 @@ class Spec:
             return self.method
         return self.kind or "lowrank"
 
+    @classmethod
+    def of(cls, model) -> Spec:
+        """The whole configuration of ``model``: its sparsity (the spec :func:`countdown.sparsify` was given, with
+        its k and scope; ``dense`` where it is not sparsified) and its weight format (:func:`countdown.quantize`)."""
+        state = getattr(model, STATE_ATTR, None)
+        spec = Spec("dense") if state is None else \
+            replace(state.spec, k=state.sparsity, scope=state.scope if not state.method.is_dense else None)
+        record = getattr(getattr(model, "config", None), "countdown_int4", None)
+        return replace(spec, weights=WeightFormat.from_record(record))
+
+    def at(self, k: float | None = None, scope: str | None = None, weights: WeightFormat | None = None) -> Spec:
+        """This spec with ``k``, ``scope`` and ``weights`` set where given (checked: k in (0, 1), scope of
+        :data:`SCOPES`)."""
+        changes: dict[str, Any] = {}
+        if k is not None:
+            changes["k"] = check_sparsity(k)
+        if scope is not None:
+            if scope not in SCOPES:
+                raise ValueError(f"unknown scope {scope!r}: choose one of {', '.join(SCOPES)}")
+            changes["scope"] = scope
+        if weights is not None:
+            changes["weights"] = weights
+        return replace(self, **changes) if changes else self
+
     def resolved(self) -> Spec:
         """This spec with the method's default kind named where it names none (``dual`` -> ``dual[shadow4]``)."""
         if self.kind is not None or get_method(self.method).prac is None:
             return self
-        return _make(self.method, default_kind(self.method), dict(self.options), self.label)
+        return self._keep(_make(self.method, default_kind(self.method), dict(self.options), self.label))
 
     def with_options(self, **options: Any) -> Spec:
         """The same kind (the default one for a plain method) with ``options`` added or replaced."""
         spec = self.resolved()
-        return _make(spec.method, spec.kind, {**spec.options, **options}, spec.label)
+        return self._keep(_make(spec.method, spec.kind, {**spec.options, **options}, spec.label))
+
+    def _keep(self, other: Spec) -> Spec:
+        """``other``'s method part with this spec's k, scope and weights."""
+        return replace(other, k=self.k, scope=self.scope, weights=self.weights)
 
 
-def parse_spec(text: str | Spec | Method) -> Spec:
+def parse_spec(text: str | Spec | Method, k: float | None = None, scope: str | None = None) -> Spec:
     """``"dual[shadow4]"`` -> ``Spec("dual", "shadow", {"bits": 4}, "dual[shadow4]")`` (module docstring: the
-    grammar). A :class:`Spec` is returned as it is, a :class:`~countdown.registry.Method` as its plain spec.
-    What the library cannot run is a ValueError that lists the valid specs."""
+    grammar); ``k`` and ``scope`` set where given (:meth:`Spec.at`). A :class:`Spec` is returned as it is, a
+    :class:`~countdown.registry.Method` as its plain spec. What the library cannot run is a ValueError that lists
+    the valid specs."""
+    if k is not None or scope is not None:
+        return parse_spec(text).at(k, scope)
     if isinstance(text, Spec):
         return text
     if isinstance(text, Method):
@@ -267,8 +353,6 @@ def _label(method: str, kind: str | None, options: dict) -> str:
         if name in rest:
             term += letter + _fmt(rest.pop(name))
     items = [f"{key}={_fmt(value)}" for key, value in sorted(rest.items())]
-    if term == kind and kinds_for(method) == [kind]:  # the method's only kind: its name adds nothing
-        return f"{method}[{','.join(items)}]" if items else method
     return f"{method}[{','.join([term, *items])}]"
 
 
@@ -278,11 +362,11 @@ def _label(method: str, kind: str | None, options: dict) -> str:
 
 
 def resolve_mode(spec: str | Spec | Method, mode: str | None) -> str:
-    """The mode to run ``spec`` in: ``mode`` as given, else ``"prac"`` where the spec names a kind and
-    ``"ideal"`` where it does not. ``mode="ideal"`` with a kind is refused (SP-Ideal has no kinds)."""
+    """The mode to run ``spec`` in: ``mode`` as given, else the spec's own (:attr:`Spec.mode`). ``mode="ideal"``
+    with a kind is refused (SP-Ideal has no kinds)."""
     spec = parse_spec(spec)
     if mode is None:
-        return "prac" if spec.kind else "ideal"
+        return spec.mode
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "ideal" and spec.kind is not None:
@@ -315,15 +399,17 @@ def _recorded(meta: dict, kind) -> dict:
     return {key: value for key, value in found.items() if key in kind.defaults and value is not None}
 
 
-def artifact_spec(artifacts: Artifacts) -> Spec:
-    """The spec an artifact was built for, from its metadata (``dual[shadow4]``, ``dual[lowrank8,epochs=1]``)."""
-    kind = get_kind(artifacts.kind)
-    return _make(artifacts.method, kind.name, _recorded(artifacts.meta, kind), artifacts.kind)
+def artifact_spec(artifacts: Artifacts | dict) -> Spec:
+    """The spec an artifact was built for, from its metadata (an :class:`Artifacts` or its ``meta``):
+    ``dual[shadow4]``, ``dual[lowrank8,epochs=1]``, ``mono[threshold]``."""
+    meta = artifacts.meta if isinstance(artifacts, Artifacts) else artifacts
+    kind = get_kind(meta["kind"])
+    return _make(meta["method"], kind.name, _recorded(meta, kind), meta["kind"])
 
 
 def check_artifact(spec: str | Spec | Method, artifacts: Artifacts) -> None:
     """Refuse ``artifacts`` of another kind than ``spec`` names, or with an option the spec writes otherwise,
-    naming both (a plain method takes any kind; the method itself is checked with the model)."""
+    naming both (the method itself is checked with the model)."""
     spec = parse_spec(spec)
     if spec.kind is None or artifacts.method != spec.method:
         return
@@ -334,5 +420,4 @@ def check_artifact(spec: str | Spec | Method, artifacts: Artifacts) -> None:
         have = artifact_spec(artifacts).label
         raise ArtifactMismatchError(
             f"the method spec is {spec.label!r} but the artifact holds {have!r} (kind {artifacts.kind}): pass "
-            f"{have!r} (or {spec.method!r} with mode='prac', which takes the artifact's kind), or build "
-            f"{spec.label} artifacts with countdown.prepare(model, tokenizer, {spec.label!r}, k)")
+            f"{have!r}, or build {spec.label} artifacts with countdown.prepare(model, tokenizer, {spec.label!r}, k)")

@@ -2,13 +2,14 @@
 
 :class:`SparsityState` is the one object :func:`countdown.sparsify` hangs on a model (as
 ``model._countdown_state``): the method, k, mode, scope and path, the patched layers, and whether
-the current forward is the (dense) prompt. Everything that only *reads* a patched model's state
+the current forward is the (dense) prompt (``countdown.Spec.of(model)`` is the configuration it holds). Everything that only *reads* a patched model's state
 lives here (so the streaming calibration pass and the reports need not import the patching code).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 from .registry import Method
 
 STATE_ATTR = "_countdown_state"
+_SERIALS = itertools.count()  # one number per sparsify call: what a prepared decode step is keyed on
 
 
 class AlreadySparsifiedError(RuntimeError):
@@ -42,6 +44,7 @@ class SparsityState:
     graph_pool: Any = None  # the CUDA graphs of the layers' eager kernel calls share it (patched._capture)
     spec: Any = None  # the method spec sparsify was given (countdown.spec.Spec)
     artifacts: Any = None  # the SP-Prac artifact (object or path, as given) the selectors came from (countdown.save)
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # this patch, not an earlier one at its address
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""

@@ -39,13 +39,14 @@ def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):
                   calib={"texts": word_texts(0), "num_tokens": 256}, log=logs.append)
     path = run_quality_grid("tiny", **kwargs)
     rows = read_rows(path)
-    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("cats", "0.5"), ("cats", "0.8"),
-                                                             ("mono", "0.5"), ("mono", "0.8"),
-                                                             ("teal", "0.5"), ("teal", "0.8")]
-    assert not (tmp_path / "q" / "masks" / "tiny-teal-k0.8.pt").exists()  # input masks are not replayed
-    assert (tmp_path / "q" / "masks" / "tiny-mono-k0.8.pt").exists()
-    saved = torch.load(tmp_path / "q" / "masks" / "tiny-mono-k0.8.pt")
-    assert saved["shape"][0] == 2 and saved["method"] == "mono"
+    assert [(r["method"], r["sparsity"]) for r in rows] == [("dense", "0.0"), ("cats[threshold]", "0.5"),
+                                                             ("cats[threshold]", "0.8"), ("mono[threshold]", "0.5"),
+                                                             ("mono[threshold]", "0.8"), ("teal[teal]", "0.5"),
+                                                             ("teal[teal]", "0.8")]
+    assert not (tmp_path / "q" / "masks" / "tiny-teal_teal_-k0.8.pt").exists()  # input masks are not replayed
+    assert (tmp_path / "q" / "masks" / "tiny-mono_threshold_-k0.8.pt").exists()
+    saved = torch.load(tmp_path / "q" / "masks" / "tiny-mono_threshold_-k0.8.pt")
+    assert saved["shape"][0] == 2 and saved["method"] == "mono[threshold]"
     # the mono k=0.8 row against a fresh measurement with the same (cached) artifact
     art = countdown.ensure_artifacts(model, TOK, "mono", [0.5, 0.8], tmp_path / "arts", progress=False,
                                      texts=word_texts(0), num_tokens=256)
@@ -53,7 +54,7 @@ def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):
     countdown.sparsify(model, "mono", 0.8, mode="prac", artifacts=art, path="masked")
     q = decode_quality(model, held)
     countdown.unsparsify(model)
-    mono8 = next(r for r in rows if r["method"] == "mono" and r["sparsity"] == "0.8")
+    mono8 = next(r for r in rows if r["method"] == "mono[threshold]" and r["sparsity"] == "0.8")
     assert float(mono8["ppl_increase"]) == pytest.approx(q["ppl_increase"])
     assert float(mono8["kl"]) == pytest.approx(q["kl"])
     logs.clear()

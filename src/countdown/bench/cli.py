@@ -200,10 +200,10 @@ def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> l
     label, model = shlex.quote(spec.label), shlex.quote(model_name)
     build = "train" if spec.kind in TRAINED else "calibrate"
     out = f"{spec.slug}-k{k}.safetensors"
-    return [f"  Python: countdown.sparsify(model, \"{spec.label}\", {k}, mode=\"prac\", "
+    return [f"  Python: countdown.sparsify(model, \"{spec.label}\", {k}, "
             f"artifacts=countdown.prepare(model, tokenizer, \"{spec.label}\", {k}))",
             f"  shell:  countdown {build} --model {model} --method {label} -k {k} --out {out}",
-            f"          countdown generate --model {model} --method {label} -k {k} --mode prac --artifacts {out} "
+            f"          countdown generate --model {model} --method {label} -k {k} --artifacts {out} "
             "--prompt '...'"]
 
 

@@ -7,7 +7,7 @@ which reads only the kept rows), and quality on held-out text as the operating-p
 (:mod:`countdown.bench.quality`): decode-style perplexity (the first half of each window a dense prompt,
 the rest sparse and scored) relative to dense, and KL(dense || sparse) and top-1 agreement on the
 same positions, from one forward per window. SP-Prac artifacts come from
-:func:`countdown.prac.prepare.ensure_artifacts` (calibrated / trained once, cached). A model with random
+:func:`countdown.prac.prepare.prepare` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
 
 The timings alternate: ``samples`` rounds, each timing dense once and then every configuration at every k once,
@@ -85,7 +85,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
             art = library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=1024)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
-    from ..prac.prepare import ensure_artifacts
+    from ..prac.prepare import prepare
 
     if s.artifacts_dir is None:
         from ..data.texts import cache_root
@@ -98,15 +98,15 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
         options["texts"] = s.calib_texts
     if s.calib_tokens is not None:
         options["num_tokens"] = s.calib_tokens
-    art = ensure_artifacts(model, tokenizer, spec, s.ks, folder, **options)
+    art = prepare(model, tokenizer, spec, s.ks, cache_dir=folder, **options)
     return art, f"{art.kind}, {art.meta['data'].get('num_tokens')} tokens of {art.meta['data'].get('name')}"
 
 
 def _quality(model, spec, k, art, held) -> dict:
-    from ..sparse import sparsify, unsparsify
+    from ..sparse import sparsify, unsparsify, with_mode
     from .quality import decode_quality
 
-    sparsify(model, spec, k, mode="prac", artifacts=art, path="masked")
+    sparsify(model, with_mode(spec, "prac", art), k, artifacts=art, path="masked")
     try:
         return decode_quality(model, held)
     finally:
@@ -167,13 +167,13 @@ def _run_block(block: _Block, prompt, s: BenchSettings, fast: bool, harness: str
     """One round of ``block``: patched once (one compile on CUDA), each point timed once (thresholds / cuts
     switched in place), then unpatched."""
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
+    from ..sparse import sparsify, unsparsify, with_mode
     from .speedonly import private_copy, retarget
 
     tps = []
     if block.spec is not None:
-        sparsify(block.model, block.spec, block.points[0][1], mode="prac", artifacts=private_copy(block.art),
-                 path=path)
+        sparsify(block.model, with_mode(block.spec, "prac", block.art), block.points[0][1],
+                 artifacts=private_copy(block.art), path=path)
     try:
         with _fast_step(block.model, fast):
             for row, k in block.points:
@@ -289,7 +289,7 @@ def _spec_block(model, tokenizer, spec, s: BenchSettings, held, prompt, path: st
         if speed_only:
             from .measure import kept_fractions
 
-            sparsify(model, spec, k, mode="prac", artifacts=private_copy(art), path="masked")
+            sparsify(model, with_mode(spec, "prac", art), k, artifacts=private_copy(art), path="masked")
             try:
                 q = {"sparsity_real": 1 - kept_fractions(model, prompt, 16)[0]}
             finally:

@@ -127,9 +127,9 @@ def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int)
     (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
     kind without a score."""
     from ..decode.generate import generate_fast
-    from ..sparse import sparsify, sparsity_real, state_of, unsparsify
+    from ..sparse import sparsify, sparsity_real, state_of, unsparsify, with_mode
 
-    sparsify(model, art.method, k, mode="prac", artifacts=art, path="masked")
+    sparsify(model, with_mode(art.method, "prac", art), k, artifacts=art, path="masked")
     try:
         layers = state_of(model).layers
         if not all(callable(getattr(layer.selector, "score", None)) for layer in layers):

@@ -23,31 +23,36 @@ def cmd_methods(args) -> int:
         print(f"{name:<8} {m.description}{aliases}")
         kinds = kinds_for(name) if m.prac is not None else []
         if len(kinds) > 1:
-            print(f"{'':<9}SP-Prac: {', '.join(spec_forms(name)[1:])}; default kind (plain {name}, --mode prac): "
+            print(f"{'':<9}SP-Prac: {', '.join(spec_forms(name)[1:])}; default kind (built for plain {name}): "
                   f"{parse_spec(name).resolved().label}")
         elif kinds:
-            print(f"{'':<9}SP-Prac: {name} with --mode prac, or {name}[{kinds[0]}] (kind {kinds[0]})")
-    print("\nA method spec names the SP-Prac kind in brackets (it implies --mode prac), then its options: "
-          "dual[shadow3g32], dual[lowrank256], dual[shadow4,cut_rule=pooled], mono[rule=pooled] (countdown.spec)")
+            print(f"{'':<9}SP-Prac: {name}[{kinds[0]}] (kind {kinds[0]})")
+    print("\nA plain method is SP-Ideal (the exact per-token top-k); its SP-Prac kind in brackets, then the kind's "
+          "options, make it SP-Prac: dual[shadow3g32], dual[lowrank256], dual[shadow4,cut_rule=pooled], "
+          "mono[threshold,rule=pooled] (countdown.spec)")
     return 0
 
 
 def _validated_method(args):
     """Check the method spec, sparsity, mode, artifacts and model argument before the (slow) model load; returns
-    the spec and sets ``args.mode`` (default: prac where the spec names a kind, else ideal)."""
+    the spec, which says SP-Ideal or SP-Prac by itself (a deprecated ``--mode`` folded in, with a warning on
+    stderr), and sets ``args.mode`` to its mode."""
     from ..registry import check_sparsity, get_method
-    from ..sparse import check_mode
-    from ..spec import parse_spec, resolve_mode
+    from ..sparse import check_artifacts_given, mode_warning, with_mode
+    from ..spec import parse_spec
 
     spec = parse_spec(args.method)
     method = get_method(spec.method)
     if not method.is_dense:
         check_sparsity(args.sparsity)
-    args.mode = resolve_mode(spec, args.mode)
+    if args.mode is not None:
+        spec = with_mode(spec, args.mode, args.artifacts)
+        print(f"countdown: {mode_warning(spec, args.mode)}", file=sys.stderr)
+    args.mode = spec.mode
     # ppl: a spec naming its kind without --artifacts has it built after the load (and cached)
     args.build_artifacts = getattr(args, "build_artifacts", False) and spec.kind is not None and args.artifacts is None
     if not args.build_artifacts:
-        check_mode(method, args.mode, args.artifacts)
+        check_artifacts_given(spec, args.artifacts)
     if args.artifacts is not None and not hasattr(args, "artifacts_path"):  # read now: a wrong file is named
         from ..artifacts import load_artifacts                               # before the model load
 
@@ -70,8 +75,8 @@ def _load_sparsified(args, scope: str, path: str = "auto", spec=None):
         folder = cache_root() / "artifacts"
         print(f"countdown {args.command}: the {spec.label} artifact at k={args.sparsity:g}: built on first use from "
               f"the library's calibration text, then cached in {folder} (--artifacts FILE: your own)", file=sys.stderr)
-        artifacts = countdown.ensure_artifacts(model, tok, spec, args.sparsity, folder)
-    countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
+        artifacts = countdown.prepare(model, tok, spec, args.sparsity, cache_dir=folder)
+    countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity,
                        scope=scope, artifacts=artifacts, path=path)
     return model, tok, spec
 
@@ -134,8 +139,8 @@ def cmd_eval(args) -> int:
     spec = _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
     result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=spec,
-                                sparsity=None if spec.is_dense else args.sparsity, mode=args.mode,
-                                artifacts=args.artifacts, batch_size=args.batch_size)
+                                sparsity=None if spec.is_dense else args.sparsity, artifacts=args.artifacts,
+                                batch_size=args.batch_size)
     if args.artifacts is not None:
         result["config"]["artifacts"] = str(args.artifacts_path)  # the file, not the object read from it
     if args.json:
@@ -156,8 +161,7 @@ def cmd_agreement(args) -> int:
 
     spec = _validated_method(args)
     model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
-    result = agreement(model, tok, spec, None if spec.is_dense else args.sparsity, mode=args.mode,
-                       artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
+    result = agreement(model, tok, spec, None if spec.is_dense else args.sparsity, artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
                        judge_url=args.judge_url, judge_model=args.judge_model)
     print(json.dumps(result, indent=2, default=str))
     return 0

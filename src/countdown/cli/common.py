@@ -22,18 +22,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "decode", method: str = "mono",
                     sparsity: float = 0.8, built_artifacts: bool = False) -> None:
-    """--method, --sparsity, --mode, --artifacts, and --scope unless ``default_scope`` is None; ``method`` and
-    ``sparsity`` are the defaults. ``built_artifacts``: a spec naming its SP-Prac kind without --artifacts builds
+    """--method, --sparsity, --mode (deprecated), --artifacts, and --scope unless ``default_scope`` is None; ``method``
+    and ``sparsity`` are the defaults. ``built_artifacts``: a spec naming its SP-Prac kind without --artifacts builds
     the artifact once and caches it (``args.build_artifacts``), as ``countdown demo`` and ``countdown bench`` do."""
     p.add_argument("--method", default=method,
-                   help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown), or a "
-                        "method and its SP-Prac kind, e.g. 'dual[shadow4]', 'dual[lowrank]' (implies --mode prac; "
-                        f"`countdown methods` lists them; default {method})")
+                   help="a method spec: dense, cats, mono, dual, dejavu, teal (or m-countdown, d-countdown) for SP-Ideal, "
+                        "or a method and its SP-Prac kind, e.g. 'dual[shadow4]', 'mono[threshold]', 'dual[lowrank]' "
+                        f"(SP-Prac, with --artifacts; `countdown methods` lists them; default {method})")
     add_number(p, "--sparsity", "-k", range="sparsity", default=sparsity,
                help=f"fraction of rows skipped per token (teal: of the entries of x and of s; default {sparsity:g})")
     p.add_argument("--mode", default=None, choices=["ideal", "prac"],
-                   help="ideal: exact per-token top-k; prac: calibrated thresholds / trained predictors from "
-                        "--artifacts (default: prac where --method names a kind, else ideal)")
+                   help="deprecated: the spec says it (a plain method is SP-Ideal, a kind in brackets SP-Prac); "
+                        "prac with a plain method takes the artifact's kind (default none)")
     if default_scope is not None:
         p.add_argument("--scope", default=default_scope, choices=["decode", "all"],
                        help=f"decode: prompt dense, generated tokens sparse; all: every position sparse "
@@ -41,12 +41,13 @@ def add_sparse_args(p: argparse.ArgumentParser, default_scope: str | None = "dec
     if built_artifacts:
         p.set_defaults(build_artifacts=True)
         p.add_argument("--artifacts", default=None,
-                       help="thresholds/predictors file for --mode prac, a path (default: for a spec naming its "
+                       help="the SP-Prac spec's thresholds/predictors file, a path (default: for a spec naming its "
                             "SP-Prac kind, e.g. 'dual[shadow4]', built on first use from the library's calibration "
-                            "text and cached; else none, needed by --mode prac)")
+                            "text and cached; else none)")
         return
     p.add_argument("--artifacts", default=None,
-                   help="thresholds/predictors file for --mode prac, a path (default none; needed by --mode prac)")
+                   help="the SP-Prac spec's thresholds/predictors file, a path (default none; needed by a spec "
+                        "with a kind)")
 
 
 def load_text_arg(source: str | None):

@@ -12,6 +12,7 @@ import torch
 from ..eval.grid import DEFAULT_SPARSITIES, environment_key, markdown_table, plot, run_environment, run_grid
 from ..registry import methods as method_names
 from ..sparse import sparsify, unsparsify
+from ..spec import parse_spec
 
 
 def chat_prompt(tokenizer, text: str) -> torch.Tensor:
@@ -49,7 +50,7 @@ DEMO_PRAC_SKIP = ("teal",)
 
 def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequence[float], log=print) -> dict:
     """SP-Prac artifacts for each method (thresholds or predictors), built once and cached."""
-    from ..prac.prepare import ensure_artifacts
+    from ..prac.prepare import prepare
     from ..data.texts import cache_root
     from ..registry import get_method
 
@@ -60,10 +61,11 @@ def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequenc
             continue
         if name in DEMO_PRAC_SKIP:
             log(f"  SP-Prac for {name}: skipped in the demo to keep it short "
-                f"(`countdown calibrate --method {name}` builds it; `countdown ppl --method {name} --mode prac --artifacts FILE` measures it)")
+                f"(`countdown calibrate --method {name}` builds it; `countdown ppl --method '{parse_spec(name).resolved()}' "
+                f"--artifacts FILE` measures it)")
             continue
         start = time.time()
-        arts[name] = ensure_artifacts(model, tokenizer, name, list(sparsities), cache)
+        arts[name] = prepare(model, tokenizer, name, list(sparsities), cache_dir=cache)
         log(f"  SP-Prac artifacts for {name}: ready in {time.time() - start:.0f} s "
             f"({arts[name].meta.get('kind', 'threshold')})")
     return arts

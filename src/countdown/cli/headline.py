@@ -99,7 +99,7 @@ def run_headline(model_name: str = "smollm2-135m", out_dir: str | os.PathLike = 
 
 def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, speed_tokens: int, repeats: int,
                   log, device: str, stages: Progress) -> dict:
-    from .. import ensure_artifacts, load_model, perplexity, sparsity_real
+    from .. import load_model, perplexity, prepare, sparsity_real
     from ..data.texts import cache_root, eval_texts
     from ..decode.generate import generate
     from .demo import chat_prompt
@@ -113,7 +113,7 @@ def _run_headline(out: Path, model_name: str, max_tokens: int, new_tokens: int, 
     log(f"  model loaded in {time.time() - t0:.0f} s")
     stages.next()
     start = time.time()
-    art = ensure_artifacts(model, tok, SPEC, K, cache_root() / "artifacts", progress=not stages.quiet)
+    art = prepare(model, tok, SPEC, K, cache_dir=cache_root() / "artifacts", progress=not stages.quiet)
     log(f"  {SPEC} artifact (4-bit shadows of W_gate / W_up, cuts calibrated on Wikipedia passages) ready in "
         f"{time.time() - start:.0f} s")
     stages.next()

@@ -44,6 +44,7 @@ def _build_artifact(args, build) -> int:
 
     import countdown
     from ..io import check_writable_dir, file_lock
+    from ..prac.prepare import TRAINED
     from ..spec import build_options, parse_spec
 
     # the spec and method checks before the (slow) model load
@@ -53,6 +54,8 @@ def _build_artifact(args, build) -> int:
     if args.command == "calibrate" and kind is None and method.prac != "threshold":
         raise ValueError(f"method {method.name!r} does not use calibrated thresholds: use `countdown train` "
                          f"(or `countdown calibrate --method 'dual[shadow4]'` / --kind shadow for dual)")
+    if args.command == "calibrate" and kind in TRAINED:
+        raise ValueError(f"kind {kind!r} is gradient-trained: use `countdown train`")
     if args.command == "train" and method.prac != "predictor":
         raise ValueError(f"method {method.name!r} does not use a trained predictor: use `countdown calibrate`")
     ks = args.sparsity  # parsed and checked by argparse (countdown.options.sparsities)
@@ -83,9 +86,9 @@ def cmd_calibrate(args) -> int:
     def build(model, tok, spec, kind, ks):
         kind = kind or countdown.prac.prepare.default_kind(spec.method)
         names = {"threshold": ("rule",), "teal": ("allocation",)}.get(kind) or TRAIN_OPTIONS[kind]
-        return countdown.calibrate(model, tok, spec, ks, kind=args.kind, texts=args.texts,
-                                   num_tokens=args.num_tokens, refine=not args.no_refine,
-                                   **_kind_options(args, names))
+        return countdown.prepare(model, tok, spec, ks, kind=args.kind, texts=args.texts,
+                                 num_tokens=args.num_tokens, refine=not args.no_refine,
+                                 **_kind_options(args, names))
 
     return _build_artifact(args, build)
 
@@ -100,10 +103,10 @@ def cmd_train(args) -> int:
 
     def build(model, tok, spec, kind, ks):
         kind = kind or countdown.prac.prepare.default_kind(spec.method)
-        art = countdown.train_predictors(model, tok, spec, ks, kind=kind, texts=args.texts,
-                                         num_tokens=args.num_tokens, selection=args.selection,
-                                         checkpoint=args.checkpoint, refine=not args.no_refine,
-                                         **_kind_options(args, TRAIN_OPTIONS.get(kind, TRAINED_OPTIONS)))
+        art = countdown.prepare(model, tok, spec, ks, kind=kind, texts=args.texts,
+                                num_tokens=args.num_tokens, selection=args.selection,
+                                checkpoint=args.checkpoint, refine=not args.no_refine,
+                                **_kind_options(args, TRAIN_OPTIONS.get(kind, TRAINED_OPTIONS)))
         if args.refine_on_decode:
             _refine_on_decode(args, model, tok, art)
         return art

@@ -38,6 +38,7 @@ _BEFORE = "_countdown_forward_before"
 _WEIGHT, _BIAS = "_countdown_wqkv", "_countdown_bqkv"
 _SWITCHED = "_countdown_fused_switched_attention"
 _QKV4 = "_countdown_qkv4"  # a 4-bit attention's stacked QKV Int4Linear (in __dict__: not a submodule)
+_PART = "_countdown_qkv_part"  # on q_proj / k_proj / v_proj while their weights are views of the stacked one
 QKV_FIXED = "_countdown_qkv_fixed"  # set by countdown.decode.linears.route_linears(model, ("qkv",))
 
 
@@ -103,6 +104,8 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def _fuse(attn: nn.Module) -> None:
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    for proj in (q, k, v):
+        proj.__dict__[_PART] = True
     if _kind(q) == "int4":  # one stacked 4-bit Linear whose buffers q, k and v view
         from ..int4 import stack
 
@@ -124,20 +127,39 @@ def _fuse(attn: nn.Module) -> None:
 
 
 def _unfuse(attn: nn.Module) -> None:
+    """Undo :func:`_fuse`; a projection replaced since (``countdown.quantize``) holds nothing of ours and is left as
+    it is."""
+    parts = [proj for proj in (attn.q_proj, attn.k_proj, attn.v_proj) if proj.__dict__.pop(_PART, False)]
     if attn.__dict__.pop(_QKV4, None) is not None:
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
+        for proj in parts:  # own storage again
             for name, buf in list(proj._buffers.items()):
                 proj._buffers[name] = buf.clone()
     else:
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # own storage again
+        for proj in parts:  # own storage again
             proj.weight = nn.Parameter(proj.weight.detach().clone(), requires_grad=proj.weight.requires_grad)
             if proj.bias is not None:
                 proj.bias = nn.Parameter(proj.bias.detach().clone(), requires_grad=proj.bias.requires_grad)
-        del attn._buffers[_WEIGHT], attn._buffers[_BIAS]
-    attn.forward = getattr(attn, _BEFORE)
+        attn._buffers.pop(_WEIGHT, None)
+        attn._buffers.pop(_BIAS, None)
+    restore_forward(attn, getattr(attn, _BEFORE))
     delattr(attn, _BEFORE)
     if hasattr(attn, QKV_FIXED):
         delattr(attn, QKV_FIXED)
+
+
+def restore_forward(module: nn.Module, saved) -> None:
+    """Give ``module`` back the forward saved before a swap: its class's (no instance attribute left behind) or the
+    instance's own where it had one."""
+    if getattr(saved, "__self__", None) is module and getattr(saved, "__func__", None) is type(module).forward:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = saved
+
+
+def fused_current(attn: nn.Module) -> bool:
+    """Whether ``attn`` is fused and its q/k/v are still the projections fused (one replaced since, by
+    ``countdown.quantize``, makes the stacked weight stale: the module's own forward runs instead)."""
+    return is_fused(attn) and all(proj.__dict__.get(_PART, False) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 def is_fused(module: nn.Module) -> bool:
@@ -197,7 +219,8 @@ def cache_of(past_key_values, kwargs):
 
 def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                    past_key_values=None, **kwargs):
-    found = decode_layer(self, hidden_states, attention_mask, cache_of(past_key_values, kwargs), kwargs)
+    found = decode_layer(self, hidden_states, attention_mask, cache_of(past_key_values, kwargs), kwargs) \
+        if fused_current(self) else None
     if found is None or position_embeddings is None:
         if past_key_values is not None:  # handed on under the name it came with
             kwargs["past_key_values"] = past_key_values

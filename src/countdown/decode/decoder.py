@@ -1,4 +1,4 @@
-"""The per-(model, batch, cache length) state of :func:`countdown.generate_fast`: the static KV cache,
+"""The per-(model, batch, cache length) state of :func:`countdown.generate`: the static KV cache,
 the one-token step (eager, ``torch.compile``-d or captured in a CUDA graph), the sampling rule and the
 device-side timer. :mod:`countdown.decode.generate` holds the public entry point and the decoder cache; the
 module docstring there says why the step calls ``model.forward`` and how sampling avoids host syncs.
@@ -88,7 +88,7 @@ def _accepts(fn, name: str) -> bool:
 
 @dataclass
 class Decoder:
-    """Everything one (model, batch, cache length, sampling, patch state) needs between calls.
+    """Everything one (model, batch, cache length, sampling, patch state, model key) needs between calls.
 
     It holds the model through a weak reference: the decoders live in a WeakKeyDictionary keyed by
     the model, and a strong reference back would keep every model (and its GPU memory) alive."""
@@ -102,6 +102,7 @@ class Decoder:
     patch_state: Any  # the model's countdown state object when built (None: dense); identity-compared
     compile_options: dict = field(default_factory=dict)
     top_p: float | None = None
+    key: Any = None  # the model's StepKey when built (countdown.decode.prepared): another key, another decoder
     cache: Any = None
     step: Any = None
     graph: Any = None
@@ -135,11 +136,12 @@ class Decoder:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def matches(self, model, mode, batch, max_cache_len, greedy, top_k, compile_options, top_p=None) -> bool:
+    def matches(self, model, mode, batch, max_cache_len, greedy, top_k, compile_options, top_p=None,
+                key=None) -> bool:
         return (self.model is model and self.mode == mode and self.batch == batch
                 and self.max_cache_len == max_cache_len and self.greedy == greedy and self.top_k == top_k
                 and self.top_p == top_p and self.patch_state is _patch_state(model)
-                and self.compile_options == compile_options)
+                and self.compile_options == compile_options and (key is None or self.key == key))
 
     # -- forwards ------------------------------------------------------------------------------
 

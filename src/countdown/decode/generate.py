@@ -1,4 +1,4 @@
-"""Fast decoding for dense and patched Hugging Face models: ``generate_fast``.
+"""Fast decoding for dense and patched Hugging Face models: :func:`generate` (and its alias ``generate_fast``).
 
 The gpt-fast recipe on a ``transformers`` model, so that dense and sparse decoding are timed in one
 harness:
@@ -25,10 +25,14 @@ same tokens in every mode and no step reads the host.
 Why the step calls ``model.forward`` and not ``model(...)``: ``countdown.sparsify`` hangs a forward
 pre-hook on the model that decides "prompt or decode?" from ``cache.get_seq_length()``, which on a
 ``StaticCache`` is a device tensor; reading it is a host sync and, under ``torch.compile``, a graph
-break. ``generate_fast`` does not need the guess: it knows which forward is the prompt and says so
+break. The decoder does not need the guess: it knows which forward is the prompt and says so
 with :func:`countdown.dense_prefix` (prompt: all positions dense; steps: all sparse), which the
 sparse layers obey whatever the hook found. Models patched with ``scope="all"`` stay sparse
 everywhere.
+
+The decoder of a model (static cache, compiled step) is kept between calls and keyed, as the prepared step
+(:mod:`countdown.decode.prepared`) is, on what the model is: a model changed since (quantized, sparsified, moved)
+gets both built again.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch import nn
 from ..mlp import refuse_meta
 from ..nonfinite import check_finite_logits
 from ..options import check, check_optional, check_sampling, check_token_ids
+from .prepared import StepKey, current_step
 
 # Re-exported: the decoder, its sampling rule and helpers lived here before the split.
 from .decoder import (CUDA_INDUCTOR_OPTIONS, EOS_CHECK_EVERY, MODES, WARMUP_STEPS, Decoder, _all_finished, _mark_step, _patch_state, _scope, _synchronize, _Timer, sample_tokens)
@@ -100,6 +105,17 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
                   eos_token_id: int | list[int] | None = None, max_cache_len: int | None = None,
                   compile_options: dict | None = None, top_p: float | None = None,
                   on_tokens=None) -> tuple[torch.Tensor, dict]:
+    """Alias kept for the benchmarks: :func:`generate` as the harness calls it (no step prepared, temperature 0 is
+    greedy, no EOS unless given, the tokens after a row's EOS left as generated); returns ``(tokens, stats)``."""
+    return _decode(model, input_ids, max_new_tokens, temperature, top_k, compile, seed, eos_token_id, max_cache_len,
+                   compile_options, top_p, on_tokens)
+
+
+def _decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+            top_k: int | None = None, compile: bool | str | None = None, seed: int | None = None,
+            eos_token_id: int | list[int] | None = None, max_cache_len: int | None = None,
+            compile_options: dict | None = None, top_p: float | None = None,
+            on_tokens=None, key: StepKey | None = None) -> tuple[torch.Tensor, dict]:
     """Generate ``max_new_tokens`` tokens after ``input_ids`` ``[batch, prompt]`` (no padding: every
     row is a full prompt of the same length); returns ``(tokens [batch, prompt + new], stats)``.
 
@@ -159,16 +175,18 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     top_p = None if greedy or top_p is None or float(top_p) == 1.0 else float(top_p)
     compile_options = dict(compile_options or {})
     if model.training:
-        raise ValueError("generate_fast needs the model in eval mode: call model.eval() first")
+        raise ValueError("generation needs the model in eval mode: call model.eval() first")
 
+    if key is None:  # (generate has made the step fit and passes its key)
+        key = current_step(model)  # a step prepared before and stale since is prepared again: never run stale
     decoder = _DECODERS.get(model)
     setup_s = 0.0
     if decoder is None or not decoder.matches(model, mode, batch, max_cache_len, greedy, top_k, compile_options,
-                                              top_p):
+                                              top_p, key):
         if decoder is not None:
             reset_decoders(model)
         decoder = Decoder(model, mode, batch, max_cache_len, greedy, top_k, _patch_state(model), compile_options,
-                          top_p)
+                          top_p, key=key)
         _DECODERS[model] = decoder
 
     generator = torch.Generator(device=device)
@@ -201,11 +219,10 @@ def generate_fast(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
     return tokens, stats
 
 
-_FAST_STEP = "_countdown_fast_step"
-
-
-def _prompt_ids(input_ids) -> torch.Tensor:
-    """input_ids as ``[batch, prompt]``: a tensor (1-D for one prompt) or a tokenizer's output."""
+def _prompt_ids(input_ids, pad_token_id: int | None = None) -> torch.Tensor:
+    """input_ids as ``[batch, prompt]``: a tensor (1-D for one prompt) or a tokenizer's output. A batch whose rows
+    start with the pad token (some, not all: a left-padded batch) passed without its attention mask is decoded as it
+    is, with a warning, as transformers' generate warns."""
     mask = None
     if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "keys") and "input_ids" in input_ids:
         mask = input_ids.get("attention_mask")
@@ -217,28 +234,45 @@ def _prompt_ids(input_ids) -> torch.Tensor:
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("the prompts are padded (attention_mask has zeros): countdown.generate takes prompts of "
                          "one length; generate each length separately, or use model.generate for padded batches")
+    if mask is None and pad_token_id is not None and input_ids.dim() == 2 and input_ids.shape[0] > 1:
+        starts = input_ids[:, 0] == pad_token_id
+        if bool(starts.any()) and not bool(starts.all()):
+            import warnings
+
+            warnings.warn(f"rows {starts.nonzero().flatten().tolist()} of the batch start with the pad token "
+                          f"({pad_token_id}) and no attention_mask was passed: a left-padded batch? countdown.generate "
+                          "decodes every position as a token of the prompt; pass the tokenizer's output with its "
+                          "attention_mask (padded prompts are refused: generate each length separately)",
+                          UserWarning, stacklevel=3)
     return input_ids
 
 
 def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, streamer=None, seed: int | None = None,
-             fast_step: bool = True, return_stats: bool = False):
+             fast_step: bool = True, compile: bool | str | None = None, compile_options: dict | None = None,
+             max_cache_len: int | None = None, return_stats: bool = False):
     """Generate with the fastest decode step the library has, in one call; dense or sparsified models alike.
 
     ``input_ids``: ``[batch, prompt]`` (or ``[prompt]``, or a tokenizer's output) without padding; returns
-    ``[batch, prompt + new]`` like ``model.generate`` (and the timing stats of :func:`generate_fast` with
-    ``return_stats``). Greedy by default; ``do_sample`` draws at ``temperature`` from the ``top_k`` /
-    ``top_p`` filtered distribution (``seed`` makes it repeatable). Stops at ``eos_token_id`` (default: the
-    model's ``generation_config``; ``[]`` never stops early). ``streamer``: a transformers streamer
-    (``put`` / ``end``, e.g. ``TextStreamer``) that receives the tokens as they come, batch 1.
+    ``[batch, prompt + new]`` like ``model.generate`` (and, with ``return_stats``, the statistics: ``mode``,
+    ``device``, ``batch``, ``prompt_tokens``, ``new_tokens``, ``setup_s`` (compile / capture in this call),
+    ``prefill_s``, ``decode_s``, ``total_s``, ``tokens_per_s``, ``decode_tokens_per_s``, ``ms_per_step``). Greedy
+    by default; ``do_sample`` draws at ``temperature`` from the ``top_k`` / ``top_p`` filtered distribution
+    (``seed`` makes it repeatable). Stops at ``eos_token_id`` (default: the model's ``generation_config``; ``[]``
+    never stops early). ``streamer``: a transformers streamer (``put`` / ``end``, e.g. ``TextStreamer``) that
+    receives the tokens as they come, batch 1.
 
     On CUDA the first call prepares the model's decode step once (``fast_step``: the attention fused, every
-    projection on the fixed GEMV, the decoder layers folded: :func:`countdown.decode.linears.fastest_step`;
-    the model stays a transformers model, ``model.generate`` keeps working) and compiles it with CUDA graphs
-    (tens of seconds; later calls of the same batch and length reuse it). On CPU it decodes eagerly.
+    projection on the fixed GEMV, the decoder layers folded: a :class:`~countdown.decode.prepared.PreparedStep`,
+    ``countdown.PreparedStep.of(model).describe()`` says what it swapped; the model stays a transformers model,
+    ``model.generate`` keeps working) and compiles it with CUDA graphs (tens of seconds; later calls of the same
+    batch and length reuse it). A model changed since (quantized, sparsified, moved, another backend) gets its
+    step prepared and compiled again. On CPU it decodes eagerly. ``compile`` (None: "compile" on CUDA, "eager" on
+    CPU; True, False, "cudagraph"), ``compile_options`` and ``max_cache_len``: as :func:`_decode` says.
     """
-    ids = _prompt_ids(input_ids)
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    ids = _prompt_ids(input_ids, pad)
     check_sampling(top_k, top_p, seed, model)  # checked greedy or not, as temperature is
     refuse_meta(model, "generate")
     if streamer is not None and ids.shape[0] != 1:
@@ -250,22 +284,21 @@ def generate(model: nn.Module, input_ids, max_new_tokens: int = 128, *, do_sampl
     if isinstance(eos_token_id, (list, tuple)) and not eos_token_id:
         eos_token_id = None
     device = next(model.parameters()).device
-    if fast_step and device.type == "cuda" and not getattr(model, _FAST_STEP, False):
-        from .linears import fastest_step
-
-        fastest_step(model)
-        setattr(model, _FAST_STEP, True)
+    if model.training:
+        raise ValueError("generation needs the model in eval mode: call model.eval() first")
+    key = current_step(model, install=fast_step and device.type == "cuda")
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     on_tokens = None
     if streamer is not None:
         streamer.put(ids.cpu())
         on_tokens = _StreamUntilEos(streamer, eos)
-    tokens, stats = generate_fast(model, ids, max_new_tokens, temperature=temperature if do_sample else 0.0,
-                                  top_k=top_k if do_sample else None, top_p=top_p if do_sample else None,
-                                  seed=seed, eos_token_id=eos or None, on_tokens=on_tokens)
+    tokens, stats = _decode(model, ids, max_new_tokens, temperature=temperature if do_sample else 0.0,
+                            top_k=top_k if do_sample else None, top_p=top_p if do_sample else None, seed=seed,
+                            eos_token_id=eos or None, on_tokens=on_tokens, compile=compile,
+                            compile_options=compile_options, max_cache_len=max_cache_len, key=key)
     if streamer is not None:
         streamer.end()
-    tokens = _pad_after_eos(tokens, ids.shape[1], eos, getattr(model.generation_config, "pad_token_id", None))
+    tokens = _pad_after_eos(tokens, ids.shape[1], eos, pad)
     return (tokens, stats) if return_stats else tokens
 
 

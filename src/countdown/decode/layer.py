@@ -35,7 +35,8 @@ import types
 import torch
 from torch import nn
 
-from .attention import QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, is_fused, qkv_weights
+from .attention import (QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, fused_current, is_fused,
+                        qkv_weights, restore_forward)
 from ..kernels import _common
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
@@ -81,7 +82,7 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     for i, layer in enumerate(decoder_layers(model, "fold_norms")):
         if not on:
             if is_folded(layer):
-                layer.forward = getattr(layer, _BEFORE)
+                restore_forward(layer, getattr(layer, _BEFORE))
                 delattr(layer, _BEFORE)
                 _pdl.folded.discard(layer)
             continue
@@ -110,7 +111,7 @@ def fold_layer(layer: nn.Module, forward) -> None:
 def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                     use_cache=False, position_embeddings=None, **kwargs):
     attn = self.self_attn
-    routed = is_fused(attn) and getattr(attn, QKV_FIXED, False)  # unfused or un-routed since: the layer's own
+    routed = fused_current(attn) and getattr(attn, QKV_FIXED, False)  # unfused, replaced or un-routed since: its own
     weight, bias = qkv_weights(attn) if routed else (None, None)
     cache = cache_of(past_key_values, kwargs)
     found = decode_layer(attn, hidden_states, attention_mask, cache, kwargs) if routed else None

@@ -127,7 +127,8 @@ def fastest_step(model: nn.Module, on: bool = True) -> list[str]:
     every projection on the fixed GEMV and the decoder layers folded (countdown.decode.layer: norms and
     residual adds on our kernels; qkv and the fold only where fused). ``on=False`` undoes all. Returns the
     reasons the attention modules left alone were left alone. Call it after ``sparsify`` or before:
-    the sparse MLPs read the weights directly and ignore a routed layer's forward."""
+    the sparse MLPs read the weights directly and ignore a routed layer's forward. ``countdown.generate`` calls it
+    through :class:`countdown.decode.prepared.PreparedStep`, which keys the step on the model and undoes it."""
     from .attention import fuse_attention, is_fused
 
     if not on:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..decode.cache import cache_kwargs, output_cache
 from ..nonfinite import check_finite
 from ..spec import parse_spec, resolve_mode
-from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
+from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 PROMPTS_FILE = "agreement_prompts.json"
 _ALL_DENSE = 1 << 40  # a dense prefix longer than any input: every position dense
@@ -149,7 +149,7 @@ def agreement(model, tokenizer, method: str, sparsity: float | None = None, mode
     device = next(model.parameters()).device
     stop_ids = _stop_ids(model, tokenizer)
 
-    sparsify(model, method, sparsity, mode=mode, scope="decode", artifacts=artifacts, path=path)
+    sparsify(model, with_mode(method, mode, artifacts), sparsity, scope="decode", artifacts=artifacts, path=path)
     try:
         reset_sparsity_stats(model)
         per_prompt, kls, top1s = [], [], []

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify
+from ..sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 
 DEFAULT_SPARSITIES = (0.5, 0.7, 0.8, 0.9)
@@ -204,7 +204,7 @@ def run_grid(model, tokenizer, model_name: str, configs: Sequence[tuple[str, str
                 continue
             artifacts = artifacts_for(method, k) if mode == "prac" and artifacts_for else None
             scope = "all" if style == "all" else "decode"
-            sparsify(model, method, k, mode=mode, scope=scope, artifacts=artifacts)
+            sparsify(model, with_mode(method, mode, artifacts), k, scope=scope, artifacts=artifacts)
             try:
                 reset_sparsity_stats(model)
                 start = time.time()

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from ..nonfinite import check_finite_values
 from ..spec import parse_spec, resolve_mode
-from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify
+from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 MODEL_NAME = "countdown"
 DEFAULT_SEED = 1234
@@ -84,7 +84,7 @@ class CountdownLM(HFLM):
             if is_sparsified(model):
                 raise ValueError("the model is already sparsified: pass method=None to evaluate it as patched, "
                                  "or countdown.unsparsify(model) first")
-            sparsify(model, method, sparsity, mode=mode, scope="decode", artifacts=artifacts, path=path)
+            sparsify(model, with_mode(method, mode, artifacts), sparsity, scope="decode", artifacts=artifacts, path=path)
             self._patched_here = True
         self.countdown_config = {"method": None if method is None else parse_spec(method).label,
                                  "sparsity": sparsity, "mode": mode,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..decode.cache import cache_kwargs, output_cache
 from ..nonfinite import check_finite_values
-from ..sparse import dense_prefix, sparsify, state_of, unsparsify
+from ..sparse import dense_prefix, sparsify, state_of, unsparsify, with_mode
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def score_requests(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]
         for c, config in enumerate(configs):
             tick = time.perf_counter()
             if not config.is_dense:
-                sparsify(model, config.method, config.sparsity, mode=config.mode, scope="decode",
+                sparsify(model, with_mode(config.method, config.mode, config.artifacts), config.sparsity, scope="decode",
                          artifacts=config.artifacts, path="masked")
             try:
                 parts = [batch.run(not config.is_dense, softmax_dtype) for batch in batches]

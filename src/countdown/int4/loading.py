@@ -2,7 +2,8 @@
 
 A saved 4-bit model is a Hugging Face folder whose safetensors hold, for each 4-bit Linear ``name``,
 ``name.qweight`` / ``name.scale`` / ``name.offset`` (and ``name.bias``) instead of ``name.weight``, and whose
-config.json holds ``countdown_int4`` (what :func:`~countdown.int4.quantize.quantize` did). ``transformers``
+config.json records what :func:`~countdown.int4.quantize.quantize` did: under ``quantization_config``'s ``weights``
+(:mod:`countdown.saving`), or as ``countdown_int4`` in folders of earlier releases. ``transformers``
 alone cannot load it (it would give those Linears fresh random weights); :func:`load_int4` builds the model
 with ``from_pretrained``, which loads everything else (embeddings, norms, float Linears, buffers such as the
 rotary frequencies), then puts an :class:`Int4Linear` made of the saved tensors, in the dtypes they were saved
@@ -13,7 +14,6 @@ transformers ``HfQuantizer`` registered for this format would build the 4-bit mo
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -25,13 +25,15 @@ from .quantize import CONFIG_ATTR, FORMAT
 
 
 def saved_int4(folder: str | Path) -> dict | None:
-    """The ``countdown_int4`` record of a saved folder's config.json, or None (not a 4-bit model)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text()).get(CONFIG_ATTR)
+    """:func:`~countdown.int4.quantize.quantize`'s record of a saved folder (:func:`countdown.saving.saved_config`'s
+    ``weights``), or None (not a 4-bit model)."""
+    from ..saving import saved_config
+
+    config = saved_config(folder)
+    record = ((config or {}).get("weights") or {}).get("record")
     if record is not None and record.get("format") != FORMAT:
-        raise ValueError(f"{path}: {CONFIG_ATTR} is not a {FORMAT} record ({record.get('format')!r})")
+        raise ValueError(f"{Path(folder) / 'config.json'}: the 4-bit record is not a {FORMAT} record "
+                         f"({record.get('format')!r})")
     return record
 
 
@@ -53,18 +55,24 @@ def _int4_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     return found
 
 
-def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device):
-    """``(model, tokenizer)`` of a saved 4-bit folder, in eval mode; compute dtype ``dtype`` on ``device``."""
+def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device, record: dict | None = None):
+    """``(model, tokenizer)`` of a saved 4-bit folder, in eval mode; compute dtype ``dtype`` on ``device``. ``record``:
+    the folder's 4-bit record (default :func:`saved_int4`), which the model's config carries again as
+    ``countdown_int4``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..saving import countdown_quantization_known
+
     folder = Path(folder)
+    record = saved_int4(folder) if record is None else record
     tensors = _int4_tensors(folder)
     if not tensors:
         raise ValueError(f"{folder} records a 4-bit model but its safetensors hold no 4-bit weights")
     report = logging.getLogger("transformers.modeling_utils")
     report.addFilter(_drop_load_report)  # its missing .weight / unexpected .qweight table is expected: checked below
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+        with countdown_quantization_known():
+            model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     finally:
         report.removeFilter(_drop_load_report)
     ours = {f"{name}.{leaf}" for name in tensors for leaf in BUFFERS}
@@ -73,7 +81,7 @@ def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device):
     if missing or unexpected or any(len(parts) != len(BUFFERS) for parts in tensors.values()):
         raise ValueError(f"{folder}: the saved weights do not fit the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    record = getattr(model.config, CONFIG_ATTR)
+    setattr(model.config, CONFIG_ATTR, record)
     source, transposed = record["source"], set(record.get("transposed", ()))
     with torch.no_grad():
         for name, parts in tensors.items():

@@ -26,7 +26,7 @@ from torch import nn
 from ..artifacts import Artifacts
 from ..mlp import GatedMLP
 from ..registry import Method, kept_rows
-from ..sparse import sparsify, unsparsify
+from ..sparse import sparsify, unsparsify, with_mode
 from .stream import POOLED_SAMPLES, pooled_sample, stream_mlp_inputs, token_quantiles
 from .base import get_kind, selectors_for
 
@@ -110,7 +110,7 @@ def refine_cuts(model: nn.Module, mlps: list[GatedMLP], method: Method, artifact
             sel.to_model_dtype(mlp.w_down.dtype)
         est = CutEstimator([[kept_rows(mlp.d_inter, k)] for mlp in mlps], rule, n_tokens,
                            skips=[[k]] * len(mlps) if kind.pooled_at_k else None)
-        sparsify(model, method, k, mode="prac", artifacts=by_cut, scope="all")
+        sparsify(model, with_mode(method, "prac", by_cut), k, artifacts=by_cut, scope="all")
         try:
             with torch.no_grad():
                 stream_mlp_inputs(model, mlps, windows, lambda i, x: est.add(i, selectors[i].score(x, mlps[i])),

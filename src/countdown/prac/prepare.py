@@ -1,9 +1,8 @@
-"""Building SP-Prac artifacts: one entry point for every kind, and a cache of built artifacts.
+"""Building SP-Prac artifacts: one entry point for every kind, with a cache of built artifacts.
 
-``countdown.prepare(model, tok, method, k, kind=...)`` builds any kind; ``countdown.calibrate`` (the
-kinds that need no gradient training: thresholds for cats / mono, and with ``kind=`` the shadow and
-hybrid kinds for dual) and ``countdown.train_predictors`` (dual / dejavu) are the same function with
-the defaults and checks their names promise.
+``countdown.prepare(model, tok, spec, k)`` builds any kind (``cache_dir=``: loaded from the cache, or built and
+saved there). ``countdown.calibrate``, ``countdown.train_predictors`` and ``countdown.ensure_artifacts`` are
+deprecated aliases of it (they warn; the first two keep the checks their names promised).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 import sys
 import time
 from pathlib import Path
@@ -36,8 +36,9 @@ TRAINED = ("lowrank", "ternary")  # the kinds that need gradient training (train
 def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None, texts=None,
             num_tokens: int | None = None, window: int = DEFAULT_WINDOW, selection: str | None = None,
             refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS, checkpoint: str | os.PathLike | None = None,
-            progress: bool = True, **options: Any) -> Artifacts:
-    """Build the SP-Prac artifact of ``method`` at one or more sparsities for ``model``.
+            progress: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Artifacts:
+    """Build the SP-Prac artifact of ``method`` at one or more sparsities for ``model`` (with ``cache_dir``: load it
+    from that folder where it was built before, else build it and save it there).
 
     method: a method spec (:mod:`countdown.spec`): ``"mono"``, ``"dual"`` (its default kind) or a kind and its
         options in brackets, ``"dual[shadow4]"``, ``"dual[lowrank256]"``; an explicit ``kind=`` or option that
@@ -58,9 +59,32 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
         a rerun with the same settings continues after the last finished layer, with the same result.
     options: the kind's own (``countdown.prac.get_kind(kind).defaults`` lists them with defaults),
         e.g. ``rule`` for thresholds, ``d_rank``/``epochs``/``cut_rule`` for predictors.
+    cache_dir: a folder of built artifacts (:func:`_cached`: one file per model, spec, options and library version;
+        a corrupt or edited file is rebuilt; a call for a subset of the k of a file reuses it).
     Numbers out of their range (:data:`countdown.options.RANGES`, the command line's) are refused before any
     work. Returns :class:`~countdown.artifacts.Artifacts`; save it with ``.save(path)``.
     """
+    given = dict(kind=kind, texts=texts, num_tokens=num_tokens, window=window, selection=selection, refine=refine,
+                 refine_tokens=refine_tokens, checkpoint=checkpoint, progress=progress)
+    if cache_dir is not None:  # the cache key holds the arguments given, not those left at their defaults
+        given = {key: value for key, value in given.items() if not _is_default(value, _DEFAULTS[key])}
+        return _cached(model, tokenizer, method, sparsity, cache_dir, **given, **options)
+    return _build(model, tokenizer, method, sparsity, **given, **options)
+
+
+_DEFAULTS = dict(kind=None, texts=None, num_tokens=None, window=DEFAULT_WINDOW, selection=None, refine=True,
+                 refine_tokens=DEFAULT_REFINE_TOKENS, checkpoint=None, progress=True)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (default is not None and type(value) is type(default) and value == default)
+
+
+def _build(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None, texts=None,
+           num_tokens: int | None = None, window: int = DEFAULT_WINDOW, selection: str | None = None,
+           refine: bool = True, refine_tokens: int = DEFAULT_REFINE_TOKENS,
+           checkpoint: str | os.PathLike | None = None, progress: bool = True, **options: Any) -> Artifacts:
+    """:func:`prepare` without the cache: fit, refine, return."""
     from ..data.models import require_tokenizer
 
     num_tokens = check_optional("num_tokens", num_tokens)
@@ -106,13 +130,18 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     return art
 
 
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(f"countdown.{name} is a deprecated alias of countdown.prepare and goes in the next release: "
+                  f"{instead}", DeprecationWarning, stacklevel=3)
+
+
 def calibrate(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None,
               **kwargs: Any) -> Artifacts:
-    """SP-Prac artifacts that need no gradient training: per-layer thresholds ``tau_hat`` for the
-    threshold methods (cats, mono: the paper's mean of per-token k-quantiles, ``rule="pooled"`` the
-    quantile of all values; teal: thresholds on x and s with TEAL's greedy per-layer allocation), or,
-    with ``kind=`` or a spec that names it (``"dual[shadow4]"``), the shadow / hybrid kinds of dual.
-    Same arguments as :func:`prepare`."""
+    """Deprecated alias of :func:`prepare` (it warns) for the kinds that need no gradient training: thresholds for
+    cats, mono and teal, or, with ``kind=`` or a spec that names it (``"dual[shadow4]"``), dual's shadow / hybrid
+    kinds; a predictor method without such a kind, or a trained kind, is refused as before. Same arguments as
+    :func:`prepare`."""
+    _deprecated("calibrate", "call countdown.prepare(model, tokenizer, spec, k), e.g. spec 'mono[threshold]'")
     method, kind, kwargs = build_options(method, kind, kwargs)
     m = get_method(method)
     if kind is None and m.prac != "threshold":
@@ -126,11 +155,10 @@ def calibrate(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity
 
 def train_predictors(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, kind: str | None = None,
                      **kwargs: Any) -> Artifacts:
-    """SP-Prac predictors for the predictor methods (dual, dejavu), one per Gated-MLP and k:
-    ``kind="lowrank"`` (the paper's, trained by BCE), ``"ternary"`` (the paper's TernaryLinear),
-    ``"hybrid"`` (dual: dense u, closed-form low-rank gate) or ``"shadow"`` (dual's default: low-bit
-    copies of W_gate and W_up); or a spec that names the kind (``"dual[lowrank256]"``). Same arguments as
-    :func:`prepare`."""
+    """Deprecated alias of :func:`prepare` (it warns) for the predictor methods (dual, dejavu): ``kind="lowrank"``,
+    ``"ternary"``, ``"hybrid"`` or ``"shadow"`` (dual's default), or a spec that names the kind
+    (``"dual[lowrank256]"``); a threshold method is refused as before. Same arguments as :func:`prepare`."""
+    _deprecated("train_predictors", "call countdown.prepare(model, tokenizer, spec, k), e.g. spec 'dual[lowrank]'")
     method, kind, kwargs = build_options(method, kind, kwargs)
     m = get_method(method)
     if m.prac != "predictor":
@@ -152,11 +180,19 @@ CACHE_OPTION = "the artifact cache folder: --artifacts-dir, or COUNTDOWN_CACHE f
 
 def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: str | os.PathLike,
                      **options: Any) -> Artifacts:
+    """Deprecated alias (it warns) of
+    ``prepare(model, tokenizer, method, sparsity, cache_dir=cache_dir, **options)``."""
+    _deprecated("ensure_artifacts", "call countdown.prepare(model, tokenizer, spec, k, cache_dir=folder)")
+    return prepare(model, tokenizer, method, sparsity, cache_dir=cache_dir, **options)
+
+
+def _cached(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: str | os.PathLike,
+            **options: Any) -> Artifacts:
     """Load cached artifacts for (model, method spec, sparsity, options) or build and save them.
 
     ``method`` is a spec as for :func:`prepare` (``"dual[shadow4]"``: kind and options from the brackets).
     ``sparsity`` is one k or a list (one file then holds all of them; a later call for any subset
-    reuses it). ``options`` go to :func:`prepare` (``kind=`` included) and are part of the cache key
+    reuses it). ``options`` (the arguments of :func:`prepare` given, ``kind=`` included) are part of the cache key
     with the library version, so other options build other files; an option at its kind's default keys
     the same file as leaving it out (``dual`` and ``dual[shadow4]`` share one). Files are named
     ``<method>-<model fingerprint[:12]>-<options hash>-k<k1>_<k2>.safetensors``; a corrupt or edited
@@ -199,6 +235,6 @@ def ensure_artifacts(model, tokenizer, method: str | Spec | Method, sparsity, ca
                 return art
     target = cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors"
     check_writable(target, CACHE_OPTION)  # before the fit: a read-only or full cache folder fails now, not after it
-    art = prepare(model, tokenizer, m, ks, **options)
+    art = _build(model, tokenizer, m, ks, **options)
     art.save(target, force=True)
     return art

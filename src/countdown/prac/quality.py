@@ -14,7 +14,7 @@ from ..artifacts import Artifacts, load_artifacts, sparsity_key
 from ..decode.generate import generate_fast
 from ..mlp import GatedMLP, require_gated_mlps
 from ..registry import get_method, kept_rows
-from ..sparse import sparsify, unsparsify
+from ..sparse import sparsify, unsparsify, with_mode
 from ..state import sparsity_real, state_of
 from .stream import DEFAULT_WINDOW, stream_mlp_inputs, token_windows
 from ..tp import refuse_sharded
@@ -63,7 +63,8 @@ def refine_cuts_on_decode(model: nn.Module, artifacts: Artifacts, prompts: torch
     for k in artifacts.sparsities:
         history[k] = []
         for _ in range(rounds):
-            sparsify(model, m.name, k, mode="prac", artifacts=artifacts.with_selection("cut"), path="masked")
+            by_cut = artifacts.with_selection("cut")
+            sparsify(model, with_mode(m.name, "prac", by_cut), k, artifacts=by_cut, path="masked")
             layers = state_of(model).layers
             selectors = [layer.selector for layer in layers]
             inputs: list[list[torch.Tensor]] = [[] for _ in selectors]

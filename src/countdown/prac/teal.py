@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..artifacts import ArtifactError, sparsity_key
 from ..mlp import GatedMLP
-from ..sparse import sparsify, unsparsify
+from ..sparse import sparsify, unsparsify, with_mode
 from .stream import like, pooled_sample, stream_mlp_inputs
 from ..teal import InputSelector
 from .base import SelectorKind, register_kind
@@ -220,7 +220,7 @@ class TealKind(SelectorKind):
                 s = layers[i].s(x, cuts[i]["cut_x"].to(x.device))
                 samples[i][1].append(pooled_sample(s.abs(), n_tokens, gen))
 
-            sparsify(model, method, k, mode="prac", artifacts=artifacts, scope="all")
+            sparsify(model, with_mode(method, "prac", artifacts), k, artifacts=artifacts, scope="all")
             try:
                 with torch.no_grad():
                     stream_mlp_inputs(model, mlps, windows, on_input, batch_size=int(opts["batch_size"]),

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from ..agreement import agreement
 from ..grid import STYLES
 from ..perplexity import perplexity
-from ...sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify
+from ...sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 from ...spec import Spec
 from .cells import AGREEMENT_METRICS, PPL_TASKS, CellSpec, format_k
 
@@ -83,7 +83,7 @@ def measure_ppl(model, tokenizer, cell: CellSpec, method: str, artifacts, texts,
                          prompt_fraction=STYLES[style], progress=progress, desc=cell.label())
         return {"metrics": [("perplexity", ppl)], "real": 0.0, "n": tokens, "samples": None,
                 "seconds": time.perf_counter() - start}
-    sparsify(model, method, cell.sparsity, mode=cell.mode, scope="all" if style == "all" else "decode",
+    sparsify(model, with_mode(method, cell.mode, artifacts), cell.sparsity, scope="all" if style == "all" else "decode",
              artifacts=artifacts, path="masked")
     try:
         reset_sparsity_stats(model)
@@ -108,7 +108,7 @@ def ensure_prac(model, tokenizer, spec: Spec, sparsities, artifacts_dir, options
                 log: Callable[[str], None]):
     """The SP-Prac artifacts of one method spec for every k (built once, cached in ``artifacts_dir``; the
     spec's kind and options key the file, an option at its default as if left out)."""
-    from ...prac.prepare import ensure_artifacts
+    from ...prac.prepare import prepare
 
     if artifacts_dir is None:
         from ...data.texts import cache_root
@@ -116,8 +116,8 @@ def ensure_prac(model, tokenizer, spec: Spec, sparsities, artifacts_dir, options
         artifacts_dir = cache_root() / "artifacts"
     log(f"  SP-Prac artifacts for {spec.resolved().label} (k = {', '.join(format_k(k) for k in sparsities)}) "
         f"from {artifacts_dir} (built and cached on first use)")
-    return ensure_artifacts(model, tokenizer, spec, list(sparsities), artifacts_dir,
-                            **{"progress": progress, **(options or {})})
+    return prepare(model, tokenizer, spec, list(sparsities), cache_dir=artifacts_dir,
+                   **{"progress": progress, **(options or {})})
 
 
 def artifact_summary(art, tag: str) -> dict:
