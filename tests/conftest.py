@@ -14,9 +14,20 @@ import pytest
 import torch
 
 # The measurement harness (benchmarks/harness) is imported as ``harness`` by its tests (tests/harness/), as
-# benchmarks/*.py import it (their folder is on sys.path when they run). Appended: nothing there shadows an installed
-# package.
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+# benchmarks/*.py import it (their folder is on sys.path when they run). Only the package itself is registered: putting
+# benchmarks/ on sys.path would expose every script as a top-level module, and transformers probes optional packages
+# by importing their names (a script named like one would be taken for it).
+def _register_harness() -> None:
+    import importlib.util
+
+    init = Path(__file__).resolve().parent.parent / "benchmarks" / "harness" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("harness", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["harness"] = module
+    spec.loader.exec_module(module)
+
+
+_register_harness()
 
 # Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker keeps to one thread: the
 # interpreter's kernels are single-threaded Python, and two workers of two torch threads each would fight over

@@ -32,7 +32,7 @@ def scripted(monkeypatch):
     timing, and each configuration runs at a fixed multiple of the dense speed of the moment."""
     model = tiny_model("llama")
     events, speed = [], {"dense": 1000.0}
-    factor = {("mono", 0.8): 0.9, ("mono", 0.5): 1.25}
+    factor = {("mono[threshold]", 0.8): 0.9, ("mono[threshold]", 0.5): 1.25}
     current = {}
     real_retarget = speedonly.retarget
 
@@ -60,12 +60,12 @@ def test_dense_and_the_configurations_alternate_and_drift_cancels(scripted):
     settings = operating.BenchSettings(specs=["mono"], ks=[0.5, 0.8], speed_only=True, new_tokens=4, prompt=6,
                                        samples=3)
     rows = operating.operating_points(model, None, settings, model_name="tiny", log=lambda m: None, progress=False)
-    round_ = [("mono", 0.8), ("mono", 0.5)]
+    round_ = [("mono[threshold]", 0.8), ("mono[threshold]", 0.5)]
     assert events == [("dense", None)] + (round_ + [("dense", None)]) * 3
     dense, mono8, mono5 = rows
     # the machine halved its speed at every dense timing: timed once, first, dense would make mono 0.8 look
     # (0.9 / sqrt(2)) / 2 ** r of dense; paired with the dense timings around each round, it is 0.9 every time
-    assert (mono8["method"], mono8["sparsity"]) == ("mono", 0.8)
+    assert (mono8["method"], mono8["sparsity"]) == ("mono[threshold]", 0.8)
     assert mono8["decode_speedup"] == pytest.approx(0.9) and mono8["speedup_min"] == pytest.approx(0.9)
     assert mono8["speedup_max"] == pytest.approx(0.9) and mono5["decode_speedup"] == pytest.approx(1.25)
     assert mono8["samples"] == 3 and dense["samples"] == 4
@@ -112,8 +112,8 @@ def test_the_bench_prints_and_writes_each_ratio_with_its_spread(scripted, monkey
                        "--prompt", "6", "--samples", "2", "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "speed-up (min-max)" in printed and "1.25x (1.25-1.25)" in printed
-    assert "the fastest is mono at k=0.5: 1.25x (1.25-1.25x over 2 rounds) the dense decoder" in printed
+    assert "the fastest is mono[threshold] at k=0.5: 1.25x (1.25-1.25x over 2 rounds) the dense decoder" in printed
     rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
-    assert [(r["method"], r["samples"]) for r in rows] == [("dense", "3"), ("mono", "2"), ("mono", "2")]
+    assert [(r["method"], r["samples"]) for r in rows] == [("dense", "3"), ("mono[threshold]", "2"), ("mono[threshold]", "2")]
     assert float(rows[1]["speedup_min"]) == pytest.approx(0.9) == float(rows[1]["speedup_max"])
     assert "| 1.25x (1.25-1.25x, 2 rounds) |" in (out / "tiny-shape.md").read_text()

@@ -273,7 +273,7 @@ def test_a_bench_run_made_while_another_runs_keeps_both_runs_rows(tmp_path, load
     monkeypatch.setattr(operating, "operating_points", measure_while_another_run_writes)
     assert cli.main(_bench(out, "-k", "0.7")) == 0 and inner == [0]
     rows = _rows(out)
-    assert [(r["method"], r["sparsity"]) for r in rows if r["method"] == "mono"] == [("mono", "0.8"), ("mono", "0.7")]
+    assert [(r["method"], r["sparsity"]) for r in rows if r["method"].startswith("mono")] == [("mono[threshold]", "0.8"), ("mono[threshold]", "0.7")]
     assert len({r["run"] for r in rows}) == 2 and len(rows) == 4 and all(r["run"] for r in rows)
     assert sorted(p.name for p in out.iterdir()) == ["tiny.csv", "tiny.md", "tiny.png"]  # no temporaries, no lock
 

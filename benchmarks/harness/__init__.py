@@ -18,7 +18,7 @@ this package is ``harness``); the tests of this package (``tests/harness/``) fin
 * :mod:`harness.breakdown`: the dense step per operation, and the compiled step profiled;
 * :mod:`harness.report`: decode.csv / .md / .png;
 * :mod:`harness.mlpbench`: the Gated-MLP kernel-timing harness (random problems at real shapes) of
-  ``benchmarks/kernels.py``, ``few.py`` and ``shadow.py``; :mod:`harness.kernelchecks`, :mod:`harness.kerneltable`:
+  ``benchmarks/mlp_kernels.py``, ``few.py`` and ``shadow.py``; :mod:`harness.kernelchecks`, :mod:`harness.kerneltable`:
   the kernel table's float64 checks and rows; :mod:`harness.sm90`: Triton kernels compiled for sm_90 without a GPU;
   :mod:`harness.launches`: the compiled kernel of each Triton launch (registers, spills);
 * :mod:`harness.int4quality`, :mod:`harness.int4rows`, :mod:`harness.int4prefill`, :mod:`harness.int4profile`,

@@ -1,6 +1,6 @@
 """The kernel table's correctness gate: every sparse Gated-MLP op against float64 at real shapes.
 
-Before ``benchmarks/kernels.py`` times anything, :func:`check_real_shapes` runs mono, cats, dual,
+Before ``benchmarks/mlp_kernels.py`` times anything, :func:`check_real_shapes` runs mono, cats, dual,
 masked (per token, and with the mask given) and their indicator-inside-the-kernel variants at the real
 shapes of :data:`harness.mlpbench.SHAPES` with poisoned outputs, against float64 (the
 flash-attention rule: no worse than twice PyTorch's own error in the same dtype, plus a tolerance; see

@@ -1,4 +1,4 @@
-"""The kernel table: one sparse Gated-MLP per call against dense cuBLAS and its roofline (``benchmarks/kernels.py``).
+"""The kernel table: one sparse Gated-MLP per call against dense cuBLAS and its roofline (``benchmarks/mlp_kernels.py``).
 
 Per model shape (:data:`harness.mlpbench.SHAPES`), batch and target sparsity k, in bf16,
 :func:`bench_shape` times:

@@ -1,6 +1,6 @@
 """The Gated-MLP kernel-timing harness: random problems at real shapes, CUDA-graph timing, kernel tables.
 
-Shared by ``benchmarks/kernels.py`` (the kernel table, :mod:`harness.kerneltable`),
+Shared by ``benchmarks/mlp_kernels.py`` (the kernel table, :mod:`harness.kerneltable`),
 ``benchmarks/few.py`` (2-8 tokens) and ``benchmarks/shadow.py`` (the shadow indicator):
 
 * :class:`Problem`: NSETS weight sets and NSLOTS inputs of one shape and batch (more than 1 GB per shape,
@@ -37,7 +37,7 @@ NSETS, NSLOTS = 4, 8  # weight sets, inputs per graph (slot i uses weight set i 
 DTYPE = torch.bfloat16
 E = 2  # bytes per bf16 element
 
-# Candidate launch configurations of _glu.py / _down.py compared by benchmarks/kernels.py --sweep (small on
+# Candidate launch configurations of _glu.py / _down.py compared by benchmarks/mlp_kernels.py --sweep (small on
 # purpose: each costs a compile).
 # BLOCK_K = 0: whole rows in one step. Batch 1 uses the FMA path, batch > 1 the tensor-core path.
 GLU_SWEEP = {

@@ -4,7 +4,7 @@
 own arguments through Triton's own ptxas and logs the resource usage (``cuobjdump -res-usage``), so the real
 compiler's type and layout errors (which the CPU interpreter cannot see) show up before device time is
 spent. :func:`compile_check` does it for every variant of ``_glu.py`` / ``_down.py`` the kernel table runs
-(``benchmarks/kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel (each
+(``benchmarks/mlp_kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel (each
 through :func:`harness.launches.stand_in`, for the block of the check only).
 """
 

@@ -1,4 +1,4 @@
-"""harness.mlpbench / kerneltable: the kernel-timing harness of benchmarks/kernels.py, few.py and shadow.py
+"""harness.mlpbench / kerneltable: the kernel-timing harness of benchmarks/mlp_kernels.py, few.py and shadow.py
 (CPU, tiny shapes; speeds are never asserted)."""
 
 import csv

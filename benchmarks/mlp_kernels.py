@@ -1,8 +1,8 @@
 """The kernel table: one sparse Gated-MLP per call against dense cuBLAS and its roofline, CUDA-graph timing.
 
-    PYTHONPATH=src python benchmarks/kernels.py --out DIR --sweep   # produced results/kernels.md (H200, 2026-11-21)
-    PYTHONPATH=src python benchmarks/kernels.py --compile-check     # no GPU: every variant compiled for sm_90
-    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/kernels.py --shapes tiny --batches 1 --ks 0.8 --out /tmp/k
+    PYTHONPATH=src python benchmarks/mlp_kernels.py --out DIR --sweep   # produced results/kernels.md (H200, 2026-11-21)
+    PYTHONPATH=src python benchmarks/mlp_kernels.py --compile-check     # no GPU: every variant compiled for sm_90
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/mlp_kernels.py --shapes tiny --batches 1 --ks 0.8 --out /tmp/k
                                                                     # CPU smoke test of this script
 
 Per model shape (Llama-3.1-8B, Qwen2.5-14B, gemma-2-9b with GELU-tanh, phi-4), batch (1, 2, 4, 8) and target
@@ -96,7 +96,7 @@ def main():
     configs = dict(glu=_glu.GLU_CONFIGS, down=_down.DOWN_CONFIGS)
     rows = []
     meta = dict(device=dev, date=datetime.date.today().isoformat(), bw=bw, rank=args.rank,
-                command="PYTHONPATH=src python benchmarks/kernels.py " + " ".join(sys.argv[1:]),
+                command="PYTHONPATH=src python benchmarks/mlp_kernels.py " + " ".join(sys.argv[1:]),
                 torch=torch.__version__, triton=triton.__version__, configs=json.dumps(configs))
     for name in args.shapes:
         rows += bench_shape(name, args.batches, args.ks, args.rank, bw, dev, not args.no_variants)
