@@ -13,7 +13,7 @@ builds it for a static cache); each of 32 layers has its own cache (more than L2
 
 - ``sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with the boolean mask;
 - ``sdpa_hf``: what transformers runs under torch.compile (``repeat_kv`` copies, then SDPA);
-- ``ours``: ``kernels/_attention.decode_attention`` on the mask's last row (what ``countdown_decode`` calls).
+- ``ours``: ``kernels/decode_step/attention.decode_attention`` on the mask's last row (what ``countdown_decode`` calls).
 
 Each is timed two ways: ``graph`` (the 32 calls captured in one CUDA graph and replayed, as the
 compiled decode step runs them; ``countdown.bench.timing.time_graph``) and ``eager`` (the 32 calls
@@ -41,7 +41,8 @@ from countdown.decode.hf_attention import mask_row
 from countdown.bench import copy_bandwidth
 from countdown.bench.timing import time_graph
 from countdown.io import atomic_write
-from countdown.kernels import _attention
+from countdown.kernels.config import launch_config
+from countdown.kernels.decode_step import attention as _attention
 
 H, KVH, D, LAYERS = 32, 8, 128, 32
 SHAPES = [(1, 640, 576), (1, 2048, 2000), (1, 8192, 8000), (4, 640, 576), (4, 4096, 4000)]  # batch, cache, valid
@@ -142,7 +143,7 @@ def main():
                                              v.double().repeat_interleave(g, 1), attn_mask=mask, scale=scale)
         base = time_graph([lambda k=k, v=v: sdpa(q, k, v, mask, scale) for k, v in caches]) if dev == "cuda" else 1.0
         cases[(B, T, valid)] = (q, caches, mask, ref, base)
-    config = dict(_attention.CONFIG)
+    config = launch_config("attention")
     if args.sweep and dev == "cuda":
         config.update(sweep(cases, scale, args.out))
     print(json.dumps({"config": config}), flush=True)

@@ -1,4 +1,4 @@
-"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/_few.py) against
+"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/sparse_mlp/few_tokens.py) against
 dense cuBLAS and its roofline.
 
     PYTHONPATH=src python benchmarks/few.py --out DIR --budget 150
@@ -6,7 +6,7 @@ dense cuBLAS and its roofline.
     PYTHONPATH=src python benchmarks/few.py --smoke --out /tmp/f      # CPU: checks the script
 
 results/few/ (H200, 2026-11-25) came from `cd benchmarks && PYTHONPATH=../src:. python few.py --out DIR
---budget 150` at commit 12e5c91, which also timed the chained kernels (_glu.py, then _down.py) that _few.py
+--budget 150` at commit 12e5c91, which also timed the chained kernels (chain.py, then down.py) that few_tokens.py
 replaced, switched back on by COUNTDOWN_FEW=0 (its "chain" columns; the switch is gone, the chain is not
 timed any more).
 
@@ -40,10 +40,11 @@ import torch
 
 import countdown.kernels as K
 from countdown.bench import copy_bandwidth
-from countdown.bench.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
+from countdown.bench.mlpbench import LastKernel, Problem, dense_chain, gap_threshold, log, safe_time
 from countdown.bench.sm90 import Compile
 from countdown.io import atomic_write
-from countdown.kernels import _few
+from countdown.kernels.config import launch_config
+from countdown.kernels.sparse_mlp import few_tokens as _few
 
 
 ACT, E, RANK = "silu", 2, 512
@@ -54,6 +55,7 @@ SWEEP = [dict(zip(_C, c)) for c in [
     (64, 128, 256, 3, 4, 64, 128, 4), (64, 128, 128, 3, 8, 64, 128, 3)]]
 METHODS = ("mono", "cats", "dual")
 T0 = time.time()
+LAST = None  # LastKernel of the few-token kernel (set in main)
 
 
 def _cell(v) -> str:
@@ -68,14 +70,9 @@ def _cell(v) -> str:
 
 @contextlib.contextmanager
 def few_config(cfg: dict | None = None):
-    """The public ops with the few-token kernel under launch configuration ``cfg`` (entries of _few.CONFIG)."""
-    old_cfg = dict(_few.CONFIG)
-    _few.CONFIG.update(cfg or {})
-    try:
+    """The public ops with the few-token kernel under launch configuration ``cfg`` (entries of its launch table)."""
+    with K.overrides(launch={"few_tokens": cfg or {}}):
         yield
-    finally:
-        _few.CONFIG.clear()
-        _few.CONFIG.update(old_cfg)
 
 
 def op(p: Problem, method: str, thr: float, dtype_ref: bool = False):
@@ -175,10 +172,10 @@ def sweep(p: Problem, bw, rows) -> dict:
                     log(f"sweep {method} {cfg}: output differs from the default, dropped")
                     continue
                 us = safe_time(f"few {cfg}", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=_few.LAST_KERNEL)
+                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=LAST.last)
             if us == us:
                 totals[j] = totals.get(j, 0.0) + us
-    best = SWEEP[min(totals, key=totals.get)] if totals else dict(_few.CONFIG)
+    best = SWEEP[min(totals, key=totals.get)] if totals else launch_config("few_tokens")
     log(f"best configuration: {best}")
     return best
 
@@ -203,12 +200,12 @@ def parts(p: Problem, bw, rows, best) -> None:
             for k, label in ((0.9, "kernel"), (1.0, "none"), (0.0, "all")):
                 thr = 1e30 if k >= 1 else (-1e30 if k <= 0 else p.thresholds(k)[method])
                 frk = fractions(p, method, thr) if 0 < k < 1 else ((0.0, 0.0) if k >= 1 else (1.0, 1.0))
-                us = safe_time(label, [lambda i=i: _few.few_partials(p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"],
+                us = safe_time(label, [lambda i=i: _few.few_tokens_partials(p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"],
                                                                      p.w(i)["wdt"], None, thr, mode, ACT, gate, up)
                                        for i in range(n)])
                 roof = (3 if method == "dual" else 2) * frk[1] * full / bw * 1e6
-                add(rows, "parts", p, method, k, label, us, frk, bw, kern=_few.LAST_KERNEL, roof=roof)
-            part = _few.few_partials(p.xs[0], ind[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], None, 0.0, mode, ACT,
+                add(rows, "parts", p, method, k, label, us, frk, bw, kern=LAST.last, roof=roof)
+            part = _few.few_tokens_partials(p.xs[0], ind[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], None, 0.0, mode, ACT,
                                      gate, up)
             us = safe_time("sum", [lambda: part.sum(0).to(p.xs[0].dtype) for _ in range(n)])
             add(rows, "parts", p, method, 0.9, "sum", us, fr, bw, roof=part.numel() * 4 / bw * 1e6)
@@ -226,19 +223,19 @@ def table(p: Problem, bw, rows, best, ks) -> None:
             fr = fractions(p, method, thr)
             with few_config(best):
                 us = safe_time(f"{method} {k} few", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=_few.LAST_KERNEL)
+            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=LAST.last)
 
 
 def compile_check() -> bool:
     """No GPU needed: compile every SWEEP configuration for sm_90 and log registers and shared memory."""
     failures: list = []
-    _few._few_kernel = Compile(_few._few_kernel, failures)
-    _few._common.persistent_programs = lambda device, per_sm, _: 132 * per_sm  # an H100 / H200's SMs
+    _few.few_tokens_kernel = Compile(_few.few_tokens_kernel, failures)
     e = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)
     x, w, ind = e(4, 4096), e(14336, 4096), e(4, 14336)
-    for cfg in [None] + SWEEP:
-        _few.few_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
-        _few.few_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
+    with K.overrides(sm_count=132):  # an H100 / H200's SMs
+        for cfg in [None] + SWEEP:
+            _few.few_tokens_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
+            _few.few_tokens_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
     log(f"compile check: {len(failures)} failures")
     return not failures
 
@@ -250,7 +247,7 @@ def write(out: str, rows: list, meta: dict) -> None:
             "config", "regs", "spills"]
     lines = [",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]
     atomic_write(os.path.join(out, "few.csv"), "\n".join(lines) + "\n")
-    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (_few.py) against dense ({meta['shape']})", "",
+    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (few_tokens.py) against dense ({meta['shape']})", "",
           f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s; "
           f"torch {meta['torch']}", f"- command: `{meta['command']}`", f"- checks: {meta.get('check')}",
           f"- configuration of the table: {meta.get('best')}", "",
@@ -323,8 +320,11 @@ def main() -> int:
     if args.compile_check:
         return 0 if compile_check() else 1
     smoke = args.smoke or not torch.cuda.is_available()
-    if smoke:
-        _few.OFF_CUDA = True
+    global LAST
+    LAST = LastKernel(_few, "few_tokens_kernel")  # the compiled kernel of each launch: registers, spills
+    stack = contextlib.ExitStack()
+    if smoke:  # the CPU interpreter takes the few-token route as CUDA does
+        stack.enter_context(K.overrides(cuda_routes=("few_tokens",)))
     d_model, d_inter = (64, 200) if smoke else (4096, 14336)
     bw = copy_bandwidth() if torch.cuda.is_available() else 1e12
     meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
@@ -342,7 +342,7 @@ def main() -> int:
     global SWEEP
     if smoke:
         SWEEP = [dict(ROWS="chunk", TILE=16, BK=32, BN=32, STAGES=2, num_warps=4, WIDE_BK=32, WIDE_BN=32)]
-    best = dict(_few.CONFIG)
+    best = launch_config("few_tokens")
     if "sweep" in stages and 4 in problems:
         best = sweep(problems[4], bw, rows)
     meta["best"] = best

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kernels.config import KernelOptions
 from .registry import Method
 
 STATE_ATTR = "_countdown_state"
@@ -42,6 +43,7 @@ class SparsityState:
     graph_pool: Any = None  # the CUDA graphs of the layers' eager kernel calls share it (patched._capture)
     spec: Any = None  # the method spec sparsify was given (countdown.spec.Spec)
     artifacts: Any = None  # the SP-Prac artifact (object or path, as given) the selectors came from (countdown.save)
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)  # the kernel route's user choices
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""

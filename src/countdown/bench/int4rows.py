@@ -1,4 +1,4 @@
-"""Sparse rows on 4-bit weights, the kernel alone (kernels/_int4_rows.py), and the memory they take
+"""Sparse rows on 4-bit weights, the kernel alone (kernels/int4/rows.py), and the memory they take
 (``benchmarks/int4_decode.py --parts rows,memory``).
 
 :func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
@@ -33,7 +33,7 @@ from ..int4 import Int4Linear, quantize_rtn, stack
 from ..int4.format import nbytes
 
 GROUP = 128
-# The kept-rows kernels' launch configurations (kernels/_int4_rows.py: select, other, down), swept in stages: the
+# The kept-rows kernels' launch configurations (kernels/int4/rows.py: select, other, down), swept in stages: the
 # down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of words in
 # flight; NW = 2 lost to 1 at every point of run R5, AHEAD = 1 to 2 in R6-R8) with the others' defaults, then the
 # select kernel's (SET rows a program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET =
@@ -95,7 +95,7 @@ class _Case:
             * per_matrix
 
     def indicator(self, gu_mod):
-        from ..kernels import _int4
+        from ..kernels.int4 import gemv as _int4
 
         if self.rule == "abs":
             return _int4.launch(self.x, *words(gu_mod.stacked_from[1]))
@@ -105,7 +105,7 @@ class _Case:
     def run(self, gu_mod, down, down_t, cfg, upto="all"):
         """The sparse MLP as the step runs it: the indicator GEMV, select, other (mono), down, the residual add
         (``upto``: stop after "indicator", "select" or "other", for the parts' times)."""
-        from ..kernels import _int4_rows
+        from ..kernels.int4 import rows as _int4_rows
 
         ind = self.indicator(gu_mod)
         if upto == "indicator":
@@ -123,13 +123,13 @@ class _Case:
     @staticmethod
     def slices(down_t, full):
         """The down kernel's column slices (the select kernel zeroes a counter for each)."""
-        from ..kernels import _int4_rows_down
+        from ..kernels.int4 import rows_down as _int4_rows_down
 
         return _int4_rows_down.column_slices(words(down_t)[0].shape[1], down_t.scale.shape[1], full)[1]
 
     def other_rows(self, gu_mod, picked, full):
         """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
-        from ..kernels import _int4_rows
+        from ..kernels.int4 import rows as _int4_rows
 
         if self.rule == "dual":
             return None
@@ -143,7 +143,7 @@ class _Case:
     def alone(self, cfg):
         """Microseconds of the select, other and down kernels each alone, on inputs computed once per weight copy
         (the indicator's partials; select's row lists; the other GEMV's partials). Other: 0 for dual."""
-        from ..kernels import _int4_rows
+        from ..kernels.int4 import rows as _int4_rows
         from .timing import time_graph
 
         full = _int4_rows._config(cfg)
@@ -167,7 +167,9 @@ class _Case:
 
 def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     """See the module docstring. ``grids`` = (down, select, other configurations)."""
-    from ..kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+    from ..kernels.config import launch_config
+    from ..kernels.decode_step import rmsnorm  # noqa: F401  (Triton; registers decode_add_partials)
+    from ..kernels.int4 import gemv as _int4
     from .timing import time_graph
 
     down_grid, select_grid, other_grid = grids
@@ -219,7 +221,7 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
             log(f"  {stage} {method} k={k} {us:7.1f} us {cfg}")
         return results[0][1] if results else dict(base)
 
-    base = dict(_int4_rows.CONFIG)
+    base = launch_config("int4_rows")
     k0 = ks[0]
     best_down = sweep("down", "mono", k0, _Case("mono", k0, mlps, x, h, per_matrix), down_grid, base)
     best = {}

@@ -32,20 +32,23 @@ import torch.nn.functional as F
 
 import countdown.kernels as K
 from countdown.eval.cost import mlp_weight_bytes
-from countdown.kernels import _common, _down, _glu
+from countdown.kernels import common as _common
+from countdown.kernels.sparse_mlp import chain, down
 
 from .kernelchecks import CHECK_OK
-from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, dense_chain, down_reduce,
-                       log, patched, safe_time)
+from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, LastKernel, Problem, dense_chain, log,
+                       patched, safe_time)
 from .timing import time_graph
 
 
-def kernel_info(mod) -> str:
-    k = mod.LAST_KERNEL
-    try:
-        return f"regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
-    except AttributeError:
-        return ""
+_LAST = {}
+
+
+def kernel_info(kind: str) -> str:
+    """Registers, spills and shared memory of the last launch of the chain's gate / up ("glu") or down kernel."""
+    if not _LAST:
+        _LAST.update(glu=LastKernel(chain, "gate_up_kernel"), down=LastKernel(down, "down_kernel"))
+    return _LAST[kind].info()
 
 
 def sweep(rank, name=MAIN):
@@ -74,14 +77,14 @@ def sweep(rank, name=MAIN):
             log(f"sweep {kind} b{batch}: {us:.1f} us")
         glu_args = lambda i, kind, k: (p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.u[i] if kind == "mono" else p.score[i],
                                        None, th[k][kind], "abs" if kind == "mono" else "gt", act, True, kind == "dual")
-        ref_s = {kind: _glu.sparse_glu(*glu_args(0, kind, 0.9)).float() for kind in ("mono", "dual")}
+        ref_s = {kind: chain.gate_up(*glu_args(0, kind, 0.9)).float() for kind in ("mono", "dual")}
         ref_y = K.masked_gated_mlp(p.xs[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], keep[0.9][0], act).float()
         res = []
         for ci, cfg in enumerate(GLU_SWEEP[batch]):
             tot, per = 0.0, []
             try:
                 for kind in ("mono", "dual"):
-                    s_c = _glu.sparse_glu(*glu_args(0, kind, 0.9), config=cfg).float()
+                    s_c = chain.gate_up(*glu_args(0, kind, 0.9), config=cfg).float()
                     if not torch.allclose(s_c, ref_s[kind], rtol=2e-2, atol=2e-2 * ref_s[kind].abs().max().item()):
                         raise RuntimeError(f"output differs from the default config's ({kind})")
             except Exception as e:  # noqa: BLE001
@@ -89,22 +92,22 @@ def sweep(rank, name=MAIN):
                 continue
             for k in ks:
                 for kind in ("mono", "dual"):
-                    us = safe_time(f"glu {ci}", [lambda i=i: _glu.sparse_glu(*glu_args(i, kind, k), config=cfg)
+                    us = safe_time(f"glu {ci}", [lambda i=i: chain.gate_up(*glu_args(i, kind, k), config=cfg)
                                                  for i in range(NSLOTS)])
                     tot += us
                     per.append(f"{kind}@{k}:{us:.1f}")
                     rows.append(dict(kernel="glu", kind=kind, batch=batch, k=k, config=ci, us=us,
-                                     info=kernel_info(_glu)))
+                                     info=kernel_info("glu")))
             if tot == tot:  # not NaN
                 res.append((tot, ci))
-            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{kernel_info(_glu)}]")
+            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{kernel_info("glu")}]")
         if res:
             best[("glu", batch)] = GLU_SWEEP[batch][min(res)[1]]
         res = []
-        with patched(_glu, "GLU_CONFIGS", **best.get(("glu", batch), {})):
+        with patched("chain_gate_up", **best.get(("glu", batch), {})):
             for ci, cfg in enumerate(DOWN_SWEEP[batch]):
                 tot, per = 0.0, []
-                with patched(_down, "DOWN_CONFIGS", **cfg):
+                with patched("chain_down", **cfg):
                     try:
                         y_c = K.masked_gated_mlp(p.xs[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], keep[0.9][0],
                                                  act).float()
@@ -120,10 +123,10 @@ def sweep(rank, name=MAIN):
                         tot += us if k < 1 else 0.0
                         per.append(f"{k}:{us:.1f}")
                         rows.append(dict(kernel="masked_chain", kind="down", batch=batch, k=k, config=ci, us=us,
-                                         info=kernel_info(_down)))
+                                         info=kernel_info("down")))
                 if tot == tot:
                     res.append((tot, ci))
-                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{kernel_info(_down)}]")
+                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{kernel_info("down")}]")
         if res:
             best[("down", batch)] = DOWN_SWEEP[batch][min(res)[1]]
         p = None  # frees the weights (the closures above are done with them)
@@ -204,9 +207,6 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
                         nb = nbytes[m] - (3 if m == "dual" else 2) * d_model * n_u[mask_of[m]] * E \
                             + (3 if m == "dual" else 2) * per_tok * E
                         row(m + "[per_token]", k, us, nb, frac[mask_of[m]], uni[mask_of[m]])
-                with down_reduce("splitk"):
-                    us = safe_time("mono[splitk]", [lambda i=i: sparse["mono"](i) for i in range(NSLOTS)])
-                row("mono[cublas,splitk]", k, us, nbytes["mono"], frac["mono"], uni["mono"])
             wd_views = None
         log(f"{name:13s} b{batch} dense {dense_us:.1f} us")
         p = None  # frees the weights (the closures above are done with them)

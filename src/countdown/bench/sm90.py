@@ -3,8 +3,8 @@
 :class:`Compile` stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` then compiles with the launch's
 own arguments through Triton's own ptxas and logs the resource usage (``cuobjdump -res-usage``), so the real
 compiler's type and layout errors (which the CPU interpreter cannot see) show up before device time is
-spent. :func:`compile_check` does it for every variant of ``_glu.py`` / ``_down.py`` the kernel table runs
-(``benchmarks/kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel.
+spent. :func:`compile_check` does it for every variant of sparse_mlp/chain.py / down.py the kernel table runs
+(``benchmarks/kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps few_tokens.py's kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from countdown.kernels import _down, _glu
+from countdown.kernels.sparse_mlp import chain, down as _down
 
 from .mlpbench import DOWN_SWEEP, DTYPE, GLU_SWEEP, MAIN, SHAPES, log
 
@@ -90,9 +90,8 @@ def compile_check(shapes, only_defaults=False) -> bool:
     print registers, spills and shared memory; False if any fails to compile. Catches what the CPU
     interpreter cannot (type and layout errors of the real compiler) before spending device time."""
     failures = []
-    _glu._sparse_glu_kernel = Compile(_glu._sparse_glu_kernel, failures)
-    _down._sparse_down_kernel = Compile(_down._sparse_down_kernel, failures)
-    _down._sum_partials_kernel = Compile(_down._sum_partials_kernel, failures)
+    chain.gate_up_kernel = Compile(chain.gate_up_kernel, failures)
+    _down.down_kernel = Compile(_down.down_kernel, failures)
     for name in shapes:
         d_model, d_inter, act = SHAPES[name]
         for batch in (1, 8):
@@ -111,15 +110,13 @@ def compile_check(shapes, only_defaults=False) -> bool:
                     for mode, gate, up, kw in (("abs", True, False, {}), ("abs_act", False, True, {}),
                                                ("gt", True, True, {}), ("mask", True, True, {})):
                         src = mask if mode == "mask" else ind
-                        _glu.sparse_glu(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
+                        chain.gate_up(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
                                         config=cfg, zero=work, **kw)
                     if cfg is None and batch > 1:
-                        _glu.sparse_glu(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
+                        chain.gate_up(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
                 for cfg in down_cfgs if dt == DTYPE else [None]:
-                    for reduce in ("atomic", "splitk"):
-                        c = {**(cfg or {}), "reduce": reduce}
-                        pl = _down.DownPlan(batch, d_inter, d_model, config=c)
-                        _down.sparse_down(ind, None, w, plan=pl)
+                    pl = _down.DownPlan(batch, d_inter, d_model, config=cfg)
+                    _down.sparse_down(ind, None, w, plan=pl)
                     if cfg is None:
                         _down.sparse_down(ind, mask.bool(), w, plan=plan, workspace=work)
                         if batch > 1:
