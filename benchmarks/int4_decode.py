@@ -145,7 +145,7 @@ def sweep(device: str, shapes: dict, bw: float) -> dict:
             log(f"  {name:8s} {u:7.1f} us {c}")
         roof = mods_bytes(n, k) / bw * 1e6
         log(f"sweep {name:8s} best {us:7.1f} us ({us / roof:.2f}x roofline) {cfg}; default "
-            f"{next((u for u, c in results if all(c[key] == LAUNCH["int4_gemv"]["default"][key] for key in c)), float('nan')):.1f} us")
+            f"{next((u for u, c in results if all(c[key] == LAUNCH['int4_gemv']['default'][key] for key in c)), float('nan')):.1f} us")
         best[(n, k)] = cfg
         del mods
         torch.cuda.empty_cache() if device == "cuda" else None

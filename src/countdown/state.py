@@ -161,7 +161,7 @@ def sparsity_real(model: nn.Module) -> dict:
     Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
     token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
     sparse token report NaN. Every path counts, the Triton kernel route too (``path="auto"`` on CUDA: the
-    kernels add their kept rows on the device, kernels/_count.py); reading the counters here syncs once.
+    kernels add their kept rows on the device, kernels/jit_helpers.py add_count); reading the counters here syncs once.
     """
     state = state_of(model)
     per_layer = []

@@ -100,7 +100,7 @@ def sweep(rank, name=MAIN):
                                      info=kernel_info("glu")))
             if tot == tot:  # not NaN
                 res.append((tot, ci))
-            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{kernel_info("glu")}]")
+            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{kernel_info('glu')}]")
         if res:
             best[("glu", batch)] = GLU_SWEEP[batch][min(res)[1]]
         res = []
@@ -126,7 +126,7 @@ def sweep(rank, name=MAIN):
                                          info=kernel_info("down")))
                 if tot == tot:
                     res.append((tot, ci))
-                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{kernel_info("down")}]")
+                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{kernel_info('down')}]")
         if res:
             best[("down", batch)] = DOWN_SWEEP[batch][min(res)[1]]
         p = None  # frees the weights (the closures above are done with them)

@@ -143,7 +143,7 @@ def _applies_many(x: torch.Tensor, module: Int4Linear) -> bool:
 
 
 def _run_many(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
-    """``F.linear`` of the weight de-quantized in one pass (``kernels/dequant.py``): the numbers of
+    """``F.linear`` of the weight de-quantized in one pass (``kernels/int4/dequant.py``): the numbers of
     ``int4_linear_ref``, bit for bit, at a fraction of its passes over memory. (Eager, as a prompt runs, the kernel
     is called directly: the custom op's dispatch is host time on a host-bound path; traced, the op.)"""
     if torch.compiler.is_compiling():

@@ -36,7 +36,6 @@ takes them.
 
 from .common import available, count_keep
 from .config import KernelOptions, overrides
-from .route import route
 from .shadow import (dequantize, pack_bits, prepare_shadow, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp,
                      shadow_dual_gated_mlp_ref, shadow_keep_ref, shadow_scores, shadow_scores_ref, unpack_bits,
                      unpack_prepared)
@@ -47,7 +46,7 @@ from .sparse_mlp import (block_input, cats_gated_mlp, cats_gated_mlp_ref, cats_k
 from .teal import teal_gated_mlp, teal_gated_mlp_ref, teal_keep_x, teal_masked_ref
 
 __all__ = [
-    "available", "count_keep", "KernelOptions", "overrides", "route",
+    "available", "count_keep", "KernelOptions", "overrides",
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",

@@ -133,7 +133,7 @@ def threshold_value(thr_t: torch.Tensor | None, thr_f: float, like: torch.Tensor
 
 def counters(count, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A Sparsity-Real ``count`` = (kept [1] float64, rows one int64 value) on ``device`` (a patched layer's
-    kept_total and rows_total, see _count.py) as the ops' two arguments, or (None, None) for no count."""
+    kept_total and rows_total, see jit_helpers.add_count) as the ops' two arguments, or (None, None) for no count."""
     if count is None:
         return None, None
     kept, rows = count

@@ -156,7 +156,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``norm_weight`` g [K]: RMSNorm(x) W^T (+ bias) (+ residual), RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g; and
     with ``x_out`` (contiguous [T, K] of x's dtype) RMSNorm(x) itself written there, rounded as transformers'
     RMSNorm rounds it (rmsnorm.py), a few columns by each program: no norm launch for its other readers. (Spy hook:
-    ``on_launch("linear", x, weight)``.)"""
+    ``on_launch("linear", x, weight, bias, norm_weight)``.)"""
     check(x, weight, bias, residual, norm_weight)
     n_tok, k = x.shape
     n = weight.shape[0]
@@ -180,7 +180,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         xn_ch = max(16, pow2(triton.cdiv(k, grid)))
         if triton.cdiv(k, xn_ch) > grid:
             raise ValueError(f"x_out needs at least {triton.cdiv(k, xn_ch)} programs, the GEMV has {grid}")
-    launching("linear", x, weight)
+    launching("linear", x, weight, bias, norm_weight)
     linear_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else y, y,
         norm_weight if norm_weight is not None else weight, float(eps),

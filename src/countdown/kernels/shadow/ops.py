@@ -1,7 +1,7 @@
 """D-CountDown with a low-bit shadow indicator: score rows from 4-bit copies of W_gate and W_up, then
 compute the exact Gated-MLP on the kept rows only.
 
-    u~, g~  = x Q_up^T, x Q_gate^T                     (quant.py's RTN shadows, fp32)
+    u~, g~  = x Q_up^T, x Q_gate^T                     (format.py's RTN shadows, fp32)
     keep    = |u~ * act(g~)| > cut                      (cut: float32, a 0-dim tensor or a float)
     y       = sum over kept rows i of (x W_up[i]^T) act(x W_gate[i]^T) w_down_t[i]   (x's precision)
 
