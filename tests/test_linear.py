@@ -259,7 +259,7 @@ def test_pdl_is_on_while_layers_are_folded_and_never_under_the_interpreter():
     import weakref
 
     from countdown.kernels.config import pdl_wanted
-    from countdown.kernels.jit_helpers import launch_kwargs, pdl_active, pdl_mode
+    from countdown.kernels.config import launch_kwargs, pdl_active, pdl_mode
 
     x = torch.zeros(1, 8, device=DEVICE)
     folded = weakref.WeakSet()  # a registry of its own (config.FOLDED may hold another test's folded layers)
@@ -285,7 +285,7 @@ def test_weights_early_only_for_grids_that_fit_at_once():
     once: 132 SMs x min(32, 64 // warps) programs (8 warps: 1056; 1 warp: 4224)."""
     from types import SimpleNamespace
 
-    from countdown.kernels.jit_helpers import weights_early
+    from countdown.kernels.config import weights_early
 
     t = SimpleNamespace(device=torch.device("cuda", 0))
     with K.overrides(sm_count=132):  # an H100 / H200

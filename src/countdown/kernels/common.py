@@ -29,30 +29,6 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _device_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """The SMs of CUDA ``device`` (``overrides(sm_count=...)``: that number, on any device)."""
-    forced = active().sm_count
-    if forced is not None:
-        return forced
-    device = torch.device(device)
-    return _device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def persistent_programs(device, per_sm: int, interpreter_progs: int) -> int:
-    """Programs of a persistent kernel on ``device``: ``per_sm`` per SM on CUDA, ``interpreter_progs``
-    elsewhere (the interpreter: small, so each program walks several blocks; its number is the launch table's
-    ``PROGRAMS``). Callers cap it by their number of blocks. ``overrides(sm_count=n)``: n SMs on any device."""
-    device = torch.device(device)
-    if device.type == "cuda" or active().sm_count is not None:
-        return sm_count(device) * per_sm
-    return interpreter_progs
-
-
 def pow2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())

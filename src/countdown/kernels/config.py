@@ -7,8 +7,9 @@
   token count, a keep rule, a shape), tuned on an H200 (sm_90) and used on every CUDA device; :data:`INTERPRETER`:
   what changes under Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose cost is per operation, not per
   value: fewer, larger programs. :func:`launch_config` reads them.
+* the device's SMs (:func:`persistent_programs`), which the persistent kernels' grids follow.
 * :data:`FOLDED`: the decoder layers whose folded decode step is a chain of our kernels (countdown.decode.layer
-  keeps it); programmatic dependent launch is on while it holds one (``jit_helpers.pdl_mode``).
+  keeps it); programmatic dependent launch (jit_helpers.py) is on while it holds one (:func:`pdl_mode`).
 * :func:`overrides`: the one context in which tests (and benchmarks' sweeps) change a route, a launch
   configuration or a debug setting, or watch the launches (``on_launch``, the documented spy hook).
 
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import weakref
 from typing import Any, Callable, Mapping
+
+import torch
 
 # ----------------------------------------------------------------------------------------- the user's choices
 
@@ -144,8 +148,7 @@ def interpreting() -> bool:
 def device_kind(device) -> str:
     """"cuda" for a CUDA device the kernels compile for, "interpreter" for everything else (the CPU under
     ``TRITON_INTERPRET=1``): the device key of :data:`LAUNCH` / :data:`INTERPRETER` and of route.py's table."""
-    kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
-    return "cuda" if kind == "cuda" and not interpreting() else "interpreter"
+    return "cuda" if torch.device(device).type == "cuda" and not interpreting() else "interpreter"
 
 
 def _knobs(op: str) -> set:
@@ -190,11 +193,41 @@ def check_launch(changes: Mapping) -> None:
                              f"{sorted(_knobs(op))}")
 
 
+# ------------------------------------------------------------------------------------- the device's SMs
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The SMs of CUDA ``device`` (``overrides(sm_count=...)``: that number, on any device)."""
+    forced = active().sm_count
+    if forced is not None:
+        return forced
+    device = torch.device(device)
+    return _device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def persistent_programs(device, per_sm: int, interpreter_progs: int) -> int:
+    """Programs of a persistent kernel on ``device``: ``per_sm`` per SM on CUDA, ``interpreter_progs``
+    elsewhere (the interpreter: small, so each program walks several blocks; its number is the launch table's
+    ``PROGRAMS``). Callers cap it by their number of blocks. ``overrides(sm_count=n)``: n SMs on any device."""
+    device = torch.device(device)
+    if device.type == "cuda" or active().sm_count is not None:
+        return sm_count(device) * per_sm
+    return interpreter_progs
+
+
 # ------------------------------------------------------------------------- programmatic dependent launch (PDL)
 # The decoder layers folded now (countdown.decode.layer.fold_norms adds and removes them): each one's decode step is
 # a chain of our kernels only, which PDL overlaps launch by launch; behind an Inductor kernel (an unfolded layer)
-# it would only hold SM slots while it waits. jit_helpers.pdl_mode reads it.
+# it would only hold SM slots while it waits. pdl_mode reads it.
 FOLDED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 64, 32  # Hopper's limits per SM
 
 
 def pdl_wanted(folded=None) -> bool:
@@ -204,6 +237,42 @@ def pdl_wanted(folded=None) -> bool:
     if forced is not None:
         return forced
     return len(FOLDED if folded is None else folded) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _gdc_here() -> bool:
+    """Whether Triton has grid-dependency control (>= 3.3; jit_helpers imports it)."""
+    from . import jit_helpers
+
+    return jit_helpers.HAVE_GDC
+
+
+def pdl_active(t, folded=None) -> bool:
+    """Whether launches on tensor ``t``'s device use PDL now: wanted (:func:`pdl_wanted`: a layer folded, or
+    ``overrides(pdl=True)``), a CUDA device of compute capability 9.0 or more, Triton with grid-dependency control,
+    not the interpreter."""
+    if not (t.is_cuda and pdl_wanted(folded)) or interpreting() or not _gdc_here():
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def pdl_mode(t) -> int:
+    """The PDL constexpr of a kernel launched on ``t``'s device: 0 off, 1 on (each program signals at its start)."""
+    return 1 if pdl_active(t) else 0
+
+
+def launch_kwargs(on) -> dict:
+    """Extra keyword arguments of a dependent kernel's launch."""
+    return {"launch_pdl": True} if on else {}
+
+
+def weights_early(t, programs: int, num_warps: int) -> bool:
+    """Whether a PDL launch of the fixed GEMV loads its first weight tile before it waits: when its ``programs`` of
+    ``num_warps`` warps fit on the device's SMs at once (by warps and programs per SM; registers may allow fewer):
+    the predictors' GEMVs, not the step's big projections, whose early programs would hold SM slots that the
+    previous grid's tail still needs."""
+    per_sm = min(MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // max(1, num_warps))
+    return programs <= persistent_programs(t.device, per_sm, 0)
 
 
 # ------------------------------------------------------------------------------------------------ overrides

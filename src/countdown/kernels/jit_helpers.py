@@ -1,4 +1,5 @@
-"""The ``@triton.jit`` helpers that kernels of more than one family call, and programmatic dependent launch.
+"""The ``@triton.jit`` helpers that kernels of more than one family call, and programmatic dependent launch's wait
+and signal.
 
 * Activations, the keep rules (:data:`KEEP_RULES`, the one table of their codes), loads, rounding, the partial
   sums' store, an RMSNorm row, a sum of fp32 partials.
@@ -14,17 +15,14 @@
   before they wait for the previous grid (``gdc_wait``). The wait makes it correct wherever the signal is placed;
   what it saves is the launch gap and each kernel's prologue. It is on while some decoder layer is folded
   (``config.FOLDED``), where each layer's step is a chain of our kernels only; behind an Inductor kernel it has
-  nothing to overlap and only holds SM slots while it waits.
+  nothing to overlap and only holds SM slots while it waits. Whether a launch uses it, and its launch arguments:
+  config.pdl_mode and config.launch_kwargs.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from .common import interpreting, persistent_programs
-from .config import pdl_wanted
 
 # The keep rules' codes (the kernels' MODE): each row i of an indicator ``ind`` is kept where
 #   mask     ind != 0                 (a keep mask given)
@@ -134,8 +132,7 @@ def partial_sum(P, B, i, n, S: tl.constexpr, HAS_B: tl.constexpr, CG: tl.constex
 
 
 # ------------------------------------------------------------------------- programmatic dependent launch
-MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 64, 32  # Hopper's limits per SM
-
+# (whether a launch uses it, and its launch arguments: config.pdl_mode, config.pdl_launch)
 try:  # Triton >= 3.3 (the device image has 3.6)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     HAVE_GDC = True
@@ -155,32 +152,3 @@ def gdc_enter(LATE: tl.constexpr):
     else:
         gdc_launch_dependents()
         gdc_wait()
-
-
-def pdl_active(t: torch.Tensor, folded=None) -> bool:
-    """Whether launches on ``t``'s device use PDL now: wanted (``config.pdl_wanted``: a layer folded, or
-    ``overrides(pdl=True)``), a CUDA device of compute capability 9.0 or more, Triton with grid-dependency
-    control, not the interpreter."""
-    if not (HAVE_GDC and t.is_cuda and pdl_wanted(folded)) or interpreting():
-        return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
-
-
-def pdl_mode(t: torch.Tensor) -> int:
-    """The PDL constexpr of a kernel launched on ``t``'s device: 0 off, 1 on (each program signals at its
-    start)."""
-    return 1 if pdl_active(t) else 0
-
-
-def weights_early(t: torch.Tensor, programs: int, num_warps: int) -> bool:
-    """Whether a PDL launch of the fixed GEMV loads its first weight tile before it waits: when its ``programs`` of
-    ``num_warps`` warps fit on the device's SMs at once (by warps and programs per SM; registers may allow fewer):
-    the predictors' GEMVs, not the step's big projections, whose early programs would hold SM slots that the
-    previous grid's tail still needs."""
-    per_sm = min(MAX_PROGRAMS_PER_SM, MAX_WARPS_PER_SM // max(1, num_warps))
-    return programs <= persistent_programs(t.device, per_sm, 0)
-
-
-def launch_kwargs(on) -> dict:
-    """Extra keyword arguments of a dependent kernel's launch."""
-    return {"launch_pdl": True} if on else {}

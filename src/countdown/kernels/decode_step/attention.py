@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import interpreting, new_output, persistent_programs, pow2
-from ..config import launch_config, launching
+from ..common import interpreting, new_output, pow2
+from ..config import launch_config, launching, persistent_programs
 
 # Launch configuration: config.LAUNCH["attention"] (BLOCK_N keys per step; PER_SM programs per SM aimed for;
 # MAX_SPLITS caps the partials, the combine loads them all at once; SPLITS forces a number of splits; SKIP_MASKED:

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..common import new_output, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode, round_to, weights_early
+from ..config import launch_config, launch_kwargs, launching, pdl_mode, weights_early
+from ..jit_helpers import gdc_launch_dependents, gdc_wait, round_to
 
 MAX_TOKENS = 8  # the most rows the kernel takes (its routes send one: route.py)
 

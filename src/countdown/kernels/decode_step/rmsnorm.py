@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ..common import new_output, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import gdc_launch_dependents, gdc_wait, launch_kwargs, partial_sum, pdl_mode, rms_norm_row, round_to
+from ..config import launch_config, launch_kwargs, launching, pdl_mode
+from ..jit_helpers import gdc_launch_dependents, gdc_wait, partial_sum, rms_norm_row, round_to
 from .linear import MAX_TOKENS
 
 

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..common import interpreting, new_output, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode
+from ..config import launch_config, launch_kwargs, launching, pdl_mode
+from ..jit_helpers import gdc_launch_dependents, gdc_wait
 from .attention import LOG2E, attend_split, combine_partials, plan_splits, store_partials
 
 

@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, interpreting, new_output, persistent_programs, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import act, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode, round_to
+from ..common import act_code, interpreting, new_output, pow2
+from ..config import launch_config, launch_kwargs, launching, pdl_mode, persistent_programs
+from ..jit_helpers import act, gdc_launch_dependents, gdc_wait, round_to
 from .words import pack2, word_dot, xload
 
 

@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from ..common import act_code, act_torch, op_count, pow2
-from ..config import LAUNCH, launch_config, launching
-from ..jit_helpers import KEEP_RULES, act, add_count, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode
+from ..config import LAUNCH, launch_config, launch_kwargs, launching, pdl_mode
+from ..jit_helpers import KEEP_RULES, act, add_count, gdc_launch_dependents, gdc_wait
 from .rows_down import column_slices, down
 from .rows_other import other
 

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..common import act_code, interpreting, new_output, pow2
-from ..config import launching
-from ..jit_helpers import KEEP_RULES, act, gdc_launch_dependents, gdc_wait, launch_kwargs, partial_sum, pdl_mode, round_to
+from ..config import launch_kwargs, launching, pdl_mode
+from ..jit_helpers import KEEP_RULES, act, gdc_launch_dependents, gdc_wait, partial_sum, round_to
 from .rows_list import listed, q_total, tile_at
 
 

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..common import interpreting, new_output, pow2
-from ..config import launching
-from ..jit_helpers import gdc_enter, launch_kwargs, pdl_mode
+from ..config import launch_kwargs, launching, pdl_mode
+from ..jit_helpers import gdc_enter
 from .gemv import _paired_x, _slice_grid, _tile, split_for
 from .rows_list import q_total, tile_at
 from .words import word_dot, xload

@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, interpreting, new_output, persistent_programs, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import act, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode
+from ..common import act_code, interpreting, new_output, pow2
+from ..config import launch_config, launch_kwargs, launching, pdl_mode, persistent_programs
+from ..jit_helpers import act, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit

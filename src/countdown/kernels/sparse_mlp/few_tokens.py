@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, counters, interpreting, new_output, op_count, op_counters, persistent_programs, pow2
-from ..config import launch_config, launching
+from ..common import act_code, counters, interpreting, new_output, op_count, op_counters, pow2
+from ..config import launch_config, launching, persistent_programs
 from ..jit_helpers import KEEP_RULES, act, add_count, keep, round_to
 from ..route import FEW_TOKENS
 from .partial_sums import reduce

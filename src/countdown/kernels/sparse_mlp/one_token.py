@@ -38,11 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (act_code, counters, new_output, op_count, op_counters,
-                      persistent_programs, pow2)
-from ..config import launch_config, launching
-from ..jit_helpers import (KEEP_RULES, act, add_count, gdc_launch_dependents, gdc_wait, keep, launch_kwargs, load_vec,
-                           pdl_mode, rms_norm_row, round_to, store_partial)
+from ..common import act_code, counters, new_output, op_count, op_counters, pow2
+from ..config import launch_config, launch_kwargs, launching, pdl_mode, persistent_programs
+from ..jit_helpers import (KEEP_RULES, act, add_count, gdc_launch_dependents, gdc_wait, keep, load_vec, rms_norm_row,
+                           round_to, store_partial)
 from .partial_sums import reduce, sum_partials
 
 

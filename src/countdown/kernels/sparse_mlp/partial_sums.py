@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ..common import new_output, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode, round_to
+from ..config import launch_config, launch_kwargs, launching, pdl_mode
+from ..jit_helpers import gdc_launch_dependents, gdc_wait, round_to
 from ..route import route
 
 

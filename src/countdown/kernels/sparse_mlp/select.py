@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, counters, interpreting, new_output, op_count, persistent_programs, pow2
-from ..config import launch_config, launching
+from ..common import act_code, counters, interpreting, new_output, op_count, pow2
+from ..config import launch_config, launching, persistent_programs
 from ..jit_helpers import act, add_count, load_vec, round_to, store_partial
 from ..route import FEW_TOKENS
 from ..shadow.dequant import bases, fp32_scores, load_tile, tile_scores, x_scaled

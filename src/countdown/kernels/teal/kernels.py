@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from ..common import act_code, counters, interpreting, new_output, op_count, pow2
-from ..config import launch_config, launching
-from ..jit_helpers import act, add_count, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_mode, round_to
+from ..config import launch_config, launch_kwargs, launching, pdl_mode
+from ..jit_helpers import act, add_count, gdc_launch_dependents, gdc_wait, round_to
 
 
 @triton.jit
