@@ -8,7 +8,7 @@ import countdown.kernels as K
 from countdown.kernels import common
 
 
-def onepass_on(*more: str):
+def one_token_on(*more: str):
     """A context: the one-token kernel for one token on any device (the CUDA routes of ``more`` kernels too, e.g.
     "partial_sums", "residual_add", "linear"), its outputs poisoned with NaN first."""
     return K.overrides(poison_outputs=True, cuda_routes=("one_token", *more))

@@ -25,7 +25,7 @@ from countdown.kernels.route import ROUTES  # noqa: E402
 from countdown.kernels.sparse_mlp import one_token, partial_sums  # noqa: E402
 from countdown.kernels.sparse_mlp.reference import block_ref  # noqa: E402
 
-from _onetoken import gap_threshold, onepass_on  # noqa: E402
+from _onetoken import gap_threshold, one_token_on  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cpu"  # the interpreter sums h's squares in the same order in both kernels
@@ -40,7 +40,7 @@ MODEL_D_INTER = 37
 
 @pytest.fixture(autouse=True)
 def _setup():
-    with onepass_on("partial_sums", "residual_add"):  # the chain's sum and add on the same kernels (off CUDA too)
+    with one_token_on("partial_sums", "residual_add"):  # the chain's sum and add on the same kernels (off CUDA too)
         torch.manual_seed(0)
         yield
 
@@ -189,7 +189,7 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     more = ("linear",) if kind == "lowrank-xn" else ()
     # (a compiled decode's logits are not captured: Dynamo would guard on the list they go to, recompiling a step)
     with contextlib.nullcontext([]) if compiled else captured_logits(model) as logits, \
-            onepass_on("partial_sums", "residual_add", *more), \
+            one_token_on("partial_sums", "residual_add", *more), \
             K.overrides(on_launch=lambda *a: hits.append(1) if counted(*a) else None):
         out, _ = generate_fast(model, prompt, NEW, compile=compiled,
                                compile_options={"backend": "aot_eager"} if compiled else None)

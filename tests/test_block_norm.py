@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import countdown.kernels as K  # noqa: E402
 from countdown.kernels.decode_step import linear as _linear, reference, rmsnorm  # noqa: E402
 
-from _onetoken import gap_threshold, onepass_on  # noqa: E402
+from _onetoken import gap_threshold, one_token_on  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cpu"  # the interpreter sums h's squares in the same order in both kernels
@@ -28,7 +28,7 @@ D_MODEL, D_INTER, EPS = 256, 96, 1e-5
 
 @pytest.fixture(autouse=True)
 def _setup():
-    with onepass_on("partial_sums", "residual_add"):  # the chain's sum and add on the same kernels (off CUDA too)
+    with one_token_on("partial_sums", "residual_add"):  # the chain's sum and add on the same kernels (off CUDA too)
         torch.manual_seed(0)
         yield
 
@@ -67,7 +67,7 @@ def _predictor(dtype, rank=8):
 
 @pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh")])
 def test_dual_block_with_x_from_the_predictor_is_the_chain(dtype, act):
-    with onepass_on("partial_sums", "residual_add", "linear"):  # the predictor's GEMVs on the fixed GEMV
+    with one_token_on("partial_sums", "residual_add", "linear"):  # the predictor's GEMVs on the fixed GEMV
         _dual_block_case(dtype, act)
 
 
@@ -103,7 +103,7 @@ def test_dual_block_serves_only_its_route():
     run = lambda h, pa, pb: K.dual_block(h, norm_w, EPS, wg, wu, wdt, pa, pb, 0.3, "silu")  # noqa: E731
     if not torch.cuda.is_available():
         assert run(h, pa, pb) is None  # off CUDA only where the fixed GEMV serves there too (tests)
-    with onepass_on("partial_sums", "residual_add", "linear"):
+    with one_token_on("partial_sums", "residual_add", "linear"):
         assert run(h, pa, pb) is not None
         assert run(torch.cat([h, h]), pa, pb) is None  # two tokens
         assert run(h, pa.float(), pb.float()) is None  # the predictor in another dtype than h

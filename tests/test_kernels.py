@@ -36,7 +36,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _poison():
-    # one token on the chained kernels too (test_onepass covers the one-launch kernel, whose in-kernel
+    # one token on the chained kernels too (test_one_token covers the one-launch kernel, whose in-kernel
     # indicator has another summation order that may move a threshold tie)
     with K.overrides(poison_outputs=True, off=("one_token",)):
         torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_dual_per_row_cut(dtype, batch):
         K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut[None, :], "silu")
 
 
-ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
+ONE_TOKEN_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
     ("mono", torch.bfloat16, "silu", {}, False),  # per program
     ("mono", torch.float32, "gelu_tanh", dict(CHUNK=16, BLOCK_M=4, ROWS=None), False),
     ("cats", torch.float16, "gelu_tanh", {}, False),
@@ -221,14 +221,14 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
 ]
 # mono and cats take their indicator given (computed before the launch) or computed in the kernel; dual's scores
 # always come from the predictor's GEMVs before it
-ONEPASS_RUNS = [(case, ind) for case in ONEPASS_CASES for ind in ("torch", "kernel")
+ONE_TOKEN_RUNS = [(case, ind) for case in ONE_TOKEN_CASES for ind in ("torch", "kernel")
                 if case[0] != "dual" or ind == "torch"]
 
 
-@pytest.mark.parametrize("op,dtype,act,config,per_row,ind", [(*c, ind) for c, ind in ONEPASS_RUNS],
+@pytest.mark.parametrize("op,dtype,act,config,per_row,ind", [(*c, ind) for c, ind in ONE_TOKEN_RUNS],
                          ids=[f"{o}-{str(d)[6:]}-{a}-{'cfg' if c else 'default'}{'-per-row' if r else ''}-ind-{i}"
-                              for (o, d, a, c, r), i in ONEPASS_RUNS])
-def test_onepass(op, dtype, act, config, per_row, ind):
+                              for (o, d, a, c, r), i in ONE_TOKEN_RUNS])
+def test_one_token(op, dtype, act, config, per_row, ind):
     """The one-launch kernel for a single token (decode steps): indicator, compaction, kept GEMVs
     and down projection in one persistent grid, fp32 partials summed outside; the indicator given
     (computed by torch) or computed in the kernel, RB rows a step (RB 2 where the case gives none).
@@ -302,7 +302,7 @@ def test_sum_partials_of_a_few_tokens_and_the_route(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["mono", "dual"])
-def test_onepass_indicator_on_the_fixed_gemv(op):
+def test_one_token_indicator_on_the_fixed_gemv(op):
     """The one-token indicator given to the kernel (mono's u computed before it; dual's x A and (x A) B, A and B
     held as views of contiguous A^T and B^T) runs on decode_step/linear.py's GEMV, once per GEMV, and the MLP
     still matches float64; a predictor whose A is a plain contiguous [d_model, r] falls back to x @ A."""
@@ -336,7 +336,7 @@ def _indicator_case(op, calls):
     _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, "silu"))
 
 
-def test_onepass_really_runs():
+def test_one_token_really_runs():
     """The single-token ops take the one-launch kernel when it applies, and only then."""
     calls = []
     with K.overrides(off=(), cuda_routes=("one_token",),
