@@ -13,7 +13,7 @@ builds it for a static cache); each of 32 layers has its own cache (more than L2
 
 - ``sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with the boolean mask;
 - ``sdpa_hf``: what transformers runs under torch.compile (``repeat_kv`` copies, then SDPA);
-- ``ours``: ``kernels/_attention.decode_attention`` on the mask's last row (what ``countdown_decode`` calls).
+- ``ours``: ``kernels/decode_step/attention.decode_attention`` on the mask's last row (what ``countdown_decode`` calls).
 
 Each is timed two ways: ``graph`` (the 32 calls captured in one CUDA graph and replayed, as the
 compiled decode step runs them; ``harness.timing.time_graph``) and ``eager`` (the 32 calls
@@ -141,7 +141,7 @@ def main():
                                              v.double().repeat_interleave(g, 1), attn_mask=mask, scale=scale)
         base = time_graph([lambda k=k, v=v: sdpa(q, k, v, mask, scale) for k, v in caches]) if dev == "cuda" else 1.0
         cases[(B, T, valid)] = (q, caches, mask, ref, base)
-    config = dict(_attention.CONFIG)
+    config = launch_config("attention")
     if args.sweep and dev == "cuda":
         config.update(sweep(cases, scale, args.out))
     print(json.dumps({"config": config}), flush=True)

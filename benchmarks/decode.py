@@ -83,7 +83,7 @@ def parse_args(argv=None):
                     "compile-cdt, compile, cudagraph, eager")
     ap.add_argument("--predictor-route", choices=("fused", "masked"), default="fused",
                     help="dual on the kernel path: predictor inside the fused kernel, or mask in PyTorch + "
-                    "masked kernel (countdown.prac.lowrank.IN_KERNEL)")
+                    "masked kernel (countdown.kernels.route's \"lowrank\" entry)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of each compiled step")
     ap.add_argument("--attention", choices=["sdpa", "countdown", "fused"], default="fused",
                     help="decode-step attention of every row: transformers' SDPA, countdown's split-KV kernel "
@@ -91,7 +91,7 @@ def parse_args(argv=None):
                          "cache write fused in after one QKV GEMV (countdown.decode.attention.fuse_attention)")
     ap.add_argument("--decode-gemv", default="auto", help="comma-separated projections of every row (down, gate_up, "
                     "o_proj, qkv, norm: qkv and norm with --attention fused; norm folds each input RMSNorm into the QKV "
-                    "GEMV, opt-in) on kernels/_linear.py's fixed GEMV in decode steps (countdown.decode.linears.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
+                    "GEMV, opt-in) on kernels/decode_step/linear.py's fixed GEMV in decode steps (countdown.decode.linears.route_linears); 'auto' (default) = every one that applies but norm, '' or 'none' "
                     "= Inductor's own GEMVs")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-op breakdown of the dense step")
     ap.add_argument("--rank", type=int, default=None, help="predictor rank of every spec written [lowrank] without one, e.g. "
@@ -161,7 +161,10 @@ def main(argv=None) -> int:
     from harness.timing import copy_bandwidth
     from harness.weightbytes import model_bytes
 
-    countdown.prac.lowrank.IN_KERNEL = args.predictor_route == "fused"
+    predictor_route = countdown.kernels.overrides(  # the whole run takes it (held until main returns)
+        routes={("lowrank", dev): ("masked",) * 3 for dev in ("cuda", "interpreter")}
+        if args.predictor_route == "masked" else {})
+    predictor_route.__enter__()
     os.makedirs(args.out, exist_ok=True)
     handler = logging.FileHandler(os.path.join(args.out, "dynamo.log"))
     torch._logging.set_logs(graph_breaks=True, recompiles=True)
@@ -216,7 +219,7 @@ def main(argv=None) -> int:
         from countdown.decode.linears import route_linears
 
         routed = route_linears(model, tuple(args.decode_gemv.split(",")))
-        log(f"decode GEMV: {routed} projections ({args.decode_gemv}) on kernels/_linear.py")
+        log(f"decode GEMV: {routed} projections ({args.decode_gemv}) on kernels/decode_step/linear.py")
     meta["decode_gemv"] = args.decode_gemv
     meta["model_gb"] = model_bytes(model) / 1e9
     log(f"model {meta['model_gb']:.2f} GB; copy bandwidth {meta['copy_gbps']:.0f} GB/s")

@@ -1,4 +1,4 @@
-"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/_few.py) against
+"""A sparse Gated-MLP of 2-8 tokens (a batched decode step): the one-launch kernel (kernels/sparse_mlp/few_tokens.py) against
 dense cuBLAS and its roofline.
 
     PYTHONPATH=src python benchmarks/few.py --out DIR --budget 150
@@ -6,7 +6,7 @@ dense cuBLAS and its roofline.
     PYTHONPATH=src python benchmarks/few.py --smoke --out /tmp/f      # CPU: checks the script
 
 results/few/ (H200, 2026-11-25) came from `cd benchmarks && PYTHONPATH=../src:. python few.py --out DIR
---budget 150` at commit 12e5c91, which also timed the chained kernels (_glu.py, then _down.py) that _few.py
+--budget 150` at commit 12e5c91, which also timed the chained kernels (chain.py, then down.py) that few_tokens.py
 replaced, switched back on by COUNTDOWN_FEW=0 (its "chain" columns; the switch is gone, the chain is not
 timed any more).
 
@@ -55,6 +55,7 @@ SWEEP = [dict(zip(_C, c)) for c in [
     (64, 128, 256, 3, 4, 64, 128, 4), (64, 128, 128, 3, 8, 64, 128, 3)]]
 METHODS = ("mono", "cats", "dual")
 T0 = time.time()
+LAST = None  # LastKernel of the few-token kernel (set in main)
 
 
 def _cell(v) -> str:
@@ -69,14 +70,9 @@ def _cell(v) -> str:
 
 @contextlib.contextmanager
 def few_config(cfg: dict | None = None):
-    """The public ops with the few-token kernel under launch configuration ``cfg`` (entries of _few.CONFIG)."""
-    old_cfg = dict(_few.CONFIG)
-    _few.CONFIG.update(cfg or {})
-    try:
+    """The public ops with the few-token kernel under launch configuration ``cfg`` (entries of its launch table)."""
+    with K.overrides(launch={"few_tokens": cfg or {}}):
         yield
-    finally:
-        _few.CONFIG.clear()
-        _few.CONFIG.update(old_cfg)
 
 
 def op(p: Problem, method: str, thr: float, dtype_ref: bool = False):
@@ -179,7 +175,7 @@ def sweep(p: Problem, bw, rows, launches) -> dict:
                 add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=launches.last["few"])
             if us == us:
                 totals[j] = totals.get(j, 0.0) + us
-    best = SWEEP[min(totals, key=totals.get)] if totals else dict(_few.CONFIG)
+    best = SWEEP[min(totals, key=totals.get)] if totals else launch_config("few_tokens")
     log(f"best configuration: {best}")
     return best
 
@@ -204,7 +200,7 @@ def parts(p: Problem, bw, rows, best, launches) -> None:
             for k, label in ((0.9, "kernel"), (1.0, "none"), (0.0, "all")):
                 thr = 1e30 if k >= 1 else (-1e30 if k <= 0 else p.thresholds(k)[method])
                 frk = fractions(p, method, thr) if 0 < k < 1 else ((0.0, 0.0) if k >= 1 else (1.0, 1.0))
-                us = safe_time(label, [lambda i=i: _few.few_partials(p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"],
+                us = safe_time(label, [lambda i=i: _few.few_tokens_partials(p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"],
                                                                      p.w(i)["wdt"], None, thr, mode, ACT, gate, up)
                                        for i in range(n)])
                 roof = (3 if method == "dual" else 2) * frk[1] * full / bw * 1e6
@@ -251,7 +247,7 @@ def write(out: str, rows: list, meta: dict) -> None:
             "config", "regs", "spills"]
     lines = [",".join(cols)] + [",".join(_cell(r[c]) for c in cols) for r in rows]
     atomic_write(os.path.join(out, "few.csv"), "\n".join(lines) + "\n")
-    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (_few.py) against dense ({meta['shape']})", "",
+    md = [f"# Sparse Gated-MLP of 2-8 tokens: one launch (few_tokens.py) against dense ({meta['shape']})", "",
           f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth {meta['bw'] / 1e12:.2f} TB/s; "
           f"torch {meta['torch']}", f"- command: `{meta['command']}`", f"- checks: {meta.get('check')}",
           f"- configuration of the table: {meta.get('best')}", "",
@@ -324,8 +320,11 @@ def main() -> int:
     if args.compile_check:
         return 0 if compile_check() else 1
     smoke = args.smoke or not torch.cuda.is_available()
-    if smoke:
-        _few.OFF_CUDA = True
+    global LAST
+    LAST = LastKernel(_few, "few_tokens_kernel")  # the compiled kernel of each launch: registers, spills
+    stack = contextlib.ExitStack()
+    if smoke:  # the CPU interpreter takes the few-token route as CUDA does
+        stack.enter_context(K.overrides(cuda_routes=("few_tokens",)))
     d_model, d_inter = (64, 200) if smoke else (4096, 14336)
     bw = copy_bandwidth() if torch.cuda.is_available() else 1e12
     meta = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",

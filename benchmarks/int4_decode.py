@@ -1,5 +1,5 @@
 """4-bit decoding on one GPU, in one call: each GEMV of the step alone, then the whole step, with our 4-bit GEMV
-(kernels/_int4.py), PyTorch's int4 (tinygemm, ``aten._weight_int4pack_mm``) and gemlite's A16W4 in the same step,
+(kernels/int4/gemv.py), PyTorch's int4 (tinygemm, ``aten._weight_int4pack_mm``) and gemlite's A16W4 in the same step,
 against our fastest bf16 step.
 
     PYTHONPATH=src python benchmarks/int4_decode.py --out results/int4 --run A
@@ -15,7 +15,7 @@ every decoder Linear and lm_head rounded to 4 bits (``countdown.quantize(model, 
 bits a weight). Parts (``--parts``):
 
 * ``sweep``: launch configurations of our GEMV per shape of the step (the fastest whose output matches is used
-  for the rest of the call and printed, to be kept in kernels/_int4.py's ``SHAPE_CONFIGS``);
+  for the rest of the call and printed, to be kept in kernels/config.py's launch table);
 * ``gemv``: each GEMV shape alone (q/k/v stacked, o_proj, gate/up stacked, down with its act(g) * u input, lm_head)
   for each backend and bf16 cuBLAS, cycling through weight copies of more than 256 MB so that none is read from
   the L2 cache; microseconds and the ratio to the roofline (bytes / the copy bandwidth of the same call);
@@ -41,6 +41,7 @@ call's gemv part) and ``<out>/gemv.csv`` (``run, device, date, backend, shape, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -142,7 +143,7 @@ def sweep(device: str, shapes: dict, bw: float) -> dict:
             log(f"  {name:8s} {u:7.1f} us {c}")
         roof = mods_bytes(n, k) / bw * 1e6
         log(f"sweep {name:8s} best {us:7.1f} us ({us / roof:.2f}x roofline) {cfg}; default "
-            f"{next((u for u, c in results if all(c[key] == _int4.CONFIG[key] for key in c)), float('nan')):.1f} us")
+            f"{next((u for u, c in results if all(c[key] == LAUNCH['int4_gemv']['default'][key] for key in c)), float('nan')):.1f} us")
         best[(n, k)] = cfg
         del mods
         torch.cuda.empty_cache() if device == "cuda" else None
@@ -201,15 +202,17 @@ def step_bytes(model) -> int:
     return total
 
 
-def gemv_config(text: str, shapes: dict) -> None:
-    """Apply --gemv-config, before anything compiles."""
-    from countdown.kernels import _int4
-
+def gemv_config(text: str, shapes: dict) -> dict:
+    """--gemv-config as launch overrides (``countdown.kernels.overrides(launch=...)``), entered before anything
+    compiles."""
+    changes = {}
     named = {**shapes, "up": (shapes["gate_up"][0] // 2, shapes["gate_up"][1])} if "gate_up" in shapes else shapes
     for name, cfg in json.loads(text).items():
         if name not in named:
             raise SystemExit(f"--gemv-config: unknown shape {name!r}; give one of {sorted(named)}")
-        log(f"4-bit GEMV configuration of {name} {named[name]}: {_int4.set_shape_config(*named[name], cfg)}")
+        changes[("int4_gemv", named[name])] = cfg
+        log(f"4-bit GEMV configuration of {name} {named[name]}: {cfg}")
+    return changes
 
 
 def decode_tps(model, ids, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -307,7 +310,7 @@ def step_rows(device, args, bw, stamp, worst, out):
 def sparse_thresholds(model, ids, method: str, k: float) -> list[torch.Tensor]:
     """Per layer, the k-quantile of the method's |indicator| over the prompt's MLP inputs (the prompt runs the
     modules' own forwards, so a hook sees them): speed-only thresholds, whose Sparsity-Real the kernels count."""
-    from countdown.kernels._common import act_torch
+    from countdown.kernels.common import act_torch
 
     inputs, hooks = [], []
     for layer in model.model.layers:
@@ -369,8 +372,8 @@ def main(argv=None):
                     help="launch configuration of the kept-rows kernel for --sparse: JSON (e.g. '{\"BM\": 4}') or a "
                     "rows_best.json of the rows part (its first method's)")
     ap.add_argument("--gemv-config", default=None,
-                    help="launch configuration of our 4-bit GEMV by shape for this call, over kernels/_int4.py's "
-                    "SHAPE_CONFIGS: JSON keyed by shape name (qkv, o_proj, gate_up, up, down, lm_head), e.g. "
+                    help="launch configuration of our 4-bit GEMV by shape for this call, over kernels/config.py's "
+                    "launch table: JSON keyed by shape name (qkv, o_proj, gate_up, up, down, lm_head), e.g. "
                     "'{\"o_proj\": {\"PER_SM\": 2}}' (q/k/v, which hands the attention its finished output, keeps K "
                     "in one slice)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
@@ -394,16 +397,15 @@ def main(argv=None):
 
         return report(args.out)
     parts = set(args.parts.split(","))
+    run = contextlib.ExitStack()  # the launch configurations this call sets, for the whole call
     if args.rows_config:
-        from countdown.kernels import _int4_rows
-
         text = open(args.rows_config).read() if os.path.exists(args.rows_config) else args.rows_config
         cfg = json.loads(text)
         cfg = next(iter(cfg.values())) if cfg and isinstance(next(iter(cfg.values())), dict) else cfg
-        _int4_rows.CONFIG.update(cfg)
-        log(f"kept-rows kernel configuration: {_int4_rows.CONFIG}")
+        run.enter_context(overrides(launch={"int4_rows": cfg}))
+        log(f"kept-rows kernel configuration: {launch_config('int4_rows')}")
     if args.gemv_config:
-        gemv_config(args.gemv_config, SMOKE_SHAPES if args.smoke else SHAPES)
+        run.enter_context(overrides(launch=gemv_config(args.gemv_config, SMOKE_SHAPES if args.smoke else SHAPES)))
     device = "cpu" if args.smoke else "cuda"
     from harness.timing import copy_bandwidth
 
@@ -416,8 +418,9 @@ def main(argv=None):
     worst = {}
     with torch.no_grad():
         if "sweep" in parts and device == "cuda":
-            _int4.SHAPE_CONFIGS.update(sweep(device, shapes, bw))
-            log(f"SHAPE_CONFIGS = {_int4.SHAPE_CONFIGS}")
+            best = sweep(device, shapes, bw)
+            run.enter_context(overrides(launch={("int4_gemv", shape): cfg for shape, cfg in best.items()}))
+            log(f"4-bit GEMV launch configurations by shape: {best}")
         if "gemv" in parts:
             worst = gemv_table(device, shapes, bw, stamp, args.out)
     if "rows" in parts:

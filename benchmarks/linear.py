@@ -1,10 +1,10 @@
-"""One-token linear layers of a decode step: Inductor's tuned GEMV vs cuBLAS vs kernels/_linear.py.
+"""One-token linear layers of a decode step: Inductor's tuned GEMV vs cuBLAS vs kernels/decode_step/linear.py.
 
     PYTHONPATH=src python benchmarks/linear.py --out $OUT [--tokens 1] [--quick]   # default --out results/linear
 
 results/linear/ (H200, 2026-11-23; README.md there): linear.* from ``--out $OUT/linear --budget-s 230``,
 linear_sweep2.* from ``--shapes o_proj,down --out $OUT/linear2 --budget-s 120`` (whose winners are
-kernels/_linear.py's CONFIGS), pred/ from ``--shapes pred_b,pred_a,gate_or_up --budget-s 45 --out $OUT/linear``.
+kernels/config.py's launch table "linear"), pred/ from ``--shapes pred_b,pred_a,gate_or_up --budget-s 45 --out $OUT/linear``.
 
 Per Llama-3.1-8B projection shape (bf16; W [N, K]): every route timed as CUDA-graph replays of calls
 cycling over enough weight copies that none is found in L2 (harness.timing.time_graph), median us,
@@ -13,7 +13,7 @@ and its share of the device-to-device copy bandwidth measured in the same run (w
     inductor   torch.compile(F.linear) with coordinate-descent tuning, as the decode step compiles it
                (Inductor rewrites a one-row product into a tuned Triton reduction)
     cublas     F.linear, eager (cuBLAS)
-    triton     kernels/_linear.py at each candidate launch configuration (the best is reported, every
+    triton     kernels/decode_step/linear.py at each candidate launch configuration (the best is reported, every
                one is in the CSV); each checked against cuBLAS first (within 2 bf16 ulps)
 
 Writes linear.csv (every route and configuration), linear.md and linear_meta.json; prints the table.
@@ -52,7 +52,7 @@ def log(*parts) -> None:
 
 def candidates(quick: bool, k: int) -> list[dict]:
     """Launch configurations to time for reduction length k (BK past k would repeat a smaller one)."""
-    from countdown.kernels import _linear
+    from countdown.kernels.decode_step import linear as _linear
 
     if quick:
         return [_linear.config_for(k), dict(BN=16, BK=512, num_warps=4, num_stages=3)]
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
 
     from harness.timing import copy_bandwidth, time_graph
     from countdown.io import atomic_write, write_json
-    from countdown.kernels import _linear
+    from countdown.kernels.decode_step import linear as _linear
 
     inductor_config.coordinate_descent_tuning = True
     dev, dtype = "cuda", torch.bfloat16

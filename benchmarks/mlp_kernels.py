@@ -20,6 +20,7 @@ speed-up over dense).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -73,14 +74,15 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     main_shape = MAIN if MAIN in args.shapes else args.shapes[0]
     sweep_out = {}
+    winners = contextlib.ExitStack()  # the sweep's launch configurations, for the rest of the run
     if args.sweep:  # candidates are checked against the default configuration's output
         best, srows = sweep(args.rank, main_shape)
         sweep_out.update(glu={str(b): c for b, c in GLU_SWEEP.items()}, down={str(b): c for b, c in DOWN_SWEEP.items()},
                          rows=srows, best={f"{a}_b{b}": c for (a, b), c in best.items()})
-        # use the winners: batch 1's for one token, batch 8's for more
-        for (kind, batch), cfg in best.items():
-            table = _glu.GLU_CONFIGS if kind == "glu" else _down.DOWN_CONFIGS
-            table[1 if batch == 1 else 16] = {**cfg, "reduce": "atomic"} if kind == "down" else cfg
+        # use the winners for the rest of the run: batch 1's for one token, batch 8's for more
+        winners.enter_context(K.overrides(launch={
+            ("chain_gate_up" if kind == "glu" else "chain_down", 1 if batch == 1 else 16): cfg
+            for (kind, batch), cfg in best.items()}))
         log(f"sweep done at {time.time() - t0:.0f}s: {best}")
     check_names = [n for n in (MAIN, "gemma-2-9b") if n in args.shapes] or args.shapes[:1]
     if not args.no_check:  # with the configurations that will be timed
@@ -93,7 +95,8 @@ def main():
         sweep_out["check_ok"] = CHECK_OK
         with open(os.path.join(args.out, "kernels_sweep.json"), "w") as f:
             json.dump(sweep_out, f, indent=1)
-    configs = dict(glu=_glu.GLU_CONFIGS, down=_down.DOWN_CONFIGS)
+    configs = dict(glu={b: launch_config("chain_gate_up", bucket=b) for b in (1, 16)},
+                   down={b: launch_config("chain_down", bucket=b) for b in (1, 16)})
     rows = []
     meta = dict(device=dev, date=datetime.date.today().isoformat(), bw=bw, rank=args.rank,
                 command="PYTHONPATH=src python benchmarks/mlp_kernels.py " + " ".join(sys.argv[1:]),

@@ -64,7 +64,7 @@ def s_from_shadows(model, on: bool):
         return
     from torch.nn import functional as F
 
-    from countdown.kernels.quant import dequantize
+    from countdown.kernels.shadow.format import dequantize
     from countdown.state import state_of
 
     layers = state_of(model).layers

@@ -14,26 +14,27 @@ L2). Roofline = bytes a method must read / the copy bandwidth measured in the sa
 its ratio to the roofline and its speed-up over dense.
 
 (c) first, correctness at the real shape: the shadow scores against the float32 reference (one token:
-within the int8 GEMV's bound for x's rounding, kernels/_gemv_i8.py), the shadow and hybrid MLPs against
+within the int8 GEMV's bound for x's rounding, kernels/shadow/gemv.py), the shadow and hybrid MLPs against
 float64 (flash-attention rule, the keep mask of the reference); a failing method is not timed.
 (a) the shadow GEMV of gate and up stacked (``shadow_scores``, 4 bits, group 64) against torch's
 ``aten._weight_int4pack_mm`` (group 128, gpt-fast's kernel) and gemlite's A16W4 (group 64, if
 installed), and cuBLAS's bf16 GEMV of the same stacked matrix.
 (b) per batch and k = 0.7 / 0.8 / 0.9 (the cut: the pooled k-quantile of the inputs' scores, in a gap):
 dense cuBLAS, ``dual[shadow4]`` (shadow_dual_gated_mlp as the library routes it: one token, the shadow
-GEMV, the score and _onepass.py's kernel; 2-8 tokens, the selecting kernel), ``dual[shadow4-route]``
+GEMV, the score and sparse_mlp/one_token.py's kernel; 2-8 tokens, the selecting kernel), ``dual[shadow4-route]``
 (shadow_scores, keep in PyTorch, masked_gated_mlp), ``dual[hybrid]`` (hybrid_gated_mlp: u and the latent
 by cuBLAS before, one launch), ``dual[hybrid-route]`` (u and the keep mask in PyTorch, then
 masked_gated_mlp: the route of the current HybridDualSelector).
 (d) with --compile, x + mlp(x) under torch.compile at batch 1 (what a decode step runs).
 --sweep first times candidate launch configurations of the hybrid selecting kernel at batch 1, k = 0.9
-(the one batch-1 table of kernels/_select.py the default routes use), and uses the fastest whose output
+(the one batch-1 table of kernels/sparse_mlp/select.py the default routes use), and uses the fastest whose output
 matches.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,8 +43,11 @@ import sys
 import torch
 
 import countdown.kernels as K
-from countdown.kernels import _common, _select
-from countdown.kernels.quant import shadow_bytes
+from countdown.kernels import common as _common
+from countdown.kernels.config import LAUNCH, launch_config
+from countdown.kernels.shadow import format as quant
+from countdown.kernels.shadow.format import shadow_bytes
+from countdown.kernels.sparse_mlp import select as _select
 
 from harness.launches import recorded
 from harness.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
@@ -54,7 +58,9 @@ BITS, GROUP, RANK = 4, 64, 128
 KS = (0.7, 0.8, 0.9)
 E = 2
 _K = ("ROWS", "TILE_W", "BLOCK_M", "num_warps", "PER_SM")
-SWEEP = {  # candidates per (kind, token bucket) of _select.CONFIGS, each over the default entry
+WINNERS: dict = {}  # the sweep's best launch configurations, {("select", key): knobs}
+LAST = None  # LastKernel of the select kernel (set in main)
+SWEEP = {  # candidates per (kind, token bucket) of the select kernel's launch table, each over the default entry
     ("hybrid", 1): [dict(zip(_K, r)) for r in [
         (32, 64, 2, 4, 2), (16, 64, 2, 4, 4), (64, 64, 2, 8, 2), (32, 64, 4, 8, 2), (16, 64, 1, 4, 4),
         (64, 64, 4, 8, 1)]],
@@ -72,7 +78,7 @@ def add_shadows(p: Problem):
     for i, x in enumerate(p.xs):
         w = p.w(i)
         ut, gt = K.shadow_scores_ref(x, *w["raw"])
-        p.shadow_score.append(K.quant.shadow_score(ut, gt, ACT))
+        p.shadow_score.append(quant.shadow_score(ut, gt, ACT))
         g_hat = ((x @ w["pa"]) @ w["pbt"].t()).float() + w["bias"]
         p.hyb_score.append(p.u[i].float().abs() * _common.act_torch(g_hat, ACT).abs())
 
@@ -95,7 +101,7 @@ def calls_for(p: Problem, method: str, cut: dict):
         if method == "dual[shadow4-route]":
             def f():
                 ut, gt = K.shadow_scores(x, w["prep"])
-                keep = K.quant.shadow_score(ut, gt, ACT) > cut["shadow"]
+                keep = quant.shadow_score(ut, gt, ACT) > cut["shadow"]
                 return K.masked_gated_mlp(x, w["wg"], w["wu"], w["wdt"], keep, ACT)
             return f
         if method == "dual[hybrid]":
@@ -134,8 +140,8 @@ def roofline_bytes(method: str, kept: float, batch: int) -> float:
 # ---------------------------------------------------------------------------------------- checks
 def int8_x_bound(x, q, scale) -> torch.Tensor:
     """[T, d_inter]: what rounding x to int8 per weight group may move a shadow GEMV's output (the one-token
-    GEMV's, kernels/_gemv_i8.py): sum_g (max_{j in g} |x_j| / 254) sum_{j in g} |w~_j|."""
-    w = K.quant.dequantize(q, scale).abs()
+    GEMV's, kernels/shadow/gemv.py): sum_g (max_{j in g} |x_j| / 254) sum_{j in g} |w~_j|."""
+    w = quant.dequantize(q, scale).abs()
     half_step = x.float().abs().reshape(x.shape[0], -1, GROUP).amax(-1) / 254
     return half_step @ w.reshape(w.shape[0], -1, GROUP).sum(-1).t()
 
@@ -154,7 +160,7 @@ def check(p: Problem, k: float) -> dict:
             qg, sg, qu, su = w["raw"]
             ok &= bool(((ut - ur).abs() <= int8_x_bound(x, qu, su) + 1e-5 * ur.abs().max()).all()
                        and ((gt - gr).abs() <= int8_x_bound(x, qg, sg) + 1e-5 * gr.abs().max()).all())
-        else:  # float32 products (_select.py)
+        else:  # float32 products (sparse_mlp/select.py)
             ok &= rel < 1e-5
         keep_s = p.shadow_score[i] > c["shadow"]
         keep_h = p.hyb_score[i] > c["hybrid"]
@@ -251,10 +257,9 @@ def _sweep(p: Problem, launches) -> dict:
         calls = calls_for(p, method, c)
         run = lambda i: calls[i]()
         ref = [run(i) for i in range(len(p.xs))]
-        base = dict(_select.CONFIGS[key])
+        base = launch_config("select", bucket=key)
         results = []
         for cfg in [base] + [{**base, **cand} for cand in cands]:
-            _select.CONFIGS[key] = dict(cfg)
             try:
                 same = all(((run(i).float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
                            for i, r in enumerate(ref))
@@ -268,7 +273,7 @@ def _sweep(p: Problem, launches) -> dict:
             log(f"sweep {key} {method} {cfg} -> {t:.1f} us (regs {regs}, spills {spills}, same {same})")
         good = [r for r in results if r["us"] == r["us"]]
         best = min(good, key=lambda r: r["us"])["cfg"] if good else base
-        _select.CONFIGS[key] = dict(best)
+        WINNERS[("select", key)] = dict(best)
         log(f"sweep best {key}: {best}")
         out[str(key)] = dict(results=results, best=best)
     return out
@@ -411,13 +416,17 @@ def main():
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {device}")
     meta = dict(device=device, date=datetime.date.today().isoformat(),
                 command="PYTHONPATH=src python " + " ".join(sys.argv), copy_bw_tbs=bw / 1e12,
-                torch=torch.__version__, configs={str(k): v for k, v in _select.CONFIGS.items()})
+                torch=torch.__version__, configs={str(k): launch_config("select", bucket=k) for k in LAUNCH["select"]})
     sweep_res = None
+    global LAST
+    LAST = LastKernel(_select, "select_kernel")  # the compiled kernel of each launch: registers, spills
+    run_with = contextlib.ExitStack()
     if args.sweep:
         p = Problem(D_MODEL, D_INTER, ACT, 1, RANK)
         add_shadows(p)
         sweep_res = sweep(p, bw)
-        meta["configs"] = {str(k): v for k, v in _select.CONFIGS.items()}
+        run_with.enter_context(K.overrides(launch=WINNERS))  # the winners for the rest of the run
+        meta["configs"] = {str(k): launch_config("select", bucket=k) for k in LAUNCH["select"]}
         del p
         torch.cuda.empty_cache()
     rows = [] if args.no_gemv or args.tiny else gemv_rows(bw)

@@ -5,14 +5,13 @@ indicator values, a threshold in a gap between them, and the kernel's output nex
 import torch
 
 import countdown.kernels as K
-from countdown.kernels import _common, _onepass
+from countdown.kernels import common
 
 
-def onepass_on(monkeypatch) -> None:
-    """The one-launch kernel for one token on any device, its outputs poisoned with NaN first."""
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
+def one_token_on(*more: str):
+    """A context: the one-token kernel for one token on any device (the CUDA routes of ``more`` kernels too, e.g.
+    "partial_sums", "residual_add", "linear"), its outputs poisoned with NaN first."""
+    return K.overrides(poison_outputs=True, cuda_routes=("one_token", *more))
 
 
 def gap_threshold(values: torch.Tensor, k: float, gap: float = 1e-4) -> float:
@@ -33,7 +32,7 @@ def indicator_values(op: str, x, wg, wu, act: str, pa=None, pb=None) -> torch.Te
         return K.dual_scores(x, pa, pb).float()[0]
     if op == "mono":
         return (x @ wu.t()).float().abs()[0]
-    return _common.act_torch((x @ wg.t()).float(), act).abs()[0]
+    return common.act_torch((x @ wg.t()).float(), act).abs()[0]
 
 
 def outputs(op: str, x, wg, wu, wdt, thr, act: str, pa=None, pb=None):

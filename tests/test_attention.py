@@ -1,4 +1,4 @@
-"""The one-token split-KV attention (kernels/_attention.py) and its transformers registration.
+"""The one-token split-KV attention (kernels/decode_step/attention.py) and its transformers registration.
 
 Kernel: against float64 softmax attention with repeated KV heads, for grouped heads, ragged valid
 lengths per batch row, boolean and additive masks, many splits, a split length that does not divide
@@ -16,15 +16,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 from countdown.decode import hf_attention as attention  # noqa: E402
-from countdown.kernels import _attention, _common  # noqa: E402
+import countdown.kernels as K  # noqa: E402
+from countdown.kernels.decode_step import attention as _attention  # noqa: E402
 from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        yield
 
 
 def _ref(q, k, v, bias, scale):
@@ -69,9 +71,9 @@ def test_kernel_against_float64(B, H, KVH, T, D, valid, config):
     (1, 1, 100000, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (1600, 63)),  # 264 wanted, capped by MAX_SPLITS = 64
     (1, 8, 50, dict(BLOCK_N=64, PER_SM=2, MAX_SPLITS=64), (64, 1)),
 ])
-def test_plan_splits(B, KVH, T, config, expect, monkeypatch):
-    monkeypatch.setattr(_common, "persistent_programs", lambda device, per_sm, interp: 132 * per_sm)
-    split_len, n_splits = _attention.plan_splits(B, KVH, T, "cuda", config)
+def test_plan_splits(B, KVH, T, config, expect):
+    with K.overrides(sm_count=132):  # an H200's SMs
+        split_len, n_splits = _attention.plan_splits(B, KVH, T, "cuda", config)
     assert (split_len, n_splits) == expect
     assert split_len % config["BLOCK_N"] == 0 and (n_splits - 1) * split_len < T <= n_splits * split_len
 
@@ -120,13 +122,16 @@ NEW = 3  # greedy tokens a decode below generates: two decode steps, the second 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_model_decodes_the_same_with_the_kernel(arch, monkeypatch):
-    from countdown.decode.generate import generate_fast
-
+def test_model_decodes_the_same_with_the_kernel(arch):
     model = tiny_model(arch).to(DEV)
     calls = []
-    real = _attention.decode_attention
-    monkeypatch.setattr(_attention, "decode_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    with K.overrides(on_launch=lambda name, *a: calls.append(a[0].shape) if name == "attention" else None):
+        _decodes_the_same(arch, model, calls)
+
+
+def _decodes_the_same(arch, model, calls):
+    from countdown.decode.generate import generate_fast
+
     prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
     before = model.config._attn_implementation
     with captured_logits(model) as ref_steps:

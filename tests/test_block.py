@@ -1,6 +1,6 @@
-"""kernels/_block.py: a folded decode layer's MLP half, out = h + mlp(RMSNorm(h)), in two launches (the norm
-computed inside the sparse kernel, the residual added by the partials' sum); the public ops' ``residual``; the
-folded layers' routes (kernels/dual.py's dual_block itself: tests/test_block_norm.py).
+"""kernels.threshold_block: a folded decode layer's MLP half, out = h + mlp(RMSNorm(h)), in two launches (the norm
+computed inside the one-token kernel, countdown::sparse_mlp_block, the residual added by the partials' sum); the
+public ops' ``residual``; the folded layers' routes (kernels.dual_block itself: tests/test_block_norm.py).
 
 Against float64 (h's norm as transformers rounds it, the kept rows' MLP, the add) and, bit for bit under the
 interpreter, against the three ops it replaces (the norm kernel, mono's one-launch MLP, decode_add); the
@@ -19,9 +19,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _block, _common, _onepass, _psum, _rmsnorm  # noqa: E402
+from countdown.kernels import common  # noqa: E402
+from countdown.kernels.decode_step import reference, rmsnorm  # noqa: E402
+from countdown.kernels.route import ROUTES  # noqa: E402
+from countdown.kernels.sparse_mlp import one_token, partial_sums  # noqa: E402
+from countdown.kernels.sparse_mlp.reference import block_ref  # noqa: E402
 
-from _onetoken import gap_threshold, onepass_on  # noqa: E402
+from _onetoken import gap_threshold, one_token_on  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cpu"  # the interpreter sums h's squares in the same order in both kernels
@@ -35,10 +39,10 @@ MODEL_D_INTER = 37
 
 
 @pytest.fixture(autouse=True)
-def _setup(monkeypatch):
-    onepass_on(monkeypatch)
-    monkeypatch.setattr(_psum, "OFF_CUDA", True)  # the chain's sum on the same kernel (off CUDA too)
-    torch.manual_seed(0)
+def _setup():
+    with one_token_on("partial_sums", "residual_add"):  # the chain's sum and add on the same kernels (off CUDA too)
+        torch.manual_seed(0)
+        yield
 
 
 def _layer(dtype):
@@ -53,7 +57,7 @@ def _layer(dtype):
                                        (torch.float32, "silu")])
 def test_block_is_the_norm_the_mlp_and_the_add(dtype, act):
     h, norm_w, wg, wu, wdt = _layer(dtype)
-    x = _rmsnorm.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
+    x = reference.rms_norm_ref(h, norm_w, EPS)  # the MLP's input as transformers rounds it
     values = (x @ wu.t()).float().abs()[0]
     thr = gap_threshold(values, 0.7, gap=0.02)  # wide: on a GPU the kernel's x may be an ulp off in places
     keep = (values > thr)[None, :]
@@ -62,32 +66,33 @@ def test_block_is_the_norm_the_mlp_and_the_add(dtype, act):
     assert got is not None and got.shape == h.shape and got.dtype == dtype and not torch.isnan(got).any()
     mlp64 = K.gated_mlp_masked_ref(*(t.double() for t in (x, wg, wu, wdt)), keep, act)
     exact = h.double() + mlp64
-    chain = _rmsnorm.decode_add(h, K.mono_gated_mlp(_rmsnorm.rms_norm(h, norm_w, EPS), wg, wu, wdt, thr, act))
+    chain = rmsnorm.decode_add(h, K.mono_gated_mlp(rmsnorm.rms_norm(h, norm_w, EPS), wg, wu, wdt, thr, act))
     ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[dtype]
     # the MLP's roundings (u rounded to the dtype, as a GEMV returns it: up to an ulp of each of its terms) and the
     # add's (half an ulp): measured against the size of the terms summed, since they may cancel
     x64 = x.double()
-    s64 = torch.where(keep, (x64 @ wu.double().t()) * _common.act_torch(x64 @ wg.double().t(), act), 0.0)
+    s64 = torch.where(keep, (x64 @ wu.double().t()) * common.act_torch(x64 @ wg.double().t(), act), 0.0)
     scale = h.double().abs() + s64.abs() @ wdt.double().abs()
     assert ((got.double() - exact).abs() <= ulp * scale + 1e-5).all()
     if EXACT:
         assert torch.equal(got, chain)
     else:
         assert ((got.double() - chain.double()).abs() <= ulp * scale + 1e-5).all()
-    no_count = _common.op_counters(None, h.device)  # the op's count arguments given, as its callers give them
-    assert torch.equal(torch.ops.countdown.gated_block(h, norm_w, EPS, wg, wu, wdt, None, thr, "abs", act, *no_count),
-                       got)
-    ref = _block.block_ref(h, norm_w, EPS, wg, wu, wdt, thr, "abs", act)
+    no_count = common.op_counters(None, h.device)  # the op's count arguments given, as its callers give them
+    assert torch.equal(torch.ops.countdown.sparse_mlp_block(h, norm_w, EPS, wg, wu, wdt, None, thr, "abs", act,
+                                                            *no_count), got)
+    ref = block_ref(h, norm_w, EPS, wg, wu, wdt, thr, "abs", act)
     assert ((ref.double() - exact).abs() <= 2 * ulp * scale + 1e-5).all()
 
 
-def test_the_block_serves_only_its_route(monkeypatch):
+def test_the_block_serves_only_its_route():
     h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
     assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is not None
     assert K.threshold_block(torch.cat([h, h]), norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None  # 2 tokens
     assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "cats", "silu") is None  # cats: indicator outside
-    monkeypatch.setitem(_onepass.CONFIGS, "abs", {**_onepass.CONFIGS["abs"], "IND": "torch"})
-    assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
+    outside = {("mono_indicator", dev): ROUTES[("cats_indicator", dev)] for dev in ("cuda", "interpreter")}
+    with K.overrides(routes=outside):  # mono's indicator computed before the kernel: no block
+        assert K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "mono", "silu") is None
     with pytest.raises(ValueError, match="'mono' or 'cats'"):
         K.threshold_block(h, norm_w, EPS, wg, wu, wdt, 0.1, "dual", "silu")
 
@@ -95,25 +100,25 @@ def test_the_block_serves_only_its_route(monkeypatch):
 def test_bad_norm_inputs_are_named():
     h, norm_w, wg, wu, wdt = _layer(torch.bfloat16)
     with pytest.raises(ValueError, match="norm's weight must be"):
-        _onepass.onepass_partials(h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
-                                  norm=(norm_w[:-1], EPS))
+        one_token.one_token_partials(h, wu, wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+                                     norm=(norm_w[:-1], EPS))
     with pytest.raises(ValueError, match="indicator's rows must be"):  # rows that do not read x
-        _onepass.onepass_partials(h, wu[:, :-1], wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
-                                  norm=(norm_w, EPS))
+        one_token.one_token_partials(h, wu[:, :-1], wg, wu, wdt, None, 0.1, "abs", "silu", True, False,
+                                     norm=(norm_w, EPS))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_partials_sum_with_a_residual_is_decode_add_of_the_sum(dtype):
     p = torch.randn(7, D_MODEL, device=DEVICE)
     h = (torch.randn(1, D_MODEL, device=DEVICE) * 4).to(dtype)
-    got = _psum.sum_partials(p, dtype, residual=h)
-    assert torch.equal(got, _rmsnorm.decode_add(h, _psum.sum_partials(p, dtype)))
+    got = partial_sums.sum_partials(p, dtype, residual=h)
+    assert torch.equal(got, rmsnorm.decode_add(h, partial_sums.sum_partials(p, dtype)))
     total = p.double().sum(0, keepdim=True)
     exact = h.double() + total
     ulp = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-22}[dtype]  # two roundings of half an ulp each
     assert ((got.double() - exact).abs() <= ulp * (h.double().abs() + total.abs()) + 1e-5).all()
     with pytest.raises(ValueError, match="residual must hold"):
-        _psum.sum_partials(p, dtype, residual=h[:, :-1])
+        partial_sums.sum_partials(p, dtype, residual=h[:, :-1])
 
 
 @pytest.mark.parametrize("op", ["mono", "cats", "dual", "shadow"])
@@ -140,7 +145,7 @@ def test_the_residual_is_added_as_decode_add_adds_it(op, n_tok):
     y = run()
     assert 0 < float(y.abs().sum()) and y.shape == x.shape
     got = run(residual=h)
-    assert got.shape == h.shape and torch.equal(got, _rmsnorm.decode_add(h, y))
+    assert got.shape == h.shape and torch.equal(got, rmsnorm.decode_add(h, y))
 
 
 @pytest.mark.parametrize("kind,compiled", [("mono", False), ("mono", True), ("lowrank", False),
@@ -175,16 +180,17 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
         m.setattr(PatchedMLP, "block_forward", lambda self, *a: None)  # the module, decode_add
         ref, _ = generate_fast(model, prompt, NEW, compile=False)
     hits = []
-    if kind == "lowrank-xn":  # dual_block: the predictor's first GEMV with the norm folded in, which also writes x
-        monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    # mono: the norm, the MLP and the add in two launches; dual off the fixed GEMV: the add in the partials' sum;
-    # dual_block: no norm kernel
-    op = {"mono": "gated_block", "lowrank": "sum_partials_add", "lowrank-xn": "decode_norm_linear_x"}[kind]
-    real = getattr(torch.ops.countdown, op)
-    if not compiled:  # (Dynamo traces the op itself, not a counting wrapper)
-        monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape) or real(*a))
+    # mono: the norm, the MLP and the add in two launches (the one-token kernel with the norm); dual off the fixed
+    # GEMV: the add in the partials' sum; dual_block (the predictor's first GEMV with the norm folded in, which also
+    # writes x): no norm kernel
+    counted = {"mono": lambda name, *a: name == "one_token" and a[2] is not None,
+               "lowrank": lambda name, *a: name == "partial_sums" and a[1] is not None,
+               "lowrank-xn": lambda name, *a: name == "linear" and a[3] is not None}[kind]
+    more = ("linear",) if kind == "lowrank-xn" else ()
     # (a compiled decode's logits are not captured: Dynamo would guard on the list they go to, recompiling a step)
-    with contextlib.nullcontext([]) if compiled else captured_logits(model) as logits:
+    with contextlib.nullcontext([]) if compiled else captured_logits(model) as logits, \
+            one_token_on("partial_sums", "residual_add", *more), \
+            K.overrides(on_launch=lambda *a: hits.append(1) if counted(*a) else None):
         out, _ = generate_fast(model, prompt, NEW, compile=compiled,
                                compile_options={"backend": "aot_eager"} if compiled else None)
     assert torch.equal(out, ref)

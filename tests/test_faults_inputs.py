@@ -314,6 +314,6 @@ def test_quantize_and_a_cpu_forward_need_no_triton():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["3 1 True 6", "[]"], done.stdout
     from countdown.int4.backends import DEQUANT_DTYPES
-    from countdown.kernels._int4_dequant import DTYPES
+    from countdown.kernels.int4.dequant import DTYPES
 
     assert DEQUANT_DTYPES == DTYPES  # the decision's copy of what the kernel writes

@@ -1,4 +1,4 @@
-"""kernels/_few.py: the sparse Gated-MLP of 2-8 tokens in one launch (the union of their rows).
+"""kernels/sparse_mlp/few_tokens.py: the sparse Gated-MLP of 2-8 tokens in one launch (the union of their rows).
 
 Against float64: partial c must be the sum over exactly chunk c's rows of s[t, i] w_down_t[i], with
 each token's own kept rows (not the union's) and s rounded to the model's dtype, so the test checks
@@ -17,16 +17,19 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _few, _onepass  # noqa: E402
+from countdown.kernels import common  # noqa: E402
+from countdown.kernels.config import launch_config  # noqa: E402
+from countdown.kernels.sparse_mlp import few_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        torch.manual_seed(0)
+        yield
 
 
 def _weights(n_tok, d_model, d_inter, dtype):
@@ -75,7 +78,7 @@ def test_partials_are_each_chunks_rows_with_each_tokens_mask(mode, dtype, act, k
         values = ind.float().abs()
     elif mode == "abs_act":
         ind = x @ wg.t()
-        values = _common.act_torch(ind.float(), act).abs()
+        values = common.act_torch(ind.float(), act).abs()
     else:
         ind = torch.randn(n_tok, d_inter, device=DEVICE).to(dtype)
         values = ind.float()
@@ -89,10 +92,10 @@ def test_partials_are_each_chunks_rows_with_each_tokens_mask(mode, dtype, act, k
                                                           else float(torch.quantile(values.double(), k)))
         keep = values > thr_f
         thr_t = None
-    p = _few.few_partials(x, ind, wg, wu, wdt, thr_t, thr_f, mode, act,
-                          gate=mode != "abs_act", up=mode != "abs", config=config)
-    chunk, _, progs = _few._split(x.device, d_inter, {**_few.CONFIG, **config})
-    assert p.shape == (_few.n_chunks(x.device, d_inter, config), n_tok, d_model) == (progs, n_tok, d_model)
+    p = few_tokens.few_tokens_partials(x, ind, wg, wu, wdt, thr_t, thr_f, mode, act,
+                                       gate=mode != "abs_act", up=mode != "abs", config=config)
+    chunk, _, progs = few_tokens._split(x.device, d_inter, launch_config("few_tokens", x.device, extra=config))
+    assert p.shape == (few_tokens.n_chunks(x.device, d_inter, config), n_tok, d_model) == (progs, n_tok, d_model)
     assert not torch.isnan(p).any(), "a partial was not written"
     want = _expected_partials(x, wg, wu, wdt, ind, keep, act, chunk, mode)
     scale = max(1.0, want.abs().max().item())
@@ -104,25 +107,29 @@ def test_partials_are_each_chunks_rows_with_each_tokens_mask(mode, dtype, act, k
 def test_bad_arguments_are_named():
     x, wg, wu, wdt = _weights(3, 32, 48, torch.float32)
     with pytest.raises(ValueError, match="indicator must be"):
-        _few.few_partials(x, torch.zeros(2, 48), wg, wu, wdt, None, 0.0, "abs", "silu", gate=True, up=False)
+        few_tokens.few_tokens_partials(x, torch.zeros(2, 48), wg, wu, wdt, None, 0.0, "abs", "silu", gate=True,
+                                       up=False)
     with pytest.raises(ValueError, match="per-row threshold"):
-        _few.few_partials(x, x @ wu.t(), wg, wu, wdt, torch.zeros(47), 0.0, "abs", "silu", gate=True, up=False)
+        few_tokens.few_tokens_partials(x, x @ wu.t(), wg, wu, wdt, torch.zeros(47), 0.0, "abs", "silu", gate=True,
+                                       up=False)
     with pytest.raises(ValueError, match="1 to 8 tokens"):
         x9 = torch.randn(9, 32, device=wu.device)
-        _few.few_partials(x9, x9 @ wu.t(), wg, wu, wdt, None, 0.0, "abs", "silu", gate=True, up=False)
+        few_tokens.few_tokens_partials(x9, x9 @ wu.t(), wg, wu, wdt, None, 0.0, "abs", "silu", gate=True, up=False)
 
 
 @pytest.mark.parametrize("n_tok", [2, 5, 8])
-def test_public_ops_route_few_tokens_here(monkeypatch, n_tok):
+def test_public_ops_route_few_tokens_here(n_tok):
     """mono, cats and dual with 2-8 tokens run this kernel (one call each) and match float64; one token
     and nine tokens do not come here."""
+    calls = []
+    with K.overrides(cuda_routes=("few_tokens",),
+                     on_launch=lambda name, *a: calls.append(a[0].shape[0]) if name == "few_tokens" else None):
+        _route_case(n_tok, calls)
+
+
+def _route_case(n_tok, calls):
     from test_kernels import _check, _threshold  # noqa: E402  (the shared float64 rule)
 
-    monkeypatch.setattr(_few, "OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", False)
-    calls = []
-    real = _few.few_partials
-    monkeypatch.setattr(_few, "few_partials", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     dtype, act = torch.bfloat16, "silu"
     x, wg, wu, wdt = _weights(n_tok, 67, 131, dtype)
     dbl = [t.double() for t in (x, wg, wu, wdt)]
@@ -132,7 +139,7 @@ def test_public_ops_route_few_tokens_here(monkeypatch, n_tok):
     _check(out, K.mono_gated_mlp_ref(x, wg, wu, wdt, thr, act),
            K.gated_mlp_masked_ref(*dbl, K.mono_keep(x, wu, thr), act))
 
-    thr = _threshold(_common.act_torch((x @ wg.t()).float(), act).abs(), 0.7, gap=0.05)
+    thr = _threshold(common.act_torch((x @ wg.t()).float(), act).abs(), 0.7, gap=0.05)
     out = K.cats_gated_mlp(x, wg, wu, wdt, thr, act)
     _check(out, K.cats_gated_mlp_ref(x, wg, wu, wdt, thr, act),
            K.gated_mlp_masked_ref(*dbl, K.cats_keep(x, wg, thr, act), act))

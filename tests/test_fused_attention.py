@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from countdown.decode import hf_attention as attention  # noqa: E402
 from countdown.decode import attention as fused_attention
-from countdown.kernels import _rope_attention  # noqa: E402
+import countdown.kernels as K  # noqa: E402
 from conftest import assert_same_logits, captured_logits, tiny_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +46,7 @@ def _step_logits_and_cache(model, prompt):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_model_decodes_as_transformers(arch, monkeypatch):
+def test_fused_model_decodes_as_transformers(arch):
     from countdown.decode.generate import generate_fast
 
     model = tiny_model(arch).to(DEV)
@@ -69,10 +69,8 @@ def test_fused_model_decodes_as_transformers(arch, monkeypatch):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
     calls = []
-    real = _rope_attention.rope_decode_attention
-    monkeypatch.setattr(_rope_attention, "rope_decode_attention",
-                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    with captured_logits(model) as steps:
+    with captured_logits(model) as steps, \
+            K.overrides(on_launch=lambda name, *a: calls.append(a[0].shape) if name == "rope_attention" else None):
         out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
     assert_same_logits(steps, ref_steps)
@@ -109,14 +107,13 @@ def test_other_layouts_are_left_alone_with_the_reason():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
+def test_qkv_on_the_fixed_gemv(arch):
     """route_linears(model, ("qkv",)): the fused attention's QKV GEMV (with Qwen2's bias) on
-    kernels/_linear.py for the decode steps: the same greedy tokens and step logits as the fused
+    kernels/decode_step/linear.py for the decode steps: the same greedy tokens and step logits as the fused
     path on F.linear, one call per layer per batch-1 decode step (batch 2 keeps F.linear); it needs
     fuse_attention first (named), and un-routing or unfusing drops it."""
     from countdown.decode.generate import generate_fast
     from countdown.decode.linears import route_linears
-    from countdown.kernels import _linear
 
     model = tiny_model(arch).to(DEV)
     prompt = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
@@ -128,20 +125,21 @@ def test_qkv_on_the_fixed_gemv(arch, monkeypatch):
     n_layers = model.config.num_hidden_layers
     assert route_linears(model, ("qkv",)) == n_layers
     calls = []
-    real = _linear.decode_linear
-    monkeypatch.setattr(_linear, "decode_linear", lambda x, w, b=None, *a, **k: calls.append((x.shape[0], b is not None))
-                        or real(x, w, b, *a, **k))
-    with captured_logits(model) as steps:
+    spy = lambda: K.overrides(on_launch=lambda name, *a: calls.append((a[0].shape[0], a[2] is not None))  # noqa: E731
+                              if name == "linear" else None)
+    with captured_logits(model) as steps, spy():
         out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
     assert_same_logits(steps, ref_steps)  # the prompt's logits, then each decode step's
     assert calls == [(1, arch == "qwen2")] * ((NEW - 1) * n_layers)
     calls.clear()
-    generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)  # one decode step
+    with spy():
+        generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)  # one decode step
     assert calls == []  # batch 2 keeps F.linear (the routes serve one row)
     assert route_linears(model, (), on=False) == n_layers
     calls.clear()
-    generate_fast(model, prompt, 2, compile=False)
+    with spy():
+        generate_fast(model, prompt, 2, compile=False)
     assert calls == []
     route_linears(model, ("qkv",))
     fused_attention.fuse_attention(model, False)  # unfusing drops the route with the fused forward

@@ -1,5 +1,5 @@
-"""fold_norms (countdown/decode/layer.py): each layer's RMSNorms on kernels/_rmsnorm.py, the attention's residual
-add into the output projection and the MLP's on kernels/_rmsnorm.py's decode_add, for batch-1 decode steps; and
+"""fold_norms (countdown/decode/layer.py): each layer's RMSNorms on kernels/decode_step/rmsnorm.py, the attention's
+residual add into the output projection and the MLP's on that file's decode_add, for batch-1 decode steps; and
 the norm kernel itself against transformers' module and float64.
 
 Against the same model with the attention fused and the QKV GEMV routed but nothing folded (itself
@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
+import countdown.kernels as K  # noqa: E402
 from countdown.decode import attention as fused_attention  # noqa: E402
 from countdown.decode import layer as fused_layer
 from countdown.decode.generate import generate_fast  # noqa: E402
@@ -66,16 +67,19 @@ def _unfolded_references(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
+def test_folded_layers_decode_as_the_unfolded_ones(arch):
     from countdown import sparsify, unsparsify
 
     ref_tokens, ref_steps, ref_logits, ref_cache, ref_sparse, ref_sparse_steps = _unfolded_references(arch)
-    from countdown.kernels import _rmsnorm  # noqa: F401  (registers countdown::decode_add)
+    adds, hits = [], []
 
-    adds = []
-    real_add = torch.ops.countdown.decode_add
-    monkeypatch.setattr(torch.ops.countdown, "decode_add", lambda *a: adds.append(a[0].shape) or real_add(*a))
-    op = "decode_rms_norm"
+    def spy(name, *a):  # the decode_add launches (the MLP's residual) and the norm kernel's (a row each)
+        if name == "decode_add":
+            adds.append(a[0].shape)
+        elif name == "rms_norm":
+            hits.append(a[0].shape[0])
+
+    counting = lambda: K.overrides(on_launch=spy)  # noqa: E731
     per_layer = 2  # the two norms
     model, prompt = _model_and_prompt(arch)
     n_layers = model.config.num_hidden_layers
@@ -88,10 +92,7 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
 
     assert route_linears(model, ("norm",)) == n_layers
     assert route_linears(model, ("qkv", "norm")) == 0  # already folded
-    hits = []
-    real = getattr(torch.ops.countdown, op)
-    monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
-    with captured_logits(model) as steps:
+    with captured_logits(model) as steps, counting():
         out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref_tokens)
     assert_same_logits(steps, ref_steps)
@@ -104,7 +105,8 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
         torch.testing.assert_close(k, k0, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v0, atol=1e-5, rtol=1e-5)
     hits.clear()
-    generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)
+    with counting():
+        generate_fast(model, torch.cat([prompt, prompt]), 2, compile=False)
     assert hits == []  # batch 2: the layer's own forward
     sparsify(model, "mono", 0.5)
     with captured_logits(model) as sparse_steps:
@@ -112,21 +114,19 @@ def test_folded_layers_decode_as_the_unfolded_ones(arch, monkeypatch):
     unsparsify(model)
     assert torch.equal(out_sparse, ref_sparse)
     assert_same_logits(sparse_steps, ref_sparse_steps)
-    monkeypatch.setattr(torch.ops.countdown, op, real)  # Dynamo traces the op itself, not the counting wrapper
-    monkeypatch.setattr(torch.ops.countdown, "decode_add", real_add)
     if arch == "llama":  # Dynamo takes the folded forward and our add
         # (its logits not captured: Dynamo would guard on the list they go to, recompiling each step)
         compiled, _ = generate_fast(model, prompt, NEW, compile=True, compile_options={"backend": "aot_eager"})
         assert torch.equal(compiled, ref_tokens)
-    monkeypatch.setattr(torch.ops.countdown, op, lambda *a: hits.append(a[0].shape[0]) or real(*a))
     hits.clear()
-    generate_fast(model, prompt, 2, compile=False)
+    with counting():
+        generate_fast(model, prompt, 2, compile=False)
     assert hits == [1] * (n_layers * per_layer)  # still folded after the compile
 
     assert route_linears(model, (), on=False) == 2 * n_layers  # the folds and the QKV routes
     assert not any(fused_layer.is_folded(m) for m in model.modules())
     hits.clear()
-    with captured_logits(model) as steps:
+    with captured_logits(model) as steps, counting():
         out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert hits == [] and torch.equal(out, ref_tokens)
     assert_same_logits(steps, ref_steps)
@@ -152,13 +152,13 @@ def test_unfusing_under_a_fold_falls_back_and_other_layers_are_named():
 
 @pytest.mark.parametrize("t,d,dtype", [(1, 4096, torch.bfloat16), (3, 700, torch.float16), (8, 96, torch.float32)])
 def test_rms_norm_kernel_matches_transformers(t, d, dtype):
-    """kernels/_rmsnorm.py against transformers' LlamaRMSNorm on the same input (its two roundings
+    """kernels/decode_step/rmsnorm.py against transformers' LlamaRMSNorm on the same input (its two roundings
     included: at most one ulp of bf16 / fp16 apart, from the order of the fp32 sum of squares; in fp32
     a few ulps, rsqrt against 1 / sqrt) and against float64
     (within the two roundings); rows of very different scale; bad shapes named."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from countdown.kernels import _rmsnorm
+    from countdown.kernels.decode_step import rmsnorm as _rmsnorm
 
     x = (torch.randn(t, d) * torch.logspace(-2, 1.5, t)[:, None]).to(dtype).to(DEV)
     module = LlamaRMSNorm(d, eps=1e-5).to(DEV).to(dtype)
@@ -183,10 +183,10 @@ def test_rms_norm_kernel_matches_transformers(t, d, dtype):
 
 @pytest.mark.parametrize("shape,dtype", [((1, 4096), torch.bfloat16), ((3, 1, 700), torch.float16), ((2, 96), torch.float32)])
 def test_decode_add_rounds_once_as_pytorch_adds(shape, dtype):
-    """kernels/_rmsnorm.py's decode_add: h + m in fp32 rounded once to the dtype, which is what PyTorch's
+    """kernels/decode_step/rmsnorm.py's decode_add: h + m in fp32 rounded once to the dtype, which is what PyTorch's
     add of two tensors of that dtype gives (bit for bit), and within half an ulp of the float64 sum; a
     mismatch of shapes or dtypes named."""
-    from countdown.kernels import _rmsnorm
+    from countdown.kernels.decode_step import rmsnorm as _rmsnorm
 
     g = torch.Generator().manual_seed(5)
     h = (torch.randn(shape, generator=g) * 10).to(dtype).to(DEV)

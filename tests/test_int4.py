@@ -18,7 +18,7 @@ from countdown.int4 import Int4Linear, dequantize, pack, quantize_rtn, unpack
 from countdown.int4 import linear as int4_linear_module
 from countdown.int4.format import nbytes
 from countdown.int4.gguf_blocks import from_blocks
-from countdown.kernels.quant import pack_bits
+from countdown.kernels.shadow.format import pack_bits
 from countdown.saving import CONFIG_NAME
 from conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""The one-pass 4-bit de-quantization (kernels/_int4_dequant.py) against the format's reference, and the 4-bit
+"""The one-pass 4-bit de-quantization (kernels/int4/dequant.py) against the format's reference, and the 4-bit
 Linear's calls of many tokens through it (int4/backends.py), under Triton's interpreter on CPU (on a GPU: compiled,
 where a fused multiply-add would show)."""
 
@@ -10,7 +10,7 @@ import torch
 from countdown.int4 import Int4Linear, backends, quantize_rtn
 from countdown.int4.format import dequantize, pack
 from countdown.int4.linear import int4_linear_ref
-from countdown.kernels import _int4_dequant
+from countdown.kernels.int4 import dequant as _int4_dequant
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The 4-bit GEMV (kernels/_int4.py) and the 4-bit decode step (decode/int4_step.py) against float64 references,
+"""The 4-bit GEMV (kernels/int4/gemv.py) and the 4-bit decode step (decode/int4_step.py) against float64 references,
 under Triton's interpreter on CPU (on a GPU: the inline-asm dequantization at the Llama-3.1-8B shapes, and the
 baseline backends against the same weights)."""
 
@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from countdown.int4 import Int4Linear, quantize_rtn, stack, use_backend
-from countdown.kernels import _int4
+import countdown.kernels as K
+from countdown.kernels.config import LAUNCH
+from countdown.kernels.int4 import gemv as _int4
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0 ** -11  # fp16's unit roundoff: the dot products' lanes are fp16x2 sums of four products
 
 
 def _bound(x: torch.Tensor, w) -> torch.Tensor:
-    """The kernel's error bound per output (module docstring of kernels/_int4.py): six fp16 roundings of the
+    """The kernel's error bound per output (module docstring of kernels/int4/words.py): six fp16 roundings of the
     signed-nibble products' magnitudes (four in a lane, x rounded to fp16, one spare), plus float32 sums."""
     codes = torch.stack([w.qweight & 15, w.qweight >> 4], -1).reshape(w.qweight.shape[0], -1).double()
     n, k = codes.shape
@@ -89,7 +91,7 @@ def test_gemv_names_bad_input():
 def test_add_partials_rounds_once(dtype):
     """decode_add_partials: h + the sum of fp32 partials (+ bias) as float64 gives it, rounded once to h's dtype,
     within half a unit of h's dtype plus the fp32 sums' roundings."""
-    from countdown.kernels._rmsnorm import decode_add_partials
+    from countdown.kernels.decode_step.rmsnorm import decode_add_partials
 
     g = torch.Generator().manual_seed(3)
     h = torch.randn(1, 1, 3000, generator=g).to(dtype)
@@ -109,7 +111,8 @@ def test_norm_folded_into_the_final_gemv_and_the_add():
     """The layer's input RMSNorm folded into the q/k/v GEMV (final: bf16 out, bias) and decode_add_norm (the residual
     add of partials and the post-attention norm in one launch) against transformers' RMSNorm (rms_norm_ref) and
     float64: the normed input is the module's to one bf16 unit (the fp32 sum of squares in another order)."""
-    from countdown.kernels._rmsnorm import decode_add_norm, decode_add_partials, rms_norm_ref
+    from countdown.kernels.decode_step.reference import rms_norm_ref
+    from countdown.kernels.decode_step.rmsnorm import decode_add_norm, decode_add_partials
 
     g = torch.Generator().manual_seed(5)
     k, n = 256, 40
@@ -154,7 +157,7 @@ def test_stack_views_the_parts():
         stack([parts[0], Int4Linear.from_weight(_weight(4, 128, 32))])
 
 
-def test_4bit_model_decodes_through_the_gemvs(monkeypatch):
+def test_4bit_model_decodes_through_the_gemvs():
     """fastest_step on a 4-bit model: q/k/v and gate/up stacked, every one-token Linear on the 4-bit GEMV
     (attention fused, down reading act(g) * u from the gate/up GEMV, each layer folded: norms and residual adds on
     our kernels, the adds summing the GEMVs' partials), the same greedy tokens as the reference
@@ -175,36 +178,36 @@ def test_4bit_model_decodes_through_the_gemvs(monkeypatch):
     use_backend(model, "countdown")  # the default
     state = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
-    real = _int4.launch
-    monkeypatch.setattr(_int4, "launch", lambda x, words, *a, **k: calls.append(words.shape[0]) or real(x, words, *a, **k))
-    assert fastest_step(model) == []
-    from countdown.decode.layer import is_folded
+    # every launch of the 4-bit GEMV, by its weight's rows
+    with K.overrides(on_launch=lambda name, *a: calls.append(a[1].shape[0]) if name == "int4_gemv" else None):
+        assert fastest_step(model) == []
+        from countdown.decode.layer import is_folded
 
-    assert all(is_folded(layer) for layer in model.model.layers)  # norms and adds on our kernels, partials summed
-    with captured_logits(model) as steps:
-        out, _ = generate_fast(model, prompt[:1], 3, compile=False)
-    assert torch.equal(out, ref)
-    for got, want in zip(steps, ref_steps):
-        torch.testing.assert_close(got[:, -1], want[:, -1], atol=2e-3, rtol=2e-3)
-    h, kv, inter, vocab = 64, 2 * 2 * 16, 128, 128
-    per_step = [h + kv, h, 2 * inter, h] * model.config.num_hidden_layers + [vocab]
-    # the prompt's head (its last position only: one token), then two decode steps: qkv, o, gate/up, down per
-    # layer and the head; the prompt's layers (9 tokens) keep the reference
-    assert calls == [vocab] + per_step * 2
-    calls.clear()
-    out2, _ = generate_fast(model, prompt, 3, compile=False)
-    assert torch.equal(out2, ref2) and calls == []  # batch 2: the reference
-    mlp, head = model.model.layers[0].mlp, model.lm_head  # compiled whole (fullgraph): the op's fake shape holds
-    x = torch.randn(1, 1, 64, device=DEV)
-    for module in (mlp, head):
-        torch._dynamo.reset()
-        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
-        torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+        assert all(is_folded(layer) for layer in model.model.layers)  # norms and adds on our kernels, partials summed
+        with captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt[:1], 3, compile=False)
+        assert torch.equal(out, ref)
+        for got, want in zip(steps, ref_steps):
+            torch.testing.assert_close(got[:, -1], want[:, -1], atol=2e-3, rtol=2e-3)
+        h, kv, inter, vocab = 64, 2 * 2 * 16, 128, 128
+        per_step = [h + kv, h, 2 * inter, h] * model.config.num_hidden_layers + [vocab]
+        # the prompt's head (its last position only: one token), then two decode steps: qkv, o, gate/up, down per
+        # layer and the head; the prompt's layers (9 tokens) keep the reference
+        assert calls == [vocab] + per_step * 2
+        calls.clear()
+        out2, _ = generate_fast(model, prompt, 3, compile=False)
+        assert torch.equal(out2, ref2) and calls == []  # batch 2: the reference
+        mlp, head = model.model.layers[0].mlp, model.lm_head  # compiled whole (fullgraph): the op's fake shape holds
         x = torch.randn(1, 1, 64, device=DEV)
-    use_backend(model, "reference")
-    calls.clear()
-    generate_fast(model, prompt[:1], 3, compile=False)
-    assert calls == []
+        for module in (mlp, head):
+            torch._dynamo.reset()
+            compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+            torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+            x = torch.randn(1, 1, 64, device=DEV)
+        use_backend(model, "reference")
+        calls.clear()
+        generate_fast(model, prompt[:1], 3, compile=False)
+        assert calls == []
     use_backend(model, "countdown")
     assert fastest_step(model, on=False) == []
     assert not any(is_folded(layer) for layer in model.model.layers)
@@ -216,38 +219,42 @@ def test_4bit_model_decodes_through_the_gemvs(monkeypatch):
         use_backend(model, "marlin")
 
 
-def test_set_shape_config_names_unknown_keys(monkeypatch):
-    """set_shape_config merges into the shape's entry (the benchmark's --gemv-config) and names a key it does not
-    know, with the ones it does, before changing anything."""
-    monkeypatch.setattr(_int4, "SHAPE_CONFIGS", {(64, 32): {"R": 4}})
-    assert _int4.set_shape_config(64, 32, {"MAX_COLS": 32}) == {**_int4.CONFIG, "R": 4, "MAX_COLS": 32}
-    assert _int4.splits(64, 32, 16) == 1 and _int4.splits(64, 64, 16) == 1
-    _int4.set_shape_config(64, 64, {"MAX_COLS": 32})
-    assert _int4.splits(64, 64, 16) == 2
-    with pytest.raises(ValueError, match=r"unknown launch configuration keys \['PERSM'\]; give some of"):
-        _int4.set_shape_config(64, 32, {"PERSM": 2})
-    assert _int4.SHAPE_CONFIGS[(64, 32)] == {"R": 4, "MAX_COLS": 32}
+def test_shape_launch_overrides_name_unknown_keys():
+    """A shape's launch configuration changed through the overrides (the benchmark's --gemv-config) merges into the
+    shape's entry of the launch table and names a key it does not know, with the ones it does, before changing
+    anything."""
+    assert _int4.config_for(64, 32) == LAUNCH["int4_gemv"]["default"]
+    with K.overrides(launch={("int4_gemv", (64, 32)): {"R": 4}}):
+        with K.overrides(launch={("int4_gemv", (64, 32)): {"R": 4, "MAX_COLS": 32}}):
+            assert _int4.config_for(64, 32) == {**LAUNCH["int4_gemv"]["default"], "R": 4, "MAX_COLS": 32}
+            assert _int4.splits(64, 32, 16) == 1 and _int4.splits(64, 64, 16) == 1
+            with K.overrides(launch={("int4_gemv", (64, 64)): {"MAX_COLS": 32}}):
+                assert _int4.splits(64, 64, 16) == 2
+        with pytest.raises(ValueError, match=r"unknown launch configuration keys \['PERSM'\] for 'int4_gemv'; give"):
+            with K.overrides(launch={("int4_gemv", (64, 32)): {"PERSM": 2}}):
+                pass
+        assert _int4.config_for(64, 32) == {**LAUNCH["int4_gemv"]["default"], "R": 4}
+    assert _int4.config_for(64, 32) == LAUNCH["int4_gemv"]["default"]
 
 
-def test_traced_gemv_holds_its_slice_count(monkeypatch):
+def test_traced_gemv_holds_its_slice_count():
     """The slices of K are an argument of the op, read from the shape's configuration when the call is traced: the
     graph traced under one configuration differs in its code from the graph under another (torch.compile's on-disk
-    cache keys on that code, not on SHAPE_CONFIGS: run D1 of session 35 reused a graph of 4 slices after
-    --gemv-config made it 1 and failed the output's shape check), and each output has the fake's shape."""
+    cache keys on that code, not on the launch table: a graph of 4 slices reused after --gemv-config made it 1
+    failed the output's shape check once), and each output has the fake's shape."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from countdown.int4.backends import gemv_partials
 
-    monkeypatch.setattr(_int4, "SHAPE_CONFIGS", {})
     w = _weight(24, 256, 32)
     module = Int4Linear.from_weight(w).to(DEV)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(DEV)
     codes = []
     for max_cols in (64, 256):
-        _int4.set_shape_config(24, 256, {"MAX_COLS": max_cols})
-        graph = make_fx(lambda x: gemv_partials(x, module), tracing_mode="fake", _allow_non_fake_inputs=True)(x)
-        codes.append(graph.code)
-        out = gemv_partials(x, module)
+        with K.overrides(launch={("int4_gemv", (24, 256)): {"MAX_COLS": max_cols}}):
+            graph = make_fx(lambda x: gemv_partials(x, module), tracing_mode="fake", _allow_non_fake_inputs=True)(x)
+            codes.append(graph.code)
+            out = gemv_partials(x, module)
         assert out.shape == (256 // max_cols, 24)
         fake = [n.meta["val"].shape for n in graph.graph.nodes if n.op == "call_function"]
         assert tuple(fake[-1]) == tuple(out.shape)

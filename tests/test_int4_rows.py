@@ -1,4 +1,4 @@
-"""Sparse rows on 4-bit weights (kernels/_int4_rows.py) against a float64 reference, under Triton's interpreter on
+"""Sparse rows on 4-bit weights (kernels/int4/rows.py) against a float64 reference, under Triton's interpreter on
 CPU (on a GPU: the inline-asm dequantization at a Llama-3.1-8B MLP's shape)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from countdown.int4 import quantize_rtn
-from countdown.kernels import _int4, _int4_rows
+import countdown.kernels as K
+from countdown.kernels.config import launch_config
+from countdown.kernels.int4 import gemv as _int4, rows as _int4_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,10 +25,9 @@ def _mlp(d_model, d_inter, group, seed=0):
     return weight(d_inter, d_model), weight(d_inter, d_model), weight(d_inter, d_model)  # gate, up, W_down^T
 
 
-def _count_launches(mp, calls: list) -> None:
-    """Record the rule of every launch of the kept-rows kernel in ``calls`` (the launch still runs)."""
-    real = _int4_rows.launch
-    mp.setattr(_int4_rows, "launch", lambda *a, **k: calls.append(a[9]) or real(*a, **k))
+def _count_launches(calls: list):
+    """A context recording the rule of every launch of the kept-rows kernels (their select kernel) in ``calls``."""
+    return K.overrides(on_launch=lambda name, *a: calls.append(a[1]) if name == "int4_rows" else None)
 
 
 def _on(w):
@@ -34,7 +35,7 @@ def _on(w):
 
 
 def _indicator(x, gate, up, mode):
-    """The indicator GEMV's partials as a decode step computes them (kernels/_int4.py): u, g, or [g; u] in slices."""
+    """The indicator GEMV's partials as a decode step computes them (kernels/int4/gemv.py): u, g, or [g; u] in slices."""
     def partials(w, max_cols):
         return _int4.launch(x.to(DEV), w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV),
                             None, {"MAX_COLS": max_cols})
@@ -74,7 +75,7 @@ def _down_bound(down_t, s, config=None):
     fp16 (UR rows a tile), each step within 2**-11 of sum |s scale c| over the column's rows."""
     group = down_t.qweight.shape[1] * 2 // down_t.scale.shape[1]
     codes = down_t.dequantize(torch.float64) - down_t.offset.double().repeat_interleave(group, 1)  # scale c
-    ur = {**_int4_rows.CONFIG, **(config or {})}["UR"]
+    ur = launch_config("int4_rows", extra=config)["UR"]
     return (ur + 1) * 2.0 ** -11 * (codes.abs().t() @ s.abs())
 
 
@@ -162,7 +163,7 @@ def test_kept_rows_add_the_residual_in_the_down_launch(mode, config, with_bias):
     rounded once to h's dtype: the same numbers as decode_add_partials on the partials (summed in the same order)
     and within one rounding of h's dtype of the float64 h + s W~d^T (+ bias); twice in a row (the slices' counters
     set back to 0 by each launch)."""
-    from countdown.kernels._rmsnorm import decode_add_partials
+    from countdown.kernels.decode_step.rmsnorm import decode_add_partials
 
     gate, up, down_t = _mlp(256, 200, 32, seed=7)
     gen = torch.Generator().manual_seed(8)
@@ -235,7 +236,7 @@ def test_kept_rows_at_the_8b_shape_on_the_gpu():
             assert ((got - want).norm() / ref.norm()).item() < 1e-2 + 2.0 ** -8 * want.norm() / ref.norm()
 
 
-def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
+def test_sparse_rows_in_the_4bit_decode_step():
     """sparse_rows on a 4-bit model's folded step: each decode step's MLP runs the kept-rows kernel (after its
     indicator GEMV); keeping every row gives the dense 4-bit step's tokens with logits within W_down's second
     rounding (its transposed groups); thresholds at the indicator's median skip about half the rows, counted;
@@ -254,37 +255,37 @@ def test_sparse_rows_in_the_4bit_decode_step(monkeypatch):
         dense, _ = generate_fast(model, prompt, 4, compile=False)
     n_layers = model.config.num_hidden_layers
     calls = []
-    _count_launches(monkeypatch, calls)
-    for method in ("mono", "dual"):
-        assert sparse_rows(model, method, [torch.tensor(-1.0)] * n_layers) == n_layers
-        with captured_logits(model) as steps:
+    with _count_launches(calls):
+        for method in ("mono", "dual"):
+            assert sparse_rows(model, method, [torch.tensor(-1.0)] * n_layers) == n_layers
+            with captured_logits(model) as steps:
+                out, _ = generate_fast(model, prompt, 4, compile=False)
+            assert torch.equal(out, dense) and sparse_rows_real(model) == 0.0
+            for got, want in zip(steps[1:], dense_steps[1:]):  # the decode steps (the prompt is the dense path)
+                torch.testing.assert_close(got[:, -1], want[:, -1], atol=5e-2, rtol=5e-2)
+        assert calls[:6 * n_layers] == ["abs"] * 3 * n_layers + ["dual"] * 3 * n_layers
+        torch._dynamo.reset()  # compiled whole, as countdown.generate compiles it (the op's fake and its mutations hold)
+        compiled, _ = generate_fast(model, prompt, 4, compile=True, compile_options={"backend": "aot_eager"})
+        assert torch.equal(compiled, dense)
+        sparse_rows(model, "mono", [torch.tensor(0.0)] * n_layers)  # every |u| passes 0: all kept again
+        x = torch.randn(1, 64, device=DEV)
+        thresholds = [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers]
+        sparse_rows(model, "mono", thresholds)
+        generate_fast(model, prompt, 4, compile=False)
+        assert 0.2 < sparse_rows_real(model) < 0.8
+        assert sparse_rows(model, None, []) == n_layers
+        calls.clear()
+        with captured_logits(model) as again:
             out, _ = generate_fast(model, prompt, 4, compile=False)
-        assert torch.equal(out, dense) and sparse_rows_real(model) == 0.0
-        for got, want in zip(steps[1:], dense_steps[1:]):  # the decode steps (the prompt is the dense path)
-            torch.testing.assert_close(got[:, -1], want[:, -1], atol=5e-2, rtol=5e-2)
-    assert calls[:6 * n_layers] == ["abs"] * 3 * n_layers + ["dual"] * 3 * n_layers
-    torch._dynamo.reset()  # compiled whole, as countdown.generate compiles it (the op's fake and its mutations hold)
-    compiled, _ = generate_fast(model, prompt, 4, compile=True, compile_options={"backend": "aot_eager"})
-    assert torch.equal(compiled, dense)
-    sparse_rows(model, "mono", [torch.tensor(0.0)] * n_layers)  # every |u| passes 0: all kept again
-    x = torch.randn(1, 64, device=DEV)
-    thresholds = [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers]
-    sparse_rows(model, "mono", thresholds)
-    generate_fast(model, prompt, 4, compile=False)
-    assert 0.2 < sparse_rows_real(model) < 0.8
-    assert sparse_rows(model, None, []) == n_layers
-    calls.clear()
-    with captured_logits(model) as again:
-        out, _ = generate_fast(model, prompt, 4, compile=False)
-    assert torch.equal(out, dense) and calls == []
-    for got, want in zip(again, dense_steps):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
-        sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)
+        assert torch.equal(out, dense) and calls == []
+        for got, want in zip(again, dense_steps):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
+            sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="PDL runs on a GPU only")
-def test_early_list_reads_under_pdl_give_the_same_step(monkeypatch):
+def test_early_list_reads_under_pdl_give_the_same_step():
     """EARLY = 1 (the down kernel reads the select kernel's lists before its PDL wait, the other GEMV signals only
     once past its own): the folded 4-bit step with mono sparse rows decodes the same tokens and logits, bit for bit,
     as with EARLY = 0 (the same arithmetic; a list read before select had finished would differ)."""
@@ -302,8 +303,7 @@ def test_early_list_reads_under_pdl_give_the_same_step(monkeypatch):
     sparse_rows(model, "mono", [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers])
     runs = []
     for early in (0, 1):
-        monkeypatch.setitem(_int4_rows.CONFIG, "EARLY", early)
-        with captured_logits(model) as steps:
+        with captured_logits(model) as steps, K.overrides(launch={"int4_rows": dict(EARLY=early)}):
             out, _ = generate_fast(model, prompt, 6, compile=False)
         runs.append((out, steps))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -353,10 +353,8 @@ def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():
     use_backend(model, "countdown")
     fastest_step(model)
     calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        _count_launches(mp, calls)
-        with captured_logits(model) as steps:
-            out, _ = generate_fast(model, prompt, 4, compile=False)
+    with _count_launches(calls), captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, 4, compile=False)
     assert calls == ["dual"] * 3 * 2  # 3 decode steps x 2 layers, every row kept
     _assert_same_decode(out, ref, steps, ref_steps, atol=2e-3, rtol=2e-3)
     mlp = model.model.layers[0].mlp
@@ -405,10 +403,8 @@ def test_sparsified_4bit_model_decodes_through_its_patch(order):
             fastest_step(model)
         countdown.reset_sparsity_stats(model)
         calls = []
-        with pytest.MonkeyPatch.context() as mp:
-            _count_launches(mp, calls)
-            with captured_logits(model) as steps:
-                out, _ = generate_fast(model, prompt, 5, compile=False)
+        with _count_launches(calls), captured_logits(model) as steps:
+            out, _ = generate_fast(model, prompt, 5, compile=False)
         assert calls == (["abs"] * 4 * 2 if transposed else [])  # 4 decode steps x 2 layers
         assert not torch.equal(ref, dense)
         _assert_same_decode(out, ref, steps, ref_steps, atol=2e-2)
@@ -424,7 +420,7 @@ def test_sparsified_4bit_model_decodes_through_its_patch(order):
 def test_down_scales_s_where_fp16_rounds_up():
     """The down kernel scales s scale into fp16 (s') per stream and group; a largest |s scale| just under a power of
     two rounds up to the top of that range in fp16, and -1024 s' must still be an fp16 (it overflowed once: NaN)."""
-    from countdown.kernels._int4_rows import CONFIG, down
+    from countdown.kernels.int4.rows_down import down
 
     d_inter, d_model, group = 16, 256, 32
     w = quantize_rtn(torch.randn(d_inter, d_model, generator=torch.Generator().manual_seed(7)), group)
@@ -432,7 +428,7 @@ def test_down_scales_s_where_fp16_rounds_up():
     s = torch.full((d_inter,), 0.25)
     s[0] = 2 - 2.0 ** -13  # rounds to 2.0 in fp16 once scaled
     s[1] = -(2 - 2.0 ** -13)
-    cfg = {**CONFIG, "SET": 16, "SUB": 1, "CHUNK": 16}
+    cfg = launch_config("int4_rows", extra={"SET": 16, "SUB": 1, "CHUNK": 16})
     idx = torch.arange(d_inter, dtype=torch.int32, device=DEV)
     out = down(idx, s.to(DEV), torch.tensor([d_inter], dtype=torch.int32, device=DEV), None,
                w.qweight.view(torch.int32).to(DEV), w.scale.to(DEV), w.offset.to(DEV), cfg).sum(0).double().cpu()

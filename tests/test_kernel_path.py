@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import countdown
-from countdown import patched
+from countdown import kernels
 from countdown.prac.base import RowSelector
 from countdown.prac.threshold import ThresholdSelector
 from countdown.state import state_of
@@ -13,11 +13,15 @@ from conftest import tiny_model
 pytest.importorskip("triton")
 
 
-@pytest.fixture(autouse=True)
-def _kernel_calls_uncaptured(monkeypatch):
-    """These tests count the kernel route's Python calls: on CUDA, no CUDA graph of it (whose capture calls it
-    three times and whose replays not at all; tests/test_hf_generate.py checks the captured route)."""
-    monkeypatch.setattr(patched, "EAGER_GRAPHS", False)
+# These tests count the kernel route's launches: on CUDA, no CUDA graph of it (whose capture launches it three times
+# and whose replays not at all; tests/test_hf_generate.py checks the captured route).
+DIRECT = kernels.KernelOptions(eager_graphs=False)
+
+
+def _chain_rules(calls: list):
+    """The spy hook recording the keep rule of each launch of the chain's gate / up kernel (mono: "abs", cats:
+    "abs_act", a predictor's scores: "gt", a mask: "mask")."""
+    return lambda name, *a: calls.append(a[1]) if name == "chain_gate_up" else None
 
 
 class FirstRowsSelector(RowSelector):
@@ -38,13 +42,8 @@ def _swap_selectors(model, make):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
 @pytest.mark.parametrize("kind", ["mono", "cats", "predictor"])
-def test_kernel_path_matches_masked_path(arch, kind, monkeypatch):
-    from countdown import kernels
-
+def test_kernel_path_matches_masked_path(arch, kind):
     calls = []
-    for name in ("mono_gated_mlp", "cats_gated_mlp", "masked_gated_mlp"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
     model = tiny_model(arch).to(device)
     ids = torch.randint(3, 128, (3, 1), device=device)  # three sequences, one decode-sized token each
@@ -57,28 +56,25 @@ def test_kernel_path_matches_masked_path(arch, kind, monkeypatch):
 
     outs = {}
     for path in ("masked", "kernel"):
-        countdown.sparsify(model, kind if kind != "predictor" else "dual", 0.5, scope="all", path=path)
+        countdown.sparsify(model, kind if kind != "predictor" else "dual", 0.5, scope="all", path=path,
+                           kernel_options=DIRECT)
         _swap_selectors(model, make)
-        with torch.no_grad():
+        with torch.no_grad(), kernels.overrides(on_launch=_chain_rules(calls)):
             outs[path] = model(ids).logits
         countdown.unsparsify(model)
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
-    expected = {"mono": "mono_gated_mlp", "cats": "cats_gated_mlp", "predictor": "masked_gated_mlp"}[kind]
+    expected = {"mono": "abs", "cats": "abs_act", "predictor": "mask"}[kind]  # mono's, cats', the masked op's
     assert calls == [expected] * 2  # one call per layer, on the kernel path only
 
 
 @pytest.mark.parametrize("method,selection", [("dual", "cut"), ("dejavu", "logit")])
-def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection, monkeypatch):
+def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection):
     """A trained low-rank predictor (bias and cut folded into a per-row threshold on x A B) takes the
     fused dual kernel on decode steps and keeps the rows the masked path keeps."""
-    from countdown import kernels
     from countdown import train_predictors
     from test_calibrate import TOK, word_texts
 
     calls = []
-    for name in ("dual_gated_mlp", "masked_gated_mlp"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("llama")
     art = train_predictors(model, TOK, method, 0.7, texts=word_texts(0), num_tokens=256, window=64,
@@ -87,31 +83,31 @@ def test_trained_lowrank_predictor_runs_inside_the_dual_kernel(method, selection
     ids = torch.randint(3, 120, (2, 1), device=device, generator=None)
     outs = {}
     for path in ("masked", "kernel"):
-        countdown.sparsify(model, method, 0.7, mode="prac", artifacts=art, scope="all", path=path)
-        with torch.no_grad():
+        countdown.sparsify(model, method, 0.7, mode="prac", artifacts=art, scope="all", path=path,
+                           kernel_options=DIRECT)
+        with torch.no_grad(), kernels.overrides(on_launch=_chain_rules(calls)):
             outs[path] = model(ids).logits
         countdown.unsparsify(model)
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
-    assert calls == ["dual_gated_mlp"] * len(countdown.find_gated_mlps(model))
+    assert calls == ["gt"] * len(countdown.find_gated_mlps(model))  # dual's scores in the kernel, not a mask
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kind", ["mono", "cats", "dual"])
-def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
+def test_one_token_decode_takes_the_one_launch_kernel(arch, kind):
     """A patched model's single-token forward (a decode step at batch 1) runs each Gated-MLP as the
-    one-launch kernel (kernels/_onepass.py) and gives the masked path's logits; dual with a trained
+    one-launch kernel (kernels/sparse_mlp/one_token.py) and gives the masked path's logits; dual with a trained
     low-rank predictor (per-row cuts)."""
-    from countdown.kernels import _onepass
-
-    from countdown.kernels import _linear
-
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)  # the indicator's GEMV on kernels/_linear.py
     launches, gemvs = [], []
-    real = _onepass.onepass_partials
-    monkeypatch.setattr(_onepass, "onepass_partials", lambda *a, **k: launches.append(a[7]) or real(*a, **k))
-    real_linear = _linear.decode_linear
-    monkeypatch.setattr(_linear, "decode_linear", lambda *a, **k: gemvs.append(1) or real_linear(*a, **k))
+
+    def spy(name, *a):
+        if name == "one_token":
+            launches.append(a[1])  # the keep rule
+        elif name == "linear":
+            gemvs.append(1)
+
+    # the one-token kernel and the indicator's GEMV on decode_step/linear.py, as on CUDA
+    as_cuda = lambda: kernels.overrides(cuda_routes=("one_token", "linear"), on_launch=spy)  # noqa: E731
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(arch)
     art = None
@@ -126,16 +122,17 @@ def test_one_token_decode_takes_the_one_launch_kernel(arch, kind, monkeypatch):
     outs = {}
     for path in ("masked", "kernel"):
         if kind == "dual":
-            countdown.sparsify(model, "dual", 0.7, mode="prac", artifacts=art, scope="all", path=path)
+            countdown.sparsify(model, "dual", 0.7, mode="prac", artifacts=art, scope="all", path=path,
+                               kernel_options=DIRECT)
         else:
-            countdown.sparsify(model, kind, 0.5, scope="all", path=path)
+            countdown.sparsify(model, kind, 0.5, scope="all", path=path, kernel_options=DIRECT)
             _swap_selectors(model, lambda mlp: ThresholdSelector(countdown.get_method(kind), 0.05).to(mlp.w_up.device))
-        with torch.no_grad():
+        with torch.no_grad(), as_cuda():
             outs[path] = model(ids).logits
         countdown.unsparsify(model)
     torch.testing.assert_close(outs["kernel"], outs["masked"], rtol=1e-4, atol=1e-4)
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[kind]
     assert launches == [mode] * len(countdown.find_gated_mlps(model))
     # the GEMVs before the kernel: the indicator where it is computed outside (not mono's u), and dual's x A
-    per_mlp = int(_onepass.indicator_outside(mode)) + (kind == "dual")
+    per_mlp = int(kind != "mono") + (kind == "dual")
     assert len(gemvs) == per_mlp * len(launches)

@@ -20,7 +20,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _down, _glu, _onepass, _psum  # noqa: E402
+from countdown.kernels import common  # noqa: E402
+from countdown.kernels.route import ROUTES  # noqa: E402
+from countdown.kernels.sparse_mlp import one_token, partial_sums  # noqa: E402
 
 from _onetoken import gap_threshold as _threshold  # noqa: E402
 from _onetoken import indicator_values, outputs  # noqa: E402
@@ -33,12 +35,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    # one token on the chained kernels too (test_onepass covers the one-launch kernel, whose in-kernel
+def _poison():
+    # one token on the chained kernels too (test_one_token covers the one-launch kernel, whose in-kernel
     # indicator has another summation order that may move a threshold tie)
-    monkeypatch.setattr(_onepass, "ONEPASS", False)
-    torch.manual_seed(0)
+    with K.overrides(poison_outputs=True, off=("one_token",)):
+        torch.manual_seed(0)
+        yield
+
+
+def _indicator_routes(ind: str) -> dict:
+    """mono's and cats' one-token indicator computed in the kernel ("kernel") or before it ("torch": the fixed GEMV
+    on CUDA, PyTorch's matmul under the interpreter)."""
+    return {(f"{m}_indicator", dev): (("in_kernel",) if ind == "kernel" else ROUTES[("cats_indicator", dev)][:1])
+            + (None, None) for m in ("mono", "cats") for dev in ("cuda", "interpreter")}
 
 
 def _mlp(batch, dtype, d_model=D_MODEL, d_inter=D_INTER, lead=None):
@@ -87,7 +96,7 @@ def test_mono(dtype, batch, act, k):
 @pytest.mark.parametrize("dtype,batch,act,k", CASES, ids=CASE_IDS)
 def test_cats(dtype, batch, act, k):
     x, wg, wu, wdt = _mlp(batch, dtype)
-    thr = _threshold(_common.act_torch((x @ wg.t()).float(), act).abs(), k)
+    thr = _threshold(common.act_torch((x @ wg.t()).float(), act).abs(), k)
     keep = K.cats_keep(x, wg, thr, act)
     out = K.cats_gated_mlp(x, wg, wu, wdt, thr, act)
     _check(out, K.cats_gated_mlp_ref(x, wg, wu, wdt, thr, act),
@@ -192,7 +201,7 @@ def test_dual_per_row_cut(dtype, batch):
         K.dual_gated_mlp(x, wg, wu, wdt, pa, pb, cut[None, :], "silu")
 
 
-ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
+ONE_TOKEN_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd shapes, several chunks
     ("mono", torch.bfloat16, "silu", {}, False),  # per program
     ("mono", torch.float32, "gelu_tanh", dict(CHUNK=16, BLOCK_M=4, ROWS=None), False),
     ("cats", torch.float16, "gelu_tanh", {}, False),
@@ -212,24 +221,26 @@ ONEPASS_CASES = [  # (op, dtype, activation, config, per-row thresholds): odd sh
 ]
 # mono and cats take their indicator given (computed before the launch) or computed in the kernel; dual's scores
 # always come from the predictor's GEMVs before it
-ONEPASS_RUNS = [(case, ind) for case in ONEPASS_CASES for ind in ("torch", "kernel")
+ONE_TOKEN_RUNS = [(case, ind) for case in ONE_TOKEN_CASES for ind in ("torch", "kernel")
                 if case[0] != "dual" or ind == "torch"]
 
 
-@pytest.mark.parametrize("op,dtype,act,config,per_row,ind", [(*c, ind) for c, ind in ONEPASS_RUNS],
+@pytest.mark.parametrize("op,dtype,act,config,per_row,ind", [(*c, ind) for c, ind in ONE_TOKEN_RUNS],
                          ids=[f"{o}-{str(d)[6:]}-{a}-{'cfg' if c else 'default'}{'-per-row' if r else ''}-ind-{i}"
-                              for (o, d, a, c, r), i in ONEPASS_RUNS])
-def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
+                              for (o, d, a, c, r), i in ONE_TOKEN_RUNS])
+def test_one_token(op, dtype, act, config, per_row, ind):
     """The one-launch kernel for a single token (decode steps): indicator, compaction, kept GEMVs
     and down projection in one persistent grid, fp32 partials summed outside; the indicator given
     (computed by torch) or computed in the kernel, RB rows a step (RB 2 where the case gives none).
     Thresholds sit in wide gaps (the kernel's own indicator has another summation order); per-row thresholds
     (dual: a trained predictor's ``cut - bias``) give every row its own value."""
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    rb = {"RB": 2} if ind == "kernel" else {}  # (mono's own RB, or the case's, where they give one)
-    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**rb, **c, **config, "IND": ind}
-                                              for m, c in _onepass.CONFIGS.items()})
+    rb = {"RB": 2} if ind == "kernel" else {}  # (mono's own RB is 2; the case's RB where it gives one)
+    with K.overrides(off=(), cuda_routes=("one_token",), launch={"one_token": {**rb, **config}},
+                     routes=_indicator_routes(ind)):
+        _one_launch_case(op, dtype, act, per_row)
+
+
+def _one_launch_case(op, dtype, act, per_row):
     x, wg, wu, wdt = _mlp(1, dtype)
     pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(dtype)
     pb = (torch.randn(D_INTER, 16, device=DEVICE) / 4).to(dtype).t()  # B^T stored contiguous
@@ -244,18 +255,18 @@ def test_onepass(op, dtype, act, config, per_row, ind, monkeypatch):
     out, out_torch = outputs(op, x, wg, wu, wdt, thr, act, pa, pb)
     assert 0 < int(keep.sum()) < keep.numel()
     mode = {"mono": "abs", "cats": "abs_act", "dual": "gt"}[op]
-    assert _onepass.n_programs(x.device, D_INTER, mode) > 1 or REAL
+    assert one_token.n_programs(x.device, D_INTER, mode) > 1 or REAL
     _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
 
 
 @pytest.mark.parametrize("rows,d,dtype", [(7, 50, torch.bfloat16), (224, 67, torch.float16), (600, 33, torch.float32)])
 def test_sum_partials_matches_float64(rows, d, dtype):
-    """kernels/_psum.py: the column sums of fp32 partials, rounded once to the model's dtype (600 rows:
+    """sparse_mlp/partial_sums.py: the column sums of fp32 partials, rounded once to the model's dtype (600 rows:
     more than one load per program); the custom op gives the same and names a wrong input."""
     gen = torch.Generator().manual_seed(rows)
     p = (torch.randn(rows, d, generator=gen) * torch.logspace(-3, 2, d)[None, :]).to(DEVICE)
     exact = p.double().sum(0, keepdim=True)
-    got = _psum.sum_partials(p, dtype)
+    got = partial_sums.sum_partials(p, dtype)
     assert got.dtype == dtype and got.shape == (1, d)
     # fp32 accumulation of `rows` terms, then one rounding to dtype (half an ulp)
     ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[dtype]
@@ -263,7 +274,7 @@ def test_sum_partials_matches_float64(rows, d, dtype):
     assert ((got.double() - exact).abs() <= bound).all()
     assert torch.equal(torch.ops.countdown.sum_partials(p, torch.empty(1, dtype=dtype)), got)
     with pytest.raises(ValueError, match="fp32"):
-        _psum.sum_partials(p.to(torch.bfloat16), dtype)
+        partial_sums.sum_partials(p.to(torch.bfloat16), dtype)
 
 
 def test_sum_partials_of_a_few_tokens_and_the_route(monkeypatch):
@@ -273,39 +284,37 @@ def test_sum_partials_of_a_few_tokens_and_the_route(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(96, 3, 40, generator=gen).to(DEVICE)
     exact = p.double().sum(0)
-    got = _psum.sum_partials(p, torch.bfloat16)
+    got = partial_sums.sum_partials(p, torch.bfloat16)
     assert got.shape == (3, 40) and got.dtype == torch.bfloat16
     assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 96 * 2.0**-24 * p.double().abs().sum(0)).all()
     like = torch.empty(1, dtype=torch.bfloat16, device=DEVICE)
-    monkeypatch.setattr(_psum, "OFF_CUDA", True)
     taken = []
-    real = _psum.sum_partials
-    monkeypatch.setattr(_psum, "sum_partials", lambda *a: taken.append(a[0].shape) or real(*a))
-    for compiling in (False, True):
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
-        taken.clear()
-        y = _psum.reduce(p, like)
-        assert bool(taken) == (not compiling)
-        assert y.shape == (3, 40) and torch.equal(y, p.sum(0).to(torch.bfloat16) if compiling else got)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert _psum.reduce(p[:, 0], like).shape == (1, 40)  # one token's 2-D partials keep the row dim
+    with K.overrides(cuda_routes=("partial_sums",),
+                     on_launch=lambda name, *a: taken.append(a[0].shape) if name == "partial_sums" else None):
+        for compiling in (False, True):
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+            taken.clear()
+            y = partial_sums.reduce(p, like)
+            assert bool(taken) == (not compiling)
+            assert y.shape == (3, 40) and torch.equal(y, p.sum(0).to(torch.bfloat16) if compiling else got)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+        assert partial_sums.reduce(p[:, 0], like).shape == (1, 40)  # one token's 2-D partials keep the row dim
 
 
 @pytest.mark.parametrize("op", ["mono", "dual"])
-def test_onepass_indicator_on_the_fixed_gemv(op, monkeypatch):
-    """The one-token indicator given to the kernel (mono's u with IND "torch"; dual's x A and (x A) B, A and B
-    held as views of contiguous A^T and B^T) runs on kernels/_linear.py's GEMV, once per GEMV, and the MLP
+def test_one_token_indicator_on_the_fixed_gemv(op):
+    """The one-token indicator given to the kernel (mono's u computed before it; dual's x A and (x A) B, A and B
+    held as views of contiguous A^T and B^T) runs on decode_step/linear.py's GEMV, once per GEMV, and the MLP
     still matches float64; a predictor whose A is a plain contiguous [d_model, r] falls back to x @ A."""
-    from countdown.kernels import _linear
-
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "IND_GEMV_OFF_CUDA", True)
-    monkeypatch.setattr(_onepass, "CONFIGS", {m: {**c, "IND": "torch"} for m, c in _onepass.CONFIGS.items()})
-    monkeypatch.setattr(_psum, "OFF_CUDA", True)  # and the partials summed by kernels/_psum.py
     calls = []
-    real = _linear.decode_linear
-    monkeypatch.setattr(_linear, "decode_linear", lambda x, w, *a, **k: calls.append(tuple(w.shape)) or real(x, w, *a, **k))
+    # the one-token kernel, the fixed GEMV and the partials summed by sparse_mlp/partial_sums.py, as on CUDA
+    with K.overrides(off=(), cuda_routes=("one_token", "linear", "partial_sums", "residual_add"),
+                     routes=_indicator_routes("torch"),
+                     on_launch=lambda name, *a: calls.append(tuple(a[1].shape)) if name == "linear" else None):
+        _indicator_case(op, calls)
+
+
+def _indicator_case(op, calls):
     x, wg, wu, wdt = _mlp(1, torch.bfloat16)
     if op == "dual":
         pa = (torch.randn(D_MODEL, 16, device=DEVICE) / D_MODEL**0.5).to(torch.bfloat16).t().contiguous().t()
@@ -327,22 +336,16 @@ def test_onepass_indicator_on_the_fixed_gemv(op, monkeypatch):
     _check(out, out_torch, K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, "silu"))
 
 
-def test_onepass_really_runs(monkeypatch):
+def test_one_token_really_runs():
     """The single-token ops take the one-launch kernel when it applies, and only then."""
-    monkeypatch.setattr(_onepass, "ONEPASS", True)
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
     calls = []
-    real = _onepass.onepass_partials
-
-    def spy(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_onepass, "onepass_partials", spy)
-    for batch in (1, 2):
-        x, wg, wu, wdt = _mlp(batch, torch.bfloat16)
-        K.mono_gated_mlp(x, wg, wu, wdt, 0.5, "silu")
+    with K.overrides(off=(), cuda_routes=("one_token",),
+                     on_launch=lambda name, *a: calls.append(a[0].shape[0]) if name == "one_token" else None):
+        for batch in (1, 2):
+            x, wg, wu, wdt = _mlp(batch, torch.bfloat16)
+            K.mono_gated_mlp(x, wg, wu, wdt, 0.5, "silu")
     assert calls == [1]
+    real = one_token.one_token_partials
     with pytest.raises(ValueError, match="one token"):
         real(x, wu, wg, wu, wdt, None, 0.5, "abs", "silu", True, False)
     x = x[:1]
@@ -354,35 +357,33 @@ def test_onepass_really_runs(monkeypatch):
 
 
 VARIANTS = [  # kernel options the benchmark compares; each must be right too
-    dict(glu=dict(USE_DOT=True, CHUNK=16, BLOCK_K=32), down=dict(USE_DOT=True, reduce="splitk"), per_token=False),
-    dict(glu=dict(USE_DOT=False, CHUNK=16, BLOCK_M=4, BLOCK_K=32), down=dict(USE_DOT=False, reduce="atomic",
-                                                                          CHUNK=32), per_token=False),
-    dict(glu=dict(USE_DOT=False, BLOCK_K=0), down=dict(USE_DOT=False, reduce="splitk", CHUNK=64, BLOCK_N=32),
-         per_token=True),
+    dict(glu=dict(USE_DOT=True, CHUNK=16, BLOCK_K=32), down=dict(USE_DOT=True), per_token=False),
+    dict(glu=dict(USE_DOT=False, CHUNK=16, BLOCK_M=4, BLOCK_K=32), down=dict(USE_DOT=False, CHUNK=32),
+         per_token=False),
+    dict(glu=dict(USE_DOT=False, BLOCK_K=0), down=dict(USE_DOT=False, CHUNK=64, BLOCK_N=32), per_token=True),
 ]
 
 
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_variants(variant, dtype, monkeypatch):
+def test_variants(variant, dtype):
     v = VARIANTS[variant]
-    monkeypatch.setattr(_glu, "GLU_CONFIGS", {b: {**c, **v["glu"]} for b, c in _glu.GLU_CONFIGS.items()})
-    monkeypatch.setattr(_down, "DOWN_CONFIGS", {b: {**c, **v["down"]} for b, c in _down.DOWN_CONFIGS.items()})
     batch, act = 5, "silu"
     x, wg, wu, wdt = _mlp(batch, dtype)
     keep = torch.rand(batch, D_INTER, device=DEVICE) >= 0.8
-    out = K.masked_gated_mlp(x, wg, wu, wdt, keep, act, per_token=v["per_token"])
+    with K.overrides(launch={"chain_gate_up": v["glu"], "chain_down": v["down"]}):
+        out = K.masked_gated_mlp(x, wg, wu, wdt, keep, act, per_token=v["per_token"])
     _check(out, K.masked_gated_mlp_ref(x, wg, wu, wdt, keep, act),
            K.gated_mlp_masked_ref(*_f64(x, wg, wu, wdt), keep, act))
 
 
-def test_available_and_fallback(monkeypatch):
+def test_available_and_fallback():
     x, wg, wu, wdt = _mlp(2, torch.float32)
     assert K.available(x)
-    monkeypatch.setattr(_common, "has_triton", lambda: False)
-    assert not K.available(x)
-    thr = _threshold((x @ wu.t()).abs(), 0.5)  # falls back to the PyTorch reference
-    torch.testing.assert_close(K.mono_gated_mlp(x, wg, wu, wdt, thr), K.mono_gated_mlp_ref(x, wg, wu, wdt, thr))
+    with K.overrides(triton=False):  # as if Triton were not installed
+        assert not K.available(x)
+        thr = _threshold((x @ wu.t()).abs(), 0.5)  # falls back to the PyTorch reference
+        torch.testing.assert_close(K.mono_gated_mlp(x, wg, wu, wdt, thr), K.mono_gated_mlp_ref(x, wg, wu, wdt, thr))
 
 
 def test_torch_compile_fullgraph():

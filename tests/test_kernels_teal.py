@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common  # noqa: E402
+from countdown.kernels import common as _common  # noqa: E402
+from countdown.kernels.teal import kernels as _teal  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
@@ -25,9 +26,10 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        torch.manual_seed(0)
+        yield
 
 
 def _weights(dtype, fused=False, d_model=D_MODEL, d_inter=D_INTER):
@@ -97,13 +99,13 @@ def test_all_or_nothing_kept(kept):
         assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_leading_dims_and_fallback(monkeypatch):
+def test_leading_dims_and_fallback():
     x = torch.randn(2, 1, D_MODEL, device=DEVICE)
     wg_t, wu_t, wd_t = _weights(torch.float32)
     out = K.teal_gated_mlp(x, wg_t, wu_t, wd_t, 0.3, 0.01)
     assert out.shape == x.shape
-    monkeypatch.setattr(K.teal, "available", lambda t=None: False)
-    torch.testing.assert_close(K.teal_gated_mlp(x, wg_t, wu_t, wd_t, 0.3, 0.01), out, rtol=1e-5, atol=1e-5)
+    with K.overrides(triton=False):  # the reference, as without Triton
+        torch.testing.assert_close(K.teal_gated_mlp(x, wg_t, wu_t, wd_t, 0.3, 0.01), out, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_are_clear_errors():
@@ -156,11 +158,13 @@ SMALL_CASES = [  # (dtype, batch, k, kept: "some" / "all" / "none")
 @pytest.mark.parametrize("fuse", [False, True], ids=["finish-kernel", "finish-fused"])
 @pytest.mark.parametrize("dtype,batch,k,kept", SMALL_CASES,
                          ids=[f"{str(c[0])[6:]}-b{c[1]}-k{c[2]}-{c[3]}" for c in SMALL_CASES])
-def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept, fuse):
+def test_small_tiles_splits_and_blocks(dtype, batch, k, kept, fuse):
     """Both ways of finishing s: its own kernel, or inside each down program (config FUSE)."""
-    from countdown.kernels import _teal
+    with K.overrides(launch={"teal": dict(FB=32)}):
+        _small_case(dtype, batch, k, kept, fuse)
 
-    monkeypatch.setattr(_teal, "FB", 32)
+
+def _small_case(dtype, batch, k, kept, fuse):
     x = torch.randn(batch, SMALL_D_MODEL, device=DEVICE).to(dtype)
     wg_t, wu_t, wd_t = _weights(dtype, fused=batch == 3, d_model=SMALL_D_MODEL, d_inter=SMALL_D_INTER)
     if kept == "some":
@@ -179,10 +183,8 @@ def test_small_tiles_splits_and_blocks(monkeypatch, dtype, batch, k, kept, fuse)
     _check(out, out_torch, ref64)
 
 
-def test_partials_shape_matches_fake(monkeypatch):
+def test_partials_shape_matches_fake():
     """The op's partial sums have the shape its fake (torch.compile's view of it) announces."""
-    from countdown.kernels import _teal
-
     x = torch.randn(2, D_MODEL, device=DEVICE)
     wg_t, wu_t, wd_t = _weights(torch.float32)
     p = _teal.teal_partials(x, wg_t, wu_t, wd_t, None, 0.3, None, 0.01, "silu")

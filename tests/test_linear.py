@@ -1,4 +1,4 @@
-"""The decode GEMV (kernels/_linear.py) against float64 references, under Triton's interpreter on CPU (on a GPU at the Llama-3.1-8B shapes with
+"""The decode GEMV (kernels/decode_step/linear.py) against float64 references, under Triton's interpreter on CPU (on a GPU at the Llama-3.1-8B shapes with
 COUNTDOWN_KERNEL_TEST_SHAPES=real). Every output buffer is poisoned with NaN first."""
 
 import os
@@ -10,7 +10,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 pytest.importorskip("triton")
 
-from countdown.kernels import _common, _linear  # noqa: E402
+import countdown.kernels as K  # noqa: E402
+from countdown.kernels.decode_step import linear as _linear  # noqa: E402
+from countdown.kernels.decode_step.reference import decode_linear_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = os.environ.get("COUNTDOWN_KERNEL_TEST_SHAPES", "") == "real"
@@ -18,9 +20,10 @@ ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
-    torch.manual_seed(0)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        torch.manual_seed(0)
+        yield
 
 
 SHAPES = [(4096, 4096), (4096, 14336), (6144, 4096)] if REAL else [(40, 96), (33, 700), (64, 512), (19, 1000)]
@@ -42,7 +45,7 @@ def test_decode_linear_matches_float64(t, n, k, dtype, bias, res):
     r = torch.randn(t, n, device=DEVICE).to(dtype) if res else None
     for config in ({}, dict(BN=8, BK=128, num_stages=1)):
         y = _linear.decode_linear(x, w, b, r, config=config)
-        exact = _linear.decode_linear_ref(x, w, b, r).double()  # rounded once
+        exact = decode_linear_ref(x, w, b, r).double()  # rounded once
         ref64 = x.double() @ w.double().t() + (b.double() if bias else 0) + (r.double() if res else 0)
         assert y.shape == (t, n) and y.dtype == dtype and torch.isfinite(y).all()
         # at most one ulp of the output from the exact value (the rounded reference is within half)
@@ -74,7 +77,7 @@ def test_decode_linear_folds_the_rmsnorm(t, n, k, dtype, bias):
         assert y.shape == (t, n) and y.dtype == dtype and torch.isfinite(y).all()
         tol = ULP[dtype] * ref64.abs().clamp_min(1.0) + 1e-5
         assert ((y.double() - ref64).abs() <= tol).all(), (y.double() - ref64).abs().max()
-    torch.testing.assert_close(_linear.decode_linear_ref(x, w, b, None, g, eps).double(), ref64, rtol=ULP[dtype],
+    torch.testing.assert_close(decode_linear_ref(x, w, b, None, g, eps).double(), ref64, rtol=ULP[dtype],
                                atol=1e-5)
     if not bias:  # the op the routes call: the same GEMV, and x = RMSNorm(x) written beside it
         y, xn = torch.ops.countdown.decode_norm_linear_x(x, g, eps, w)
@@ -102,7 +105,7 @@ NEW = 3  # greedy tokens a decode below generates: two decode steps, the second 
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_routed_model_decodes_as_before(arch, monkeypatch):
+def test_routed_model_decodes_as_before(arch):
     """route_linears: a tiny model with its down, gate, up and o_proj projections on the fixed GEMV decodes
     the same greedy tokens as before, eager and compiled (the op opaque to Dynamo), with one-step
     logits within float32 rounding; the kernel serves batch-1 decode steps only (batch 2, the prompt
@@ -124,8 +127,16 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
     assert route_linears(model, ("down", "o_proj", "gate_up")) == 4 * n_layers
     assert route_linears(model, ("down",)) == 0  # already routed
     calls = []
-    real = _linear.decode_linear
-    monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    with K.overrides(on_launch=lambda name, *a: calls.append(a[0].shape[0]) if name == "linear" else None):
+        _routed_decodes(arch, model, prompt, ref, ref1, ref1_steps, ref_logits, state, n_layers, calls)
+
+
+def _routed_decodes(arch, model, prompt, ref, ref1, ref1_steps, ref_logits, state, n_layers, calls):
+    from conftest import assert_same_logits, captured_logits
+
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import is_routed, route_linears
+
     out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref) and calls == []  # batch 2: F.linear (the routes serve one row)
     with captured_logits(model) as steps1:
@@ -153,7 +164,7 @@ def test_routed_model_decodes_as_before(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_fastest_step_applies_and_undoes(arch, monkeypatch):
+def test_fastest_step_applies_and_undoes(arch):
     """decode_gemv.fastest_step: fused attention where fusable (Llama; Gemma-3 is left alone and named),
     down / gate_up / o_proj on the fixed GEMV, and qkv only where fused; greedy batch-1 decoding gives
     the same tokens as the plain model, sparsified too; on=False restores every module; and countdown
@@ -182,15 +193,14 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     assert sum(bool(getattr(m, QKV_FIXED, False)) for m in model.modules()) == fused
     assert sum(is_folded(m) for m in model.modules()) == fused  # each fused layer folded (fused_layer)
-    from countdown.kernels import _pdl
+    from countdown.kernels.config import FOLDED, pdl_wanted
 
-    assert sum(m in _pdl.folded for m in model.modules()) == fused
+    assert sum(m in FOLDED for m in model.modules()) == fused
     if fused:
-        assert _pdl.switched_on()  # PDL on while layers are folded
+        assert pdl_wanted()  # PDL on while layers are folded
     calls = []
-    real = _linear.decode_linear
-    monkeypatch.setattr(_linear, "decode_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    with captured_logits(model) as steps:
+    with captured_logits(model) as steps, \
+            K.overrides(on_launch=lambda name, *a: calls.append(a[0].shape[0]) if name == "linear" else None):
         out, _ = generate_fast(model, prompt, NEW, compile=False)
     assert torch.equal(out, ref) and calls
     assert_same_logits(steps, ref_steps)
@@ -203,7 +213,7 @@ def test_fastest_step_applies_and_undoes(arch, monkeypatch):
     assert fastest_step(model, on=False) == []
     assert not any(is_routed(m) or is_fused(m) or is_folded(m) or getattr(m, QKV_FIXED, False)
                    for m in model.modules())
-    assert not any(m in _pdl.folded for m in model.modules())  # PDL no longer counts this model
+    assert not any(m in FOLDED for m in model.modules())  # PDL no longer counts this model
     with _fast_step(model, True):
         assert sum(is_routed(m) for m in model.modules()) == 4 * n_layers
     with _fast_step(model, False):
@@ -245,34 +255,41 @@ def test_fastest_step_leaves_unfoldable_layers_alone():
     fastest_step(model, on=False)
 
 
-def test_pdl_is_on_while_layers_are_folded_and_never_under_the_interpreter(monkeypatch):
+def test_pdl_is_on_while_layers_are_folded_and_never_under_the_interpreter():
     import weakref
 
-    from countdown.kernels import _pdl
+    from countdown.kernels.config import pdl_wanted
+    from countdown.kernels.config import launch_kwargs, pdl_active, pdl_mode
 
     x = torch.zeros(1, 8, device=DEVICE)
-    monkeypatch.setattr(_pdl, "folded", weakref.WeakSet())
-    assert not _pdl.switched_on() and not _pdl.active(x) and _pdl.mode(x) == 0
-    assert _pdl.launch_kwargs(False) == {} and _pdl.launch_kwargs(True) == {"launch_pdl": True}
+    folded = weakref.WeakSet()  # a registry of its own (config.FOLDED may hold another test's folded layers)
+    assert not pdl_wanted(folded) and not pdl_active(x, folded)
+    with K.overrides(pdl=False):
+        assert pdl_mode(x) == 0
+    assert launch_kwargs(False) == {} and launch_kwargs(True) == {"launch_pdl": True}
     layer = torch.nn.Linear(1, 1)
-    _pdl.folded.add(layer)
-    assert _pdl.switched_on()
+    folded.add(layer)
+    assert pdl_wanted(folded)
     if not torch.cuda.is_available():  # CPU / TRITON_INTERPRET: the grid-dependency ops do not exist there
-        assert not _pdl.active(x) and _pdl.mode(x) == 0
-    monkeypatch.setattr(_pdl, "active", lambda t: True)
-    assert _pdl.mode(x) == 1  # every program signals at its start
+        assert not pdl_active(x, folded)
+        with K.overrides(pdl=True):  # wanted, and still off under the interpreter
+            assert pdl_wanted() and pdl_mode(x) == 0
+    elif torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl_active(x, folded)
+        with K.overrides(pdl=True):
+            assert pdl_mode(x) == 1  # every program signals at its start
 
 
-def test_weights_early_only_for_grids_that_fit_at_once(monkeypatch):
+def test_weights_early_only_for_grids_that_fit_at_once():
     """The fixed GEMV loads its first weight tile before the wait only when all its programs are resident at
     once: 132 SMs x min(32, 64 // warps) programs (8 warps: 1056; 1 warp: 4224)."""
     from types import SimpleNamespace
 
-    from countdown.kernels import _pdl
+    from countdown.kernels.config import weights_early
 
-    monkeypatch.setattr(_common, "_sm_count", lambda index: 132)
     t = SimpleNamespace(device=torch.device("cuda", 0))
-    assert _pdl.weights_early(t, 1056, 8) and not _pdl.weights_early(t, 1057, 8)
-    assert _pdl.weights_early(t, 4224, 1) and not _pdl.weights_early(t, 4225, 1)
-    assert not _pdl.weights_early(t, 6144, 8)  # Llama-3.1-8B's QKV GEMV: many waves
-    assert _pdl.weights_early(t, 512, 8) and _pdl.weights_early(t, 3584, 1)  # the predictor's x A, (x A) B
+    with K.overrides(sm_count=132):  # an H100 / H200
+        assert weights_early(t, 1056, 8) and not weights_early(t, 1057, 8)
+        assert weights_early(t, 4224, 1) and not weights_early(t, 4225, 1)
+        assert not weights_early(t, 6144, 8)  # Llama-3.1-8B's QKV GEMV: many waves
+        assert weights_early(t, 512, 8) and weights_early(t, 3584, 1)  # the predictor's x A, (x A) B

@@ -1,4 +1,4 @@
-"""The fused decode-attention kernel (kernels/_rope_attention.py): rotary embedding, cache write, attention.
+"""The fused decode-attention kernel (kernels/decode_step/rope_attention.py): rotary embedding, cache write, attention.
 
 Against float64: the rotary embedding written out by hand (rotate_half of each head), the new key and
 value put into a copy of the cache at ``pos``, softmax attention with repeated KV heads under the
@@ -14,14 +14,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
-from countdown.kernels import _common, _rope_attention  # noqa: E402
+import countdown.kernels as K  # noqa: E402
+from countdown.kernels.decode_step import rope_attention as _rope_attention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        yield
 
 
 def _rotate_half(x):

@@ -1,4 +1,4 @@
-"""The one-token shadow GEMV with int8 x and integer dot products (kernels/_gemv_i8.py).
+"""The one-token shadow GEMV with int8 x and integer dot products (kernels/shadow/gemv.py).
 
 Against float64: u~ = x w~_up^T and g~ = x w~_gate^T of the dequantized shadows, within the kernel's
 bound (x rounded to int8 per weight group: |err| <= sum_g (xs_g / 2) sum_{j in g} |w~_j|, plus float32
@@ -17,14 +17,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _gemv_i8, _onepass  # noqa: E402
+from countdown.kernels import common as _common  # noqa: E402
+from countdown.kernels.config import launch_config  # noqa: E402
+from countdown.kernels.shadow import gemv as _gemv_i8  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+def _poison():
+    with K.overrides(poison_outputs=True):
+        yield
 
 
 def _shadows(d_model, d_inter, group, bits, dtype, seed):
@@ -97,7 +100,7 @@ def test_gemv_i8_against_float64(dtype, d_model, d_inter, group, bits, xs):
     assert ((mu - u64).abs() <= eu).all() and ((mg - g64).abs() <= eg).all()  # the bound holds for the model
     outs = []
     for asm, xpre in [(a, p) for a in _paths() for p in (False, True)]:  # XPRE: x prepared by its own kernel
-        cfg = dict(ASM=asm, XPRE=xpre, PER_SM=0 if xpre else _gemv_i8.CONFIG["PER_SM"])
+        cfg = dict(ASM=asm, XPRE=xpre, PER_SM=0 if xpre else launch_config("shadow_gemv")["PER_SM"])
         o = _gemv_i8.launch(x.to(DEV), prep["q"], prep["scale"], None, cfg).cpu()
         assert o.shape == (2, 1, d_inter) and o.dtype == torch.float32 and not o.isnan().any()
         assert ((o[0].double() - u64).abs() <= eu).all(), f"asm={asm}: u~ off by {(o[0].double() - u64).abs().max()}"
@@ -138,8 +141,7 @@ def default_schedule():
     compared with: launched once for all of them (outputs poisoned first, as in every test here)."""
     _, prep = _shadows(192, 29, 64, 4, torch.bfloat16, seed=9)  # 29 rows: a partial last block for every R
     x = torch.randn(1, 192).bfloat16().to(DEV)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_common, "POISON_OUTPUTS", True)
+    with K.overrides(poison_outputs=True):
         base = {act: _gemv_i8.launch(x, prep["q"], prep["scale"], act).cpu() for act in (None, "silu")}
     return prep, x, base
 
@@ -168,24 +170,24 @@ def test_gemv_i8_zero_rows_and_bad_input():
         _gemv_i8.launch(torch.randn(2, 128, device=DEV), prep["q"], prep["scale"], None)
 
 
-def test_one_token_route_takes_it(monkeypatch):
+def test_one_token_route_takes_it():
     """The shadow MLP's one-token indicator and shadow_scores come from this kernel; the MLP is exact on the rows
     it keeps."""
-    monkeypatch.setattr(_onepass, "ONEPASS_OFF_CUDA", True)
     d_model, d_inter = 128, 96
     (qg, sg, qu, su), prep = _shadows(d_model, d_inter, 64, 4, torch.bfloat16, seed=11)
     torch.manual_seed(12)
     x = torch.randn(1, d_model).bfloat16()
     wg, wu, wdt = ((torch.randn(d_inter, d_model) * d_model**-0.5).bfloat16() for _ in range(3))
     calls = []
-    real = _gemv_i8.launch
-    monkeypatch.setattr(_gemv_i8, "launch", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    u, g = K.shadow_scores(x.to(DEV), prep)
-    assert calls == [None]
-    ind = (u * torch.nn.functional.silu(g)).abs().cpu()
-    cut = torch.quantile(ind.double(), 0.7).item()
-    out = K.shadow_dual_gated_mlp(x.to(DEV), prep, torch.tensor(cut, device=DEV), wg.to(DEV), wu.to(DEV),
-                                  wdt.to(DEV), "silu").cpu()
+    # the one-token kernel as on CUDA; the spy records each launch's activation (None: the scores, not |u~ act(g~)|)
+    with K.overrides(cuda_routes=("one_token",),
+                     on_launch=lambda name, *a: calls.append(a[1]) if name == "shadow_gemv" else None):
+        u, g = K.shadow_scores(x.to(DEV), prep)
+        assert calls == [None]
+        ind = (u * torch.nn.functional.silu(g)).abs().cpu()
+        cut = torch.quantile(ind.double(), 0.7).item()
+        out = K.shadow_dual_gated_mlp(x.to(DEV), prep, torch.tensor(cut, device=DEV), wg.to(DEV), wu.to(DEV),
+                                      wdt.to(DEV), "silu").cpu()
     assert calls == [None, "silu"]
     keep = ind > cut
     ref64 = K.gated_mlp_masked_ref(x.double(), wg.double(), wu.double(), wdt.double(), keep, "silu")

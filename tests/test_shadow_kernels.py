@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import countdown.kernels as K  # noqa: E402
-from countdown.kernels import _common, _select, quant  # noqa: E402
+from countdown.kernels import common as _common  # noqa: E402
+from countdown.kernels.shadow import format as quant  # noqa: E402
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -84,13 +85,13 @@ def test_pack_4bit_hand_example():
 
 # ------------------------------------------------------------------------------------ the kernels
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+def _poison():
+    launch = {}
     if not torch.cuda.is_available():  # the interpreter: fewer, larger programs (each op costs the same)
-        small = dict(ROWS=32, TILE_W=64, BLOCK_M=16)
-        cfgs = {k: {**v, **small} for k, v in _select.CONFIGS.items()}
-        cfgs[("shadow", 8)].update(TILE_W=16)  # several tiles per row
-        monkeypatch.setattr(_select, "CONFIGS", cfgs)
+        launch = {"select": dict(ROWS=32, TILE_W=64, BLOCK_M=16),
+                  ("select", ("shadow", 8)): dict(TILE_W=16)}  # several tiles per row
+    with K.overrides(poison_outputs=True, launch=launch):
+        yield
 
 
 CASES = [  # (dtype, batch, activation, d_model, d_inter, group, bits)
@@ -132,10 +133,15 @@ def _check(out, out_torch, ref64):
 
 
 @pytest.mark.parametrize("dtype,batch,act,d_model,d_inter,group,bits", CASES, ids=IDS)
-def test_shadow_kernel(dtype, batch, act, d_model, d_inter, group, bits, monkeypatch):
-    # one token: the fp32 shadow GEMVs (_select.py), whose tight bound lets a cut clear every score's error,
-    # instead of the int8 x GEMV, which has its own tests (tests/test_shadow_gemv_i8.py, the route included)
-    monkeypatch.setattr(K.shadow, "_one_token_gemv", lambda *a: False)
+def test_shadow_kernel(dtype, batch, act, d_model, d_inter, group, bits):
+    # one token: the fp32 shadow GEMVs (sparse_mlp/select.py), whose tight bound lets a cut clear every score's
+    # error, instead of the int8 x GEMV, which has its own tests (tests/test_shadow_gemv_i8.py, the route included)
+    fp32 = {("shadow_scores", dev): ("select", "select", "select") for dev in ("cuda", "interpreter")}
+    with K.overrides(routes=fp32):
+        _shadow_case(dtype, batch, act, d_model, d_inter, group, bits)
+
+
+def _shadow_case(dtype, batch, act, d_model, d_inter, group, bits):
     x, wg, wu, wdt = _problem(dtype, batch, d_model, d_inter)
     qg, sg = K.quantize_rtn(wg, bits, group)
     qu, su = K.quantize_rtn(wu, bits, group)

@@ -20,12 +20,12 @@ from .timing import time_graph
 
 KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
     # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
-    ("countdown sparse kernels", ("_sparse_glu_kernel", "_down_kernel", "_onepass_kernel", "_sum_partials", "_psum_kernel",
-                                  "_few_kernel", "_select_kernel", "_teal_")),
-    ("countdown shadow GEMV", ("_gemv_i8_kernel", "_gemv_kernel", "_xprep_kernel")),
-    ("attention", ("fmha", "attention", "flash", "sdpa", "_split_kernel", "_combine_kernel")),  # ours: kernels/_attention.py, _rope_attention.py
-    ("countdown fixed GEMV (projections, indicators)", ("_linear_kernel",)),
-    ("countdown norms and residual adds", ("_rmsnorm_kernel", "_add_kernel")),
+    ("countdown sparse kernels", ("gate_up_kernel", "down_kernel", "one_token_kernel", "partial_sums_kernel",
+                                  "few_tokens_kernel", "select_kernel", "teal_")),
+    ("countdown shadow GEMV", ("shadow_gemv_kernel", "x_prepare_kernel")),
+    ("attention", ("fmha", "attention", "flash", "sdpa", "split_kernel", "combine_kernel")),  # ours: kernels/decode_step/
+    ("countdown fixed GEMV (projections, indicators)", ("linear_kernel",)),
+    ("countdown norms and residual adds", ("rmsnorm_kernel", "add_kernel", "add_partials_kernel", "add_norm_kernel")),
     ("GEMV + activation (MLP gate/up)", ("silu", "gelu")),
     ("RMSNorm (+ fused GEMV)", ("rsqrt",)),
     ("sampling (argmax)", ("argmax",)),

@@ -30,7 +30,7 @@ from countdown.kernels import _int4
 
 FIELDS = ["run", "device", "date", "k", "d_inter", "kept_inter", "dense_ms", "narrow_ms", "indicator_us",
           "up_kept_us", "select_us", "free_select_ms", "bound_ms", "bound_vs_dense"]
-SLICE = 1024  # columns: the kept width is whole slices of this many (kernels/_int4.py's MAX_COLS for these shapes)
+SLICE = 1024  # columns: the kept width is whole slices of this many (the 4-bit GEMV's MAX_COLS for these shapes)
 SELECT_US = 1.95  # the select kernel a layer in the 8B step (run G16's profile, H200, 2026-11-28)
 
 
@@ -43,11 +43,11 @@ def kept_width(d_inter: int, k: float, group: int = 128) -> int:
     return max(step, int((1.0 - k) * d_inter) // step * step)
 
 
-def narrow_configs(d_model: int, d_inter: int, kept: int) -> None:
-    """The narrow model's gate/up and down shapes launched as the full model's are (``SHAPE_CONFIGS``)."""
+def narrow_configs(d_model: int, d_inter: int, kept: int) -> dict:
+    """Launch overrides (``countdown.kernels.overrides(launch=...)``) under which the narrow model's gate/up and down
+    shapes launch as the full model's do (its launch table's shape entries)."""
     full_gu, full_down = _int4.config_for(2 * d_inter, d_model), _int4.config_for(d_model, d_inter)
-    _int4.set_shape_config(2 * kept, d_model, full_gu)
-    _int4.set_shape_config(d_model, kept, full_down)
+    return {("int4_gemv", (2 * kept, d_model)): full_gu, ("int4_gemv", (d_model, kept)): full_down}
 
 
 def run(build, step_ms, gemv_us, append, log, device: str, stamp: dict, out: str, k: float,
@@ -72,8 +72,8 @@ def run(build, step_ms, gemv_us, append, log, device: str, stamp: dict, out: str
     cfg, dense_ms = measure({})
     d_model, d_inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     kept = kept_width(d_inter, k)
-    narrow_configs(d_model, d_inter, kept)
-    _, narrow_ms = measure({"intermediate_size": kept})
+    with overrides(launch=narrow_configs(d_model, d_inter, kept)):
+        _, narrow_ms = measure({"intermediate_size": kept})
     ind_cfg = _int4.config_for(d_inter, d_model)  # the indicator's launch configuration for both
     gemv = {}
     for name, n in (("indicator", d_inter), ("up_kept", kept)):

@@ -1,5 +1,5 @@
 """The prompt of a 4-bit model (its calls of many tokens), the ``prefill`` part of ``benchmarks/int4_decode.py``: our
-one-pass de-quantization then ``F.linear`` (``kernels/_int4_dequant.py``, what ``Int4Linear`` runs on CUDA) against
+one-pass de-quantization then ``F.linear`` (``kernels/int4/dequant.py``, what ``Int4Linear`` runs on CUDA) against
 the format's reference (``format.dequantize`` in eager PyTorch, then ``F.linear``) and the bf16 model, in one call.
 
 ``kernel_rows``: each weight shape of the Llama-3.1-8B decoder and lm_head (group 128, fp16 scales) de-quantized to
@@ -96,11 +96,11 @@ def kernel_rows(shapes: dict, device: str, repeats: int, stamp: dict, out: str, 
         append(out, {**stamp, "part": "kernel", "weights": "int4", "path": "reference", "shape": name,
                      "ms": round(ref_ms, 4), "tb_s": round(nbytes / ref_ms / 1e9, 3), "vs_reference": 1.0})
         for bn, bb in tiles:
-            _int4_dequant.BN, _int4_dequant.BB = bn, bb
-            if not torch.equal(_int4_dequant.dequantize(q, sc, of, torch.bfloat16), want):
-                sys.exit(f"the one-pass de-quantization differs from format.dequantize at {name}, tile {bn}x{bb}")
-            ms = timed(lambda q=q, sc=sc, of=of: _int4_dequant.dequantize(q, sc, of, torch.bfloat16), repeats, device,
-                       calls)
+            with overrides(launch={"int4_dequant": dict(BN=bn, BB=bb)}):
+                if not torch.equal(_int4_dequant.dequantize(q, sc, of, torch.bfloat16), want):
+                    sys.exit(f"the one-pass de-quantization differs from format.dequantize at {name}, tile {bn}x{bb}")
+                ms = timed(lambda q=q, sc=sc, of=of: _int4_dequant.dequantize(q, sc, of, torch.bfloat16), repeats,
+                           device, calls)
             print(f"{'':10s} ours {bn}x{bb:<4d} {ms * 1e3:9.1f} us  {nbytes / ms / 1e9:5.2f} TB/s  "
                   f"{ref_ms / ms:5.1f}x the reference", flush=True)
             append(out, {**stamp, "part": "kernel", "weights": "int4", "path": f"ours {bn}x{bb}", "shape": name,
@@ -139,14 +139,12 @@ def prompt_rows(model, device: str, repeats: int, stamp: dict, out: str) -> None
 def run(model, device: str, out_dir: str, stamp: dict, tiles: str, repeats: int) -> None:
     """Both parts (``model``: the bf16 model the prompt part quantizes; on the CPU, small shapes and one repeat of
     the kernel part); ``tiles``: "8x256,16x128" (rows x bytes a program of our kernel), "" for the kernel's own."""
-    if not _common.available(torch.empty(0, device=device)):
+    if not available(torch.empty(0, device=device)):
         sys.exit("the prefill part runs our de-quantization kernel: on CUDA, or on the CPU under TRITON_INTERPRET=1")
-    default = (_int4_dequant.BN, _int4_dequant.BB)
+    table = launch_config("int4_dequant")
+    default = (table["BN"], table["BB"])
     chosen = [tuple(int(v) for v in t.split("x")) for t in tiles.split(",") if t] or [default]
     out = os.path.join(out_dir, "prefill.csv")
     cpu = device == "cpu"
-    try:
-        kernel_rows(SMOKE_SHAPES if cpu else SHAPES, device, 1 if cpu else repeats, stamp, out, chosen)
-    finally:
-        _int4_dequant.BN, _int4_dequant.BB = default
+    kernel_rows(SMOKE_SHAPES if cpu else SHAPES, device, 1 if cpu else repeats, stamp, out, chosen)
     prompt_rows(model, device, repeats, stamp, out)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, kernel by kernel, on the step's critical path (``benchmarks/int4_decode.py
 --profile``).
 
-With programmatic dependent launch (kernels/_pdl.py) a kernel starts before the one before it ends and waits at
+With programmatic dependent launch (kernels/jit_helpers.py) a kernel starts before the one before it ends and waits at
 its start, so the profiler's own durations overlap and add up to more than the step. Here each kernel is charged
 the time from the end of the kernels before it (on the device's timeline) to its own end: its cost to the step.
 Time with no kernel running is charged to ``<idle> before K``, K the kernel that ends the gap (what the device

@@ -1,4 +1,4 @@
-"""Sparse rows on 4-bit weights, the kernel alone (kernels/_int4_rows.py), and the memory they take
+"""Sparse rows on 4-bit weights, the kernel alone (kernels/int4/rows.py), and the memory they take
 (``benchmarks/int4_decode.py --parts rows,memory``).
 
 :func:`kernel_rows`: one Gated-MLP of the Llama-3.1-8B shape (4096 x 14336, RTN group 128, random weights, bf16
@@ -33,7 +33,7 @@ from countdown.int4 import Int4Linear, quantize_rtn, stack
 from countdown.int4.format import nbytes
 
 GROUP = 128
-# The kept-rows kernels' launch configurations (kernels/_int4_rows.py: select, other, down), swept in stages: the
+# The kept-rows kernels' launch configurations (kernels/int4/rows.py: select, other, down), swept in stages: the
 # down kernel's (SUB sets a program, NW row streams of UR rows, column slices of SLICE words, AHEAD tiles of words in
 # flight; NW = 2 lost to 1 at every point of run R5, AHEAD = 1 to 2 in R6-R8) with the others' defaults, then the
 # select kernel's (SET rows a program on A_WARPS warps; SUB follows SET so that a down program keeps its rows; SET =
@@ -219,7 +219,7 @@ def kernel_rows(device, shape, ks, grids, stamp, out, bw):
             log(f"  {stage} {method} k={k} {us:7.1f} us {cfg}")
         return results[0][1] if results else dict(base)
 
-    base = dict(_int4_rows.CONFIG)
+    base = launch_config("int4_rows")
     k0 = ks[0]
     best_down = sweep("down", "mono", k0, _Case("mono", k0, mlps, x, h, per_matrix), down_grid, base)
     best = {}

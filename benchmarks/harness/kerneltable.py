@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 import countdown.kernels as K
 from countdown.eval.cost import mlp_weight_bytes
-from countdown.kernels import _common, _down, _glu
+from countdown.kernels import common as _common
+from countdown.kernels.sparse_mlp import chain, down
 
 from .kernelchecks import CHECK_OK
 from .launches import recorded
@@ -73,14 +74,14 @@ def _sweep(rank, name, launches):
             log(f"sweep {kind} b{batch}: {us:.1f} us")
         glu_args = lambda i, kind, k: (p.xs[i], p.w(i)["wg"], p.w(i)["wu"], p.u[i] if kind == "mono" else p.score[i],
                                        None, th[k][kind], "abs" if kind == "mono" else "gt", act, True, kind == "dual")
-        ref_s = {kind: _glu.sparse_glu(*glu_args(0, kind, 0.9)).float() for kind in ("mono", "dual")}
+        ref_s = {kind: chain.gate_up(*glu_args(0, kind, 0.9)).float() for kind in ("mono", "dual")}
         ref_y = K.masked_gated_mlp(p.xs[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], keep[0.9][0], act).float()
         res = []
         for ci, cfg in enumerate(GLU_SWEEP[batch]):
             tot, per = 0.0, []
             try:
                 for kind in ("mono", "dual"):
-                    s_c = _glu.sparse_glu(*glu_args(0, kind, 0.9), config=cfg).float()
+                    s_c = chain.gate_up(*glu_args(0, kind, 0.9), config=cfg).float()
                     if not torch.allclose(s_c, ref_s[kind], rtol=2e-2, atol=2e-2 * ref_s[kind].abs().max().item()):
                         raise RuntimeError(f"output differs from the default config's ({kind})")
             except Exception as e:  # noqa: BLE001
@@ -88,7 +89,7 @@ def _sweep(rank, name, launches):
                 continue
             for k in ks:
                 for kind in ("mono", "dual"):
-                    us = safe_time(f"glu {ci}", [lambda i=i: _glu.sparse_glu(*glu_args(i, kind, k), config=cfg)
+                    us = safe_time(f"glu {ci}", [lambda i=i: chain.gate_up(*glu_args(i, kind, k), config=cfg)
                                                  for i in range(NSLOTS)])
                     tot += us
                     per.append(f"{kind}@{k}:{us:.1f}")
@@ -100,10 +101,10 @@ def _sweep(rank, name, launches):
         if res:
             best[("glu", batch)] = GLU_SWEEP[batch][min(res)[1]]
         res = []
-        with patched(_glu, "GLU_CONFIGS", **best.get(("glu", batch), {})):
+        with patched("chain_gate_up", **best.get(("glu", batch), {})):
             for ci, cfg in enumerate(DOWN_SWEEP[batch]):
                 tot, per = 0.0, []
-                with patched(_down, "DOWN_CONFIGS", **cfg):
+                with patched("chain_down", **cfg):
                     try:
                         y_c = K.masked_gated_mlp(p.xs[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], keep[0.9][0],
                                                  act).float()
@@ -203,9 +204,6 @@ def bench_shape(name, batches, ks, rank, bw, device_name, variants):
                         nb = nbytes[m] - (3 if m == "dual" else 2) * d_model * n_u[mask_of[m]] * E \
                             + (3 if m == "dual" else 2) * per_tok * E
                         row(m + "[per_token]", k, us, nb, frac[mask_of[m]], uni[mask_of[m]])
-                with down_reduce("splitk"):
-                    us = safe_time("mono[splitk]", [lambda i=i: sparse["mono"](i) for i in range(NSLOTS)])
-                row("mono[cublas,splitk]", k, us, nbytes["mono"], frac["mono"], uni["mono"])
             wd_views = None
         log(f"{name:13s} b{batch} dense {dense_us:.1f} us")
         p = None  # frees the weights (the closures above are done with them)

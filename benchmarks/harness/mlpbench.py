@@ -9,9 +9,9 @@ Shared by ``benchmarks/mlp_kernels.py`` (the kernel table, :mod:`harness.kernelt
   rotating with the slot), NaN and a log line when a variant fails to compile or run;
 * :func:`dense_chain` (the cuBLAS baseline), :func:`gap_threshold` (a cut between two distinct values, so an
   ulp of difference in an activation cannot flip a row tied with the cut);
-* :class:`patched`, :func:`down_reduce`: the kernel modules' per-batch-bucket tables
-  switched for a block (launch configurations, the down projection's reduction, where the indicator is
-  computed); ``GLU_SWEEP`` / ``DOWN_SWEEP``: the candidate launch configurations ``--sweep`` compares.
+* :func:`patched`: a launch table's entries changed for a block (``countdown.kernels.overrides``);
+  :class:`LastKernel`: the compiled kernel of a @triton.jit function's last launch (registers, spills), the
+  harness's own wrapper; ``GLU_SWEEP`` / ``DOWN_SWEEP``: the candidate launch configurations ``--sweep`` compares.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import countdown.kernels as K
-from countdown.kernels import _common, _down, _glu
+from countdown.kernels import common as _common
 
 from .timing import time_graph
 
@@ -76,26 +76,38 @@ DOWN_SWEEP = {
 }
 
 
-class patched:
-    """Temporarily update the per-batch-bucket tables of a kernel module (configs, switches)."""
-
-    def __init__(self, module, table, **kv):
-        self.module, self.table, self.kv = module, table, kv
-
-    def __enter__(self):
-        self.old = getattr(self.module, self.table)
-        new = {}
-        for b, v in self.old.items():
-            new[b] = {**v, **self.kv} if isinstance(v, dict) else self.kv["value"]
-        setattr(self.module, self.table, new)
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.table, self.old)
+def patched(op: str, **kv):
+    """A context in which every bucket of launch table ``op`` (countdown.kernels.config.LAUNCH) has ``kv``."""
+    return K.overrides(launch={op: kv})
 
 
-def down_reduce(mode):
-    """Switch the down projection's reduction ("atomic", "splitk")."""
-    return patched(_down, "DOWN_CONFIGS", reduce=mode)
+class LastKernel:
+    """Wraps ``module.<name>`` (a @triton.jit function) so that ``last`` is the compiled kernel its last launch
+    returned (``n_regs``, ``n_spills``, ``metadata.shared``): the harness's record, kept for the process."""
+
+    def __init__(self, module, name: str):
+        self.jit, self.last = getattr(module, name), None
+        record = self
+
+        class _Wrapped:
+            def __getitem__(self, grid):
+                launch = record.jit[grid]
+
+                def run(*args, **kwargs):
+                    record.last = launch(*args, **kwargs)
+                    return record.last
+                return run
+
+            def __getattr__(self, attr):
+                return getattr(record.jit, attr)
+
+        setattr(module, name, _Wrapped())
+
+    def info(self) -> str:
+        try:
+            return f"regs {self.last.n_regs} spills {self.last.n_spills} smem {self.last.metadata.shared}"
+        except AttributeError:
+            return ""
 
 
 def log(*a):

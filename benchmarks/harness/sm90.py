@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from countdown.kernels import _down, _glu
+from countdown.kernels.sparse_mlp import chain, down as _down
 
 from .launches import stand_in
 from .mlpbench import DOWN_SWEEP, DTYPE, GLU_SWEEP, MAIN, SHAPES, log

@@ -14,11 +14,9 @@ import torch
 from torch import nn
 
 from . import kernels
+from .kernels.route import FEW_TOKENS as KERNEL_MAX_TOKENS  # the kernels are GEMV-shaped: batch 1 to 8
 from .mlp import GatedMLP
 from .state import SparsityState
-
-KERNEL_MAX_TOKENS = 8  # the Triton kernels are GEMV-shaped: decode steps of batch 1 to 8
-EAGER_GRAPHS = True  # eager CUDA calls of the kernel route replay a CUDA graph (tests that count calls turn it off)
 
 
 class PatchedMLP(nn.Module):
@@ -27,7 +25,7 @@ class PatchedMLP(nn.Module):
     Subclasses implement ``_masked``, ``_gather``, ``_kernel``, ``_selector_has_kernel`` and
     ``_kernel_layout``. Sparsity-Real is ``1 - kept_total / rows_total``: a subclass adds, per
     sparse token, its kept share in ``kept_total`` and the token's whole in ``rows_total``; on the kernel
-    route it hands both to the kernels (:meth:`counters`), which add them on the device (kernels/_count.py).
+    route it hands both to the kernels (:meth:`counters`), which add them on the device (kernels/jit_helpers.py).
     """
 
     def __init__(self, mlp: GatedMLP, selector: nn.Module | None, state: SparsityState, index: int):
@@ -77,9 +75,10 @@ class PatchedMLP(nn.Module):
     def _kernel_call(self, x2: torch.Tensor) -> torch.Tensor:
         """The kernel route. Called eagerly on CUDA (transformers' own generate), it is replayed from a CUDA
         graph captured on this layer's first call of the shape: at batch 1 launching the route's few kernels
-        from Python costs more than running them, and one replay is cheaper than the dense MLP's launches.
-        Under torch.compile or inside a capture the kernels are called directly (the caller graphs them)."""
-        if not (EAGER_GRAPHS and x2.is_cuda) or torch.compiler.is_compiling() \
+        from Python costs more than running them, and one replay is cheaper than the dense MLP's launches
+        (``KernelOptions.eager_graphs``, the sparsified model's ``kernel_options``). Under torch.compile or inside a
+        capture the kernels are called directly (the caller graphs them)."""
+        if not (self.state.kernel_options.eager_graphs and x2.is_cuda) or torch.compiler.is_compiling() \
                 or torch.cuda.is_current_stream_capturing():
             return self._kernel(x2)
         # the graph reads the selector's buffers and the MLP's weights and adds to the counters where they were at
@@ -110,7 +109,7 @@ class PatchedMLP(nn.Module):
     def block_forward(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``h + module(RMSNorm(h))`` (weight ``norm_w``, ``eps``) where a kernel route computes the norm and
         the residual add with the MLP (a folded layer's batch-1 decode step: countdown.decode.layer.mlp_half,
-        kernels/_block.py), else None: the caller runs the norm, this module and the add itself."""
+        kernels.threshold_block / dual_block), else None: the caller runs the norm, this module and the add itself."""
         if self.selector is None or self.mlp.tp is not None or self.state.sparse_positions(h) is not True:
             return None
         path = self.state.path

@@ -93,7 +93,7 @@ class SparseGatedMLP(PatchedMLP):
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         # w_down.t() is contiguous on CUDA: sparsify stored W_down transposed in place (store_for_kernels).
-        # The kernel that keeps the rows counts them (kernels/_count.py).
+        # The kernel that keeps the rows counts them (kernels/jit_helpers.py add_count).
         return self.selector.kernel_forward(x2, self.mlp, self.mlp.w_down.t().contiguous(), count=self.counters())
 
     def _block(self, h2: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -222,7 +222,7 @@ def _artifact_label(artifacts: Any) -> str | None:
 
 def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | None = None, mode: str | None = None,
              scope: str | None = None, artifacts: Any = None, path: str = "auto",
-             tp_topk: str = "exact") -> nn.Module:
+             tp_topk: str = "exact", kernel_options: kernels.KernelOptions | None = None) -> nn.Module:
     """Patch every Gated-MLP of ``model`` in place to skip rows; returns ``model``.
 
     method: a method spec (:mod:`countdown.spec`): a name from :func:`countdown.methods` (or an alias such
@@ -245,6 +245,8 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         always a path, as ``--artifacts``); it fits the model it was built on in fp32, bf16 and fp16 alike.
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
+    kernel_options: the kernel route's choices that are the user's (:class:`countdown.kernels.KernelOptions`:
+        whether an eager CUDA call replays a CUDA graph); default ``KernelOptions()``.
     """
     refuse_foreign_quantization(model, "countdown.sparsify")  # torchao / bitsandbytes / GPTQ... weights
     if is_sparsified(model):
@@ -265,7 +267,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
                          "spec says (countdown.quantize) or drop the spec's weights")
     mlps = require_gated_mlps(model)
     if path == "kernel" and not m.is_dense and not kernels.available(mlps[0].w_down):
-        why = ("Triton is not installed" if not kernels._common.has_triton() else
+        why = ("Triton is not installed" if not kernels.common.has_triton() else
                "the model is on the CPU and TRITON_INTERPRET=1 is not set")
         raise ValueError(f"path='kernel' cannot run here: {why}; use path='auto' (kernels where they can run, "
                          "masked otherwise), 'masked' or 'gather'")
@@ -280,7 +282,8 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
 
     spec = replace(spec, k=None, scope=None, weights=None)  # the state holds them in its own fields
     state = SparsityState(method=m, sparsity=k, mode=spec.mode, scope=scope, path=path, spec=spec,
-                          artifacts=given if spec.mode == "prac" and not m.is_dense else None)
+                          artifacts=given if spec.mode == "prac" and not m.is_dense else None,
+                          kernel_options=kernel_options or kernels.KernelOptions())
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
         layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
         layer = layer_class(mlp, selector, state, index)

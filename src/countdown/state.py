@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kernels.config import KernelOptions
 from .registry import Method
 
 STATE_ATTR = "_countdown_state"
@@ -45,6 +46,7 @@ class SparsityState:
     spec: Any = None  # the method spec sparsify was given (countdown.spec.Spec)
     artifacts: Any = None  # the SP-Prac artifact (object or path, as given) the selectors came from (countdown.save)
     serial: int = field(default_factory=lambda: next(_SERIALS))  # this patch, not an earlier one at its address
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)  # the kernel route's user choices
 
     def sparse_positions(self, x: torch.Tensor) -> torch.Tensor | bool:
         """True (all sparse), False (all dense) or a bool mask over the leading dims of ``x``."""
@@ -162,7 +164,7 @@ def sparsity_real(model: nn.Module) -> dict:
     Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
     token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no
     sparse token report NaN. Every path counts, the Triton kernel route too (``path="auto"`` on CUDA: the
-    kernels add their kept rows on the device, kernels/_count.py); reading the counters here syncs once.
+    kernels add their kept rows on the device, kernels/jit_helpers.py add_count); reading the counters here syncs once.
     """
     state = state_of(model)
     per_layer = []

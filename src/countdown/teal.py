@@ -34,7 +34,7 @@ from torch import nn
 
 from . import kernels
 from . import tp as _tp
-from .kernels.teal import count_teal, kept_weight_fraction  # the kernels count it too (kernels/_teal.py)
+from .kernels.teal import count_teal, kept_weight_fraction  # the kernels count it too (kernels/teal/kernels.py)
 from .mlp import GatedMLP
 from .patched import PatchedMLP
 

@@ -33,11 +33,11 @@ def test_problem_thresholds_keep_about_one_minus_k():
     assert y.shape == (2, 32)
 
 
-def test_patched_restores_the_table():
-    before = _down.DOWN_CONFIGS
-    with mlpbench.down_reduce("splitk"):
-        assert all(v["reduce"] == "splitk" for v in _down.DOWN_CONFIGS.values())
-    assert _down.DOWN_CONFIGS is before
+def test_patched_changes_every_bucket_for_the_block():
+    before = {b: launch_config("chain_down", bucket=b) for b in (1, 16)}
+    with mlpbench.patched("chain_down", CHUNK=64):
+        assert all(launch_config("chain_down", bucket=b) == {**before[b], "CHUNK": 64} for b in (1, 16))
+    assert {b: launch_config("chain_down", bucket=b) for b in (1, 16)} == before
 
 
 def test_safe_time_gives_nan_for_a_failing_variant(capsys):

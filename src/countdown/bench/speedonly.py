@@ -68,7 +68,7 @@ def _shadow_tensors(spec: Spec, mlps, ks) -> tuple[dict, dict]:
     """The shadow kind's tensors: the model's own W_gate / W_up quantized (on their device, as the
     library's fit does; closed form, nothing to train) and placeholder cuts that keep every row."""
     from ..artifacts import sparsity_key
-    from ..kernels.quant import pack_bits, quantize_rtn
+    from ..kernels.shadow.format import pack_bits, quantize_rtn
     from ..prac.shadow import DEFAULT_BITS, DEFAULT_GROUP
 
     bits, group = int(spec.options.get("bits", DEFAULT_BITS)), int(spec.options.get("group", DEFAULT_GROUP))

@@ -10,7 +10,7 @@ concatenated weight [(H + 2 KVH) D, d_model] (a non-persistent buffer: no extra 
 new in the state dict), and the module's forward becomes :func:`_fused_forward`. A decode step (one
 token, a ``StaticCache`` layer already filled by the prompt, a mask shared by the heads, CUDA or the
 Triton interpreter) computes ``qkv = x W_qkv^T`` in one GEMV (Inductor fuses the RMSNorm before it)
-and hands it to ``torch.ops.countdown.rope_decode_attention`` (kernels/_rope_attention.py): the
+and hands it to ``torch.ops.countdown.rope_decode_attention`` (kernels/decode_step/rope_attention.py): the
 rotary embedding, the cache write at the layer's ``cumulative_length`` (incremented, as transformers'
 ``StaticLayer.update`` does) and the split-KV attention in two kernels. Everything else (the prompt,
 a dynamic cache, training) runs the module's own forward, unchanged.
@@ -31,7 +31,8 @@ from torch import nn
 from transformers.cache_utils import StaticLayer
 
 from .hf_attention import NAME, mask_row, use_decode_attention
-from ..kernels import _common
+from ..kernels.common import available
+from ..kernels.route import decode_gemv_serves
 
 FUSABLE = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # rotate_half rotary, q/k/v/o Linear
 _BEFORE = "_countdown_forward_before"
@@ -45,9 +46,9 @@ QKV_FIXED = "_countdown_qkv_fixed"  # set by countdown.decode.linears.route_line
 @torch.library.custom_op("countdown::rope_decode_attention", mutates_args=("k_cache", "v_cache", "pos"))
 def _rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              pos: torch.Tensor, mask: torch.Tensor, scale: float, n_heads: int) -> torch.Tensor:
-    from ..kernels import _rope_attention
+    from ..kernels.decode_step import rope_attention
 
-    return _rope_attention.rope_decode_attention(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads)
+    return rope_attention.rope_decode_attention(qkv, cos, sin, k_cache, v_cache, pos, mask, scale, n_heads)
 
 
 @_rope_op.register_fake
@@ -199,7 +200,7 @@ def decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
     """The cache layer and mask row when this call can take the fused path, else None."""
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or attention_mask is None or attn.training:
         return None
-    if kwargs.get("output_attentions") or not _common.available(hidden_states):
+    if kwargs.get("output_attentions") or not available(hidden_states):
         return None
     layers = getattr(past_key_values, "layers", None)
     if layers is None or attn.layer_idx >= len(layers):
@@ -233,7 +234,7 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         return self.o_proj(attend(self, qkv4(hidden_states).view(B, -1), layer, row,
                                   position_embeddings).reshape(B, 1, -1)), None
     weight, bias = getattr(self, _WEIGHT), getattr(self, _BIAS)
-    if getattr(self, QKV_FIXED, False) and _common.decode_gemv_serves(hidden_states, weight):
+    if getattr(self, QKV_FIXED, False) and decode_gemv_serves(hidden_states, weight):
         qkv = torch.ops.countdown.decode_linear(hidden_states.reshape(B, -1), weight, bias, None)
     else:
         qkv = F.linear(hidden_states, weight, bias).view(B, -1)

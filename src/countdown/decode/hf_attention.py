@@ -1,7 +1,7 @@
 """One-token attention for Hugging Face models: countdown's split-KV kernel behind transformers' interface.
 
     from countdown.decode.hf_attention import use_decode_attention
-    use_decode_attention(model)          # decode steps use kernels/_attention.py from now on
+    use_decode_attention(model)          # decode steps use kernels/decode_step/attention.py from now on
     use_decode_attention(model, False)   # back to the implementation the model had
 
 The model stays a transformers model: the kernel is registered under the name ``"countdown_decode"``
@@ -10,7 +10,7 @@ the model is switched with ``set_attn_implementation``. A decode step (one query
 additive mask shared by the heads, no dropout, no soft-capping, CUDA or the Triton interpreter) goes
 to ``torch.ops.countdown.decode_attention`` (the mask's last row passed as a view: no kernel builds a
 bias first); everything else, the prefill included, to transformers'
-own SDPA function, unchanged. Why a kernel of its own: see kernels/_attention.py (the library kernel
+own SDPA function, unchanged. Why a kernel of its own: see kernels/decode_step/attention.py (the library kernel
 runs one program per head for a single token).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import _common
+from ..kernels.common import available
 
 NAME = "countdown_decode"
 _PREVIOUS = "_countdown_attn_before"
@@ -26,9 +26,9 @@ _PREVIOUS = "_countdown_attn_before"
 
 @torch.library.custom_op("countdown::decode_attention", mutates_args=())
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    from ..kernels import _attention
+    from ..kernels.decode_step import attention
 
-    return _attention.decode_attention(q, k, v, mask, scale)
+    return attention.decode_attention(q, k, v, mask, scale)
 
 
 @_decode_op.register_fake
@@ -56,7 +56,7 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
     row = None
     if (n_q == 1 and attention_mask is not None and not dropout and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None
-            and _common.available(query) and key.shape[1] > 0 and H % key.shape[1] == 0
+            and available(query) and key.shape[1] > 0 and H % key.shape[1] == 0
             and query.dtype == key.dtype == value.dtype):
         row = mask_row(attention_mask, B, key.shape[2])
     if row is None:

@@ -9,7 +9,7 @@ takes it with no extra call. Per Gated-MLP whose gate, up and down are :class:`c
 gate and up become one stacked 4-bit Linear (``countdown.int4.stack``: the parts view its buffers, no memory
 added), and a one-token call computes
 
-    gu = [g; u]  = the stacked GEMV (kernels/_int4.py), fp32 partial sums over slices of K
+    gu = [g; u]  = the stacked GEMV (kernels/int4/gemv.py), fp32 partial sums over slices of K
     y  = W_down (act(g) * u)   the down GEMV summing them and forming act(g) * u as it loads (no kernel between)
 
 with our backend (``countdown.int4.use_backend``), and each Llama-style decoder layer is folded as the bf16 step's
@@ -18,7 +18,7 @@ slices of K added by the residual add (:func:`_layer_forward`), so a layer's ste
 programmatic dependent launch overlaps. With a baseline backend the same stacked GEMV, act(g) * u in
 PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). A sparsified MLP
 is asked at each step (its patch's kept-rows kernel or its own forward: :func:`_patch_rule`); a W_down held
-transposed, and :func:`sparse_rows`, take the kept-rows kernel (kernels/_int4_rows.py). Anything else (the prompt,
+transposed, and :func:`sparse_rows`, take the kept-rows kernel (kernels/int4/rows.py). Anything else (the prompt,
 batch > 1) runs the module's own forward.
 """
 
@@ -49,13 +49,13 @@ def _mlp_forward(self, x):
         return type(self).forward(self, x)
     gate_up, down, act_name, act = entry
     if one_token(x) and backend_of(gate_up) == backend_of(down) == "countdown":
-        from ..kernels import _common
+        from ..kernels.common import available
 
         rows = self.__dict__.get(_ROWS)
-        if rows is not None and _common.available(x):  # sparse rows, or a W_down held transposed (every row kept)
+        if rows is not None and available(x):  # sparse rows, or a W_down held transposed (every row kept)
             zero = x.new_zeros((1, x.shape[-1]))  # no residual here: the MLP's output alone (+ bias)
             return _kept_rows(zero, down.bias, x.reshape(1, -1), act_name, *_unpacked(rows)).view(x.shape)
-        if _common.available(x) and not down.transposed:
+        if available(x) and not down.transposed:
             gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
             return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
     if one_token(x):
@@ -69,7 +69,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     """A 4-bit decoder layer's decode step as a chain of our kernels (PDL on while folded):
 
         qkv = RMSNorm_in(h) W_qkv^T + b              the 4-bit GEMV, K in one slice (the norm on its input), bf16
-        a   = attention(qkv)                         kernels/_rope_attention.py
+        a   = attention(qkv)                         kernels/decode_step/rope_attention.py
         h', x = h + sum(partials of a W_o^T),        the 4-bit GEMV's partials; decode_add_norm: the add and
                 RMSNorm_post(h')                     the norm in one launch
         gu  = x [W_gate; W_up]^T                     the stacked 4-bit GEMV (partials)
@@ -155,7 +155,7 @@ def _unpacked(entry: tuple) -> tuple:
 
 
 def _kept_rows(h, bias, x, act_name, mode, ind, other, down_t, threshold, kept, rows):
-    """h + a sparse 4-bit MLP's output for one token x (+ bias): kernels/_int4_rows.py, the residual add in the down
+    """h + a sparse 4-bit MLP's output for one token x (+ bias): kernels/int4/rows.py, the residual add in the down
     launch."""
     gu = gemv_partials(x, ind)
     if mode == "dual":
@@ -193,7 +193,7 @@ def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Ten
     beside W_down: docs/int4.md). ``method=None`` gives the dense step back. Returns the number of layers changed.
     Each MLP's counters count its kept rows (:func:`sparse_rows_real`)."""
     from ..int4 import quantize_rtn
-    from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows)
+    from ..kernels.int4 import rows  # noqa: F401  (registers countdown::int4_kept_rows)
     from .attention import decoder_layers
     from .layer import is_folded
 
@@ -279,7 +279,7 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         fuse_attention(model, False)
         return changed
     fuse_attention(model)
-    from ..kernels import _int4_rows  # noqa: F401  (registers countdown::int4_kept_rows: Triton)
+    from ..kernels.int4 import rows  # noqa: F401  (registers countdown::int4_kept_rows: Triton)
 
     for g, (gate, up, down) in _mlps(model):
         module = g.module
@@ -296,7 +296,7 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
             setattr(module, _BEFORE, module.forward)
             module.forward = types.MethodType(_mlp_forward, module)
         changed += 1
-    from ..kernels import _rmsnorm  # noqa: F401  (registers the norm and add ops the folded layers call; Triton)
+    from ..kernels.decode_step import rmsnorm  # noqa: F401  (registers the norm and add ops the folded layers call; Triton)
     from .attention import decoder_layers
     from .layer import fold_layer
 

@@ -10,20 +10,20 @@ fused with the residual adds before them and tuned per compile, and each breaks 
 dependent launches. A decode step of a folded layer (one token per row, the fused attention path
 available, the fixed GEMV serving) is
 
-    x   = RMSNorm_in(h)                    kernels/_rmsnorm.py
-    qkv = x W_qkv^T                        kernels/_linear.py
-    a   = attention(qkv)                   kernels/_rope_attention.py (rotary, cache write, attention)
-    h'  = h + a W_o^T                      kernels/_linear.py with the residual: no add of its own
+    x   = RMSNorm_in(h)                    kernels/decode_step/rmsnorm.py
+    qkv = x W_qkv^T                        kernels/decode_step/linear.py
+    a   = attention(qkv)                   kernels/decode_step/rope_attention.py (rotary, cache write, attention)
+    h'  = h + a W_o^T                      kernels/decode_step/linear.py with the residual: no add of its own
     out = h' + mlp(RMSNorm_post(h'))       by the sparse MLP's kernels where its route takes the norm and the
-                                           add (:func:`mlp_half`), else the norm on kernels/_rmsnorm.py and
+                                           add (:func:`mlp_half`), else the norm on decode_step/rmsnorm.py and
                                            the add on its decode_add
 
-Every other call (the prompt, a dynamic cache, training, batch > DECODE_GEMV_ROUTE_TOKENS) runs the
+Every other call (the prompt, a dynamic cache, training, batch > 1: kernels/route.py's "linear") runs the
 layer's own forward. Only transformers' Llama-style layers are folded (:data:`FOLDABLE`): both norms
 must be the weight-times-normalised RMSNorm; :func:`why_not_foldable` names what stops a layer.
 
-So every kernel of a folded layer's step is ours, and programmatic dependent launch (kernels/_pdl.py, on
-while layers are folded) overlaps each with the one before; that is why the fold is part of
+So every kernel of a folded layer's step is ours, and programmatic dependent launch (kernels/jit_helpers.py, on
+while layers are folded: kernels.config.FOLDED) overlaps each with the one before; that is why the fold is part of
 ``countdown.decode.linears.fastest_step``. The input norm stays a kernel of its own: folded into the QKV
 GEMV (the sum of squares in the GEMV's K loop) it made that GEMV slower than the norm it saved.
 """
@@ -37,7 +37,8 @@ from torch import nn
 
 from .attention import (QKV_FIXED, attend, cache_of, decode_layer, decoder_layers, fused_current, is_fused,
                         qkv_weights, restore_forward)
-from ..kernels import _common
+from ..kernels import config as kernel_config
+from ..kernels.route import decode_gemv_serves
 
 FOLDABLE = {"LlamaDecoderLayer": "LlamaRMSNorm", "Qwen2DecoderLayer": "Qwen2RMSNorm",
             "MistralDecoderLayer": "MistralRMSNorm"}
@@ -74,17 +75,15 @@ def is_folded(layer: nn.Module) -> bool:
 def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
     """Fold (or, ``on=False``, unfold) every foldable decoder layer of ``model``; returns the reasons the
     layers left alone were left alone (empty when every layer is folded)."""
-    from ..kernels import _pdl
-
     if on:
-        from ..kernels import _linear, _rmsnorm  # noqa: F401  (register the ops the folded forward calls; Triton)
+        from ..kernels.decode_step import linear, rmsnorm  # noqa: F401  (register the ops the folded forward calls; Triton)
     skipped = []
     for i, layer in enumerate(decoder_layers(model, "fold_norms")):
         if not on:
             if is_folded(layer):
                 restore_forward(layer, getattr(layer, _BEFORE))
                 delattr(layer, _BEFORE)
-                _pdl.folded.discard(layer)
+                kernel_config.FOLDED.discard(layer)
             continue
         if is_folded(layer):
             continue
@@ -94,18 +93,16 @@ def fold_norms(model: nn.Module, on: bool = True) -> list[str]:
             continue
         setattr(layer, _BEFORE, layer.forward)
         layer.forward = types.MethodType(_folded_forward, layer)
-        _pdl.folded.add(layer)
+        kernel_config.FOLDED.add(layer)
     return skipped
 
 
 def fold_layer(layer: nn.Module, forward) -> None:
     """Give ``layer`` another folded ``forward`` (the 4-bit one of countdown.decode.int4_step): PDL on while it is
     folded, undone by ``fold_norms(model, False)`` like the layers folded here."""
-    from ..kernels import _pdl
-
     setattr(layer, _BEFORE, layer.forward)
     layer.forward = types.MethodType(forward, layer)
-    _pdl.folded.add(layer)
+    kernel_config.FOLDED.add(layer)
 
 
 def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
@@ -115,7 +112,7 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
     weight, bias = qkv_weights(attn) if routed else (None, None)
     cache = cache_of(past_key_values, kwargs)
     found = decode_layer(attn, hidden_states, attention_mask, cache, kwargs) if routed else None
-    if found is None or position_embeddings is None or not _common.decode_gemv_serves(hidden_states, weight):
+    if found is None or position_embeddings is None or not decode_gemv_serves(hidden_states, weight):
         if past_key_values is not None:  # handed on under the name it came with (transformers 5.24: cache)
             kwargs["past_key_values"] = past_key_values
         return getattr(self, _BEFORE)(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -136,7 +133,7 @@ def _folded_forward(self, hidden_states: torch.Tensor, attention_mask=None, posi
 def mlp_half(mlp: nn.Module, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
     """A folded layer's ``h + mlp(RMSNorm(h))`` for one decode step's h [B, 1, d_model]: by a sparsified MLP's
     block route where it serves (the norm, the sparse MLP and the add in its own launches: fewer launches than
-    three separate steps), else the norm kernel, the module and the add on kernels/_rmsnorm.py's decode_add
+    three separate steps), else the norm kernel, the module and the add on kernels/decode_step/rmsnorm.py's decode_add
     (a kernel of ours, so the chain of dependent launches reaches across the whole layer)."""
     sparse = getattr(mlp, "countdown_sparse", None)
     if sparse is not None:

@@ -1,4 +1,4 @@
-"""Route chosen linear layers of a decode step through a fixed GEMV (kernels/_linear.py).
+"""Route chosen linear layers of a decode step through a fixed GEMV (kernels/decode_step/linear.py).
 
     from countdown.decode.linears import route_linears
     route_linears(model, ("down",))           # every Gated-MLP's down projection
@@ -13,8 +13,8 @@ Why (docs/decode.md, "A fixed GEMV for W_down"): under torch.compile with coordi
 Inductor fuses act(g) * u into the down projection's reduction, and that kernel re-reads g and u for
 every block of output rows it tunes, and what it reaches changes from compile to compile, where the
 fixed GEMV alone reads W_down near the copy bandwidth (docs/decode.md, benchmarks/linear.py).
-A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever it gets at
-most ``_common.DECODE_GEMV_ROUTE_TOKENS`` rows (one: batch-1 decode steps) and no gradient is wanted;
+A routed layer calls ``torch.ops.countdown.decode_linear``, opaque to Inductor, whenever its route
+(kernels/route.py's "linear": one row, batch-1 decode steps) takes it and no gradient is wanted;
 every other call (batch > 1, the prompt, training) is the layer's own ``F.linear``. The weights and the state dict are untouched: only the forward
 method of each routed ``nn.Linear`` instance is replaced.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import _common
+from ..kernels.route import decode_gemv_serves
 
 TARGETS = ("down", "gate_up", "o_proj", "qkv", "norm")
 _ROUTED = "_countdown_decode_gemv"
@@ -42,7 +42,7 @@ def step_targets(fused: bool) -> tuple[str, ...]:
 
 
 def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _common.decode_gemv_serves(x, self.weight):
+    if decode_gemv_serves(x, self.weight):
         y = torch.ops.countdown.decode_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, None)
         return y.view(*x.shape[:-1], self.out_features)
     return F.linear(x, self.weight, self.bias)
@@ -91,7 +91,7 @@ def route_linears(model: nn.Module, targets=("down",), on: bool = True) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad:
         raise ValueError(f"unknown target(s) {bad}: choose from {TARGETS}")
-    from ..kernels import _linear  # noqa: F401  (registers countdown::decode_linear; needs Triton)
+    from ..kernels.decode_step import linear  # noqa: F401  (registers countdown::decode_linear; needs Triton)
 
     changed = 0
     if "qkv" in targets:  # not an nn.Linear: the fused attention module's concatenated weight

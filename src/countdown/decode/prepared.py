@@ -241,7 +241,7 @@ def current_step(model: nn.Module, install: bool = False) -> StepKey:
     is stale (undone only where the kernels cannot run on the model's device now); prepared where none is and
     ``install``. A model with no prepared step and no ``install`` is left as it is (a step built by hand included).
     Returns the model's key as it decodes (what its compiled decoder is keyed on)."""
-    from ..kernels import _common
+    from ..kernels import common as _common
 
     step = PreparedStep.of(model)
     key = StepKey.of(model)

@@ -6,7 +6,7 @@
     linear.py       Int4Linear (an nn.Linear) and int4_linear, the one call a GPU kernel plugs into
     quantize.py     quantize(model, group, source): the in-place transform
     loading.py      a saved 4-bit folder loaded back with the same modules
-    backends.py     the one-token GEMV of each Int4Linear: ours (kernels/_int4.py), torch's int4, gemlite's
+    backends.py     the one-token GEMV of each Int4Linear: ours (kernels/int4/gemv.py), torch's int4, gemlite's
 """
 
 from .format import Int4Weight, dequantize, pack, quantize_rtn, unpack

@@ -1,6 +1,6 @@
 """Which GEMV computes a 4-bit Linear's decode step: ours, PyTorch's int4 (tinygemm) or gemlite's.
 
-    countdown.int4.use_backend(model, "countdown")   # the default once imported: kernels/_int4.py
+    countdown.int4.use_backend(model, "countdown")   # the default once imported: kernels/int4/gemv.py
     countdown.int4.use_backend(model, "torch")       # aten._weight_int4pack_mm (gpt-fast's kernel), a baseline
     countdown.int4.use_backend(model, "gemlite")     # gemlite's A16W4 Triton GEMV (if installed), a baseline
     countdown.int4.use_backend(model, "reference")   # de-quantize, then F.linear (every call)
@@ -30,25 +30,25 @@ BACKENDS = ("countdown", "torch", "gemlite", "reference")
 @torch.library.custom_op("countdown::int4_gemv", mutates_args=())
 def _int4_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                activation: str, max_cols: int) -> torch.Tensor:
-    from ..kernels import _int4
+    from ..kernels.int4 import gemv
 
-    return _int4.launch(x, words, scale, offset, activation or None, config={"MAX_COLS": max_cols})
+    return gemv.launch(x, words, scale, offset, activation or None, config={"MAX_COLS": max_cols})
 
 
 @_int4_gemv.register_fake
 def _(x, words, scale, offset, activation, max_cols):
-    from ..kernels import _int4
+    from ..kernels.int4 import gemv
 
     n, k = words.shape[0], 8 * words.shape[1]
-    return x.new_empty((_int4.splits(n, k, k // scale.shape[1], {"MAX_COLS": max_cols}), n), dtype=torch.float32)
+    return x.new_empty((gemv.splits(n, k, k // scale.shape[1], {"MAX_COLS": max_cols}), n), dtype=torch.float32)
 
 
 @torch.library.custom_op("countdown::int4_gemv_final", mutates_args=())
 def _int4_gemv_final(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                      bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    from ..kernels import _int4
+    from ..kernels.int4 import gemv
 
-    return _int4.launch(x, words, scale, offset, None, final=True, bias=bias,
+    return gemv.launch(x, words, scale, offset, None, final=True, bias=bias,
                         norm=None if norm_weight is None else (norm_weight, eps))
 
 
@@ -60,9 +60,9 @@ def _(x, words, scale, offset, bias, norm_weight, eps):
 @torch.library.custom_op("countdown::int4_dequantize", mutates_args=())
 def _int4_dequantize(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
-    from ..kernels import _int4_dequant
+    from ..kernels.int4 import dequant
 
-    return _int4_dequant.dequantize(qweight, scale, offset, dtype)
+    return dequant.dequantize(qweight, scale, offset, dtype)
 
 
 @_int4_dequantize.register_fake
@@ -82,11 +82,11 @@ def gemv_partials(x: torch.Tensor, module: Int4Linear, activation: str | None = 
     """Our GEMV's fp32 partial sums [S, N] for one token (``activation``: x is a fp32 [2, K] gate/up pair). The
     slices of K (S) are the shape's configuration when this is called, passed to the op: a compiled graph holds
     them as a constant, so a graph traced under another configuration (torch.compile's on-disk cache included,
-    which does not see ``kernels/_int4.py``'s ``SHAPE_CONFIGS``) is not reused with the wrong output shape."""
-    from ..kernels import _int4
+    which does not see the launch table's shape entries, kernels/config.py) is not reused with the wrong output shape."""
+    from ..kernels.int4 import gemv
 
     words = module.qweight.view(torch.int32)
-    max_cols = _int4.config_for(words.shape[0], 8 * words.shape[1])["MAX_COLS"]
+    max_cols = gemv.config_for(words.shape[0], 8 * words.shape[1])["MAX_COLS"]
     return torch.ops.countdown.int4_gemv(x, words, module.scale, module.offset, activation or "", max_cols)
 
 
@@ -113,9 +113,9 @@ def _applies(x: torch.Tensor, module: Int4Linear) -> bool:
     if backend == "reference" or not one_token(x) or module.transposed:
         return False
     if backend == "countdown":
-        from ..kernels import _common
+        from ..kernels.common import available
 
-        return _common.available(x)
+        return available(x)
     return x.is_cuda
 
 
@@ -134,28 +134,28 @@ def _run(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
     return y.view(*x.shape[:-1], module.out_features)
 
 
-DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/_int4_dequant.py writes
+DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/int4/dequant.py writes
 
 
 def _applies_many(x: torch.Tensor, module: Int4Linear) -> bool:
     """The calls the one-token GEMVs leave (many tokens: a prompt; a module holding W^T) on CUDA, outside the
     reference backend, where Triton is installed: de-quantized by our kernel, then ``F.linear``. Decided without
     importing the kernel (which imports Triton): a CPU call, or an install without Triton, takes the reference."""
-    from ..kernels._common import has_triton
+    from ..kernels.common import has_triton
 
     return x.is_cuda and backend_of(module) != "reference" and x.dtype in DEQUANT_DTYPES and has_triton()
 
 
 def _run_many(x: torch.Tensor, module: Int4Linear) -> torch.Tensor:
-    """``F.linear`` of the weight de-quantized in one pass (``kernels/_int4_dequant.py``): the numbers of
+    """``F.linear`` of the weight de-quantized in one pass (``kernels/int4/dequant.py``): the numbers of
     ``int4_linear_ref``, bit for bit, at a fraction of its passes over memory. (Eager, as a prompt runs, the kernel
     is called directly: the custom op's dispatch is host time on a host-bound path; traced, the op.)"""
     if torch.compiler.is_compiling():
         w = torch.ops.countdown.int4_dequantize(module.qweight, module.scale, module.offset, x.dtype)
     else:
-        from ..kernels import _int4_dequant
+        from ..kernels.int4 import dequant
 
-        w = _int4_dequant.dequantize(module.qweight, module.scale, module.offset, x.dtype)
+        w = dequant.dequantize(module.qweight, module.scale, module.offset, x.dtype)
     return F.linear(x, w.t() if module.transposed else w, module.bias)
 
 

@@ -16,8 +16,8 @@ GGUF 4-bit blocks map onto the format exactly (``gguf_blocks.py``): Q4_0 is ``of
 products of an fp16 factor and a 6-bit integer need up to 17 bits of mantissa).
 
 Packing (``pack``): byte b of row n holds column 2b in its low nibble and column 2b + 1 in its high nibble.
-That is the 4-bit layout of the shadows (``kernels/quant.py``) byte for byte, so a little-endian int32 word c
-holds columns 8c .. 8c + 7 at bits 4j, as ``kernels/_gemv.py`` reads them. torch's
+That is the 4-bit layout of the shadows (``kernels/shadow/format.py``) byte for byte, so a little-endian int32 word c
+holds columns 8c .. 8c + 7 at bits 4j, as ``kernels/int4/words.py`` reads them. torch's
 ``_convert_weight_to_int4pack`` wants the even column in the high nibble and a Marlin-style kernel its own
 permutation: a kernel derives its layout from these tensors when it prepares a module, the format stays.
 

@@ -65,7 +65,7 @@ class Int4Linear(nn.Linear):
                  source: str = "", transposed: bool = False):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a float weight
         # transposed: the buffers hold W^T [in, out] in the format (groups along the output): a W_down whose rows of
-        # d_inter are the sparse kernels' rows (kernels/_int4_rows.py); forward and weight give W as ever
+        # d_inter are the sparse kernels' rows (kernels/int4/rows.py); forward and weight give W as ever
         self.transposed = bool(transposed)
         self.out_features, self.in_features = weight.shape[::-1] if self.transposed else weight.shape
         self.group = weight.group

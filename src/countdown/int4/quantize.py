@@ -71,7 +71,7 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     a catalogue name; default: the file the model was loaded from). requantize: with ``"gguf"``, round the
     tensors that are not 4-bit in the file to 4 bits too. scale_dtype: of RTN's scales and offsets.
     transposed_down: each Gated-MLP's W_down held as W_down^T (RTN, groups along d_model), so that the sparse rows'
-    kernel skips the bytes of skipped rows (kernels/_int4_rows.py) with no second copy; RTN only (a GGUF file's
+    kernel skips the bytes of skipped rows (kernels/int4/rows.py) with no second copy; RTN only (a GGUF file's
     W_down blocks run along d_inter). It costs quality: docs/int4.md measures it.
     """
     refuse_foreign_quantization(model, "countdown.quantize")  # torchao / bitsandbytes / GPTQ... weights

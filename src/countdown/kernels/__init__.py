@@ -1,52 +1,52 @@
 """Triton kernels that turn skipped Gated-MLP rows into real speed, each beside its PyTorch reference.
 
+By op family (docs/kernels.md): ``sparse_mlp/`` (the sparse Gated-MLP), ``shadow/`` (the shadows and their
+GEMVs), ``teal/``, ``decode_step/`` (the dense decode step: attention, the fixed GEMV, RMSNorm), ``int4/`` (4-bit
+weights); shared: ``common.py`` (no Triton), ``jit_helpers.py`` (@triton.jit helpers, PDL), ``config.py`` (the
+user's options, every launch table, the overrides context), ``route.py`` (which kernel runs, one table).
+
 Public ops (x [..., d_model]; w_gate, w_up [d_inter, d_model]; w_down_t = W_down^T [d_inter, d_model]):
 
     mono_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation)   keep |x W_up^T| > tau
     cats_gated_mlp(x, w_gate, w_up, w_down_t, threshold, activation)   keep |act(x W_gate^T)| > tau
     masked_gated_mlp(x, w_gate, w_up, w_down_t, keep, activation)      keep given [..., d_inter]
-    threshold_block(h, norm_w, eps, w_gate, w_up, w_down_t, threshold, method, activation)
-                                        h + mono / cats MLP of RMSNorm(h), one token, two launches, or None
-                                        where that route does not serve (_block.py); the other one-token
-                                        routes take residual=h after block_input(h, norm_w, eps)
     dual_gated_mlp(x, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)  keep (x A) B > cut
+    threshold_block(h, norm_w, eps, w_gate, w_up, w_down_t, threshold, method, activation)
     dual_block(h, norm_w, eps, w_gate, w_up, w_down_t, pred_a, pred_b, cut, activation)
-                                        h + dual_gated_mlp of RMSNorm(h), one token, the norm folded into
-                                        the predictor's first GEMV (which also writes x), or None (dual.py)
+                                        h + the MLP of RMSNorm(h) for one token with the norm inside the route's
+                                        launches, or None where that route does not serve (the caller then takes
+                                        block_input(h, norm_w, eps) and the op with residual=h)
     sparse_down_proj(s, keep, w_down_t)                                y = masked s @ w_down_t
     shadow_dual_gated_mlp(x, prepared, cut, w_gate, w_up, w_down_t, activation)
-                                        keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow.py)
+                                        keep |u~ act(g~)| > cut, u~, g~ from 4-bit shadows (shadow/)
     hybrid_gated_mlp(x, u, latent, bt, bias, cut, w_gate, w_down_t, activation)
-                                        keep |u| |act(latent bt^T + bias)| > cut, u given (hybrid.py)
+                                        keep |u| |act(latent bt^T + bias)| > cut, u given
     teal_gated_mlp(x, w_gate_t, w_up_t, w_down_t, thr_x, thr_s, activation)
                                         TEAL: keep x entries |x| > tau_x, s entries |s| > tau_s; the gate
-                                        and up weights transposed [d_model, d_inter] (teal.py)
+                                        and up weights transposed [d_model, d_inter] (teal/)
 
-The shadows' format (RTN quantization, packing, float32 references) is ``quant.py``; it needs no Triton.
-
-activation is "silu" or "gelu_tanh"; thresholds are Python floats or 0-dim tensors (read on the
-device, no host sync). The MLP ops take ``count=(kept, rows)``, a patched layer's Sparsity-Real counters:
-the kernel that keeps the rows adds them in place, without a launch more (``_count.py``; ``count_keep`` adds
-a keep mask computed in PyTorch the same way). All are torch custom ops (``torch.ops.countdown.*``):
-torch.compile with fullgraph=True and CUDA-graph capture work. Where ``available(x)`` is False (no Triton,
-or a CPU tensor without TRITON_INTERPRET=1) they run their ``*_ref`` PyTorch reference instead.
+activation is "silu" or "gelu_tanh"; thresholds are Python floats or 0-dim tensors (read on the device, no host
+sync). The MLP ops take ``count=(kept, rows)``, a patched layer's Sparsity-Real counters: the kernel that keeps
+the rows adds them in place, without a launch more (``count_keep`` adds a keep mask computed in PyTorch the same
+way). All are torch custom ops (``torch.ops.countdown.*``): torch.compile with fullgraph=True and CUDA-graph capture
+work. Where ``available(x)`` is False (no Triton, or a CPU tensor without TRITON_INTERPRET=1) they run their
+``*_ref`` PyTorch reference. ``import countdown.kernels`` needs no Triton: the Triton modules load where a route
+takes them.
 """
 
-from ._block import block_input, threshold_block
-from ._common import available, count_keep
-from .down_proj import sparse_down_proj, sparse_down_proj_ref
-from .dual import dual_block, dual_gated_mlp, dual_gated_mlp_ref, dual_keep, dual_scores
-from .masked import gated_mlp_masked_ref, masked_gated_mlp, masked_gated_mlp_ref
-from .hybrid import hybrid_gated_mlp, hybrid_gated_mlp_ref, hybrid_keep
-from .quant import (dequantize, pack_bits, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp_ref,
-                    shadow_keep_ref, shadow_scores_ref, unpack_bits)
-from .shadow import prepare_shadow, shadow_dual_gated_mlp, shadow_scores, unpack_prepared
+from .common import available, count_keep
+from .config import KernelOptions, overrides
+from .shadow import (dequantize, pack_bits, prepare_shadow, quantize_rtn, shadow_bytes, shadow_dual_gated_mlp,
+                     shadow_dual_gated_mlp_ref, shadow_keep_ref, shadow_scores, shadow_scores_ref, unpack_bits,
+                     unpack_prepared)
+from .sparse_mlp import (block_input, cats_gated_mlp, cats_gated_mlp_ref, cats_keep, dual_block, dual_gated_mlp,
+                         dual_gated_mlp_ref, dual_keep, dual_scores, gated_mlp_masked_ref, hybrid_gated_mlp,
+                         hybrid_gated_mlp_ref, hybrid_keep, masked_gated_mlp, masked_gated_mlp_ref, mono_gated_mlp,
+                         mono_gated_mlp_ref, mono_keep, sparse_down_proj, sparse_down_proj_ref, threshold_block)
 from .teal import teal_gated_mlp, teal_gated_mlp_ref, teal_keep_x, teal_masked_ref
-from .threshold import (cats_gated_mlp, cats_gated_mlp_ref, cats_keep, mono_gated_mlp, mono_gated_mlp_ref,
-                        mono_keep)
 
 __all__ = [
-    "available", "count_keep",
+    "available", "count_keep", "KernelOptions", "overrides",
     "mono_gated_mlp", "mono_gated_mlp_ref", "mono_keep",
     "cats_gated_mlp", "cats_gated_mlp_ref", "cats_keep",
     "masked_gated_mlp", "masked_gated_mlp_ref", "gated_mlp_masked_ref", "threshold_block", "block_input",

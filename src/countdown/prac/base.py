@@ -71,7 +71,7 @@ class RowSelector(nn.Module):
         Default: the dense projections the rule needs, the keep mask in PyTorch, then the masked
         kernel (kept rows of W_gate / W_up / W_down only). Kinds with a fused kernel override it.
         ``w_down_t`` is ``W_down^T`` contiguous ``[d_inter, d_model]``. ``count`` = (kept, rows), the
-        layer's Sparsity-Real counters: the kernel that keeps the rows adds them (kernels/_count.py).
+        layer's Sparsity-Real counters: the kernel that keeps the rows adds them (kernels/jit_helpers.py add_count).
         """
         u = F.linear(x2, mlp.w_up) if self.needs_up else None
         h = mlp.act(F.linear(x2, mlp.w_gate)) if self.needs_gate else None

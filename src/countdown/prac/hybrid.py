@@ -65,7 +65,7 @@ class LowRankFactors(RowSelector):
         self.selection = selection
         self.n_keep = int(n_keep)
         # A is held as the transposed view of a contiguous A^T [r, d_model]: the one-token decode GEMV
-        # (kernels/_linear.py, via dual_gated_mlp) reads A^T's rows; x @ A is the same product
+        # (kernels/decode_step/linear.py, via dual_gated_mlp) reads A^T's rows; x @ A is the same product
         self.register_buffer("A", tensors["A"].t().contiguous().t())
         self.register_buffer("Bt", tensors["B"].t().contiguous())
         self.register_buffer("bias", tensors["bias"].float().clone())

@@ -4,8 +4,9 @@
 :class:`countdown.prac.train.TrainedKind`. Saved tensors: ``k=<k>/layer<i>/{A, B, bias, cut}``.
 
 Kernel: the predictor's scores ``x A B`` go straight to the dual kernels, which apply the cut themselves
-(rows with ``x A B > cut - bias`` are kept: no mask tensor is written) when :data:`IN_KERNEL` is True and
-the selection is a cut or the logit; else the mask is computed in PyTorch and the masked kernel runs.
+(rows with ``x A B > cut - bias`` are kept: no mask tensor is written) where the selection is a cut or the logit
+and kernels/route.py's "lowrank" entry says "dual" (the default); else the mask is computed in PyTorch and the
+masked kernel runs ("masked": benchmarks/decode.py --predictor-route compares them).
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels.route import route
 from ..registry import kept_rows
 from .base import register_kind, select
 from .hybrid import LowRankFactors, full_rank, resolve_rank
 from .train import TrainedKind
-
-# True: the low-rank predictor runs inside the fused dual kernel; False: mask in PyTorch + masked
-# kernel. benchmarks/decode.py --predictor-route compares them.
-IN_KERNEL = True
-
 
 class LowRankPredictor(nn.Module):
     """``z = x A B + b``: ``A [d_model, d_rank]``, ``B [d_rank, d_inter]``, ``b [d_inter]``."""
@@ -71,13 +68,13 @@ class LowRankSelector(LowRankFactors):
         return select(self.score(x), self.selection, self.cut, self.n_keep)
 
     def kernel_forward(self, x2, mlp, w_down_t, count=None):
-        if not IN_KERNEL or self.selection == "topk":
+        if self.selection == "topk" or route("lowrank", x2) == "masked":
             return super().kernel_forward(x2, mlp, w_down_t, count)
         return kernels.dual_gated_mlp(x2, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
                                       mlp.act_name, count=count)
 
     def kernel_block(self, h2, mlp, w_down_t, norm_w, eps, count=None):
-        if not IN_KERNEL or self.selection == "topk":
+        if self.selection == "topk" or route("lowrank", h2) == "masked":
             return None
         out = kernels.dual_block(h2, norm_w, eps, mlp.w_gate, mlp.w_up, w_down_t, self.A, self.Bt.t(), self.row_cut,
                                  mlp.act_name, count=count)  # no norm kernel: the norm is in the predictor's GEMV
@@ -119,4 +116,4 @@ class LowRankKind(TrainedKind):
 
 
 register_kind(LowRankKind())
-__all__ = ["IN_KERNEL", "LowRankKind", "LowRankPredictor", "LowRankSelector", "full_rank", "row_cut"]
+__all__ = ["LowRankKind", "LowRankPredictor", "LowRankSelector", "full_rank", "row_cut"]

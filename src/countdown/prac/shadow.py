@@ -3,7 +3,7 @@
 D-CountDown keeps the rows with the largest ``|u * act(g)|``; computing that exactly reads W_up and
 W_gate in full. The shadow kind reads instead a *shadow* of each: a symmetric group-wise
 round-to-nearest copy at ``bits`` bits (4 by default; 3 and 8 as options; groups of ``group``
-columns along d_model, fp16 scales; format in :mod:`countdown.kernels.quant`), scores
+columns along d_model, fp16 scales; format in :mod:`countdown.kernels.shadow.format`), scores
 ``u~ = x Q_up^T``, ``g~ = x Q_gate^T`` in float32, keeps rows with ``|u~ act(g~)| > cut`` (a per-layer
 cut calibrated like the thresholds, several k from one pass) and then computes the EXACT MLP on the
 kept rows of the full-precision W_gate, W_up and W_down. No training: the shadows come from the
@@ -17,7 +17,7 @@ about 12 % of a bf16 model at 4 bits (3 bits: about 9 %).
 Saved tensors: ``shared/layer<i>/{gate_q, up_q}`` (uint8, packed by ``quant.pack_bits``),
 ``shared/layer<i>/{gate_scale, up_scale}`` (float16) and ``k=<k>/layer<i>/cut``. Kernel: at batch 1
 the int8 shadow GEMV writes the scores and the one-launch sparse kernel keeps the rows over the cut
-(``kernels.shadow``); 4 and 8 bits on the GPU, other widths on the reference path.
+(``countdown.kernels.shadow``); 4 and 8 bits on the GPU, other widths on the reference path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from .. import kernels
 from ..artifacts import ArtifactError, sparsity_key
-from ..kernels.quant import BITS, dequantize, pack_bits, quantize_rtn, shadow_bytes, unpack_bits
+from ..kernels.shadow.format import BITS, dequantize, pack_bits, quantize_rtn, shadow_bytes, unpack_bits
 from ..mlp import GatedMLP
 from ..registry import kept_rows
 from .base import RowSelector, SelectorKind, register_kind, select

@@ -110,10 +110,10 @@ def strip_shadows(art):
 
 def restore_shadows(art, model):
     """The shadow tensors of ``art`` rebuilt from ``model``'s Gated-MLPs as the shadow kind builds them
-    (round-to-nearest of each weight, :func:`countdown.kernels.quant.quantize_rtn`), on the weights'
+    (round-to-nearest of each weight, :func:`countdown.kernels.shadow.format.quantize_rtn`), on the weights'
     device; the caller checks the result with :func:`artifact_identity`."""
     from ...artifacts import Artifacts
-    from ...kernels.quant import pack_bits, quantize_rtn
+    from ...kernels.shadow.format import pack_bits, quantize_rtn
     from ...mlp import require_gated_mlps
 
     if art.kind != "shadow" or any(n.startswith("shared/") for n in art.tensors):
