@@ -47,11 +47,16 @@ def model_label(model_name: str) -> str:
 def column_label(spec: str | Spec) -> str:
     """What the CSV's method column holds for ``spec``'s SP-Prac configuration: the plain method where the
     spec is the method's default kind with default options (``dual[shadow4]`` -> ``dual``, as sweeps have
-    always written it), else the canonical label (``dual[hybrid]``, ``dual[shadow3]``)."""
+    always written it), the default kind's options without the kind (``teal[allocation=uniform]``), else the
+    canonical label (``dual[hybrid]``, ``dual[shadow3]``)."""
     spec = parse_spec(spec)
-    if spec.is_dense or spec.resolved() == parse_spec(spec.method).resolved():
+    default = parse_spec(spec.method).resolved()
+    if spec.is_dense or spec.resolved() == default:
         return spec.method
-    return spec.resolved().label
+    label = spec.resolved().label
+    if spec.resolved().kind == default.kind:  # the default kind with other options: written without the kind
+        label = label.replace(f"[{default.kind},", "[", 1)
+    return label
 
 
 def parse_methods(methods: Sequence[str | Spec] | str) -> list[Spec]:
