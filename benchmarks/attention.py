@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from countdown.decode.hf_attention import mask_row
 from countdown.io import atomic_write
-from countdown.kernels import _attention
+from countdown.kernels.config import launch_config
+from countdown.kernels.decode_step import attention as _attention
 from harness.timing import copy_bandwidth, time_graph
 
 H, KVH, D, LAYERS = 32, 8, 128, 32

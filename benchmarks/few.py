@@ -40,7 +40,8 @@ import torch
 
 import countdown.kernels as K
 from countdown.io import atomic_write
-from countdown.kernels import _few
+from countdown.kernels.config import launch_config
+from countdown.kernels.sparse_mlp import few_tokens as _few
 from harness.launches import recorded, stand_in
 from harness.mlpbench import Problem, dense_chain, gap_threshold, log, safe_time
 from harness.sm90 import Compile
@@ -55,7 +56,6 @@ SWEEP = [dict(zip(_C, c)) for c in [
     (64, 128, 256, 3, 4, 64, 128, 4), (64, 128, 128, 3, 8, 64, 128, 3)]]
 METHODS = ("mono", "cats", "dual")
 T0 = time.time()
-LAST = None  # LastKernel of the few-token kernel (set in main)
 
 
 def _cell(v) -> str:
@@ -172,7 +172,7 @@ def sweep(p: Problem, bw, rows, launches) -> dict:
                     log(f"sweep {method} {cfg}: output differs from the default, dropped")
                     continue
                 us = safe_time(f"few {cfg}", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=launches.last["few"])
+                add(rows, "sweep", p, method, k, "few", us, fr, bw, cfg=cfg, kern=launches.last["few_tokens"])
             if us == us:
                 totals[j] = totals.get(j, 0.0) + us
     best = SWEEP[min(totals, key=totals.get)] if totals else launch_config("few_tokens")
@@ -200,13 +200,13 @@ def parts(p: Problem, bw, rows, best, launches) -> None:
             for k, label in ((0.9, "kernel"), (1.0, "none"), (0.0, "all")):
                 thr = 1e30 if k >= 1 else (-1e30 if k <= 0 else p.thresholds(k)[method])
                 frk = fractions(p, method, thr) if 0 < k < 1 else ((0.0, 0.0) if k >= 1 else (1.0, 1.0))
-                us = safe_time(label, [lambda i=i: _few.few_tokens_partials(p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"],
-                                                                     p.w(i)["wdt"], None, thr, mode, ACT, gate, up)
+                us = safe_time(label, [lambda i=i: _few.few_tokens_partials(
+                    p.xs[i], ind[i], p.w(i)["wg"], p.w(i)["wu"], p.w(i)["wdt"], None, thr, mode, ACT, gate, up)
                                        for i in range(n)])
                 roof = (3 if method == "dual" else 2) * frk[1] * full / bw * 1e6
-                add(rows, "parts", p, method, k, label, us, frk, bw, kern=launches.last["few"], roof=roof)
-            part = _few.few_partials(p.xs[0], ind[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], None, 0.0, mode, ACT,
-                                     gate, up)
+                add(rows, "parts", p, method, k, label, us, frk, bw, kern=launches.last["few_tokens"], roof=roof)
+            part = _few.few_tokens_partials(p.xs[0], ind[0], p.w(0)["wg"], p.w(0)["wu"], p.w(0)["wdt"], None, 0.0,
+                                            mode, ACT, gate, up)
             us = safe_time("sum", [lambda: part.sum(0).to(p.xs[0].dtype) for _ in range(n)])
             add(rows, "parts", p, method, 0.9, "sum", us, fr, bw, roof=part.numel() * 4 / bw * 1e6)
 
@@ -223,19 +223,18 @@ def table(p: Problem, bw, rows, best, ks, launches) -> None:
             fr = fractions(p, method, thr)
             with few_config(best):
                 us = safe_time(f"{method} {k} few", [lambda i=i: op(p, method, thr)(i) for i in range(n)])
-            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=launches.last["few"])
+            add(rows, "table", p, method, k, "few", us, fr, bw, dense_us, cfg=best, kern=launches.last["few_tokens"])
 
 
 def compile_check() -> bool:
     """No GPU needed: compile every SWEEP configuration for sm_90 and log registers and shared memory."""
     failures: list = []
-    _few._common.persistent_programs = lambda device, per_sm, _: 132 * per_sm  # an H100 / H200's SMs
     e = lambda *shape: torch.empty(shape, dtype=torch.bfloat16)
     x, w, ind = e(4, 4096), e(14336, 4096), e(4, 14336)
-    with stand_in(["few"], lambda name, jit: Compile(jit, failures)):
+    with stand_in(["few_tokens"], lambda name, jit: Compile(jit, failures)), K.overrides(sm_count=132):  # H100 / H200
         for cfg in [None] + SWEEP:
-            _few.few_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
-            _few.few_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
+            _few.few_tokens_partials(x, ind, w, w, w, None, 0.5, "abs", ACT, True, False, config=cfg)
+            _few.few_tokens_partials(x, ind, w, w, w, None, 0.5, "gt", ACT, True, True, config=cfg)
     log(f"compile check: {len(failures)} failures")
     return not failures
 
@@ -320,8 +319,6 @@ def main() -> int:
     if args.compile_check:
         return 0 if compile_check() else 1
     smoke = args.smoke or not torch.cuda.is_available()
-    global LAST
-    LAST = LastKernel(_few, "few_tokens_kernel")  # the compiled kernel of each launch: registers, spills
     stack = contextlib.ExitStack()
     if smoke:  # the CPU interpreter takes the few-token route as CUDA does
         stack.enter_context(K.overrides(cuda_routes=("few_tokens",)))
@@ -342,8 +339,8 @@ def main() -> int:
     global SWEEP
     if smoke:
         SWEEP = [dict(ROWS="chunk", TILE=16, BK=32, BN=32, STAGES=2, num_warps=4, WIDE_BK=32, WIDE_BN=32)]
-    best = dict(_few.CONFIG)
-    with recorded("few") as launches:  # each row's registers and spills: the kernel it last compiled
+    best = launch_config("few_tokens")
+    with recorded("few_tokens") as launches:  # each row's registers and spills: the kernel it last compiled
         if "sweep" in stages and 4 in problems:
             best = sweep(problems[4], bw, rows, launches)
         meta["best"] = best

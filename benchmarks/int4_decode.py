@@ -52,7 +52,9 @@ import torch
 
 import countdown
 from countdown.int4 import Int4Linear, quantize_rtn, use_backend
-from countdown.kernels import _int4
+from countdown.kernels import overrides
+from countdown.kernels.config import LAUNCH, launch_config
+from countdown.kernels.int4 import gemv as _int4
 from harness.int4profile import profile_step
 from harness.timing import time_graph
 
@@ -227,15 +229,15 @@ def decode_tps(model, ids, new_tokens: int, repeats: int) -> tuple[float, float]
     return best["decode_tokens_per_s"], best["ms_per_step"]
 
 
-def bf16_model(device: str, overrides: dict | None = None):
-    """The 8B shape (random weights, bf16) on CUDA; a tiny Llama on the CPU (the smoke check); ``overrides``:
+def bf16_model(device: str, fields: dict | None = None):
+    """The 8B shape (random weights, bf16) on CUDA; a tiny Llama on the CPU (the smoke check); ``fields``:
     config fields changed (the bound part's narrow model)."""
     if device == "cuda":
         return countdown.load_model("llama-3.1-8b-shape", dtype="bf16", device=device, random_weights=True,
-                                    config_overrides=overrides or None)[0]
+                                    config_overrides=fields or None)[0]
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    return AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOKE, **(overrides or {})})).eval()
+    return AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOKE, **(fields or {})})).eval()
 
 
 def bound_part(device: str, args, stamp: dict) -> None:
@@ -254,7 +256,7 @@ def bound_part(device: str, args, stamp: dict) -> None:
         mods = make_modules(n, k, sets_for(mods_bytes(n, k), device), device)
         return time_graph(gemv_calls("countdown", mods, x, False, config), device=device)
 
-    int4bound.run(lambda overrides: bf16_model(device, overrides), step_ms, gemv_us, append, log, device, stamp,
+    int4bound.run(lambda fields: bf16_model(device, fields), step_ms, gemv_us, append, log, device, stamp,
                   args.out, args.bound_k, int4bound.SELECT_US if args.select_us is None else args.select_us)
 
 

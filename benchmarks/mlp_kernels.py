@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from countdown.kernels import _down, _glu
+import countdown.kernels as K
+from countdown.kernels.config import launch_config
 from harness.kernelchecks import CHECK_OK, check_real_shapes
 from harness.kerneltable import bench_shape, plot, sweep, write_outputs
 from harness.mlpbench import DEV, DOWN_SWEEP, GLU_SWEEP, MAIN, SHAPES, log
@@ -47,7 +48,7 @@ def main():
     ap.add_argument("--rank", type=int, default=512, help="D-CountDown predictor rank")
     ap.add_argument("--sweep", action="store_true", help="first compare the candidate kernel configs")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--no-variants", action="store_true", help="skip per-token and reduce-mode variants")
+    ap.add_argument("--no-variants", action="store_true", help="skip the per-token variants")
     ap.add_argument("--plot-only", help="re-plot from a kernels.csv")
     ap.add_argument("--compile-check", action="store_true",
                     help="no GPU: compile every kernel variant for sm_90 and report registers / spills")

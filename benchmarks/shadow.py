@@ -6,7 +6,7 @@
 results/shadow/shadow.md (H200, 2026-11-23) came from the first command at commit 12e5c91 with
 ``--out /root/out/final``, which also timed the one-token routes then switchable (COUNTDOWN_SHADOW_ROUTE):
 its ``dual[shadow4]`` batch-1 rows are the selecting kernel's route ("fused") and ``dual[shadow4-onepass]``
-the default; here ``dual[shadow4]`` is the library's default at every batch (one token: "onepass").
+the default; here ``dual[shadow4]`` is the library's default at every batch (one token: route "one_token").
 
 Llama-3.1-8B's MLP shape (4096 x 14336, SiLU), bf16, CUDA graphs over 4 rotating weight sets and 8
 inputs (harness.mlpbench's ``Problem`` and ``safe_time``: over 1 GB per set of calls, far past
@@ -47,7 +47,6 @@ from countdown.kernels import common as _common
 from countdown.kernels.config import LAUNCH, launch_config
 from countdown.kernels.shadow import format as quant
 from countdown.kernels.shadow.format import shadow_bytes
-from countdown.kernels.sparse_mlp import select as _select
 
 from harness.launches import recorded
 from harness.mlpbench import DTYPE, NSETS, Problem, dense_chain, gap_threshold, log, safe_time
@@ -58,8 +57,6 @@ BITS, GROUP, RANK = 4, 64, 128
 KS = (0.7, 0.8, 0.9)
 E = 2
 _K = ("ROWS", "TILE_W", "BLOCK_M", "num_warps", "PER_SM")
-WINNERS: dict = {}  # the sweep's best launch configurations, {("select", key): knobs}
-LAST = None  # LastKernel of the select kernel (set in main)
 SWEEP = {  # candidates per (kind, token bucket) of the select kernel's launch table, each over the default entry
     ("hybrid", 1): [dict(zip(_K, r)) for r in [
         (32, 64, 2, 4, 2), (16, 64, 2, 4, 4), (64, 64, 2, 8, 2), (32, 64, 4, 8, 2), (16, 64, 1, 4, 4),
@@ -242,16 +239,17 @@ def gemv_rows(bw: float) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- sweep
-def sweep(p: Problem, bw: float) -> dict:
+def sweep(p: Problem, bw: float) -> tuple[dict, dict]:
     """Per kernel configuration key, time each candidate (k = 0.9) and keep the fastest whose output
-    matches the default's; each with the registers and spills of the select kernel it compiled."""
+    matches the default's; each with the registers and spills of the select kernel it compiled. Returns the
+    results by key and the winners as launch overrides (``{("select", key): knobs}``)."""
     with recorded("select") as launches:
         return _sweep(p, launches)
 
 
-def _sweep(p: Problem, launches) -> dict:
+def _sweep(p: Problem, launches) -> tuple[dict, dict]:
     c = cuts(p, 0.9)
-    out = {}
+    out, winners = {}, {}
     for key, cands in SWEEP.items():
         method = "dual[shadow4]" if key[0] == "shadow" else "dual[hybrid]"
         calls = calls_for(p, method, c)
@@ -261,9 +259,10 @@ def _sweep(p: Problem, launches) -> dict:
         results = []
         for cfg in [base] + [{**base, **cand} for cand in cands]:
             try:
-                same = all(((run(i).float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
-                           for i, r in enumerate(ref))
-                t = safe_time(str(cfg), calls) if same else float("nan")
+                with K.overrides(launch={("select", key): cfg}):
+                    same = all(((run(i).float() - r.float()).abs().max() <= 2e-2 * r.float().abs().max()).item()
+                               for i, r in enumerate(ref))
+                    t = safe_time(str(cfg), calls) if same else float("nan")
                 kern = launches.last["select"]
                 regs, spills = getattr(kern, "n_regs", -1), getattr(kern, "n_spills", -1)
             except Exception as e:  # noqa: BLE001
@@ -273,10 +272,10 @@ def _sweep(p: Problem, launches) -> dict:
             log(f"sweep {key} {method} {cfg} -> {t:.1f} us (regs {regs}, spills {spills}, same {same})")
         good = [r for r in results if r["us"] == r["us"]]
         best = min(good, key=lambda r: r["us"])["cfg"] if good else base
-        WINNERS[("select", key)] = dict(best)
+        winners[("select", key)] = dict(best)
         log(f"sweep best {key}: {best}")
         out[str(key)] = dict(results=results, best=best)
-    return out
+    return out, winners
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -418,14 +417,12 @@ def main():
                 command="PYTHONPATH=src python " + " ".join(sys.argv), copy_bw_tbs=bw / 1e12,
                 torch=torch.__version__, configs={str(k): launch_config("select", bucket=k) for k in LAUNCH["select"]})
     sweep_res = None
-    global LAST
-    LAST = LastKernel(_select, "select_kernel")  # the compiled kernel of each launch: registers, spills
     run_with = contextlib.ExitStack()
     if args.sweep:
         p = Problem(D_MODEL, D_INTER, ACT, 1, RANK)
         add_shadows(p)
-        sweep_res = sweep(p, bw)
-        run_with.enter_context(K.overrides(launch=WINNERS))  # the winners for the rest of the run
+        sweep_res, winners = sweep(p, bw)
+        run_with.enter_context(K.overrides(launch=winners))  # the winners for the rest of the run
         meta["configs"] = {str(k): launch_config("select", bucket=k) for k in LAUNCH["select"]}
         del p
         torch.cuda.empty_cache()

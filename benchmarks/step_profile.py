@@ -16,7 +16,7 @@ bandwidth measured in the same run, and a torch.profiler table of every kernel o
 - ``countdown``: countdown's split-KV kernel behind transformers' interface (countdown.decode.hf_attention);
 - ``fused``: one QKV GEMV and the fused rotary + cache-write + attention kernel (countdown.decode.attention).
 - ``fused+down`` / ``fused+down+o`` / ``fused+down+o+qkv``: the same with the MLPs' down projections (and
-  the attention output projections, and the fused QKV GEMV) on kernels/_linear.py's fixed GEMV;
+  the attention output projections, and the fused QKV GEMV) on kernels/decode_step/linear.py's fixed GEMV;
   ``fused+all``: every projection of the layers there (gate and up too) (countdown.decode.linears.route_linears);
   ``fused+all+norm``: and each layer's input RMSNorm folded into the QKV GEMV (countdown.decode.layer); ``fused``
   leaves every projection to Inductor.

@@ -18,13 +18,14 @@ import torch
 
 from .timing import time_graph
 
-KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Inductor names its kernels
-    # after the ops it fused (e.g. triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
+KERNEL_CLASSES = [  # (class, substrings of kernel names), first match wins. Ours are named by their @triton.jit
+    # functions (countdown.kernels); Inductor names its kernels after the ops it fused (e.g.
+    # triton_red_fused__unsafe_view_mm_mul_silu_t_view_10: gate/up GEMV + act).
     ("countdown sparse kernels", ("gate_up_kernel", "down_kernel", "one_token_kernel", "partial_sums_kernel",
-                                  "few_tokens_kernel", "select_kernel", "teal_")),
+                                  "few_tokens_kernel", "select_kernel", "teal_", "rows_other_kernel")),
     ("countdown shadow GEMV", ("shadow_gemv_kernel", "x_prepare_kernel")),
     ("attention", ("fmha", "attention", "flash", "sdpa", "split_kernel", "combine_kernel")),  # ours: kernels/decode_step/
-    ("countdown fixed GEMV (projections, indicators)", ("linear_kernel",)),
+    ("countdown fixed GEMV (projections, indicators)", ("linear_kernel", "int4_gemv_kernel")),
     ("countdown norms and residual adds", ("rmsnorm_kernel", "add_kernel", "add_partials_kernel", "add_norm_kernel")),
     ("GEMV + activation (MLP gate/up)", ("silu", "gelu")),
     ("RMSNorm (+ fused GEMV)", ("rsqrt",)),

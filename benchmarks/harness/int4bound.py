@@ -26,7 +26,8 @@ import os
 
 import torch
 
-from countdown.kernels import _int4
+from countdown.kernels import overrides
+from countdown.kernels.int4 import gemv as _int4
 
 FIELDS = ["run", "device", "date", "k", "d_inter", "kept_inter", "dense_ms", "narrow_ms", "indicator_us",
           "up_kept_us", "select_us", "free_select_ms", "bound_ms", "bound_vs_dense"]
@@ -52,15 +53,15 @@ def narrow_configs(d_model: int, d_inter: int, kept: int) -> dict:
 
 def run(build, step_ms, gemv_us, append, log, device: str, stamp: dict, out: str, k: float,
         select_us: float = SELECT_US) -> dict:
-    """The bound at sparsity ``k``. ``build(overrides)``: the script's bf16 model with config fields changed
+    """The bound at sparsity ``k``. ``build(fields)``: the script's bf16 model with config fields changed
     (``{}``: as it is); ``step_ms(model)``: ms a decode step of a 4-bit model on its fastest step; ``gemv_us(n, k,
     config)``: our GEMV of an [n, k] weight alone, microseconds a call; ``append(path, fields, row)``, ``log(msg)``:
     the script's."""
     import countdown
 
-    def measure(overrides: dict):
+    def measure(fields: dict):
         with torch.no_grad():
-            model = build(overrides)
+            model = build(fields)
             cfg = model.config
             countdown.quantize(model, group=128, lm_head=True)
             ms = step_ms(model)

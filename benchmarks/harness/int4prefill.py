@@ -25,7 +25,10 @@ from countdown.int4 import backends, linear
 from countdown.int4.format import dequantize
 from countdown.io.files import atomic_write
 from countdown.io.locks import file_lock
-from countdown.kernels import _common, _int4_dequant
+from countdown.kernels import overrides
+from countdown.kernels.common import available
+from countdown.kernels.config import launch_config
+from countdown.kernels.int4 import dequant as _int4_dequant
 
 FIELDS = ["run", "device", "date", "part", "weights", "path", "shape", "ms", "tb_s", "vs_reference"]
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336),

@@ -95,7 +95,7 @@ class _Case:
             * per_matrix
 
     def indicator(self, gu_mod):
-        from countdown.kernels import _int4
+        from countdown.kernels.int4 import gemv as _int4
 
         if self.rule == "abs":
             return _int4.launch(self.x, *words(gu_mod.stacked_from[1]))
@@ -105,7 +105,7 @@ class _Case:
     def run(self, gu_mod, down, down_t, cfg, upto="all"):
         """The sparse MLP as the step runs it: the indicator GEMV, select, other (mono), down, the residual add
         (``upto``: stop after "indicator", "select" or "other", for the parts' times)."""
-        from countdown.kernels import _int4_rows
+        from countdown.kernels.int4 import rows as _int4_rows
 
         ind = self.indicator(gu_mod)
         if upto == "indicator":
@@ -123,13 +123,13 @@ class _Case:
     @staticmethod
     def slices(down_t, full):
         """The down kernel's column slices (the select kernel zeroes a counter for each)."""
-        from countdown.kernels import _int4_rows_down
+        from countdown.kernels.int4 import rows_down as _int4_rows_down
 
         return _int4_rows_down.column_slices(words(down_t)[0].shape[1], down_t.scale.shape[1], full)[1]
 
     def other_rows(self, gu_mod, picked, full):
         """The other GEMV's partials on the kept rows (mono: W_gate's); None for dual."""
-        from countdown.kernels import _int4_rows
+        from countdown.kernels.int4 import rows as _int4_rows
 
         if self.rule == "dual":
             return None
@@ -143,7 +143,7 @@ class _Case:
     def alone(self, cfg):
         """Microseconds of the select, other and down kernels each alone, on inputs computed once per weight copy
         (the indicator's partials; select's row lists; the other GEMV's partials). Other: 0 for dual."""
-        from countdown.kernels import _int4_rows
+        from countdown.kernels.int4 import rows as _int4_rows
         from .timing import time_graph
 
         full = _int4_rows._config(cfg)
@@ -167,7 +167,9 @@ class _Case:
 
 def kernel_rows(device, shape, ks, grids, stamp, out, bw):
     """See the module docstring. ``grids`` = (down, select, other configurations)."""
-    from countdown.kernels import _int4, _int4_rows, _rmsnorm  # noqa: F401  (Triton; _rmsnorm registers decode_add_partials)
+    from countdown.kernels.config import launch_config
+    from countdown.kernels.decode_step import rmsnorm  # noqa: F401  (Triton; registers decode_add_partials)
+    from countdown.kernels.int4 import gemv as _int4
     from .timing import time_graph
 
     down_grid, select_grid, other_grid = grids

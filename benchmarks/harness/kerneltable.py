@@ -11,8 +11,9 @@ Per model shape (:data:`harness.mlpbench.SHAPES`), batch and target sparsity k, 
     dual       countdown.kernels.dual_gated_mlp     (predictor (x A) B included)
     dual_excl  countdown.kernels.masked_gated_mlp   (the same keep mask given: predictor excluded)
 
-and on the main shape (``variants``) the per-token rows (batch > 1) and mono with the split-K reduction
-(each op takes its indicator computed before it, by cuBLAS: the ``[cublas]`` rows of earlier tables).
+and on the main shape (``variants``) the per-token rows (batch > 1). Each op takes its indicator computed before
+it, by cuBLAS (the ``[cublas]`` rows of earlier tables; their ``mono[cublas,splitk]`` rows timed a down reduction
+since removed: docs/experiments.md).
 Thresholds are the empirical k-quantiles of the indicators on the random inputs, so the kept fraction
 matches k; the real kept fraction (per token, and the batch's union) is written next to each row. The
 roofline time is the bytes a method must read (weights; vectors are < 0.1 %) over the copy bandwidth
@@ -33,12 +34,12 @@ import torch.nn.functional as F
 import countdown.kernels as K
 from countdown.eval.cost import mlp_weight_bytes
 from countdown.kernels import common as _common
-from countdown.kernels.sparse_mlp import chain, down
+from countdown.kernels.sparse_mlp import chain
 
 from .kernelchecks import CHECK_OK
 from .launches import recorded
-from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, dense_chain, down_reduce,
-                       log, patched, safe_time)
+from .mlpbench import (DOWN_SWEEP, E, GLU_SWEEP, MAIN, NSETS, NSLOTS, SHAPES, Problem, dense_chain, log, patched,
+                       safe_time)
 from .timing import time_graph
 
 
@@ -49,7 +50,7 @@ def sweep(rank, name=MAIN):
     is the same for every down candidate, and the chain is what clears the down's workspace). A
     candidate whose output differs from the default configuration's is dropped. Each row's ``info``: the
     registers, spills and shared memory of the kernel last compiled (:mod:`harness.launches`)."""
-    with recorded("glu", "down") as launches:
+    with recorded("chain_gate_up", "chain_down") as launches:
         return _sweep(rank, name, launches)
 
 
@@ -94,10 +95,10 @@ def _sweep(rank, name, launches):
                     tot += us
                     per.append(f"{kind}@{k}:{us:.1f}")
                     rows.append(dict(kernel="glu", kind=kind, batch=batch, k=k, config=ci, us=us,
-                                     info=launches.info("glu")))
+                                     info=launches.info("chain_gate_up")))
             if tot == tot:  # not NaN
                 res.append((tot, ci))
-            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{launches.info('glu')}]")
+            log(f"sweep glu  b{batch} {ci} {cfg}: {' '.join(per)} sum {tot:.1f} [{launches.info('chain_gate_up')}]")
         if res:
             best[("glu", batch)] = GLU_SWEEP[batch][min(res)[1]]
         res = []
@@ -120,10 +121,10 @@ def _sweep(rank, name, launches):
                         tot += us if k < 1 else 0.0
                         per.append(f"{k}:{us:.1f}")
                         rows.append(dict(kernel="masked_chain", kind="down", batch=batch, k=k, config=ci, us=us,
-                                         info=launches.info("down")))
+                                         info=launches.info("chain_down")))
                 if tot == tot:
                     res.append((tot, ci))
-                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{launches.info('down')}]")
+                log(f"sweep down b{batch} {ci} {cfg}: chain {' '.join(per)} sum {tot:.1f} [{launches.info('chain_down')}]")
         if res:
             best[("down", batch)] = DOWN_SWEEP[batch][min(res)[1]]
         p = None  # frees the weights (the closures above are done with them)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-# name -> (module, @triton.jit function) of every kernel whose compiled form a sweep reports
+# name (the op's name in countdown.kernels.config.LAUNCH) -> (module, @triton.jit function) of every kernel whose
+# compiled form a sweep reports or the sm_90 check compiles
 KERNELS = {
-    "glu": ("countdown.kernels._glu", "_sparse_glu_kernel"),
-    "down": ("countdown.kernels._down", "_sparse_down_kernel"),
-    "sum_partials": ("countdown.kernels._down", "_sum_partials_kernel"),
-    "few": ("countdown.kernels._few", "_few_kernel"),
-    "select": ("countdown.kernels._select", "_select_kernel"),
+    "chain_gate_up": ("countdown.kernels.sparse_mlp.chain", "gate_up_kernel"),
+    "chain_down": ("countdown.kernels.sparse_mlp.down", "down_kernel"),
+    "few_tokens": ("countdown.kernels.sparse_mlp.few_tokens", "few_tokens_kernel"),
+    "select": ("countdown.kernels.sparse_mlp.select", "select_kernel"),
 }
 
 

@@ -10,8 +10,8 @@ Shared by ``benchmarks/mlp_kernels.py`` (the kernel table, :mod:`harness.kernelt
 * :func:`dense_chain` (the cuBLAS baseline), :func:`gap_threshold` (a cut between two distinct values, so an
   ulp of difference in an activation cannot flip a row tied with the cut);
 * :func:`patched`: a launch table's entries changed for a block (``countdown.kernels.overrides``);
-  :class:`LastKernel`: the compiled kernel of a @triton.jit function's last launch (registers, spills), the
-  harness's own wrapper; ``GLU_SWEEP`` / ``DOWN_SWEEP``: the candidate launch configurations ``--sweep`` compares.
+  ``GLU_SWEEP`` / ``DOWN_SWEEP``: the candidate launch configurations ``--sweep`` compares (the compiled kernel
+  of each launch, its registers and spills: :mod:`harness.launches`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ NSETS, NSLOTS = 4, 8  # weight sets, inputs per graph (slot i uses weight set i 
 DTYPE = torch.bfloat16
 E = 2  # bytes per bf16 element
 
-# Candidate launch configurations of _glu.py / _down.py compared by benchmarks/mlp_kernels.py --sweep (small on
-# purpose: each costs a compile).
+# Candidate launch configurations of sparse_mlp/chain.py / down.py (launch tables "chain_gate_up" / "chain_down")
+# compared by benchmarks/mlp_kernels.py --sweep (small on purpose: each costs a compile).
 # BLOCK_K = 0: whole rows in one step. Batch 1 uses the FMA path, batch > 1 the tensor-core path.
 GLU_SWEEP = {
     1: [
@@ -79,35 +79,6 @@ DOWN_SWEEP = {
 def patched(op: str, **kv):
     """A context in which every bucket of launch table ``op`` (countdown.kernels.config.LAUNCH) has ``kv``."""
     return K.overrides(launch={op: kv})
-
-
-class LastKernel:
-    """Wraps ``module.<name>`` (a @triton.jit function) so that ``last`` is the compiled kernel its last launch
-    returned (``n_regs``, ``n_spills``, ``metadata.shared``): the harness's record, kept for the process."""
-
-    def __init__(self, module, name: str):
-        self.jit, self.last = getattr(module, name), None
-        record = self
-
-        class _Wrapped:
-            def __getitem__(self, grid):
-                launch = record.jit[grid]
-
-                def run(*args, **kwargs):
-                    record.last = launch(*args, **kwargs)
-                    return record.last
-                return run
-
-            def __getattr__(self, attr):
-                return getattr(record.jit, attr)
-
-        setattr(module, name, _Wrapped())
-
-    def info(self) -> str:
-        try:
-            return f"regs {self.last.n_regs} spills {self.last.n_spills} smem {self.last.metadata.shared}"
-        except AttributeError:
-            return ""
 
 
 def log(*a):

@@ -3,9 +3,9 @@
 :class:`Compile` stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` then compiles with the launch's
 own arguments through Triton's own ptxas and logs the resource usage (``cuobjdump -res-usage``), so the real
 compiler's type and layout errors (which the CPU interpreter cannot see) show up before device time is
-spent. :func:`compile_check` does it for every variant of ``_glu.py`` / ``_down.py`` the kernel table runs
-(``benchmarks/mlp_kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``_few.py``'s kernel (each
-through :func:`harness.launches.stand_in`, for the block of the check only).
+spent. :func:`compile_check` does it for every variant of ``sparse_mlp/chain.py`` / ``down.py`` the kernel table
+runs (``benchmarks/mlp_kernels.py --compile-check``); ``benchmarks/few.py --compile-check`` wraps ``few_tokens.py``'s
+kernel (each through :func:`harness.launches.stand_in`, for the block of the check only).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from countdown.kernels.sparse_mlp import chain, down as _down
+from countdown.kernels.sparse_mlp import chain, down
 
 from .launches import stand_in
 from .mlpbench import DOWN_SWEEP, DTYPE, GLU_SWEEP, MAIN, SHAPES, log
@@ -92,7 +92,7 @@ def compile_check(shapes, only_defaults=False) -> bool:
     print registers, spills and shared memory; False if any fails to compile. Catches what the CPU
     interpreter cannot (type and layout errors of the real compiler) before spending device time."""
     failures = []
-    with stand_in(["glu", "down", "sum_partials"], lambda name, jit: Compile(jit, failures)):
+    with stand_in(["chain_gate_up", "chain_down"], lambda name, jit: Compile(jit, failures)):
         for name in shapes:
             d_model, d_inter, act = SHAPES[name]
             for batch in (1, 8):
@@ -104,27 +104,24 @@ def compile_check(shapes, only_defaults=False) -> bool:
                     e = lambda *shape, d=dt: torch.empty(shape, dtype=d)
                     x, w, ind = e(batch, d_model), e(d_inter, d_model), e(batch, d_inter)
                     mask = torch.empty(batch, d_inter, dtype=torch.uint8)
-                    plan = _down.DownPlan(batch, d_inter, d_model)
+                    plan = down.DownPlan(batch, d_inter, d_model)
                     work = plan.workspace("cpu", zeroed=False)
                     thr_t = torch.empty((), dtype=torch.float32)
                     for cfg in glu_cfgs if dt == DTYPE else [None]:
-                        for mode, gate, up, kw in (("abs", True, False, {}), ("abs_act", False, True, {}),
-                                                   ("gt", True, True, {}), ("mask", True, True, {})):
+                        for mode, gate, up in (("abs", True, False), ("abs_act", False, True), ("gt", True, True),
+                                               ("mask", True, True)):
                             src = mask if mode == "mask" else ind
-                            _glu.sparse_glu(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
-                                            config=cfg, zero=work, **kw)
+                            chain.gate_up(x, w, w, src, thr_t if mode == "abs" else None, 0.5, mode, act, gate, up,
+                                          config=cfg, zero=work)
                         if cfg is None and batch > 1:
-                            _glu.sparse_glu(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
+                            chain.gate_up(x, w, w, ind, None, 0.5, "gt", act, True, True, per_token=True)
                     for cfg in down_cfgs if dt == DTYPE else [None]:
-                        for reduce in ("atomic", "splitk"):
-                            c = {**(cfg or {}), "reduce": reduce}
-                            pl = _down.DownPlan(batch, d_inter, d_model, config=c)
-                            _down.sparse_down(ind, None, w, plan=pl)
+                        down.sparse_down(ind, None, w, plan=down.DownPlan(batch, d_inter, d_model, config=cfg))
                         if cfg is None:
-                            _down.sparse_down(ind, mask.bool(), w, plan=plan, workspace=work)
+                            down.sparse_down(ind, mask.bool(), w, plan=plan, workspace=work)
                             if batch > 1:
-                                pl = _down.DownPlan(batch, d_inter, d_model, per_token=True)
-                                _down.sparse_down(ind, None, w, per_token=True, plan=pl)
+                                pl = down.DownPlan(batch, d_inter, d_model, per_token=True)
+                                down.sparse_down(ind, None, w, per_token=True, plan=pl)
     log(f"compile check: {len(failures)} failures")
     return not failures
 

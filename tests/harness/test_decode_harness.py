@@ -46,16 +46,36 @@ def test_op_breakdown_counts_each_ops_bytes():
 
 
 def test_profile_classes_name_every_kernel_of_a_decode_step():
-    """Kernel names seen in a profiled H200 decode step (runs BF and BG, 2026-11-25), each in its class."""
-    seen = {"_linear_kernel": "countdown fixed GEMV (projections, indicators)",
-            "_rmsnorm_kernel": "countdown norms and residual adds", "_add_kernel": "countdown norms and residual adds",
-            "_psum_kernel": "countdown sparse kernels", "_onepass_kernel": "countdown sparse kernels",
-            "_teal_gateup_kernel": "countdown sparse kernels", "_gemv_i8_kernel": "countdown shadow GEMV",
-            "_xprep_kernel": "countdown shadow GEMV", "_rope_split_kernel": "attention",
-            "_rope_combine_kernel": "attention", "triton_red_fused__unsafe_view_argmax_mm_select_7": "sampling (argmax)",
+    """Kernel names of a profiled decode step (ours: their @triton.jit functions' names), each in its class."""
+    seen = {"linear_kernel": "countdown fixed GEMV (projections, indicators)",
+            "rmsnorm_kernel": "countdown norms and residual adds", "add_kernel": "countdown norms and residual adds",
+            "partial_sums_kernel": "countdown sparse kernels", "one_token_kernel": "countdown sparse kernels",
+            "teal_gate_up_kernel": "countdown sparse kernels", "shadow_gemv_kernel": "countdown shadow GEMV",
+            "x_prepare_kernel": "countdown shadow GEMV", "rope_split_kernel": "attention",
+            "rope_combine_kernel": "attention", "triton_red_fused__unsafe_view_argmax_mm_select_7": "sampling (argmax)",
             "triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_view_6": "RMSNorm (+ fused GEMV)",
             "Memcpy DtoD (Device -> Device)": "copy / index", "some_new_kernel": "other"}
     assert {name: kernel_class(name) for name in seen} == seen
+
+
+def test_profile_classes_know_every_kernel_of_the_library():
+    """Every @triton.jit kernel of countdown.kernels (a profile names it by its function) falls in one of our classes
+    or attention, not in "other" or Inductor's classes; the 4-bit prompt's de-quantization is no decode step's."""
+    import importlib
+    import pkgutil
+
+    import countdown.kernels
+    from triton.runtime.jit import KernelInterface
+
+    names = set()
+    for info in pkgutil.walk_packages(countdown.kernels.__path__, "countdown.kernels."):
+        module = importlib.import_module(info.name)
+        names |= {name for name, value in vars(module).items()
+                  if isinstance(value, KernelInterface) and name.endswith("_kernel")}
+    assert {"one_token_kernel", "int4_gemv_kernel", "rows_other_kernel", "teal_down_kernel"} <= names
+    classes = {name: kernel_class(name) for name in names - {"dequant_kernel"}}
+    assert {name: c for name, c in classes.items() if not (c.startswith("countdown ") or c == "attention")} == {}
+    assert kernel_class("dequant_kernel") == "other"
 
 
 def test_report_gives_each_rows_mlp_time_in_the_step_from_the_floor():

@@ -5,7 +5,7 @@ import csv
 
 import torch
 
-from countdown.kernels import _down
+from countdown.kernels.config import launch_config
 from harness import mlpbench
 from harness.kerneltable import write_outputs
 

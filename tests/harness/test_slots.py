@@ -5,18 +5,18 @@ tokens those of eager decoding; a folded layer's MLP half behind the slot too; t
 import torch
 
 import countdown
+import countdown.kernels as K
 import harness.slots as slot_harness
-from _onetoken import onepass_on
+from _onetoken import one_token_on
 from conftest import tiny_model
 from countdown.decode.generate import generate_fast
-from countdown.kernels import _psum
 from countdown.spec import parse_spec
 from harness.checks import clear_dynamo_counts, dynamo_counts
 from harness.slots import SLOTS, CapturedDecoder, SlotModel, ZeroMLP
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The folded model of the block-route test: as tests/test_block.py's (two decode steps; d_inter odd and prime, small
-# because mono's one-launch kernel walks its rows a few at a time in the interpreter).
+# because mono's one-token kernel walks its rows a few at a time in the interpreter).
 NEW, MODEL_D_INTER = 3, 37
 
 
@@ -92,17 +92,15 @@ def test_captured_decoder_times_the_median_prefill_and_the_decode_after_the_last
     assert (prefill_s, decode_s) == (20.0, 5.0) and tokens.tolist() == [[1, 2, 3, 4, 5, 6]]
 
 
-def test_the_one_compile_slots_take_the_block_route(monkeypatch):
+def test_the_one_compile_slots_take_the_block_route():
     """In a folded layer (countdown.decode.layer) the slot takes h, so a sparsified MLP's block route runs behind the
-    opaque op too (kernels/_block.py: tests/test_block.py); the tokens are the folded model's own."""
+    opaque op too (kernels.threshold_block: tests/test_block.py); the tokens are the folded model's own."""
     from countdown.decode import attention as fused_attention
     from countdown.decode import layer as folded_layer
     from countdown.decode.linears import route_linears
     from countdown.prac.threshold import ThresholdSelector
     from countdown.state import state_of
 
-    onepass_on(monkeypatch)  # as tests/test_block.py's tests: the one-launch kernel, outputs poisoned first
-    monkeypatch.setattr(_psum, "OFF_CUDA", True)  # the chain's sum on the same kernel (off CUDA too)
     torch.manual_seed(0)
 
     def patch(target):
@@ -110,23 +108,25 @@ def test_the_one_compile_slots_take_the_block_route(monkeypatch):
         for layer in state_of(target).layers:
             layer.selector = ThresholdSelector(countdown.get_method("mono"), 0.05).to(DEVICE)
 
-    model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
-    model.generation_config.eos_token_id = None
-    prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    fused_attention.fuse_attention(model)
-    route_linears(model, ("qkv", "norm"))
-    patch(model)
-    ref = generate_fast(model, prompt, NEW, compile="eager")[0][:, 7:]
-    countdown.unsparsify(model)
-    hits = []
-    real = torch.ops.countdown.gated_block
-    monkeypatch.setattr(torch.ops.countdown, "gated_block", lambda *a: hits.append(1) or real(*a))
-    library_half = folded_layer.mlp_half
-    with SlotModel(model) as slots:
-        assert folded_layer.mlp_half is not library_half  # the slots' wrapper, while they are in
-        patch(slots.holder)
-        dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
-        assert torch.equal(dec.run(prompt, NEW)[0], ref)  # tokens only: Dynamo would trace a logits hook
-        countdown.unsparsify(slots.holder)
+    hits = []  # a block launch: the one-token kernel given the norm
+    block = lambda name, *args: hits.append(1) if name == "one_token" and args[2] is not None else None
+    # as tests/test_block.py's tests: the one-token kernel (the chain's sum and add on the same kernels, off CUDA
+    # too), outputs poisoned first
+    with one_token_on("partial_sums", "residual_add"):
+        model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)
+        model.generation_config.eos_token_id = None
+        prompt = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        fused_attention.fuse_attention(model)
+        route_linears(model, ("qkv", "norm"))
+        patch(model)
+        ref = generate_fast(model, prompt, NEW, compile="eager")[0][:, 7:]
+        countdown.unsparsify(model)
+        library_half = folded_layer.mlp_half
+        with SlotModel(model) as slots, K.overrides(on_launch=block):
+            assert folded_layer.mlp_half is not library_half  # the slots' wrapper, while they are in
+            patch(slots.holder)
+            dec = CapturedDecoder(model, slots.holder, 1, 32, compile="eager-backend")
+            assert torch.equal(dec.run(prompt, NEW)[0], ref)  # tokens only: Dynamo would trace a logits hook
+            countdown.unsparsify(slots.holder)
     assert folded_layer.mlp_half is library_half
     assert len(hits) >= (NEW - 1) * model.config.num_hidden_layers  # the block launched from inside the slots
