@@ -3,7 +3,7 @@
 flash-attention's rule: |out - ref64| <= 2 |out_torch - ref64| + atol, where ref64 is the same maths
 in float64 (with the keep mask the op itself would use at the input precision) and out_torch the plain
 PyTorch computation at the input precision. Every buffer a kernel must write is poisoned with NaN
-first. Speed is never asserted here (benchmarks/kernels.py times them).
+first. Speed is never asserted here (benchmarks/mlp_kernels.py times them).
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before Triton
 is imported) on small odd shapes. On a GPU, COUNTDOWN_KERNEL_TEST_SHAPES=real runs the same checks at

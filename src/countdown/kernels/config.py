@@ -48,7 +48,7 @@ class KernelOptions:
 # Knob names are the launchers' (``BLOCK_M``, ``num_warps``, ...); ``PER_SM`` persistent programs per SM and
 # ``PROGRAMS`` (interpreter only) the persistent programs in all. The sweeps that chose them: docs/kernels.md.
 LAUNCH: dict[str, dict] = {
-    # sparse_mlp/chain.py, more than 8 tokens: by token bucket (1 token; 2-16), benchmarks/kernels.py --sweep.
+    # sparse_mlp/chain.py, more than 8 tokens: by token bucket (1 token; 2-16), benchmarks/mlp_kernels.py --sweep.
     # BLOCK_K = 0: whole rows (the next power of two >= d_model) in one step.
     "chain_gate_up": {
         1: dict(CHUNK=8, BLOCK_M=2, BLOCK_K=0, USE_DOT=False, num_warps=4, num_stages=1),
