@@ -272,7 +272,7 @@ def _spec_block(model, tokenizer, spec, s: BenchSettings, held, prompt, path: st
     """The timing block of one spec on ``model`` (its rows at every k, quality filled in), or none where the spec
     cannot be built here (logged)."""
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify
+    from ..sparse import sparsify, unsparsify, with_mode
     from .speedonly import SpecUnavailable, private_copy
 
     speed_only = s.speed_only or tokenizer is None
