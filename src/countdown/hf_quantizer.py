@@ -224,19 +224,17 @@ def register() -> None:
 
 def load_saved(folder: Path, record: dict, dtype, device):
     """``(model, tokenizer)`` of a folder :func:`countdown.save` wrote (``record``: :func:`countdown.saving.saved_config`),
-    in eval mode, through ``from_pretrained`` and this quantizer; weights loaded onto ``device`` (so that the patch
-    lays them out for the kernels there). A folder of an earlier release, whose config.json names no
+    through ``from_pretrained`` and this quantizer, with the weights loaded onto ``device`` (so that the patch lays
+    them out for the kernels there). A folder of an earlier release, whose config.json names no
     ``quantization_config``, is handed its record."""
     import json
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .data.models import _load_folder
 
     config = json.loads((folder / "config.json").read_text())
     named = (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
     given = {} if named else {"quantization_config": CountdownConfig(**record)}
-    device_map = None if device.type == "cpu" else {"": device}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map, **given)
-    tokenizer = None
-    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if device.type != "cpu":
+        given["device_map"] = {"": device}
+    model, tokenizer = _load_folder(folder, dtype, device, **given)
     return model.eval(), tokenizer
