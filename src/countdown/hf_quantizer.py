@@ -223,10 +223,10 @@ def register() -> None:
 
 
 def load_saved(folder: Path, record: dict, dtype, device):
-    """``(model, tokenizer)`` of a folder :func:`countdown.save` wrote (``record``: :func:`countdown.saving.saved_config`),
-    through ``from_pretrained`` and this quantizer, with the weights loaded onto ``device`` (so that the patch lays
-    them out for the kernels there). A folder of an earlier release, whose config.json names no
-    ``quantization_config``, is handed its record."""
+    """``(model, tokenizer)`` of a folder :func:`countdown.save` wrote (``record``:
+    :func:`countdown.saving.saved_config`), through ``from_pretrained`` and this quantizer, with the weights loaded
+    onto ``device`` (so that the patch lays them out for the kernels there). A folder of an earlier release, whose
+    config.json names no ``quantization_config``, is handed its record."""
     import json
 
     from .data.models import _load_folder
