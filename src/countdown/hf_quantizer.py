@@ -155,8 +155,11 @@ class CountdownHfQuantizer(HfQuantizer):
         record = self.quantization_config.to_dict()
         if record.get("weights") is not None:
             from .int4.loading import finish_int4_modules
+            from .saving import save_pretrained_method
 
             finish_int4_modules(model, record["weights"]["record"])
+            if "save_pretrained" not in model.__dict__:  # as countdown.quantize leaves a 4-bit model: one save path
+                object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
         if record.get("spec") is not None:
             from .sparse import sparsify, with_mode
 
