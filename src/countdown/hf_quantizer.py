@@ -25,10 +25,11 @@ quantizer transformers runs for it, through its lifecycle hooks:
 Side effects, as for every transformers quantizer: the loaded model has ``hf_quantizer`` and ``is_quantized``, so
 ``.half()`` / ``.float()`` raise transformers' ValueError (load with ``dtype=`` instead: the selectors are then built
 at that dtype, which a cast after sparsifying does not reproduce bit for bit; ``.to(dtype)``, which transformers
-checks only for other methods, casts as it does on any sparsified model, 4-bit scales keeping their dtype). ``countdown.unsparsify`` of a model
-with float weights removes the quantizer (a plain model again); of a 4-bit one, it keeps it with the record updated.
-Without ``import countdown`` transformers logs "Unknown quantization type, got countdown ... we will skip the
-quantization" and loads the weights alone: a sparsified folder dense, a 4-bit one with random Linears.
+checks only for other methods, casts as it does on any sparsified model, 4-bit scales keeping their dtype).
+``countdown.unsparsify`` of a model with float weights removes the quantizer (a plain model again); of a 4-bit one,
+it keeps it with the record updated. Without ``import countdown`` transformers logs "Unknown quantization type, got
+countdown ... we will skip the quantization" and loads the weights alone: a sparsified folder dense, a 4-bit one with
+random Linears.
 """
 
 from __future__ import annotations
