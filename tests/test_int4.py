@@ -365,19 +365,16 @@ def test_save_and_load_give_the_same_model(tmp_path, how):
     folder = tmp_path / "q"
     if how == "sparsified":
         countdown.sparsify(model, "mono", 0.5, scope="all")
-    if how == "save_pretrained":  # transformers' own: config.json carries the 4-bit record
+    if how == "save_pretrained":  # the model's own save_pretrained writes what countdown.save writes
         model.save_pretrained(folder)
     else:
         countdown.save(model, folder)
     config = json.loads((folder / "config.json").read_text())
-    if how == "save_pretrained":  # transformers' own save of a model that is not sparsified: the record as quantized
-        assert config["countdown_int4"]["source"] == "rtn"
-    else:  # countdown's: one record, config.json's quantization_config (countdown.saving)
-        record = config["quantization_config"]
-        assert "countdown_int4" not in config and not (folder / CONFIG_NAME).exists()
-        assert record["quant_method"] == "countdown" and record["weights"]["record"] == model.config.countdown_int4
-        assert record["weights"]["group"] == 32 and record["weights"]["transposed_down"] == (how == "transposed_down")
-        assert record["spec"] == ("mono" if how == "sparsified" else None)
+    record = config["quantization_config"]  # one record, config.json's quantization_config (countdown.saving)
+    assert "countdown_int4" not in config and not (folder / CONFIG_NAME).exists()
+    assert record["quant_method"] == "countdown" and record["weights"]["record"] == model.config.countdown_int4
+    assert record["weights"]["group"] == 32 and record["weights"]["transposed_down"] == (how == "transposed_down")
+    assert record["spec"] == ("mono" if how == "sparsified" else None)
     dtype = torch.bfloat16 if how == "bf16" else torch.float32
     back, _ = countdown.load_model(folder, dtype=dtype)
     assert countdown.is_sparsified(back) == (how == "sparsified")

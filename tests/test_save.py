@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import countdown
+from countdown.hf_quantizer import CountdownHfQuantizer
 from countdown.saving import ARTIFACTS_NAME, CONFIG_NAME, saved_config
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
@@ -53,11 +54,14 @@ def test_a_saved_sparsified_model_loads_back_the_same(shadow, tmp_path, how):
     assert (folder / ARTIFACTS_NAME).is_file() and not (folder / CONFIG_NAME).exists()
     back, _ = countdown.load_model(folder)
     assert countdown.is_sparsified(back) and countdown.Spec.of(back) == countdown.parse_spec("dual[shadow4]", 0.7, "decode")
-    assert not hasattr(back.config, "quantization_config")  # the model's state holds it now, not a stale dict
+    # transformers' face of the model's state: the quantizer that rebuilt it, the record as saved
+    assert isinstance(back.hf_quantizer, CountdownHfQuantizer) and back.config.quantization_config.to_dict() == record
     got = _logits(back)
     assert torch.equal(got, want) and torch.equal(after_save, want)
     assert not torch.equal(got, dense)  # really sparse: the dense model gives other logits
     assert not any("countdown_sparse" in name for name in _saved_names(folder))  # only the model's own weights
+    countdown.unsparsify(back)  # nothing of countdown left: a plain model, no stale record for a later save
+    assert not hasattr(back.config, "quantization_config") and not back.is_quantized and not hasattr(back, "hf_quantizer")
 
 
 def _logits_dense(model):
@@ -155,7 +159,7 @@ def test_folders_saved_by_the_previous_release_still_load(tmp_path, what):
     want = _logits(model) if spec is not None else _logits_dense(model)
     folder = tmp_path / "old"
     if "save_pretrained" in what:  # c16ac8c: transformers' own save of a 4-bit model, countdown_int4 in config.json
-        model.save_pretrained(folder)
+        type(model).save_pretrained(model, folder)
         assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     else:
         countdown.save(model, folder)

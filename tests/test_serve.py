@@ -114,6 +114,25 @@ def test_countdown_serve_answers_as_the_models_own_generate(saved):
 
 
 @needs_serving
+def test_the_server_loads_a_saved_folder_itself(saved, monkeypatch):
+    """A folder is loaded by transformers' server (its from_pretrained, countdown's quantizer registered): not by
+    countdown.load_model; the model it loaded is the saved one, its generate routed to countdown.generate."""
+    from countdown.serving import serving
+
+    model, tok = countdown.load_model(saved)
+    want = reference(model, tok)
+
+    def not_this_way(*args, **kwargs):
+        raise AssertionError("countdown.load_model was called: the server should load the folder itself")
+
+    monkeypatch.setattr(countdown, "load_model", not_this_way)
+    with serving(saved, port=0, device="cpu", dtype="float32") as server:
+        assert chat(server.url, str(saved)) == want
+        assert server.route.calls == {"countdown": 1, "transformers": 0}
+        assert countdown.is_sparsified(server.route.model) and server.route.model is not model
+
+
+@needs_serving
 def test_streaming_and_the_fallback_to_transformers_generate(saved):
     from countdown.serving import serving
 

@@ -28,6 +28,9 @@ from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
 from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors  # the last three: deprecated aliases
 from .prac.quality import predictor_quality, refine_cuts_on_decode
 from .decode.prepared import PreparedStep
+from .hf_quantizer import register as _register_quantizer
+
+_register_quantizer()  # AutoModelForCausalLM.from_pretrained rebuilds a saved countdown model (countdown.hf_quantizer)
 
 __version__ = "0.1.0"
 
@@ -52,36 +55,26 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
     """Load ``(model, tokenizer)``: a catalogue name, a .gguf file, a local HF folder or a hub id (a string is a
     catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,
     the same rule as ``--model``). A folder written by :func:`save` (or ``save_pretrained`` of a sparsified or
-    4-bit model, by this release or an earlier one) comes back sparsified and quantized as it was saved
-    (:func:`countdown.saving.saved_config`). See :func:`countdown.data.models.load_model`."""
+    4-bit model, by this release or an earlier one) comes back sparsified and quantized as it was saved: it is
+    ``AutoModelForCausalLM.from_pretrained`` through countdown's quantizer (:mod:`countdown.hf_quantizer`), onto
+    ``device``. See :func:`countdown.data.models.load_model`."""
     from pathlib import Path
 
     from .data.models import load_model as _load, model_source, parse_device, parse_dtype
-    from .int4.loading import load_int4, saved_int4
-    from .saving import ARTIFACTS_NAME, countdown_quantization_known, drop_loaded_record, saved_config
-    from .sparse import with_mode
+    from .hf_quantizer import load_saved
+    from .saving import saved_config
 
     # the folder as load_model reads the string (a catalogue name is never a folder of that name)
     folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
         Path(model_source(name_or_path)[1])
-    int4 = saved_int4(folder) if folder is not None else None
-    if int4 is not None:  # 4-bit Linears: transformers alone would give them random weights
-        if kwargs:
-            raise ValueError(f"a saved 4-bit model takes no {', '.join(kwargs)}")
-        device = parse_device(device)
-        dtype = parse_dtype(("bf16" if device.type == "cuda" else "fp32") if dtype == "auto" else dtype)
-        model, tokenizer = load_int4(folder, dtype, device, int4)
-    else:
-        with countdown_quantization_known():
-            model, tokenizer = _load(name_or_path, dtype=dtype, device=device, **kwargs)
     record = saved_config(folder) if folder is not None else None
-    if record is not None:
-        drop_loaded_record(model)  # the model's state holds it from here on
-    if record is not None and record["spec"] is not None:
-        artifacts = folder / ARTIFACTS_NAME if record["artifacts"] else None
-        spec = with_mode(record["spec"], record.get("mode"), artifacts)  # a version 1 or 2 record's mode folded in
-        sparsify(model, spec, record["k"], scope=record["scope"], artifacts=artifacts, path=record["path"])
-    return model, tokenizer
+    if record is None:
+        return _load(name_or_path, dtype=dtype, device=device, **kwargs)
+    if kwargs:
+        raise ValueError(f"a saved countdown model takes no {', '.join(kwargs)}")
+    device = parse_device(device)
+    dtype = parse_dtype(("bf16" if device.type == "cuda" else "fp32") if dtype == "auto" else dtype)
+    return load_saved(folder, record, dtype, device)
 
 
 def quantize(model, group: int = 128, source: str = "rtn", **kwargs):

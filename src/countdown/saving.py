@@ -1,7 +1,8 @@
 """Saving a sparsified or 4-bit model and loading it back the same.
 
-    countdown.save(model, "my-model", tokenizer)      # or model.save_pretrained("my-model") on a sparsified model
-    model, tok = countdown.load_model("my-model")     # the same model: same logits
+    countdown.save(model, "my-model", tokenizer)      # or model.save_pretrained("my-model")
+    model, tok = countdown.load_model("my-model")     # the same model: same logits (or, after import countdown,
+                                                      # AutoModelForCausalLM.from_pretrained("my-model"))
 
 A saved folder is a Hugging Face model folder (the weights as loaded: ``sparsify`` leaves them bit for bit; a 4-bit
 model's Linears as their codes, scales and offsets) whose config.json carries the model's configuration
@@ -16,9 +17,12 @@ model's Linears as their codes, scales and offsets) whose config.json carries th
 ``weights`` is the :class:`~countdown.spec.WeightFormat` of a 4-bit model (bits, group, source, scale dtype,
 lm_head, transposed_down, and ``record``: what :func:`countdown.quantize` recorded, from which its modules are
 rebuilt), ``artifacts`` the SP-Prac selectors' file in the folder (checksummed), ``spec`` null where the model is not
-sparsified. ``transformers.from_pretrained`` alone logs "Unknown quantization type" and loads the dense model (a
-4-bit one with random Linears); :func:`countdown.load_model` rebuilds it as :func:`saved_config` says. Folders of
-earlier releases (``countdown.json`` format versions 1 and 2, ``countdown_int4`` in config.json) load the same.
+sparsified. After ``import countdown``, ``AutoModelForCausalLM.from_pretrained(folder)`` rebuilds the model as saved
+(countdown's transformers quantizer, :mod:`countdown.hf_quantizer`; :func:`countdown.load_model` is that call);
+transformers alone logs "Unknown quantization type, got countdown" and loads the weights alone (the dense model, a
+4-bit one with random Linears). Folders of earlier releases (``countdown.json`` format versions 1 and 2,
+``countdown_int4`` in config.json) load the same through :func:`countdown.load_model`, which hands transformers their
+record (:func:`saved_config`; their config.json names none, so a bare ``from_pretrained`` loads them dense).
 A configuration that cannot be rebuilt from files (a tensor-parallel shard, SP-Prac selectors replaced by hand) is
 refused before anything is written. The folder is written beside its place and renamed into it, so a failed save
 leaves no half folder and an existing folder is replaced only with ``overwrite=True``.
@@ -26,9 +30,7 @@ leaves no half folder and an existing folder is replaced only with ``overwrite=T
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -107,8 +109,7 @@ def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwarg
 
     state = getattr(model, STATE_ATTR, None)
     if state is not None and "state_dict" not in kwargs:
-        kwargs = {**kwargs, "state_dict": {name: t for name, t in model.state_dict().items()
-                                           if f".{PATCH_ATTR}." not in f".{name}"}}
+        kwargs = {**kwargs, "state_dict": weights_to_save(model)}
     _save_pretrained(model, folder, **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -122,6 +123,16 @@ def _write(model: nn.Module, record: dict | None, folder: Path, tokenizer, kwarg
         config.pop(INT4_ATTR, None)  # in the record's weights now: one place
         config["quantization_config"] = record
         atomic_write(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def weights_to_save(model: nn.Module) -> dict | None:
+    """The state dict a save writes: a sparsified model's without the patch's own buffers (its counters, its
+    selectors: the artifact holds those), None (the model's own) otherwise."""
+    from .state import STATE_ATTR
+
+    if getattr(model, STATE_ATTR, None) is None:
+        return None
+    return {name: t for name, t in model.state_dict().items() if f".{PATCH_ATTR}." not in f".{name}"}
 
 
 def _save_pretrained(model: nn.Module, folder: Path, **kwargs) -> None:
@@ -178,31 +189,6 @@ def _legacy_record(folder: Path) -> dict | None:
         raise ValueError(f"{path} was written by a newer countdown (format version {record['format_version']}); "
                          "upgrade countdown to load it")
     return record
-
-
-def _unknown_countdown_quantization(record: logging.LogRecord) -> bool:
-    return "got countdown" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def countdown_quantization_known():
-    """Inside, transformers does not log "Unknown quantization type, got countdown" (countdown.load_model reads
-    that record itself)."""
-    logger = logging.getLogger("transformers.quantizers.auto")
-    logger.addFilter(_unknown_countdown_quantization)
-    try:
-        yield
-    finally:
-        logger.removeFilter(_unknown_countdown_quantization)
-
-
-def drop_loaded_record(model: nn.Module) -> None:
-    """What ``from_pretrained`` left of the record on ``model.config`` (a dict: no quantizer took it) goes: the
-    model's configuration is its state, written again by :func:`countdown.save` (a stale record in a later plain
-    ``save_pretrained`` would sparsify the model again at its next load)."""
-    record = getattr(model.config, "quantization_config", None)
-    if isinstance(record, dict) and record.get("quant_method") == QUANT_METHOD:
-        del model.config.quantization_config
 
 
 def save_pretrained_method(model: nn.Module):

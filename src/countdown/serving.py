@@ -1,11 +1,14 @@
 """Serving a countdown model through transformers' OpenAI-compatible server, in this process.
 
 ``transformers serve`` (``transformers.cli.serve.Serve``, the ``transformers[serving]`` extra: fastapi, uvicorn,
-openai) loads each model with ``from_pretrained`` and generates with the model's own ``generate``; a bare
+openai) loads each model with ``from_pretrained`` and generates with the model's own ``generate``. A bare
 ``transformers serve`` never imports countdown, so it would serve a saved folder dense (or, 4-bit, with random
-Linears). :func:`serving` runs the same server with the model object given here pinned as its one model: the
-server's model manager is handed the object instead of loading one (its loading hooks, ``_load_model`` /
-``_load_processor``, return it), and every endpoint, request check, chat template and streamer is transformers'.
+Linears). In this process countdown is imported, so its transformers quantizer is registered
+(:mod:`countdown.hf_quantizer`), and :func:`serving` runs the same server on a folder or hub id that the server loads
+itself: ``from_pretrained`` rebuilds a saved countdown model as saved. A model object (one sparsified in this process,
+or a catalogue model :func:`countdown.load_model` made) is served as it is instead: the server's model manager is
+handed the object (its loading hooks, ``_load_model`` / ``_load_processor``, return it). Every endpoint, request
+check, chat template and streamer is transformers'.
 
 The model's ``generate`` is routed to :func:`countdown.generate` (the fastest decode step the library has: on CUDA
 compiled with CUDA graphs and the sparse kernels) for the requests it can serve exactly: batch 1, no padding, greedy
@@ -19,6 +22,7 @@ route is unused (a skipping step pays up to about 4 tokens a step, docs/results.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -124,17 +128,33 @@ def routed_generate(model: nn.Module):
             del model.generate
 
 
-def _manager_class(base: type, model: nn.Module, tokenizer) -> type:
-    """transformers' model manager, handed ``model`` and ``tokenizer`` instead of loading them."""
+def _manager_class(base: type, pinned: tuple | None, routes: list | None) -> type:
+    """transformers' model manager, handed ``pinned`` (model, tokenizer) instead of loading them, or loading as it does
+    and then routing the model's ``generate`` (each route appended to ``routes``; None: not routed)."""
 
-    class InProcessModelManager(base):
+    class CountdownModelManager(base):
         def _load_processor(self, *args, **kwargs):
-            return tokenizer
+            processor = pinned[1] if pinned is not None else super()._load_processor(*args, **kwargs)
+            _check_chat_tokenizer(processor)
+            return processor
 
         def _load_model(self, *args, **kwargs):
+            if pinned is not None:
+                return pinned[0]
+            model = super()._load_model(*args, **kwargs)
+            if routes is not None:
+                routes.append(RoutedGenerate(model))
+                model.generate = routes[-1]
             return model
 
-    return InProcessModelManager
+    return CountdownModelManager
+
+
+def _check_chat_tokenizer(tokenizer) -> None:
+    if not hasattr(tokenizer, "_tokenizer") or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("serving needs the model's fast tokenizer with a chat template (the server applies it to "
+                         "each request); this tokenizer has " + ("no chat template" if hasattr(tokenizer, "_tokenizer")
+                                                                  else "no fast (Rust) tokenizer"))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -171,25 +191,37 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(model: nn.Module, tokenizer, name: str, host: str = "127.0.0.1", port: int = 8000, fast: bool = True,
-            log_level: str = "warning"):
-    """Serve ``model`` (with ``tokenizer``, a transformers fast tokenizer with a chat template) under the model name
-    ``name`` on ``host``:``port`` (0: a free port) with transformers' OpenAI-compatible server, in a background
-    thread of this process; yields the :class:`Server` once it accepts connections and always stops it on exit.
-    ``fast``: route ``generate`` to :func:`countdown.generate` where it can (:class:`RoutedGenerate`)."""
+def serving(model: nn.Module | str | os.PathLike, tokenizer=None, name: str | None = None, host: str = "127.0.0.1",
+            port: int = 8000, fast: bool = True, log_level: str = "warning", device: str = "auto",
+            dtype: str = "auto"):
+    """Serve ``model`` with transformers' OpenAI-compatible server on ``host``:``port`` (0: a free port), in a
+    background thread of this process; yields the :class:`Server` once it accepts connections and always stops it
+    on exit.
+
+    model: a folder or hub id, which the server loads itself (``from_pretrained`` with ``device`` and ``dtype``,
+    transformers' ``serve`` options; a saved countdown model comes back as saved) and serves under that name; or a
+    model object, served as it is with ``tokenizer`` under ``name``. Either way the tokenizer must be a fast one with
+    a chat template. ``fast``: route ``generate`` to :func:`countdown.generate` where it can
+    (:class:`RoutedGenerate`)."""
     Serve, model_manager = _serve_modules()
-    if not hasattr(tokenizer, "_tokenizer") or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("serving needs the model's fast tokenizer with a chat template (the server applies it to "
-                         "each request); this tokenizer has " + ("no chat template" if hasattr(tokenizer, "_tokenizer")
-                                                                  else "no fast (Rust) tokenizer"))
+    by_name = isinstance(model, (str, os.PathLike))
+    if by_name:
+        name = os.fspath(model)
+    else:
+        _check_chat_tokenizer(tokenizer)
     _check_port(host, port)
-    model.eval()
+    routes: list[RoutedGenerate] = []
     with contextlib.ExitStack() as stack:
-        route = stack.enter_context(routed_generate(model)) if fast else None
+        if not by_name:
+            model.eval()
+            if fast:
+                routes.append(stack.enter_context(routed_generate(model)))
         base = model_manager.ModelManager
-        model_manager.ModelManager = _manager_class(base, model, tokenizer)
-        try:  # Serve builds its manager (which preloads the pinned model) first thing, then starts the thread
-            serve = Serve(force_model=name, host=host, port=port, log_level=log_level, non_blocking=True)
+        model_manager.ModelManager = _manager_class(base, None if by_name else (model, tokenizer),
+                                                    routes if fast and by_name else None)
+        loading = {"device": device, "dtype": dtype} if by_name else {}
+        try:  # Serve builds its manager (which loads, or is handed, the one model) first thing, then starts the thread
+            serve = Serve(force_model=name, host=host, port=port, log_level=log_level, non_blocking=True, **loading)
         finally:
             model_manager.ModelManager = base
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -198,7 +230,7 @@ def serving(model: nn.Module, tokenizer, name: str, host: str = "127.0.0.1", por
                 serve.kill_server()
                 raise RuntimeError(f"transformers' server did not start on {host}:{port} (its log above says why)")
             time.sleep(0.02)
-        server = Server(serve, host, route)
+        server = Server(serve, host, routes[0] if routes else None)
         try:
             yield server
         finally:

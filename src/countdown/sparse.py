@@ -306,9 +306,18 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         from .saving import save_pretrained_method  # model.save_pretrained keeps the sparsity (countdown.save)
 
         object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
+    follow_state(model)
     if not m.is_dense:
         _note_4bit_route(mlps, m, spec.mode)
     return model
+
+
+def follow_state(model: nn.Module) -> None:
+    """A model ``from_pretrained`` rebuilt carries countdown's quantizer (:mod:`countdown.hf_quantizer`): its record
+    (``config.quantization_config``) is made what the model is now."""
+    follow = getattr(getattr(model, "hf_quantizer", None), "follow_state", None)
+    if follow is not None:
+        follow(model)
 
 
 def _one_of(name: str, given: Any, in_spec: Any) -> Any:
@@ -348,7 +357,9 @@ def unsparsify(model: nn.Module) -> nn.Module:
         layer.store_for_kernels(state.path, False)
     state.hook.remove()
     object.__delattr__(model, STATE_ATTR)
-    model.__dict__.pop("save_pretrained", None)
+    if Spec.of(model).weights is None:  # a 4-bit model keeps the save that writes its record (countdown.quantize)
+        model.__dict__.pop("save_pretrained", None)
+    follow_state(model)
     return model
 
 

@@ -8,7 +8,8 @@ import json
 import sys
 
 from ..options import Parser, add_device_arg, add_number, check_at_most, path_option
-from .common import add_model_args, add_sparse_args, check_model_arg, load_text_arg, shell_advice, warnings_as_lines
+from .common import (add_model_args, add_sparse_args, check_model_arg, fill_sparse_args, load_saved_weights, load_text_arg,
+                     shell_advice, warnings_as_lines)
 from .prac import add_prac_commands
 
 
@@ -41,6 +42,7 @@ def _validated_method(args):
     from ..sparse import check_artifacts_given, mode_warning, with_mode
     from ..spec import parse_spec
 
+    fill_sparse_args(args)  # a folder saved sparsified: its configuration, unless --method is given
     spec = parse_spec(args.method)
     method = get_method(spec.method)
     if not method.is_dense:
@@ -62,12 +64,13 @@ def _validated_method(args):
 
 
 def _load_sparsified(args, scope: str, path: str = "auto", spec=None):
-    """Validate (unless ``spec``: validated already), then load ``args.model`` and patch it as the arguments say:
-    (model, tok, spec)."""
+    """Validate (unless ``spec``: validated already), then load ``args.model`` and patch it as the arguments say (a
+    folder saved sparsified: its saved weights, the options filled as :func:`fill_sparse_args` says): (model, tok,
+    spec)."""
     import countdown
 
     spec = spec or _validated_method(args)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_saved_weights(args)
     artifacts = args.artifacts
     if args.build_artifacts:
         from ..data.texts import cache_root
@@ -77,7 +80,7 @@ def _load_sparsified(args, scope: str, path: str = "auto", spec=None):
               f"the library's calibration text, then cached in {folder} (--artifacts FILE: your own)", file=sys.stderr)
         artifacts = countdown.prepare(model, tok, spec, args.sparsity, cache_dir=folder)
     countdown.sparsify(model, spec, None if spec.is_dense else args.sparsity,
-                       scope=scope, artifacts=artifacts, path=path)
+                       scope=getattr(args, "scope", None) or scope, artifacts=artifacts, path=path)
     return model, tok, spec
 
 
@@ -137,7 +140,7 @@ def cmd_eval(args) -> int:
     import countdown
 
     spec = _validated_method(args)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_saved_weights(args)
     result = countdown.evaluate(model, tok, args.tasks, limit=args.limit, method=spec,
                                 sparsity=None if spec.is_dense else args.sparsity, artifacts=args.artifacts,
                                 batch_size=args.batch_size)
@@ -156,11 +159,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_agreement(args) -> int:
-    import countdown
     from ..eval.agreement import agreement
 
     spec = _validated_method(args)
-    model, tok = countdown.load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_saved_weights(args)
     result = agreement(model, tok, spec, None if spec.is_dense else args.sparsity, artifacts=args.artifacts, max_new_tokens=args.max_new_tokens,
                        judge_url=args.judge_url, judge_model=args.judge_model)
     print(json.dumps(result, indent=2, default=str))

@@ -267,11 +267,11 @@ def _gguf_file_folder(path: Path) -> Path:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device):
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, **from_pretrained):
     """``(model, tokenizer)`` from a Hugging Face folder; tokenizer None when the folder has none."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **from_pretrained)
     tokenizer = None
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder)

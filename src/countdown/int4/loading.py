@@ -1,94 +1,95 @@
-"""Loading a 4-bit model saved with ``countdown.save`` / ``save_pretrained``: the same modules, the same logits.
+"""A saved 4-bit model's modules, built on the model's meta skeleton before ``from_pretrained`` loads the weights.
 
 A saved 4-bit model is a Hugging Face folder whose safetensors hold, for each 4-bit Linear ``name``,
 ``name.qweight`` / ``name.scale`` / ``name.offset`` (and ``name.bias``) instead of ``name.weight``, and whose
-config.json records what :func:`~countdown.int4.quantize.quantize` did: under ``quantization_config``'s ``weights``
-(:mod:`countdown.saving`), or as ``countdown_int4`` in folders of earlier releases. ``transformers``
-alone cannot load it (it would give those Linears fresh random weights); :func:`load_int4` builds the model
-with ``from_pretrained``, which loads everything else (embeddings, norms, float Linears, buffers such as the
-rotary frequencies), then puts an :class:`Int4Linear` made of the saved tensors, in the dtypes they were saved
-in, in place of each such Linear. Transformers does allocate and initialise those Linears' float weights
-first (dropped at once): loading costs the float model's memory for a moment (an open question: a
-transformers ``HfQuantizer`` registered for this format would build the 4-bit modules before loading).
+config.json records what :func:`~countdown.int4.quantize.quantize` did (``quantization_config``'s ``weights``,
+:mod:`countdown.saving`). The transformers quantizer (:mod:`countdown.hf_quantizer`) calls :func:`build_int4_modules`
+on the skeleton (meta tensors, no memory): each such Linear becomes an :class:`Int4Linear` whose buffers have the
+saved shapes and dtypes, read from the files' headers (no tensor is read), so transformers loads the codes, scales
+and offsets straight into them, in the dtypes they were saved in (float16 / float32 scales stay as saved whatever the
+compute dtype). No float copy of a 4-bit Linear is allocated. :func:`finish_int4_modules` then puts the record
+back on the model's config (``countdown_int4``, what ``Spec.of`` and the decode step read).
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .format import Int4Weight
 from .linear import BUFFERS, Int4Linear
 from .quantize import CONFIG_ATTR, FORMAT
 
-
-def saved_int4(folder: str | Path) -> dict | None:
-    """:func:`~countdown.int4.quantize.quantize`'s record of a saved folder (:func:`countdown.saving.saved_config`'s
-    ``weights``), or None (not a 4-bit model)."""
-    from ..saving import saved_config
-
-    config = saved_config(folder)
-    record = ((config or {}).get("weights") or {}).get("record")
-    if record is not None and record.get("format") != FORMAT:
-        raise ValueError(f"{Path(folder) / 'config.json'}: the 4-bit record is not a {FORMAT} record "
-                         f"({record.get('format')!r})")
-    return record
+# safetensors' dtype names of the tensors a 4-bit Linear holds
+DTYPES = {"U8": torch.uint8, "F16": torch.float16, "F32": torch.float32, "BF16": torch.bfloat16}
 
 
-def _drop_load_report(record: logging.LogRecord) -> bool:
-    return "LOAD REPORT" not in record.getMessage()
+def check_int4_record(record: dict | None, where: str) -> None:
+    """A 4-bit record (:func:`~countdown.int4.quantize.quantize`'s) this release can rebuild, else a ValueError."""
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{where}: the 4-bit record is not a {FORMAT} record "
+                         f"({record.get('format') if isinstance(record, dict) else record!r}); save the model again "
+                         "with countdown.save")
 
 
-def _int4_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """{module name: {"qweight", "scale", "offset"}} from every safetensors file of the folder."""
+def int4_headers(checkpoint_files: list[str | Path]) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """{module name: {"qweight" | "scale" | "offset": (shape, dtype)}} from the safetensors files' headers."""
     from safetensors import safe_open
 
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    found: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    for path in checkpoint_files:
+        if not str(path).endswith(".safetensors"):
+            raise ValueError(f"{path}: a saved 4-bit model's weights are safetensors files; save it again with "
+                             "countdown.save")
         with safe_open(str(path), framework="pt") as file:
             for key in file.keys():
                 module, _, leaf = key.rpartition(".")
                 if leaf in BUFFERS:
-                    found.setdefault(module, {})[leaf] = file.get_tensor(key)
+                    part = file.get_slice(key)
+                    found.setdefault(module, {})[leaf] = (tuple(part.get_shape()), DTYPES.get(part.get_dtype()))
     return found
 
 
-def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device, record: dict | None = None):
-    """``(model, tokenizer)`` of a saved 4-bit folder, in eval mode; compute dtype ``dtype`` on ``device``. ``record``:
-    the folder's 4-bit record (default :func:`saved_int4`), which the model's config carries again as
-    ``countdown_int4``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def build_int4_modules(model: nn.Module, checkpoint_files: list[str | Path], record: dict) -> list[str]:
+    """Replace, on ``model``'s meta skeleton, each Linear whose codes the checkpoint holds by an :class:`Int4Linear`
+    of the saved shapes and dtypes (compute dtype: the Linear's); returns the names replaced. A checkpoint whose
+    4-bit tensors do not fit the model is refused here, before any weight is read."""
+    headers = int4_headers(checkpoint_files)
+    if not headers:
+        raise ValueError("the folder records a 4-bit model but its safetensors hold no 4-bit weights "
+                         "(name.qweight / .scale / .offset)")
+    transposed = set(record.get("transposed", ()))
+    for name, parts in headers.items():
+        linear = model.get_submodule(name) if _has(model, name) else None
+        if not isinstance(linear, nn.Linear) or set(parts) != set(BUFFERS) or None in (d for _, d in parts.values()):
+            raise ValueError(f"the saved 4-bit tensors of {name} do not fit the model ({sorted(parts)} for "
+                             f"{type(linear).__name__ if linear is not None else 'no such module'})")
+        meta = Int4Weight(*(torch.empty(parts[leaf][0], dtype=parts[leaf][1], device="meta") for leaf in BUFFERS))
+        t = name in transposed
+        if meta.shape != tuple(linear.weight.shape)[:: -1 if t else 1]:
+            raise ValueError(f"the saved 4-bit weight of {name} is {meta.shape}{' (W^T)' if t else ''}, the model's "
+                             f"Linear {tuple(linear.weight.shape)}: the folder's config.json and weights disagree")
+        bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
+        module = Int4Linear(meta, bias, linear.weight.dtype, record["source"], transposed=t)
+        module._is_hf_initialized = True  # loaded whole: transformers' init would de-quantize `weight` to fill a copy
+        model.set_submodule(name, module)
+    return sorted(headers)
 
-    from ..saving import countdown_quantization_known
 
-    folder = Path(folder)
-    record = saved_int4(folder) if record is None else record
-    tensors = _int4_tensors(folder)
-    if not tensors:
-        raise ValueError(f"{folder} records a 4-bit model but its safetensors hold no 4-bit weights")
-    report = logging.getLogger("transformers.modeling_utils")
-    report.addFilter(_drop_load_report)  # its missing .weight / unexpected .qweight table is expected: checked below
+def _has(model: nn.Module, name: str) -> bool:
     try:
-        with countdown_quantization_known():
-            model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
-    finally:
-        report.removeFilter(_drop_load_report)
-    ours = {f"{name}.{leaf}" for name in tensors for leaf in BUFFERS}
-    missing = set(info["missing_keys"]) - {f"{name}.weight" for name in tensors}
-    unexpected = set(info["unexpected_keys"]) - ours
-    if missing or unexpected or any(len(parts) != len(BUFFERS) for parts in tensors.values()):
-        raise ValueError(f"{folder}: the saved weights do not fit the model: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def finish_int4_modules(model: nn.Module, record: dict) -> None:
+    """After the weights are loaded: the record back on the config, each 4-bit Linear's bias frozen (as
+    :meth:`Int4Linear.from_linear` holds it)."""
     setattr(model.config, CONFIG_ATTR, record)
-    source, transposed = record["source"], set(record.get("transposed", ()))
-    with torch.no_grad():
-        for name, parts in tensors.items():
-            weight = Int4Weight(*(parts[leaf] for leaf in BUFFERS))
-            model.set_submodule(name, Int4Linear(weight, model.get_submodule(name).bias, dtype, source,
-                                                 transposed=name in transposed))
-    tokenizer = None
-    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model.to(device).eval(), tokenizer
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.bias is not None:
+            module.bias.requires_grad_(False)

@@ -19,8 +19,9 @@ included) except the output embedding, which is quantized (RTN) only with ``lm_h
 input embedding is untied then: the embedding keeps its precision). RTN uses groups of ``group`` columns where
 the input width is a multiple of it, else the largest of 64 / 32 that divides it (SmolLM2's d_model 576 takes
 64 at ``group=128``); a Linear whose input width is not a multiple of 32 stays as it is. The function logs
-what it did and keeps it in ``model.config.countdown_int4``, which ``save_pretrained`` writes into config.json:
-``countdown.load_model`` reads it to rebuild the 4-bit modules (``loading.py``).
+what it did and keeps it in ``model.config.countdown_int4``; ``model.save_pretrained`` (as ``countdown.save``) writes
+it into config.json's ``quantization_config``, from which ``from_pretrained`` rebuilds the 4-bit modules after
+``import countdown`` (``loading.py``, :mod:`countdown.hf_quantizer`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
         model.config.tie_word_embeddings = False  # the head is its own 4-bit module now; the embedding stays
     record["int4"], record["kept"] = dict(done), {why: len(which) for why, which in kept.items()}
     setattr(model.config, CONFIG_ATTR, record)
+    if hasattr(type(model), "save_pretrained") and "save_pretrained" not in model.__dict__:
+        from ..saving import save_pretrained_method  # model.save_pretrained writes the record (countdown.save)
+
+        object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
     left = "; ".join(f"{len(which)} kept as loaded ({why})" for why, which in kept.items()) or "none left in float"
     log(f"int4: {sum(done.values())} Linear layers 4-bit ({', '.join(f'{n} {how}' for how, n in done.items())}); "
         f"{left}; lm_head {'4-bit' if isinstance(model.get_submodule(head or ''), Int4Linear) else 'as loaded'}")
