@@ -48,12 +48,15 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
 
     from .data.models import load_model as _load, model_source, parse_device, parse_dtype
     from .int4.loading import load_int4, saved_int4
+    from .int4.nested_model import saved_nested
     from .saving import ARTIFACTS_NAME, saved_config
 
     # the folder as load_model reads the string (a catalogue name is never a folder of that name)
     folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
         Path(model_source(name_or_path)[1])
     int4 = saved_int4(folder) if folder is not None else None
+    if int4 is None and folder is not None:  # nested 8-bit MLPs (dual[mixed]) load the same way
+        int4 = saved_nested(folder)
     if int4 is not None:  # 4-bit Linears: transformers alone would give them random weights
         if kwargs:
             raise ValueError(f"a saved 4-bit model takes no {', '.join(kwargs)}")

@@ -202,6 +202,10 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         always a path, as ``--artifacts``); it fits the model it was built on in fp32, bf16 and fp16 alike.
     tp_topk: tensor-parallel models (:mod:`countdown.tp`): a per-token top-k across the ranks' shards is
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
+
+    ``dual[mixed]`` (:mod:`countdown.prac.mixed`) skips nothing: its kept rows are computed at 8 bits and the rest at
+    4; it holds the MLPs in the nested 8-bit format, converting them here where they are float, and
+    :func:`unsparsify` leaves them so (the 8-bit model).
     """
     if is_sparsified(model):
         raise AlreadySparsifiedError(
@@ -226,13 +230,24 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     if mode == "prac" and not m.is_dense:
         artifacts = artifacts if isinstance(artifacts, Artifacts) else load_artifacts(artifacts)
         check_artifact(spec, artifacts)  # a kind in brackets must be the artifact's
-    selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
-    shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
+    undo = None
+    if mode == "prac" and not m.is_dense:  # a kind that runs on weights of its own makes them first (dual[mixed])
+        from .prac.base import get_kind
+
+        undo = get_kind(artifacts.kind).prepare_model(model, mlps, artifacts.meta)
+    try:
+        selectors = build_selectors(mlps, m, k, mode, artifacts)  # may raise: nothing patched yet
+        shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
 
     state = SparsityState(method=m, sparsity=k, mode=mode, scope=scope, path=path, spec=spec,
                           artifacts=given if mode == "prac" and not m.is_dense else None)
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
-        layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
+        layer_class = InputSparseGatedMLP if m.structure == "inputs" else \
+            getattr(selector, "patched_class", SparseGatedMLP)  # dual[mixed]: countdown.mixed_rows
         layer = layer_class(mlp, selector, state, index)
         ref = mlp.w_down
         layer.to(device=ref.device)

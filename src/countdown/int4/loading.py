@@ -2,7 +2,9 @@
 
 A saved 4-bit model is a Hugging Face folder whose safetensors hold, for each 4-bit Linear ``name``,
 ``name.qweight`` / ``name.scale`` / ``name.offset`` (and ``name.bias``) instead of ``name.weight``, and whose
-config.json holds ``countdown_int4`` (what :func:`~countdown.int4.quantize.quantize` did). ``transformers``
+config.json holds ``countdown_int4`` (what :func:`~countdown.int4.quantize.quantize` did); a model whose MLPs are
+nested 8-bit weights (``nested_model.py``) holds ``name.high_qweight`` ... ``name.low_offset`` and config.json's
+``countdown_nested`` instead, and is loaded the same way. ``transformers``
 alone cannot load it (it would give those Linears fresh random weights); :func:`load_int4` builds the model
 with ``from_pretrained``, which loads everything else (embeddings, norms, float Linears, buffers such as the
 rotary frequencies), then puts an :class:`Int4Linear` made of the saved tensors, in the dtypes they were saved
@@ -21,6 +23,8 @@ import torch
 
 from .format import Int4Weight
 from .linear import BUFFERS, Int4Linear
+from .nested_linear import BUFFERS as NESTED_BUFFERS
+from .nested_model import CONFIG_ATTR as NESTED_ATTR, from_saved
 from .quantize import CONFIG_ATTR, FORMAT
 
 
@@ -48,7 +52,7 @@ def _int4_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as file:
             for key in file.keys():
                 module, _, leaf = key.rpartition(".")
-                if leaf in BUFFERS:
+                if leaf in BUFFERS or leaf in NESTED_BUFFERS:  # a 4-bit Linear's, or a nested 8-bit one's
                     found.setdefault(module, {})[leaf] = file.get_tensor(key)
     return found
 
@@ -67,19 +71,23 @@ def load_int4(folder: str | Path, dtype: torch.dtype, device: torch.device):
         model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     finally:
         report.removeFilter(_drop_load_report)
-    ours = {f"{name}.{leaf}" for name in tensors for leaf in BUFFERS}
+    ours = {f"{name}.{leaf}" for name, parts in tensors.items() for leaf in parts}
     missing = set(info["missing_keys"]) - {f"{name}.weight" for name in tensors}
     unexpected = set(info["unexpected_keys"]) - ours
-    if missing or unexpected or any(len(parts) != len(BUFFERS) for parts in tensors.values()):
+    if missing or unexpected or any(set(parts) not in (set(BUFFERS), set(NESTED_BUFFERS)) for parts in tensors.values()):
         raise ValueError(f"{folder}: the saved weights do not fit the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    record = getattr(model.config, CONFIG_ATTR)
-    source, transposed = record["source"], set(record.get("transposed", ()))
+    record = getattr(model.config, CONFIG_ATTR, None) or {}
+    source, transposed = record.get("source", ""), set(record.get("transposed", ()))
+    low_transposed = set((getattr(model.config, NESTED_ATTR, None) or {}).get("low_transposed", ()))
     with torch.no_grad():
         for name, parts in tensors.items():
+            bias = model.get_submodule(name).bias
+            if set(parts) == set(NESTED_BUFFERS):  # a nested 8-bit MLP Linear (int4/nested_model.py)
+                model.set_submodule(name, from_saved(parts, bias, dtype, name in low_transposed))
+                continue
             weight = Int4Weight(*(parts[leaf] for leaf in BUFFERS))
-            model.set_submodule(name, Int4Linear(weight, model.get_submodule(name).bias, dtype, source,
-                                                 transposed=name in transposed))
+            model.set_submodule(name, Int4Linear(weight, bias, dtype, source, transposed=name in transposed))
     tokenizer = None
     if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -115,7 +115,7 @@ def convert(model: nn.Module, mlps, group: int = DEFAULT_GROUP, scale_dtype: tor
         "modules": names, "low_transposed": [name for name, role, _ in linears if role == "down"]})
     n = sum(m.in_features * m.out_features for _, _, m in linears)
     log(f"nested: {len(names)} MLP Linear layers held as nested 8-bit weights (groups of {group}, "
-        f"{str(scale_dtype).removeprefix('torch.')} scales; {n / 1e6:.1f} M weights, "
+        f"{str(scale_dtype).removeprefix('torch.')} scales; {n / 1e6:.3g} M weights, "
         f"{8 + 4 * 8 * torch.empty((), dtype=scale_dtype).element_size() / group:g} bits a weight); other Linears as "
         "they were")
     return replaced
@@ -163,3 +163,17 @@ def from_saved(parts: dict[str, torch.Tensor], bias: torch.Tensor | None, dtype:
     high = Int4Weight(parts["high_qweight"], parts["high_scale"], parts["high_offset"])
     weight = NestedWeight(high, parts["low_qweight"], parts["low_scale"], parts["low_offset"], low_transposed)
     return NestedLinear(weight, bias, dtype)
+
+
+def saved_nested(folder) -> dict | None:
+    """The ``countdown_nested`` record of a saved folder's config.json, or None (no nested MLP)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text()).get(CONFIG_ATTR)
+    if record is not None and record.get("format") != FORMAT:
+        raise ValueError(f"{path}: {CONFIG_ATTR} is not a {FORMAT} record ({record.get('format')!r})")
+    return record
