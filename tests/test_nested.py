@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from countdown.int4 import Int4Linear, dequantize, quantize, unpack
+from countdown.int4 import Int4Linear, dequantize, quantize, quantize_rtn, unpack
 from countdown.int4.nested import (NestedWeight, low_columns_ref, low_rows_ref, nbytes, nested_linear_ref,
                                    quantize_nested)
 from countdown.int4.nested_linear import NestedLinear
@@ -22,19 +22,20 @@ IDS = torch.randint(3, 120, (2, 10), generator=torch.Generator().manual_seed(5))
 
 # ------------------------------------------------------------------------------------------ a hand-worked group
 def test_a_hand_worked_group():
-    """lo = 0, hi = 15.9375 = 255 / 16: the step is 1/16 exactly, the high plane's scale 1, its offset 7.5 / 16."""
+    """lo = 0, hi = 15 = 240 / 16: the step is 1/16 exactly, the high plane's scale 1 and offset 0 (4-bit RTN of the
+    group: step 15 / 15), the low plane's offset -7.5 / 16."""
     w = torch.zeros(2, 32)
-    w[0, :5] = torch.tensor([0.0, 15.9375, 5.0, 1.03, 0.09375])
+    w[0, :5] = torch.tensor([0.0, 15.0, 5.01, 1.03, 0.4])
     w[1] = 0.3  # a constant group
     nw = quantize_nested(w, group=32)
     assert nw.low_scale[0, 0].item() == 0.0625 and nw.high.scale[0, 0].item() == 1.0
-    assert nw.high.offset[0, 0].item() == 0.46875 and nw.low_offset[0, 0].item() == -0.46875
-    codes = nw.codes()[0, :5].tolist()
-    assert codes == [0, 255, 80, 16, 2]  # 1.03 / (1/16) = 16.48 -> 16; 1.5 -> 2 (half to even)
-    assert unpack(nw.high.qweight)[0, :5].tolist() == [0, 15, 5, 1, 0]
-    assert nw.dequantize("high")[0, :5].tolist() == [0.46875, 15.46875, 5.46875, 1.46875, 0.46875]
-    assert nw.dequantize("low")[0, :5].tolist() == [-0.46875, 0.46875, -0.46875, -0.46875, -0.34375]
-    assert nw.dequantize()[0, :5].tolist() == [0.0, 15.9375, 5.0, 1.0, 0.125]
+    assert nw.high.offset[0, 0].item() == 0.0 and nw.low_offset[0, 0].item() == -0.46875
+    # (w + 0.46875) * 16: 7.5 -> 8 and 247.5 -> 248 (half to even), 87.66 -> 88, 23.98 -> 24, 13.9 -> 14
+    assert nw.codes()[0, :5].tolist() == [8, 248, 88, 24, 14]
+    assert unpack(nw.high.qweight)[0, :5].tolist() == [0, 15, 5, 1, 0]  # round(w / 1): 4-bit RTN
+    assert nw.dequantize("high")[0, :5].tolist() == [0.0, 15.0, 5.0, 1.0, 0.0]
+    assert nw.dequantize("low")[0, :5].tolist() == [0.03125, 0.03125, 0.03125, 0.03125, 0.40625]
+    assert nw.dequantize()[0, :5].tolist() == [0.03125, 15.03125, 5.03125, 1.03125, 0.40625]
     # the constant group: step 0, every code 0, the high offset the value as float16 stores it
     assert nw.low_scale[1, 0].item() == 0 and nw.codes()[1].abs().sum() == 0
     assert torch.equal(nw.dequantize()[1], torch.full((32,), torch.tensor(0.3).half().item()))
@@ -49,7 +50,7 @@ def _bounds(w64, nw):
     lo = wg.amin(-1)
     s = nw.low_scale.double()
     o = nw.high.offset.double() + nw.low_offset.double()
-    off = (o - lo).abs() + U32 * o.abs()
+    off = (o - (lo - 7.5 * s)).abs() + U32 * o.abs()  # |d|: the offsets' roundings, and O's float32 one
     e_low = (nw.low_offset.double() + 7.5 * s).abs()
     expand = lambda t: t[..., None].expand(n, k // g, g).reshape(n, k)  # noqa: E731
     w8, wh = nw.dequantize().double(), nw.dequantize("high").double()
@@ -76,7 +77,7 @@ def test_both_planes_within_their_bounds_against_float64(group, dtype, scale_dty
         assert nw.low_scale[1, 0] < 2.0 ** -14  # the subnormal case was exercised
     # the step is stored rounded up: the codes reach the group's max (float32's subtract and divide aside)
     wg = w64.reshape(24, -1, group)
-    assert (nw.low_scale.double() * 255 >= (wg.amax(-1) - wg.amin(-1)) * (1 - 4 * U32)).all()
+    assert (nw.low_scale.double() * 240 >= (wg.amax(-1) - wg.amin(-1)) * (1 - 4 * U32)).all()
     # an 8-bit weight is only as far as half a step from w where nothing clamps: the codes are the nearest
     s = nw.low_scale.double().repeat_interleave(group, dim=1)
     inside = (nw.codes() > 0) & (nw.codes() < 255)
@@ -92,6 +93,18 @@ def test_codes_are_the_float64_rounding_against_the_stored_values():
     want = torch.round(exact).clamp(0, 255)
     tie = ((exact - exact.floor()) - 0.5).abs() < 1e-4  # float32's division may break an exact tie otherwise
     assert torch.equal(nw.codes()[~tie].double(), want[~tie])
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_high_plane_is_the_groups_4bit_rtn(group):
+    w = 0.05 * torch.randn(32, 256, generator=torch.Generator().manual_seed(group))
+    nw, rtn = quantize_nested(w, group), quantize_rtn(w, group)
+    assert torch.equal(nw.high.offset, rtn.offset)  # both store lo
+    torch.testing.assert_close(nw.high.scale.float(), rtn.scale.float(), rtol=2.0 ** -9, atol=0)
+    exact = ((w.double() - rtn.offset.double().repeat_interleave(group, 1)) /
+             (nw.high.scale.double().repeat_interleave(group, 1)))
+    tie = ((exact - exact.floor()) - 0.5).abs() < 0.02  # the offsets' and steps' roundings move ties a little
+    assert torch.equal(unpack(nw.high.qweight)[~tie], unpack(rtn.qweight)[~tie]) and tie.float().mean() < 0.05
 
 
 def test_the_planes_are_ordinary_4bit_weights_that_sum_to_the_8bit_weight():

@@ -12,21 +12,27 @@ per group, and held as two planes:
 The four stored values of a group (float16 by default, or float32; "store" rounds to that dtype):
 
     lo, hi  = min and max of the group (float32)
-    S       = fl32((hi - lo) / 255) stored, rounded UP (never down: the 256 codes reach the group's max, also where S is
-              an fp16 subnormal, below 2**-14, whose precision is 2**-24 absolute); 16 S is then exact
-    O_h     = store(lo + 7.5 S)        the high plane read at the middle of its bucket, codes 16 h + 7.5
-    O_l     = store(-7.5 S)            so that O_h + O_l is lo, up to the two roundings
+    S       = fl32((hi - lo) / 240) stored, rounded UP (never down, also where S is an fp16 subnormal, below 2**-14,
+              whose precision is 2**-24 absolute); 16 S is then exact
+    O_h     = store(lo)
+    O_l     = store(-7.5 S)
     c       = clamp(round((w - fl32(O_h + O_l)) / S), 0, 255)   (round half to even; against the stored values, as
               ``format.quantize_rtn`` rounds)
     a group with hi == lo: S = 0, every code 0, O_h = store(lo), O_l = 0.
 
-So either plane is a weight the 4-bit kernels read unchanged (``kernels/_int4.py``: the dense GEMV; the kept rows'
-kernels), and the two together are the 8-bit weight: ``W~h + W~l = O_h + O_l + S c`` in exact arithmetic. Read alone,
-the high plane is a 4-bit weight of step 16 S centred on its buckets. Error bounds against the exact weight w (checked
-against float64 in tests/test_nested.py), with O = fl32(O_h + O_l):
+The 8-bit grid runs from lo - 7.5 S to hi + 7.5 S (255 steps over the group's range and 7.5 steps beyond each end),
+so that the high plane, read at the middle of its bucket (codes 16 h + 7.5: lo - 7.5 S + (16 h + 7.5) S = lo + 16 S h),
+is the group's 4-bit min-max RTN (``format.quantize_rtn``: offset lo, step (hi - lo) / 15; the same codes but at exact
+ties, the step rounded up instead of to nearest); the low plane is the 4-bit RTN residual at step S. (A min-max 8-bit
+grid, step (hi - lo) / 255, reads its high plane 7.5 steps inside the group's ends, where its largest weights are:
+measured worse, docs in results/mixed/README.md.) So either plane is a weight the 4-bit kernels read unchanged
+(``kernels/_int4.py``: the dense GEMV; the kept rows' kernels), and the two together are the 8-bit weight:
+``W~h + W~l = O_h + O_l + S c`` in exact arithmetic. Error bounds against the exact weight w (checked against float64
+in tests/test_nested.py), with O = fl32(O_h + O_l) and d = O - (lo - 7.5 S) (the offsets' roundings; the codes of
+[lo, hi] lie in [7.5, 247.5] up to d / S, so nothing clamps unless |d| > 7.5 S):
 
-    |W8  - w| <= S / 2 + |O - lo| + float32 roundings
-    |W~h - w| <= 8 S + |O_l + 7.5 S| + |O - lo| + float32 roundings
+    |W8  - w| <= S / 2 + |d| + float32 roundings
+    |W~h - w| <= 8 S + |O_l + 7.5 S| + |d| + float32 roundings
 
 ``low_transposed``: the low plane held as ``(W~l)^T [K, N]``, its codes packed along N (byte b of row k: columns 2b
 and 2b + 1, as ``pack``) and its scale and offset transposed, ``[K / G, N]``: the layout of a W_down whose kept rows
@@ -34,7 +40,8 @@ of d_inter are its input columns, so that a kept column's low codes are one cont
 reads the scale of row k at ``[k // G, :]``). The values are the same; only the layout differs.
 
 Bytes (``nbytes``): 8 bits a weight for the codes plus four stored values a group, ``N K + 4 N K s / G`` bytes with
-s the scale dtype's size: 9 bits a weight at G = 64 in float16 (8.5 at G = 128). One plane reads half of it.
+s the scale dtype's size: 9 bits a weight at G = 64 in float16 (8.5 at G = 128). One plane reads half of it
+(4.5 bits a weight at G = 64, as ``format.py``'s 4-bit weight).
 """
 
 from __future__ import annotations
@@ -183,9 +190,9 @@ def quantize_nested(w: torch.Tensor, group: int = 64, scale_dtype: torch.dtype =
     n, k = w.shape
     wg = w.detach().float().contiguous().reshape(n, k // group, group)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    step = _store_up((hi - lo) / 255, scale_dtype)
+    step = _store_up((hi - lo) / 240, scale_dtype)
     flat = step == 0  # a constant group
-    offset_high = torch.where(flat, lo, lo + 7.5 * step.float()).to(scale_dtype)
+    offset_high = lo.to(scale_dtype)
     offset_low = (-7.5 * step.float()).to(scale_dtype)
     scale_high = (16 * step.float()).to(scale_dtype)
     if not all(torch.isfinite(t).all() for t in (scale_high, offset_high, offset_low)):
