@@ -225,3 +225,17 @@ def test_save_and_load_round_trip(prepared, tmp_path, how):
         assert (_logits(back, prompt=6).float() - want).abs().max() < 0.1
     else:
         assert torch.equal(_logits(back, prompt=6), want)
+
+
+def test_generate_takes_the_mixed_step_on_the_cpu(prepared):
+    model, art = prepared
+    countdown.sparsify(model, "dual[mixed]", 0.8, artifacts=art)
+    try:
+        ids = IDS[:1, :8]
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)  # transformers' own, through the patch
+        countdown.reset_sparsity_stats(model)
+        got = countdown.generate(model, ids, max_new_tokens=6)
+        assert torch.equal(got, want)
+        assert 0.6 < countdown.sparsity_real(model)["mean"] < 1.0  # the decode steps were mixed
+    finally:
+        countdown.unsparsify(model)
