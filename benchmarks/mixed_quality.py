@@ -233,8 +233,9 @@ def plot(out: Path, name: str) -> None:
         if ref is not None:
             for bound, dash in ((0.03, ":"), (0.05, "--")):
                 ax.axhline(ref * (1 + bound), color="red", ls=dash, lw=0.8, label=f"fp32 +{bound:.0%}")
-            if zoom:
-                ax.set_ylim(ref * 0.99, ref * 1.15)
+            if zoom:  # up to the dense 4-bit rows
+                four = [p[1] for c, ps in series.items() if c.startswith("int4") for p in ps]
+                ax.set_ylim(ref * 0.99, min(ref * 1.35, max([ref * 1.08] + [1.02 * y for y in four])))
                 ax.set_xlim(4, 10)
         if not zoom:
             ax.set_yscale("log")
