@@ -15,7 +15,8 @@ Linear stays as loaded. Rows (``config``, ``k``):
 * ``int8-nested-g64`` / ``int4-high-g64``: the MLPs in the nested 8-bit format read whole, or at the high plane alone;
 * ``dual[shadow4]``: D-CountDown skipping on the float model (4-bit shadows, calibrated cuts);
 * ``dual[mixed]`` (calibrated cuts, the product) and ``dual[mixed]/topk`` (per-token top-(1 - k), the prototype's rule):
-  the kept rows at 8 bits, the rest at 4; ``dual[mixed,rank=exact]/topk``: ranked by the exact 8-bit score (SP-Ideal);
+  the kept rows at 8 bits, the rest at 4; ``dual[mixed,rank=error]``: ranked by the expected size of each row's
+  refinement (calibrated cuts); ``dual[mixed,rank=exact]/topk``: ranked by the exact 8-bit score (SP-Ideal);
   ``dual[mixed,kept=float]/topk``: the reference variant, kept rows in the model's precision, the rest the high planes.
 
 Artifacts: ``countdown.ensure_artifacts`` (default calibration text: Wikipedia passages, never the evaluation text;
@@ -189,6 +190,10 @@ def run_model(name: str, ks: list[float], args) -> None:
         read_planes(model, "both")
     sparse_rows(spec, "dual[mixed]", art, meta, "mixed")
     sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
+    error = spec[:-1] + ",rank=error]"  # the rows whose refinement changes the output most (mixed_rows.row_score)
+    if table.todo("dual[mixed,rank=error]", ks):
+        sparse_rows(error, "dual[mixed,rank=error]", countdown.ensure_artifacts(model, tok, error, ks, cache), meta,
+                    "mixed")
     # the variants, for quality studies: ranked by the exact 8-bit score; kept rows as loaded (a fresh model)
     variant_ks = [float(k) for k in args.variant_ks.split(",")] if args.variant_ks else ks
     exact = spec[:-1] + ",rank=exact]"

@@ -239,3 +239,39 @@ def test_generate_takes_the_mixed_step_on_the_cpu(prepared):
         assert 0.6 < countdown.sparsity_real(model)["mean"] < 1.0  # the decode steps were mixed
     finally:
         countdown.unsparsify(model)
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh", "gelu", "relu"])
+def test_act_grad_is_the_activations_derivative(name):
+    from countdown.mixed_rows import act_grad
+    from countdown.mlp import KNOWN_ACTIVATIONS
+
+    g = torch.linspace(-6, 6, 241, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad(KNOWN_ACTIVATIONS[name](g).sum(), g)
+    torch.testing.assert_close(act_grad(name, g.detach()), want, rtol=1e-9, atol=1e-12)
+
+
+def test_the_error_ranking_against_float64():
+    """rank=error: per row sqrt(|x|^2 (sig_up^2 act(g~)^2 + sig_gate^2 (u~ act'(g~))^2) |W~h_down col|^2
+    + s~^2 |Delta_down col|^2), the sigmas the low planes' RMS a row."""
+    model, art = _prepare("dual[mixed,rank=error]", selection="topk")
+    countdown.sparsify(model, "dual[mixed,rank=error]", 0.5, artifacts=art, scope="all")
+    mlp = countdown.find_gated_mlps(model)[1]
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(10)).double()
+    p = _planes64(mlp)
+    g = (x @ p["gate", "high"].t()).requires_grad_(True)
+    h = F.silu(g)
+    (dh,) = torch.autograd.grad(h.sum(), g)
+    g, h = g.detach(), h.detach()
+    u = x @ p["up", "high"].t()
+    sig_up, sig_gate = p["up", "low"].pow(2).mean(1).sqrt(), p["gate", "low"].pow(2).mean(1).sqrt()
+    ds2 = x.pow(2).sum(-1, keepdim=True) * ((sig_up * h) ** 2 + (sig_gate * u * dh) ** 2)
+    score = (ds2 * p["down", "high"].pow(2).sum(0) + (u * h) ** 2 * p["down", "low"].pow(2).sum(0)).sqrt()
+    sel = mlp.module.countdown_sparse.selector
+    torch.testing.assert_close(sel.score(x.float(), mlp).double(), score, rtol=1e-4, atol=1e-7)
+    keep = _keep64(score, None, sel.n_keep, "topk")
+    assert not torch.equal(keep, _keep64((u * h).abs(), None, sel.n_keep, "topk"))  # not the shadow ranking
+    nested = [getattr(mlp.module, getattr(mlp, r)).nested for r in ("gate", "up", "down")]
+    with torch.no_grad():
+        got = mlp.module(x.float()[None])[0]
+    torch.testing.assert_close(got.double(), mixed_mlp_ref(x, *nested, F.silu, keep), rtol=1e-4, atol=1e-5)

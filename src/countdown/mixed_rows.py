@@ -10,8 +10,9 @@ format, or, for the reference variant, the float weight as loaded), per token an
     y = sum over other rows of s_i W~h_down[:, i]  +  sum over kept rows of s_i W_down[:, i]
 
 Nothing is skipped: Sparsity-Real here is the share of rows left at 4 bits. The selector ranks rows by
-``|u~ act(g~)|`` from the high planes (``rank="shadow"``) or by the exact ``|u act(g)|`` (``rank="exact"``, a quality
-study); :mod:`countdown.prac.mixed` builds it and its cuts. The weights come from a planes object:
+``|u~ act(g~)|`` from the high planes (``rank="shadow"``), by the exact ``|u act(g)|`` (``rank="exact"``, a quality
+study) or by the expected size of each row's refinement from the high planes (``rank="error"``, :func:`row_score`);
+:mod:`countdown.prac.mixed` builds it and its cuts. The weights come from a planes object:
 :class:`NestedPlanes` (the MLP's Linears are :class:`~countdown.int4.nested_linear.NestedLinear`: memory 8 bits a
 weight, no float copy) or :class:`FloatPlanes` (the float Linears as loaded plus their high planes).
 
@@ -24,6 +25,8 @@ kernels (issue 58, item 3) read the planes as ``mixed_mlp_ref`` computes them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +37,7 @@ from .mlp import GatedMLP
 from .sparse import SparseGatedMLP
 
 ROLES = ("gate", "up", "down")
+ACT_GRADS = ("silu", "gelu_tanh", "gelu", "relu")  # the activations whose derivative act_grad knows
 
 
 class NestedPlanes(nn.Module):
@@ -101,14 +105,64 @@ class FloatPlanes(nn.Module):
         return (w.index_select(1, rows) if role == "down" else w.index_select(0, rows)).float()
 
 
-def ranking_score(planes, act, x: torch.Tensor, rank: str, b_gate=None, b_up=None) -> torch.Tensor:
-    """``|u act(g)|`` float32 ``[tokens, d_inter]``: from the high planes (``"shadow"``) or the full-precision
-    weights (``"exact"``)."""
-    weights = planes.high if rank == "shadow" else planes.full
+def act_grad(name: str, g: torch.Tensor) -> torch.Tensor:
+    """The derivative of the activation ``name`` (``mlp.GatedMLP.act_name``) at ``g``."""
+    if name == "silu":
+        sig = torch.sigmoid(g)
+        return sig * (1 + g * (1 - sig))
+    if name == "gelu_tanh":
+        c = math.sqrt(2 / math.pi)
+        t = torch.tanh(c * (g + 0.044715 * g ** 3))
+        return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
+    if name == "gelu":
+        return 0.5 * (1 + torch.erf(g / math.sqrt(2))) + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    if name == "relu":
+        return (g > 0).to(g.dtype)
+    raise ValueError(f"rank='error' needs the activation's derivative; this MLP's activation is {name!r} (known: "
+                     "silu, gelu_tanh, gelu, relu): use rank='shadow'")
+
+
+def error_constants(planes) -> torch.Tensor:
+    """Per row of d_inter, float32 ``[4, d_inter]``: the RMS over d_model of W_up's and of W_gate's refinement
+    (full precision minus the high plane: the low plane), and the norms of W_down's high plane's and its refinement's
+    columns; what ``rank="error"`` weighs its terms with."""
+    rows = []
+    for role in ("up", "gate"):
+        high, full = planes.pair(role)
+        rows.append((full - high).pow(2).mean(dim=1).sqrt())
+    high, full = planes.pair("down")
+    rows += [high.pow(2).sum(dim=0).sqrt(), (full - high).pow(2).sum(dim=0).sqrt()]
+    return torch.stack(rows).float()
+
+
+def row_score(rank: str, act, act_name: str, x: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+              consts: torch.Tensor | None = None) -> torch.Tensor:
+    """The ranking float32 ``[tokens, d_inter]`` from the projections ``u``, ``g`` of ``x`` (the high planes', or the
+    full-precision ones for ``rank="exact"``): ``|u act(g)|``, or for ``rank="error"`` the expected size of the change
+    that refining the row makes to the output,
+
+        sqrt(|x|^2 (sig_up^2 act(g)^2 + sig_gate^2 (u act'(g))^2) |W~h_down[:, i]|^2 + (u act(g))^2 |Delta_down[:, i]|^2)
+
+    (the low planes' corrections of u and g taken as random against x, ``consts`` from :func:`error_constants`)."""
+    u, g = u.float(), g.float()
+    h = act(g)
+    if rank != "error":
+        return (u * h).abs()
+    sig_up, sig_gate, high_down, low_down = consts
+    x2 = x.float().pow(2).sum(dim=-1, keepdim=True)
+    ds2 = x2 * ((sig_up * h) ** 2 + (sig_gate * u * act_grad(act_name, g)) ** 2)
+    return (ds2 * high_down ** 2 + (u * h) ** 2 * low_down ** 2).sqrt()
+
+
+def ranking_score(planes, act, act_name: str, x: torch.Tensor, rank: str, consts: torch.Tensor | None = None,
+                  b_gate=None, b_up=None) -> torch.Tensor:
+    """:func:`row_score` of ``x`` from the high planes (``"shadow"``, ``"error"``) or the full-precision weights
+    (``"exact"``), in float32 (for calibration)."""
+    weights = planes.full if rank == "exact" else planes.high
     xf = x.float()
     u = F.linear(xf, weights("up"), None if b_up is None else b_up.float())
     g = F.linear(xf, weights("gate"), None if b_gate is None else b_gate.float())
-    return (u * act(g)).abs()
+    return row_score(rank, act, act_name, xf, u, g, consts)
 
 
 def _bias_rows(bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
@@ -124,14 +178,23 @@ class MixedGatedMLP(SparseGatedMLP):
     def _kernel_layout(self, path: str) -> list[torch.Tensor]:
         return []
 
+    def _keep(self, score: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
+        """The rows refined per token from the selector's ranking (a dense prompt's tokens: every row), counted."""
+        keep = self.selector.pick(score)
+        if token_sparse is not None:
+            self._count(keep[token_sparse])
+            return keep | ~token_sparse[:, None]
+        self._count(keep)
+        return keep
+
     def _masked(self, x2: torch.Tensor, token_sparse: torch.Tensor | None) -> torch.Tensor:
         mlp, sel = self.mlp, self.selector
         dt = x2.dtype
         (gh, gf), (uh, uf), (dh, df) = (tuple(w.to(dt) for w in sel.planes.pair(role)) for role in ROLES)
-        u_h, h_h = F.linear(x2, uh, mlp.b_up), mlp.act(F.linear(x2, gh, mlp.b_gate))
-        u_f, h_f = F.linear(x2, uf, mlp.b_up), mlp.act(F.linear(x2, gf, mlp.b_gate))
-        keep = self._select(x2, *((u_h, h_h) if sel.rank == "shadow" else (u_f, h_f)), token_sparse)
-        s = torch.where(keep, u_f * h_f, u_h * h_h)
+        u_h, g_h = F.linear(x2, uh, mlp.b_up), F.linear(x2, gh, mlp.b_gate)
+        u_f, g_f = F.linear(x2, uf, mlp.b_up), F.linear(x2, gf, mlp.b_gate)
+        keep = self._keep(sel.rank_score(x2, *((u_f, g_f) if sel.rank == "exact" else (u_h, g_h))), token_sparse)
+        s = torch.where(keep, u_f * mlp.act(g_f), u_h * mlp.act(g_h))
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
         return F.linear(torch.where(keep, zero, s), dh, mlp.b_down) + F.linear(torch.where(keep, s, zero), df)
 
@@ -139,12 +202,14 @@ class MixedGatedMLP(SparseGatedMLP):
         mlp, sel = self.mlp, self.selector
         planes, dt = sel.planes, x2.dtype
         u_h = F.linear(x2, planes.high("up").to(dt), mlp.b_up)
-        h_h = mlp.act(F.linear(x2, planes.high("gate").to(dt), mlp.b_gate))
-        if sel.rank == "shadow":
-            keep = self._select(x2, u_h, h_h, token_sparse)
+        g_h = F.linear(x2, planes.high("gate").to(dt), mlp.b_gate)
+        h_h = mlp.act(g_h)
+        if sel.rank != "exact":
+            keep = self._keep(sel.rank_score(x2, u_h, g_h), token_sparse)
         else:  # the exact ranking reads every row at full precision: a quality study
             u_f = F.linear(x2, planes.full("up").to(dt), mlp.b_up)
-            keep = self._select(x2, u_f, mlp.act(F.linear(x2, planes.full("gate").to(dt), mlp.b_gate)), token_sparse)
+            keep = self._keep(sel.rank_score(x2, u_f, F.linear(x2, planes.full("gate").to(dt), mlp.b_gate)),
+                              token_sparse)
         rows = keep.any(dim=0).nonzero().squeeze(1)
         u_r = F.linear(x2, planes.full_rows("up", rows).to(dt), _bias_rows(mlp.b_up, rows))
         h_r = mlp.act(F.linear(x2, planes.full_rows("gate", rows).to(dt), _bias_rows(mlp.b_gate, rows)))

@@ -21,7 +21,9 @@ Linear nested, computing with both planes): the float weights are gone, which is
 
 Options: ``group`` (32 / 64 / 128; default 64, which divides d_model and d_inter of every real model here),
 ``scales`` (``float16`` / ``float32``, the planes' scales and offsets), ``rank`` (``shadow``: the high planes' score,
-the method; ``exact``: the exact ``|u act(g)|``, with ``selection="topk"`` the SP-Ideal variant, a quality study),
+the method; ``exact``: the exact ``|u act(g)|``, with ``selection="topk"`` the SP-Ideal variant, a quality study;
+``error``: the expected size of each row's refinement, from the high planes and four constants a row,
+``mixed_rows.row_score``: the rows whose precision matters most rather than the largest ones),
 ``kept`` (``8bit``: the method; ``float``: the reference variant, the MLP's float Linears kept as loaded and the
 high planes held beside them in the selector, the kept rows in the model's precision, no conversion), and the
 shadow kind's ``cut_rule`` and ``max_activation_gb``.
@@ -38,7 +40,7 @@ import torch
 from ..artifacts import ArtifactError, sparsity_key
 from ..int4.format import GROUPS
 from ..int4.nested import nbytes as nested_bytes
-from ..mixed_rows import FloatPlanes, MixedGatedMLP, NestedPlanes, ranking_score
+from ..mixed_rows import ACT_GRADS, FloatPlanes, MixedGatedMLP, NestedPlanes, error_constants, ranking_score, row_score
 from ..mlp import GatedMLP
 from ..registry import kept_rows
 from .base import RowSelector, SelectorKind, register_kind, select
@@ -46,27 +48,38 @@ from .capture import fit_by_capture
 from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule
 
 SCALES = {"float16": torch.float16, "float32": torch.float32}
-RANKS = ("shadow", "exact")
+RANKS = ("shadow", "exact", "error")
 KEPT = ("8bit", "float")
 
 
 class MixedSelector(RowSelector):
-    """Which rows of a token are computed at full precision: ``|u act(g)|`` (of the planes ``rank`` names) over the
-    layer's cut, or its top ``n_keep``. ``planes`` gives the mixed forward its weights."""
+    """Which rows of a token are computed at full precision: the ranking ``rank`` names (``mixed_rows.row_score``)
+    over the layer's cut, or its top ``n_keep``. ``planes`` gives the mixed forward its weights."""
 
     needs_up = needs_gate = True
     patched_class = MixedGatedMLP  # countdown.sparsify patches the MLP with this class
 
-    def __init__(self, planes, act, rank: str, selection: str, n_keep: int, cut: torch.Tensor):
+    def __init__(self, planes, act, act_name: str, rank: str, selection: str, n_keep: int, cut: torch.Tensor):
         super().__init__()
-        self.planes, self.act, self.rank, self.selection, self.n_keep = planes, act, rank, selection, int(n_keep)
+        self.planes, self.act, self.act_name, self.rank = planes, act, act_name, rank
+        self.selection, self.n_keep = selection, int(n_keep)
         self.register_buffer("cut", cut.float().reshape(()).clone())
+        self.register_buffer("consts", error_constants(planes) if rank == "error" else None)
+
+    def rank_score(self, x, u, g):
+        """The float32 ranking of the rows from ``x`` and its projections ``u``, ``g`` (pre-activation)."""
+        return row_score(self.rank, self.act, self.act_name, x, u, g, self.consts)
+
+    def pick(self, score):
+        return select(score, self.selection, self.cut, self.n_keep)
 
     def forward(self, x, u, h):
-        return select((u * h).abs().float(), self.selection, self.cut, self.n_keep)
+        if self.rank == "error":
+            raise ValueError("rank='error' ranks from u and g (before the activation): use rank_score, then pick")
+        return self.pick((u * h).abs().float())
 
     def score(self, x, mlp: GatedMLP):
-        return ranking_score(self.planes, self.act, x, self.rank, mlp.b_gate, mlp.b_up)
+        return ranking_score(self.planes, self.act, self.act_name, x, self.rank, self.consts, mlp.b_gate, mlp.b_up)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, selection={self.selection}, n_keep={self.n_keep}"
@@ -88,7 +101,9 @@ def fit_mixed_layer(method, mlp: GatedMLP, layer: int, X: torch.Tensor, ks: list
     """One layer's cut per k on its ranking score over its captured inputs."""
     planes = _planes(mlp, opts)
     with torch.no_grad():
-        cuts = calibrated_cuts(lambda a, b: ranking_score(planes, mlp.act, X[a:b], opts["rank"], mlp.b_gate, mlp.b_up),
+        consts = error_constants(planes) if opts["rank"] == "error" else None
+        cuts = calibrated_cuts(lambda a, b: ranking_score(planes, mlp.act, mlp.act_name, X[a:b], opts["rank"], consts,
+                                                          mlp.b_gate, mlp.b_up),
                                X.shape[0], [kept_rows(mlp.d_inter, k) for k in ks], rule=opts["cut_rule"])
     return {f"{sparsity_key(k)}/layer{layer}/cut": cut.reshape(()).cpu() for k, cut in zip(ks, cuts)}
 
@@ -109,6 +124,9 @@ class MixedKind(SelectorKind):
         for key, allowed in (("group", GROUPS), ("scales", tuple(SCALES)), ("rank", RANKS), ("kept", KEPT)):
             if opts[key] not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(map(str, allowed))}, got {opts[key]!r}")
+        if opts["rank"] == "error" and any(m.act_name not in ACT_GRADS for m in mlps):
+            raise ValueError(f"rank=error needs the activation's derivative (known: {', '.join(ACT_GRADS)}); this "
+                             f"model's is {mlps[0].act_name!r}: use rank=shadow")
         widths = sorted({w for m in mlps for w in (m.d_model, m.d_inter)})
         if any(w % opts["group"] for w in widths):
             fits = [g for g in GROUPS if not any(w % g for w in widths)]
@@ -147,7 +165,7 @@ class MixedKind(SelectorKind):
 
     def selectors(self, artifacts, mlps, method, k):
         opts = artifacts.meta
-        return [MixedSelector(_planes(mlp, opts), mlp.act, opts["rank"], artifacts.selection,
+        return [MixedSelector(_planes(mlp, opts), mlp.act, mlp.act_name, opts["rank"], artifacts.selection,
                               kept_rows(mlp.d_inter, k), artifacts.layer_tensors(k, i)["cut"])
                 for i, mlp in enumerate(mlps)]
 
