@@ -158,7 +158,7 @@ def test_every_label_of_the_committed_results_parses_or_is_explained():
 
 @pytest.mark.parametrize("text, message", [
     ("dual[foo]", r"'dual\[foo\]': no SP-Prac kind 'foo'; dual takes dual\[hybrid<d_rank>\], dual\[lowrank<d_rank>\], "
-                  r"dual\[shadow<bits>\], dual\[ternary\]"),
+                  r"dual\[mixed\], dual\[shadow<bits>\], dual\[ternary\]"),
     ("mono[lowrank]", r"kind 'lowrank' serves dual and dejavu only; mono takes mono\[threshold\]"),
     ("dense[shadow4]", "dense has no SP-Prac kinds .* write dense"),
     ("dual[ternary3]", r"kind ternary takes no number; write dual\[ternary\]"),
@@ -179,7 +179,7 @@ def test_errors_name_the_fix(text, message):
 
 def test_spec_forms_list_what_the_library_runs():
     assert spec_forms() == ["dense", "cats", "mono", "dual", "dual[hybrid<d_rank>]", "dual[lowrank<d_rank>]",
-                            "dual[shadow<bits>]", "dual[ternary]", "dejavu", "dejavu[lowrank<d_rank>]",
+                            "dual[mixed]", "dual[shadow<bits>]", "dual[ternary]", "dejavu", "dejavu[lowrank<d_rank>]",
                             "dejavu[ternary]", "teal"]
     with pytest.raises(TypeError, match="a method spec is a string"):
         parse_spec(3)

@@ -44,7 +44,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .saving import ARTIFACTS_NAME, QUANT_METHOD, RECORD_VERSION, quantization_config, weights_to_save
 
 FIELDS = ("quant_method", "format_version", "countdown", "spec", "method", "kind", "options", "mode", "k", "scope",
-          "path", "artifacts", "weights")
+          "path", "artifacts", "weights", "nested")
 
 
 class CountdownConfig(QuantizationConfigMixin):
@@ -52,13 +52,14 @@ class CountdownConfig(QuantizationConfigMixin):
     one attribute per field of the record; fields a later release adds are kept as they are."""
 
     def __init__(self, spec=None, method=None, kind=None, options=None, mode=None, k=None, scope=None, path=None,
-                 artifacts=None, weights=None, format_version=RECORD_VERSION, countdown=None, quant_method=QUANT_METHOD,
+                 artifacts=None, weights=None, nested=None, format_version=RECORD_VERSION, countdown=None, quant_method=QUANT_METHOD,
                  **more):
         if quant_method != QUANT_METHOD:
             raise ValueError(f"a CountdownConfig has quant_method {QUANT_METHOD!r}, not {quant_method!r}")
         self.quant_method, self.format_version, self.countdown = QUANT_METHOD, format_version, countdown
         self.spec, self.method, self.kind, self.options, self.mode = spec, method, kind, options, mode
         self.k, self.scope, self.path, self.artifacts, self.weights = k, scope, path, artifacts, weights
+        self.nested = nested
         self.__dict__.update(more)
 
     def to_dict(self) -> dict:
@@ -97,6 +98,10 @@ def check_record(record: dict) -> None:
             raise ValueError(f"the saved weights are {weights.get('bits')}-bit, which this release cannot rebuild: "
                              "upgrade countdown")
         check_int4_record(weights.get("record"), "config.json")
+    if record.get("nested") is not None:
+        from .int4.nested_model import check_nested_record
+
+        check_nested_record(record["nested"], "config.json")
 
 
 def artifact_file(name_or_path: str, checkpoint_files: list[str]) -> Path:
@@ -146,19 +151,20 @@ class CountdownHfQuantizer(HfQuantizer):
                              "state_dict: give from_pretrained the folder")
         if record.get("artifacts"):
             self.artifact = artifact_file(getattr(model.config, "name_or_path", ""), checkpoint_files)
-        if record.get("weights") is not None:
+        if record.get("weights") is not None or record.get("nested") is not None:
             from .int4.loading import build_int4_modules
 
-            build_int4_modules(model, checkpoint_files, record["weights"]["record"])
+            build_int4_modules(model, checkpoint_files, (record.get("weights") or {}).get("record"),
+                               record.get("nested"))
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs):
         record = self.quantization_config.to_dict()
-        if record.get("weights") is not None:
+        if record.get("weights") is not None or record.get("nested") is not None:
             from .int4.loading import finish_int4_modules
             from .saving import save_pretrained_method
 
-            finish_int4_modules(model, record["weights"]["record"])
+            finish_int4_modules(model, (record.get("weights") or {}).get("record"), record.get("nested"))
             if "save_pretrained" not in model.__dict__:  # as countdown.quantize leaves a 4-bit model: one save path
                 object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
         if record.get("spec") is not None:

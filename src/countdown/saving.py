@@ -43,6 +43,7 @@ CONFIG_NAME = "countdown.json"  # versions 1 and 2 (read only): 1 the sparsity, 
 ARTIFACTS_NAME = "countdown_artifacts.safetensors"
 FORMAT = "countdown-sparsified"  # countdown.json's format
 FORMAT_VERSION = 2
+NESTED_ATTR = "countdown_nested"  # model.config's attribute of the nested 8-bit record (countdown.int4.nested_model)
 INT4_ATTR = "countdown_int4"  # model.config's attribute of countdown.quantize's record (countdown.int4.quantize)
 PATCH_ATTR = "countdown_sparse"  # the patched layer sparsify hangs on each Gated-MLP module (not saved)
 
@@ -58,7 +59,8 @@ def quantization_config(model: nn.Module) -> dict | None:
 
     state = getattr(model, STATE_ATTR, None)
     spec = Spec.of(model)
-    if state is None and spec.weights is None:
+    nested = getattr(getattr(model, "config", None), NESTED_ATTR, None)  # nested 8-bit MLPs (dual[mixed])
+    if state is None and spec.weights is None and nested is None:
         return None
     if state is not None and any(layer.mlp.tp is not None for layer in state.layers):
         raise ValueError("a tensor-parallel shard cannot be saved as a sparsified model: save the model dense "
@@ -73,7 +75,8 @@ def quantization_config(model: nn.Module) -> dict | None:
             "mode": spec.mode if patched else None, "k": spec.k, "scope": spec.scope if patched else None,
             "path": state.path if patched else None,
             "artifacts": ARTIFACTS_NAME if patched and state.mode == "prac" else None,
-            "weights": None if spec.weights is None else asdict(spec.weights)}
+            "weights": None if spec.weights is None else asdict(spec.weights),
+            "nested": None if nested is None else dict(nested)}
 
 
 def save(model: nn.Module, folder: str | os.PathLike, tokenizer=None, overwrite: bool = False,

@@ -247,6 +247,10 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         ``"exact"`` (default: the global top-k) or ``"shard"`` (each shard keeps its share of rows).
     kernel_options: the kernel route's choices that are the user's (:class:`countdown.kernels.KernelOptions`:
         whether an eager CUDA call replays a CUDA graph); default ``KernelOptions()``.
+
+    ``dual[mixed]`` (:mod:`countdown.prac.mixed`) skips nothing: its kept rows are computed at 8 bits and the rest at
+    4; it holds the MLPs in the nested 8-bit format, converting them here where they are float, and
+    :func:`unsparsify` leaves them so (the 8-bit model).
     """
     refuse_foreign_quantization(model, "countdown.sparsify")  # torchao / bitsandbytes / GPTQ... weights
     if is_sparsified(model):
@@ -276,16 +280,27 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
     given = artifacts  # kept as given (a path is not held in memory as its tensors: countdown.save re-reads it)
     if spec.mode == "prac" and not m.is_dense:
         artifacts = artifacts if isinstance(artifacts, Artifacts) else load_artifacts(artifacts)
-        check_artifact(spec, artifacts)  # the kind in brackets must be the artifact's
-    selectors = build_selectors(mlps, m, k, spec.mode, artifacts)  # may raise: nothing patched yet
-    shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
+        check_artifact(spec, artifacts)  # a kind in brackets must be the artifact's
+    undo = None
+    if spec.mode == "prac" and not m.is_dense:  # a kind that runs on weights of its own makes them first (dual[mixed])
+        from .prac.base import get_kind
+
+        undo = get_kind(artifacts.kind).prepare_model(model, mlps, artifacts.meta)
+    try:
+        selectors = build_selectors(mlps, m, k, spec.mode, artifacts)  # may raise: nothing patched yet
+        shard_selectors(mlps, selectors, tp_topk)  # tensor parallel: each rank's rows of its selectors
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
 
     spec = replace(spec, k=None, scope=None, weights=None)  # the state holds them in its own fields
     state = SparsityState(method=m, sparsity=k, mode=spec.mode, scope=scope, path=path, spec=spec,
                           artifacts=given if spec.mode == "prac" and not m.is_dense else None,
                           kernel_options=kernel_options or kernels.KernelOptions())
     for index, (mlp, selector) in enumerate(zip(mlps, selectors)):
-        layer_class = InputSparseGatedMLP if m.structure == "inputs" else SparseGatedMLP
+        layer_class = InputSparseGatedMLP if m.structure == "inputs" else \
+            getattr(selector, "patched_class", SparseGatedMLP)  # dual[mixed]: countdown.mixed_rows
         layer = layer_class(mlp, selector, state, index)
         ref = mlp.w_down
         layer.to(device=ref.device)

@@ -20,6 +20,8 @@ from torch import nn
 
 from .format import Int4Weight
 from .linear import BUFFERS, Int4Linear
+from .nested_linear import BUFFERS as NESTED_BUFFERS
+from .nested_model import CONFIG_ATTR as NESTED_ATTR, from_saved
 from .quantize import CONFIG_ATTR, FORMAT
 
 # safetensors' dtype names of the tensors a 4-bit Linear holds
@@ -46,33 +48,48 @@ def int4_headers(checkpoint_files: list[str | Path]) -> dict[str, dict[str, tupl
         with safe_open(str(path), framework="pt") as file:
             for key in file.keys():
                 module, _, leaf = key.rpartition(".")
-                if leaf in BUFFERS:
+                if leaf in BUFFERS or leaf in NESTED_BUFFERS:  # a 4-bit Linear's, or a nested 8-bit one's
                     part = file.get_slice(key)
                     found.setdefault(module, {})[leaf] = (tuple(part.get_shape()), DTYPES.get(part.get_dtype()))
     return found
 
 
-def build_int4_modules(model: nn.Module, checkpoint_files: list[str | Path], record: dict) -> list[str]:
+def build_int4_modules(model: nn.Module, checkpoint_files: list[str | Path], record: dict | None,
+                       nested: dict | None = None) -> list[str]:
     """Replace, on ``model``'s meta skeleton, each Linear whose codes the checkpoint holds by an :class:`Int4Linear`
-    of the saved shapes and dtypes (compute dtype: the Linear's); returns the names replaced. A checkpoint whose
-    4-bit tensors do not fit the model is refused here, before any weight is read."""
+    (``record``: the 4-bit record) or a nested 8-bit :class:`~countdown.int4.nested_linear.NestedLinear` (``nested``:
+    the nested record, :mod:`countdown.int4.nested_model`) of the saved shapes and dtypes (compute dtype: the
+    Linear's); returns the names replaced. A checkpoint whose tensors do not fit the model or the records is refused
+    here, before any weight is read."""
     headers = int4_headers(checkpoint_files)
     if not headers:
-        raise ValueError("the folder records a 4-bit model but its safetensors hold no 4-bit weights "
-                         "(name.qweight / .scale / .offset)")
-    transposed = set(record.get("transposed", ()))
+        raise ValueError("the folder records a 4-bit or nested 8-bit model but its safetensors hold no such weights "
+                         "(name.qweight / .scale / .offset, or name.high_qweight ... .low_offset)")
+    transposed = set((record or {}).get("transposed", ()))
+    low_transposed = set((nested or {}).get("low_transposed", ()))
     for name, parts in headers.items():
         linear = model.get_submodule(name) if _has(model, name) else None
-        if not isinstance(linear, nn.Linear) or set(parts) != set(BUFFERS) or None in (d for _, d in parts.values()):
-            raise ValueError(f"the saved 4-bit tensors of {name} do not fit the model ({sorted(parts)} for "
-                             f"{type(linear).__name__ if linear is not None else 'no such module'})")
-        meta = Int4Weight(*(torch.empty(parts[leaf][0], dtype=parts[leaf][1], device="meta") for leaf in BUFFERS))
-        t = name in transposed
-        if meta.shape != tuple(linear.weight.shape)[:: -1 if t else 1]:
-            raise ValueError(f"the saved 4-bit weight of {name} is {meta.shape}{' (W^T)' if t else ''}, the model's "
-                             f"Linear {tuple(linear.weight.shape)}: the folder's config.json and weights disagree")
+        kind = {frozenset(BUFFERS): "4-bit", frozenset(NESTED_BUFFERS): "nested"}.get(frozenset(parts))
+        if not isinstance(linear, nn.Linear) or kind is None or None in (d for _, d in parts.values()) or \
+                (kind == "4-bit" and record is None) or (kind == "nested" and nested is None):
+            raise ValueError(f"the saved {kind or 'quantized'} tensors of {name} do not fit the model or its record "
+                             f"({sorted(parts)} for {type(linear).__name__ if linear is not None else 'no such module'})")
+        meta = {leaf: torch.empty(shape, dtype=dtype, device="meta") for leaf, (shape, dtype) in parts.items()}
         bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
-        module = Int4Linear(meta, bias, linear.weight.dtype, record["source"], transposed=t)
+        if kind == "nested":
+            module = from_saved(meta, bias, linear.weight.dtype, name in low_transposed)
+            if (module.out_features, module.in_features) != tuple(linear.weight.shape):
+                raise ValueError(f"the saved nested weight of {name} is {(module.out_features, module.in_features)}, "
+                                 f"the model's Linear {tuple(linear.weight.shape)}: the folder's config.json and "
+                                 "weights disagree")
+        else:
+            weight = Int4Weight(*(meta[leaf] for leaf in BUFFERS))
+            t = name in transposed
+            if weight.shape != tuple(linear.weight.shape)[:: -1 if t else 1]:
+                raise ValueError(f"the saved 4-bit weight of {name} is {weight.shape}{' (W^T)' if t else ''}, the "
+                                 f"model's Linear {tuple(linear.weight.shape)}: the folder's config.json and weights "
+                                 "disagree")
+            module = Int4Linear(weight, bias, linear.weight.dtype, record["source"], transposed=t)
         module._is_hf_initialized = True  # loaded whole: transformers' init would de-quantize `weight` to fill a copy
         model.set_submodule(name, module)
     return sorted(headers)
@@ -86,10 +103,15 @@ def _has(model: nn.Module, name: str) -> bool:
     return True
 
 
-def finish_int4_modules(model: nn.Module, record: dict) -> None:
-    """After the weights are loaded: the record back on the config, each 4-bit Linear's bias frozen (as
+def finish_int4_modules(model: nn.Module, record: dict | None, nested: dict | None = None) -> None:
+    """After the weights are loaded: the records back on the config, each 4-bit or nested Linear's bias frozen (as
     :meth:`Int4Linear.from_linear` holds it)."""
-    setattr(model.config, CONFIG_ATTR, record)
+    from .nested_linear import NestedLinear
+
+    if record is not None:
+        setattr(model.config, CONFIG_ATTR, record)
+    if nested is not None:
+        setattr(model.config, NESTED_ATTR, nested)
     for module in model.modules():
-        if isinstance(module, Int4Linear) and module.bias is not None:
+        if isinstance(module, (Int4Linear, NestedLinear)) and module.bias is not None:
             module.bias.requires_grad_(False)

@@ -89,8 +89,10 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
         from ..mlp import find_gated_mlps
 
         downs = {f"{g.name}.{g.down}" if g.name else g.down for g in find_gated_mlps(model) if g.fused is None}
-    names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and (lm_head or name != head)]
+    from .nested_linear import NestedLinear
+
+    names = [name for name, m in model.named_modules()  # nested 8-bit MLPs (dual[mixed]) keep their planes
+             if isinstance(m, nn.Linear) and not isinstance(m, NestedLinear) and (lm_head or name != head)]
     record = {"format": FORMAT, "version": 1, "source": source, "lm_head": lm_head, "rtn_group": group,
               "rtn_scale_dtype": str(scale_dtype).removeprefix("torch."), "int4": {}, "kept": {}, "transposed": []}
     tensors, path = {}, None

@@ -150,6 +150,13 @@ class SelectorKind:
         """Every tensor of the artifact (all layers, all k), from the calibration text."""
         raise NotImplementedError
 
+    def prepare_model(self, model: nn.Module, mlps: list[GatedMLP], options: dict[str, Any]):
+        """Make the weights this kind runs on, in place, before an artifact (whose metadata ``options`` are) is
+        checked against the model (:func:`countdown.sparsify` calls it; the mixed kind holds the MLPs in its nested
+        format); returns a callable that undoes it (called where the patch then fails), or None: nothing changed
+        (the default)."""
+        return None
+
     def refine_rule(self, opts: dict[str, Any]) -> str:
         """The cut rule that refits use (see :mod:`countdown.prac.cuts`)."""
         return opts["cut_rule"]

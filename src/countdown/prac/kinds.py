@@ -3,7 +3,7 @@
 Adding a kind is one new file in this package and one name in the import below.
 """
 
-from . import hybrid, lowrank, shadow, teal, ternary, threshold  # noqa: F401
+from . import hybrid, lowrank, mixed, shadow, teal, ternary, threshold  # noqa: F401
 from .base import KINDS
 
 __all__ = ["KINDS"]
