@@ -35,7 +35,7 @@ import countdown
 from countdown.eval.analysis import top_mask
 from countdown.data.texts import eval_texts
 from countdown.io import atomic_path, atomic_write, write_json
-from countdown.mlp import require_gated_mlps
+from countdown.model.gated_mlp import require_gated_mlps
 
 INDICATORS = {"mono": lambda u, h: u, "cats": lambda u, h: h, "dual": lambda u, h: u * h}
 

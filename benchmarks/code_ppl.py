@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     import countdown
     from countdown.data.code_text import python_text_version
     from countdown.data.texts import cache_root, load_texts
-    from countdown.prac.prepare import ensure_artifacts
-    from countdown.state import sparsity_real
+    from countdown.artifacts.prepare import ensure_artifacts
+    from countdown.patch.state import sparsity_real
 
     ks = [float(k) for k in args.sparsity.split(",")]
     path = os.path.join(args.out, f"{args.model}-code.csv")

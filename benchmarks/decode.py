@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     import triton
 
     import countdown
-    import countdown.prac.lowrank
+    import countdown.selectors.lowrank
     from harness.checks import run_checks
     from harness.runner import DecodeSettings, decode_sweep
     from harness.timing import copy_bandwidth

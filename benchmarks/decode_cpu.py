@@ -33,7 +33,7 @@ import torch
 
 import countdown
 from countdown.decode.generate import generate_fast, reset_decoders
-from countdown.mlp import require_gated_mlps
+from countdown.model.gated_mlp import require_gated_mlps
 
 COLUMNS = ["device", "date", "model", "threads", "method", "mode", "path", "sparsity", "sparsity_real", "batch",
            "new_tokens", "tokens_per_s", "ms_per_step", "dense_tokens_per_s", "speedup_vs_dense",

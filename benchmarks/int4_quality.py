@@ -55,12 +55,12 @@ from tqdm import tqdm
 
 import countdown
 from countdown.bench.quality import compare_held, decode_quality, held_out
-from countdown.fingerprint import model_fingerprint
+from countdown.model.fingerprint import model_fingerprint
 from countdown.int4.quantize import int4_config
 from countdown.io import atomic_write, file_lock, write_json
-from countdown.mlp import find_gated_mlps
+from countdown.model.gated_mlp import find_gated_mlps
 from countdown.spec import parse_specs
-from countdown.state import dense_prefix
+from countdown.patch.state import dense_prefix
 from harness.int4quality import LAYOUTS, down_transposed, float_twin, mlp_bytes_fraction, mlp_bytes_per_weight
 from harness.qualitygrid import artifact_tag
 

@@ -47,7 +47,7 @@ import countdown
 from countdown.int4.format import quantize_rtn
 from countdown.int4.nested_model import read_planes, to_nested
 from countdown.io import atomic_write, file_lock, write_json
-from countdown.prac.base import get_kind
+from countdown.selectors.base import get_kind
 
 FIELDS = ["model", "config", "k", "bits_read", "ppl", "ppl_increase_vs_bf16"]
 KS = "0.5,0.7,0.8,0.9,0.95"

@@ -39,7 +39,7 @@ import torch
 
 import countdown
 from countdown import calibrate, ensure_artifacts, predictor_quality, train_predictors
-from countdown.artifacts import footprint
+from countdown.artifacts.store import footprint
 from countdown.data.texts import eval_texts
 
 KS = [0.7, 0.8, 0.9]

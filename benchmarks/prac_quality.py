@@ -65,7 +65,7 @@ def s_from_shadows(model, on: bool):
     from torch.nn import functional as F
 
     from countdown.kernels.shadow.format import dequantize
-    from countdown.state import state_of
+    from countdown.patch.state import state_of
 
     layers = state_of(model).layers
     for layer in layers:

@@ -52,12 +52,12 @@ import torch.distributed as dist
 
 import countdown
 from countdown import calibrate, refine_cuts_on_decode, train_predictors
-from countdown.artifacts import load_artifacts
-from countdown.prac.base import selectors_for
+from countdown.artifacts.store import load_artifacts
+from countdown.selectors.base import selectors_for
 from countdown.decode.generate import generate_fast, reset_decoders
-from countdown.mlp import require_gated_mlps
-from countdown.state import state_of
-from countdown.tp import shard_selectors
+from countdown.model.gated_mlp import require_gated_mlps
+from countdown.patch.state import state_of
+from countdown.model.tensor_parallel import shard_selectors
 
 COLUMNS = ["gpus", "config", "method", "sparsity", "batch", "tokens_per_s", "speedup_vs_dense_same_gpus", "device",
            "date", "harness", "sparsity_real", "ms_per_step", "new_tokens", "setup_s", "artifacts"]

@@ -13,7 +13,7 @@ depend only on the rows, not on where they run, so ``world`` shards are simulate
 
 * per layer, on the Gated-MLP inputs of held-out text (dense model): the fraction of keep bits that
   differ, the share of the exact mask the per-shard mask keeps (recall), and the relative error of
-  the MLP output against the exact-mask output (``countdown.tp.topk_gap``);
+  the MLP output against the exact-mask output (``countdown.model.tensor_parallel.topk_gap``);
 * end to end: perplexity (every position sparse) with the exact and the per-shard top-k.
 
 Output: ``tp_topk_gap.md`` / ``.json``.
@@ -30,12 +30,12 @@ import time
 import torch
 
 import countdown
-from countdown.prac.stream import stream_mlp_inputs, token_windows
+from countdown.selectors.stream import stream_mlp_inputs, token_windows
 from countdown.data.texts import eval_texts
-from countdown.mlp import require_gated_mlps
-from countdown.registry import get_method
-from countdown.state import state_of
-from countdown.tp import ShardSpec, chunk_range, shard_topk_keep, topk_gap
+from countdown.model.gated_mlp import require_gated_mlps
+from countdown.methods.registry import get_method
+from countdown.patch.state import state_of
+from countdown.model.tensor_parallel import ShardSpec, chunk_range, shard_topk_keep, topk_gap
 
 
 def simulate_shard_topk(model, world: int) -> None:

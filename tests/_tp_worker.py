@@ -43,7 +43,7 @@ def load_sharded(folder: str, device: torch.device):
 
 def capture_masks(model):
     """Forward hooks on every selector: their keep masks, in layer order, per forward."""
-    from countdown.state import state_of
+    from countdown.patch.state import state_of
 
     masks, handles = [], []
     for layer in state_of(model).layers:
@@ -69,10 +69,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     import countdown
-    from countdown.artifacts import load_artifacts, model_fingerprint
+    from countdown.artifacts.store import load_artifacts, model_fingerprint
     from countdown import calibrate, train_predictors
-    from countdown.mlp import require_gated_mlps
-    from countdown.tp import ShardingError
+    from countdown.model.gated_mlp import require_gated_mlps
+    from countdown.model.tensor_parallel import ShardingError
 
     out: dict = {"rank": rank}
     try:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import countdown
-from countdown.artifacts import sparsity_key
-from countdown.prac.base import RowSelector, SelectorKind, register_kind, KINDS
-from countdown.prac.capture import fit_by_capture
+from countdown.artifacts.store import sparsity_key
+from countdown.selectors.base import RowSelector, SelectorKind, register_kind, KINDS
+from countdown.selectors.capture import fit_by_capture
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 

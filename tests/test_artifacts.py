@@ -1,4 +1,4 @@
-"""SP-Prac artifacts (countdown.artifacts): round trip, checks, corruption, cache."""
+"""SP-Prac artifacts (countdown.artifacts.store): round trip, checks, corruption, cache."""
 
 import json
 import struct
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import countdown
-import countdown.artifacts as artifacts_mod
+import countdown.artifacts.store as artifacts_mod
 from countdown import calibrate, ensure_artifacts, train_predictors
-from countdown.artifacts import (
+from countdown.artifacts.store import (
     ArtifactError,
     ArtifactMismatchError,
     Artifacts,
@@ -18,7 +18,7 @@ from countdown.artifacts import (
     load_artifacts,
     model_fingerprint,
 )
-from countdown.prac.base import selectors_for as prac_selectors
+from countdown.selectors.base import selectors_for as prac_selectors
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -159,7 +159,7 @@ def test_ensure_artifacts_builds_once_then_loads(model, tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("should have loaded from the cache")
 
-    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "_build", no_build)  # (ensure_artifacts: prepare's alias)
+    monkeypatch.setattr(sys.modules["countdown.artifacts.prepare"], "_build", no_build)  # (ensure_artifacts: prepare's alias)
     again = ensure_artifacts(model, TOK, "mono", 0.9, tmp_path, **KW)  # a subset of a cached file
     assert torch.equal(again.tensors["thresholds"], first.tensors["thresholds"])
     with pytest.raises(AssertionError, match="cache"):

@@ -14,7 +14,7 @@ from countdown.bench.cli import main as bench_main
 from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, private_copy, random_artifacts, retarget
 from countdown.eval.cost import mlp_weight_bytes
 from countdown.decode.generate import generate_fast
-from countdown.prac.prepare import ensure_artifacts
+from countdown.artifacts.prepare import ensure_artifacts
 from countdown.spec import parse_spec
 from test_calibrate import CharTokenizer, word_texts
 

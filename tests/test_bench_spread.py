@@ -12,7 +12,7 @@ from conftest import tiny_model
 from countdown.bench import operating
 from countdown.bench.cli import main as bench_main
 from countdown.bench.opreport import recommendation, recommended
-from countdown.state import state_of
+from countdown.patch.state import state_of
 
 
 def test_paired_speedups_hand_worked():

@@ -155,10 +155,10 @@ def test_folded_layers_take_the_block_route(kind, compiled, monkeypatch):
     from countdown.decode import attention as fused_attention
     from countdown.decode.generate import generate_fast
     from countdown.decode.linears import route_linears
-    from countdown.patched import PatchedMLP
-    from countdown.prac.lowrank import LowRankSelector
-    from countdown.prac.threshold import ThresholdSelector
-    from countdown.state import state_of
+    from countdown.patch.patched_mlp import PatchedMLP
+    from countdown.selectors.lowrank import LowRankSelector
+    from countdown.selectors.threshold import ThresholdSelector
+    from countdown.patch.state import state_of
     from conftest import assert_same_logits, captured_logits, tiny_model
 
     model = tiny_model("llama", intermediate_size=MODEL_D_INTER).to(DEVICE)

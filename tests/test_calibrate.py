@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import countdown
 from countdown import calibrate
-from countdown.prac.stream import token_quantiles, token_windows
-from countdown.registry import kept_rows
+from countdown.selectors.stream import token_quantiles, token_windows
+from countdown.methods.registry import kept_rows
 from conftest import tiny_model
 
 
@@ -38,7 +38,7 @@ TOK = CharTokenizer()
 
 
 def captured_inputs(model, tokenizer, texts, num_tokens, window=128):
-    """Reference capture, independent of countdown.prac.stream: plain forward hooks on each MLP."""
+    """Reference capture, independent of countdown.selectors.stream: plain forward hooks on each MLP."""
     mlps = countdown.find_gated_mlps(model)
     xs = {i: [] for i in range(len(mlps))}
     handles = [m.module.register_forward_pre_hook(lambda mod, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).clone()))

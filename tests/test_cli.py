@@ -6,7 +6,7 @@ import pytest
 
 import countdown
 from countdown.cli import commands as cli
-from countdown.artifacts import load_artifacts
+from countdown.artifacts.store import load_artifacts
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 

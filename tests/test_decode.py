@@ -130,7 +130,7 @@ def test_sparsity_real_counts_the_users_tokens_only():
     the dense prompt none), and the same kept rows, since both decode the same tokens."""
     model, ids = _model(), _prompt()
     countdown.sparsify(model, "mono", 0.8)
-    layers = countdown.sparse.state_of(model).layers
+    layers = countdown.patch.sparsify.state_of(model).layers
     eager, _ = generate_fast(model, ids, 12)
     counted = [(layer.kept_total.clone(), layer.rows_total.clone()) for layer in layers]
     d_inter = model.config.intermediate_size

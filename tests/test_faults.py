@@ -24,9 +24,9 @@ import torch
 
 import countdown
 from countdown.cli import commands as cli
-from countdown.artifacts import ArtifactError, Artifacts, load_artifacts
+from countdown.artifacts.store import ArtifactError, Artifacts, load_artifacts
 from countdown.io import TMP_MARK, LockedError, atomic_write, file_lock
-from countdown.prac.capture import load_checkpoint, save_layer
+from countdown.selectors.capture import load_checkpoint, save_layer
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -334,7 +334,7 @@ def test_two_trainings_on_one_checkpoint_folder(model, calib, tmp_path, monkeypa
 
     # The folder is consistent: a rerun loads every layer and fits none; after losing a layer
     # (a run interrupted before it) the rerun fits that one only, to the same tensors.
-    lowrank = countdown.prac.base.get_kind("lowrank")
+    lowrank = countdown.selectors.base.get_kind("lowrank")
     fitted, real_fit = [], lowrank.fit_layer
     monkeypatch.setattr(lowrank, "fit_layer", lambda method, mlp, layer, *a, **k: fitted.append(layer)
                         or real_fit(method, mlp, layer, *a, **k))

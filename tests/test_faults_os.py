@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import countdown
-from countdown.artifacts import Artifacts, load_artifacts
+from countdown.artifacts.store import Artifacts, load_artifacts
 from countdown.cli import commands as cli
 from countdown.io import TMP_MARK, LockedError, UnwritableError, WriteError, atomic_write, file_lock
 from conftest import tiny_model
@@ -107,7 +107,7 @@ def test_disk_full_while_saving_a_checkpoint_layer_keeps_the_finished_ones(model
     assert failing and (ckpt / "layer000.safetensors").is_file() and not (ckpt / "layer001.safetensors").exists()
     assert not (tmp_path / "a.safetensors").exists()
     no_temporaries(ckpt)
-    lowrank = countdown.prac.base.get_kind("lowrank")
+    lowrank = countdown.selectors.base.get_kind("lowrank")
     fitted, real_fit = [], lowrank.fit_layer
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     monkeypatch.setattr(lowrank, "fit_layer", lambda method, mlp, layer, *a, **k: fitted.append(layer)
@@ -427,7 +427,7 @@ def _artifact(two_k):
 
 
 def _layer(path):
-    from countdown.prac.capture import save_layer
+    from countdown.selectors.capture import save_layer
 
     save_layer({"A": torch.ones(4)}, path)
 

@@ -69,7 +69,7 @@ def test_a_checkpoint_layer_damaged_between_runs_is_fitted_again(calib, tmp_path
 def test_checkpoint_layers_without_a_checksum_or_of_another_layer_are_not_used(tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from countdown.prac.capture import load_checkpoint, save_layer
+    from countdown.selectors.capture import load_checkpoint, save_layer
 
     config = {"test": 1}
     folder = tmp_path / "ckpt"
@@ -166,7 +166,7 @@ def test_nan_log_likelihoods_of_lm_eval_and_a_nan_kl_are_errors():
 
 
 def test_a_nan_training_loss_is_an_error(model):
-    from countdown.prac.train import train_bce
+    from countdown.selectors.train import train_bce
 
     X, Y = torch.randn(16, 4), torch.ones(16, 3)
     X[3, 1] = float("nan")

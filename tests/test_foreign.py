@@ -10,7 +10,7 @@ from torch import nn
 
 import countdown
 from countdown.cli import commands as cli
-from countdown.foreign import ForeignQuantizationError, find_foreign_quantization
+from countdown.model.foreign_weights import ForeignQuantizationError, find_foreign_quantization
 from conftest import tiny_model
 from test_calibrate import TOK
 
@@ -88,7 +88,7 @@ def test_sparsify_and_quantize_refuse_foreign_weights_in_one_line(tool):
 
 def test_the_fakes_would_pass_without_the_check(monkeypatch):
     """The refusal is the check's, not a failure of the fakes: with it off, countdown patches every one of them."""
-    import countdown.sparse as sparse
+    import countdown.patch.sparsify as sparse
 
     monkeypatch.setattr(sparse, "refuse_foreign_quantization", lambda model, what: None)
     for build, _ in FOREIGN.values():

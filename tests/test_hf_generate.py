@@ -6,7 +6,7 @@ import torch
 from transformers import CompileConfig
 
 import countdown
-from countdown.state import is_prompt_pass
+from countdown.patch.state import is_prompt_pass
 from conftest import tiny_model
 
 
@@ -63,7 +63,7 @@ def test_static_cache_fullgraph_compiled_generate_matches_eager(method):
 def test_eager_generate_replays_each_layers_kernel_route_from_a_cuda_graph(method):
     """transformers' eager generate on CUDA: each sparse MLP's decode step is captured once and replayed,
     giving the logits of the uncaptured kernel route (the same kernels) and of the masked path (same rows)."""
-    from countdown.state import state_of
+    from countdown.patch.state import state_of
     from test_calibrate import TOK, word_texts
 
     model = tiny_model("llama")

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import countdown
-from countdown.hf_quantizer import CountdownConfig, CountdownHfQuantizer
-from countdown.saving import ARTIFACTS_NAME
+from countdown.model.hf_quantizer import CountdownConfig, CountdownHfQuantizer
+from countdown.model.saving import ARTIFACTS_NAME
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -218,7 +218,7 @@ def test_a_record_this_release_cannot_rebuild_is_refused_before_the_load(saved, 
 def test_registration_is_once_and_survives_a_reimport():
     from transformers.quantizers import auto, register_quantizer
 
-    import countdown.hf_quantizer as module
+    import countdown.model.hf_quantizer as module
 
     assert auto.AUTO_QUANTIZER_MAPPING["countdown"] is CountdownHfQuantizer
     with pytest.raises(ValueError, match="already registered"):  # what transformers does with a second one

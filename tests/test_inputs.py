@@ -234,7 +234,7 @@ API = list(_api_cases(None, None))
 @pytest.mark.parametrize("case", API)
 def test_the_api_refuses_the_same_ranges_in_the_same_words(case, model, tmp_path, no_load, monkeypatch):
     import countdown.eval.perplexity as ppl
-    import countdown.prac.prepare as prepare
+    import countdown.artifacts.prepare as prepare
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the check")
@@ -371,7 +371,7 @@ def test_an_artifact_without_a_probe_names_the_dtype_and_the_fix(model):
 
 
 def test_the_artifact_cache_serves_the_same_model_in_another_dtype(model, tmp_path, monkeypatch):
-    import countdown.prac.prepare as prepare
+    import countdown.artifacts.prepare as prepare
 
     built = countdown.ensure_artifacts(model, TOK, "mono", 0.7, tmp_path, **KW)
     monkeypatch.setattr(prepare, "_build", lambda *a, **k: pytest.fail("rebuilt for another dtype"))

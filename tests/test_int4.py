@@ -19,7 +19,7 @@ from countdown.int4 import linear as int4_linear_module
 from countdown.int4.format import nbytes
 from countdown.int4.gguf_blocks import from_blocks
 from countdown.kernels.shadow.format import pack_bits
-from countdown.saving import CONFIG_NAME
+from countdown.model.saving import CONFIG_NAME
 from conftest import tiny_model
 
 U32 = 2.0 ** -24  # unit roundoff of float32
@@ -370,7 +370,7 @@ def test_save_and_load_give_the_same_model(tmp_path, how):
     else:
         countdown.save(model, folder)
     config = json.loads((folder / "config.json").read_text())
-    record = config["quantization_config"]  # one record, config.json's quantization_config (countdown.saving)
+    record = config["quantization_config"]  # one record, config.json's quantization_config (countdown.model.saving)
     assert "countdown_int4" not in config and not (folder / CONFIG_NAME).exists()
     assert record["quant_method"] == "countdown" and record["weights"]["record"] == model.config.countdown_int4
     assert record["weights"]["group"] == 32 and record["weights"]["transposed_down"] == (how == "transposed_down")

@@ -5,9 +5,9 @@ import torch
 
 import countdown
 from countdown import kernels
-from countdown.prac.base import RowSelector
-from countdown.prac.threshold import ThresholdSelector
-from countdown.state import state_of
+from countdown.selectors.base import RowSelector
+from countdown.selectors.threshold import ThresholdSelector
+from countdown.patch.state import state_of
 from conftest import tiny_model
 
 pytest.importorskip("triton")

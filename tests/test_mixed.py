@@ -1,4 +1,4 @@
-"""dual[mixed] (countdown.prac.mixed, countdown.mixed_rows): the mixed MLP against its float64 reference on both paths
+"""dual[mixed] (countdown.selectors.mixed, countdown.patch.mixed_mlp): the mixed MLP against its float64 reference on both paths
 and both selection rules, the SP-Ideal and float-kept variants, the user's path (prepare converts, sparsify on a
 fresh model converts, a failed check puts the float Linears back, unsparsify leaves the 8-bit model), the spec
 grammar, the bytes, and countdown.save / load_model."""
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import countdown
 from countdown.int4.nested_linear import NestedLinear
 from countdown.int4.nested_model import nested_config, to_nested
-from countdown.mixed_rows import MixedGatedMLP, mixed_mlp_ref
-from countdown.prac.base import get_kind
+from countdown.patch.mixed_mlp import MixedGatedMLP, mixed_mlp_ref
+from countdown.selectors.base import get_kind
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -242,8 +242,8 @@ def test_generate_takes_the_mixed_step_on_the_cpu(prepared):
 
 @pytest.mark.parametrize("name", ["silu", "gelu_tanh", "gelu", "relu"])
 def test_act_grad_is_the_activations_derivative(name):
-    from countdown.mixed_rows import act_grad
-    from countdown.mlp import KNOWN_ACTIVATIONS
+    from countdown.patch.mixed_mlp import act_grad
+    from countdown.model.gated_mlp import KNOWN_ACTIVATIONS
 
     g = torch.linspace(-6, 6, 241, dtype=torch.float64).requires_grad_(True)
     (want,) = torch.autograd.grad(KNOWN_ACTIVATIONS[name](g).sum(), g)

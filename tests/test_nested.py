@@ -13,7 +13,7 @@ from countdown.int4.nested import (NestedWeight, low_columns_ref, low_rows_ref, 
                                    quantize_nested)
 from countdown.int4.nested_linear import NestedLinear
 from countdown.int4.nested_model import nested_config, read_planes, restore, to_nested, convert
-from countdown.mlp import find_gated_mlps
+from countdown.model.gated_mlp import find_gated_mlps
 from conftest import tiny_model
 
 U32 = 2.0 ** -24

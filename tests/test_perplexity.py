@@ -60,7 +60,7 @@ def test_decode_style_scores_only_the_sparse_second_half():
     countdown.sparsify(model, "dual", 0.8)
     sparse = countdown.perplexity(model, tok, TEXTS, max_tokens=115, window=24, metric="decode", progress=False)
     # Only the 12 sparse positions of each of the 5 windows were counted.
-    assert countdown.sparse.state_of(model).layers[0].rows_total == 5 * 12 * 97
+    assert countdown.patch.sparsify.state_of(model).layers[0].rows_total == 5 * 12 * 97
     with countdown.dense_prefix(model, 12):
         expected = direct_ppl(model, rows, 11)
     assert sparse == pytest.approx(expected, rel=1e-9)

@@ -1,4 +1,4 @@
-"""SP-Prac predictors (countdown.prac: lowrank, ternary, hybrid): training, selectors, resume, quality reports."""
+"""SP-Prac predictors (countdown.selectors: lowrank, ternary, hybrid): training, selectors, resume, quality reports."""
 
 import json
 
@@ -9,14 +9,14 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import countdown
-import countdown.prac.train as predictors
+import countdown.selectors.train as predictors
 from countdown import calibrate, predictor_quality, train_predictors
-from countdown.prac.base import select, selectors_for
-from countdown.prac.hybrid import fit_gate_lowrank
-from countdown.prac.lowrank import LowRankPredictor
-from countdown.prac.ternary import TernaryPredictor
-from countdown.prac.train import oracle_masks
-from countdown.prac.stream import token_windows
+from countdown.selectors.base import select, selectors_for
+from countdown.selectors.hybrid import fit_gate_lowrank
+from countdown.selectors.lowrank import LowRankPredictor
+from countdown.selectors.ternary import TernaryPredictor
+from countdown.selectors.train import oracle_masks
+from countdown.selectors.stream import token_windows
 from conftest import TINY_CONFIGS, tiny_model
 from test_calibrate import TOK, captured_inputs, word_texts
 
@@ -167,7 +167,7 @@ def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, monk
                    init="random", progress=False)
     reference = train_predictors(model, TOK, "dual", [0.7, 0.9], **options)
 
-    lowrank = countdown.prac.base.get_kind("lowrank")
+    lowrank = countdown.selectors.base.get_kind("lowrank")
     real_fit = lowrank.fit_layer
     calls = []
 
@@ -258,7 +258,7 @@ def test_predictors_train_and_run_on_a_bfloat16_model(working_bf16_attention):
     bfloat16. Reference for the keep rule: float64 ``x A B + bias > cut`` with the bf16 factors,
     which may differ from the selector only where a score ties the cut to bf16 precision. (Attention is
     not what this is about: working_bf16_attention steps around a PyTorch bug of some CPU paths.)"""
-    from countdown.sparse import SparseGatedMLP
+    from countdown.patch.sparsify import SparseGatedMLP
 
     model = tiny_model("llama").to(torch.bfloat16)
     ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))

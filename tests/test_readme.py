@@ -8,7 +8,7 @@ import torch
 
 import countdown
 import countdown.data.texts as texts_module
-import countdown.saving
+import countdown.model.saving
 from conftest import tiny_model
 from test_calibrate import word_texts
 
@@ -55,6 +55,6 @@ def test_the_quick_start_runs_as_written(monkeypatch, tmp_path, capsys):
     decode_ppl, ideal_ppl = float(printed[1]), float(printed[2])
     assert 1 < decode_ppl < 1e4 and 1 < ideal_ppl < 1e4
     assert not countdown.is_sparsified(model)
-    assert countdown.saving.saved_config(tmp_path / "smollm2-dual")["spec"] == "dual[shadow4]"
+    assert countdown.model.saving.saved_config(tmp_path / "smollm2-dual")["spec"] == "dual[shadow4]"
     back = countdown.load_artifacts(tmp_path / "dual-shadow4.safetensors")
     assert back.method == "dual" and back.kind == "shadow" and back.sparsities == [0.5]

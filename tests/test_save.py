@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import countdown
-from countdown.hf_quantizer import CountdownHfQuantizer
-from countdown.saving import ARTIFACTS_NAME, CONFIG_NAME, saved_config
+from countdown.model.hf_quantizer import CountdownHfQuantizer
+from countdown.model.saving import ARTIFACTS_NAME, CONFIG_NAME, saved_config
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -108,7 +108,7 @@ def test_refusals_come_before_any_write(shadow, tmp_path):
         assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
         countdown.save(model, tmp_path / "taken", overwrite=True)  # replaced whole
         assert not (tmp_path / "taken" / "keep.txt").exists() and saved_config(tmp_path / "taken")["k"] == 0.5
-        state = countdown.state.state_of(model)
+        state = countdown.patch.state.state_of(model)
         state.artifacts = None  # selectors that no artifact describes
         with pytest.raises(ValueError, match="did not come from an artifact"):
             countdown.save(model, tmp_path / "nope")

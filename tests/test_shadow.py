@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import countdown
-from countdown.artifacts import Artifacts
-from countdown.prac.base import get_kind, selectors_for
+from countdown.artifacts.store import Artifacts
+from countdown.selectors.base import get_kind, selectors_for
 from conftest import tiny_model
 from test_calibrate import TOK, captured_inputs, word_texts
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import countdown
-from countdown.registry import kept_rows
+from countdown.methods.registry import kept_rows
 from conftest import ARCHS, tiny_model
 
 SPARSE_METHODS = ["cats", "mono", "dual", "dejavu"]
@@ -120,7 +120,7 @@ def test_decode_scope_keeps_prompt_dense_and_sparsifies_generated_tokens():
         new = 5
         out = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
     assert out.shape[1] == prompt.shape[1] + new
-    layer = countdown.sparse.state_of(model).layers[0]
+    layer = countdown.patch.sparsify.state_of(model).layers[0]
     # The prefill is dense; the new-1 decode steps after it were sparse, one token each.
     assert layer.rows_total == (new - 1) * 97
     assert countdown.sparsity_real(model)["mean"] == pytest.approx(1 - kept_rows(97, 0.8) / 97)
@@ -280,4 +280,4 @@ def test_dense_prefix_with_padding_end_is_dense_and_uncounted():
     torch.testing.assert_close(mixed[0, 4], dense[0, 4])
     torch.testing.assert_close(mixed[1, :2], dense[1, :2])
     torch.testing.assert_close(mixed[1, 2:], sparse[1, 2:])
-    assert countdown.sparse.state_of(model).layers[0].rows_total == 6 * 97
+    assert countdown.patch.sparsify.state_of(model).layers[0].rows_total == 6 * 97

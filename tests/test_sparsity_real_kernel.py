@@ -18,8 +18,8 @@ import torch
 import countdown
 from countdown import kernels
 from countdown.kernels import common
-from countdown.patched import PatchedMLP
-from countdown.state import state_of
+from countdown.patch.patched_mlp import PatchedMLP
+from countdown.patch.state import state_of
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -200,7 +200,7 @@ def test_ops_count_each_token_own_rows_and_refuse_bad_counters():
 def test_shadow_one_launch_counts_the_rows_its_int8_scores_keep(model, artifacts):
     """One token on CUDA: the shadows' scores come from x rounded to int8 (kernels/shadow/gemv.py), then the
     one-launch kernel keeps the rows over the cut; it counts exactly those."""
-    from countdown.prac.base import selectors_for
+    from countdown.selectors.base import selectors_for
 
     mlps = countdown.find_gated_mlps(model)
     mlp, sel = mlps[0], selectors_for(artifacts("dual[shadow4]"), mlps, "dual", K)[0]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import countdown
-from countdown.artifacts import ArtifactMismatchError
+from countdown.artifacts.store import ArtifactMismatchError
 from countdown.cli import commands as cli
-from countdown.prac.base import KINDS, SelectorKind, register_kind
+from countdown.selectors.base import KINDS, SelectorKind, register_kind
 from countdown.spec import LEGACY, NOT_SPECS, Spec, artifact_spec, parse_spec, parse_specs, resolve_mode, spec_forms
 from conftest import tiny_model
 from test_calibrate import CharTokenizer, TOK, word_texts
@@ -261,7 +261,7 @@ def test_mode_is_deprecated_and_folds_into_the_spec(model, shadow4, tmp_path):
         ideal = logits(model, "dual", 0.8, mode="ideal")
     assert torch.equal(ideal, logits(model, "dual", 0.8))
     # a plain method in prac mode takes the artifact's kind and options, read from the file's header
-    from countdown.sparse import with_mode
+    from countdown.patch.sparsify import with_mode
 
     assert with_mode("dual", "prac", path) == parse_spec("dual[shadow4]")
     assert with_mode("dual", None, path) == parse_spec("dual") and with_mode("mono", "ideal") == parse_spec("mono")
@@ -320,7 +320,7 @@ def test_every_builder_takes_a_spec(model, tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("should have loaded from the cache")
 
-    monkeypatch.setattr(sys.modules["countdown.prac.prepare"], "_build", no_build)
+    monkeypatch.setattr(sys.modules["countdown.artifacts.prepare"], "_build", no_build)
     for spelling in (("dual", {}), ("dual", {"kind": "shadow"}), ("dual[shadow]", {}), ("dual", {"bits": 4}),
                      ("dual", {"window": 128})):  # an argument at its default keys the file as if left out
         again = countdown.prepare(model, TOK, spelling[0], 0.8, cache_dir=tmp_path, **{**KW, **spelling[1]})

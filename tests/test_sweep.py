@@ -13,9 +13,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # noqa: E402
 
 import countdown  # noqa: E402
-import countdown.prac.prepare  # noqa: E402
+import countdown.artifacts.prepare  # noqa: E402
 from countdown.eval import sweep  # noqa: E402
-from countdown.registry import kept_rows  # noqa: E402
+from countdown.methods.registry import kept_rows  # noqa: E402
 
 REQUIRED = ["model", "method", "mode", "sparsity", "sparsity_real", "task", "metric", "value", "limit", "seconds", "date"]
 GRID = dict(methods=("dense", "mono", "dual"), modes=("ideal", "prac"), sparsities=(0.5,), tasks=("tiny_mc",))
@@ -119,7 +119,7 @@ def test_interrupted_sweep_resumes_to_the_same_csv(setup, full_run, monkeypatch,
     for name in ("measure_task_shared", "measure_lmeval", "measure_ppl", "measure_agreement"):
         monkeypatch.setattr(sweep.measure, name, counted(getattr(sweep.measure, name)))
     builds = []
-    monkeypatch.setattr(countdown.prac.prepare, "_build", lambda *a, **k: builds.append("build"))  # a cache miss
+    monkeypatch.setattr(countdown.artifacts.prepare, "_build", lambda *a, **k: builds.append("build"))  # a cache miss
 
     out = tmp_path / "resumed"
     lines = []

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import countdown
-from countdown.artifacts import ArtifactError, ArtifactMismatchError, load_artifacts
-from countdown.prac.teal import TealThresholdSelector, _Layer, greedy_levels
-from countdown.registry import kept_rows
-from countdown.state import state_of
+from countdown.artifacts.store import ArtifactError, ArtifactMismatchError, load_artifacts
+from countdown.selectors.teal import TealThresholdSelector, _Layer, greedy_levels
+from countdown.methods.registry import kept_rows
+from countdown.patch.state import state_of
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 
@@ -130,7 +130,7 @@ def test_unsparsify_gives_back_only_the_layouts_it_changed():
 def test_calibration_gives_sparsity_real_k_on_held_out_text(allocation):
     model = tiny_model("llama")
     art = teal_artifact(model, allocation=allocation)
-    ids = torch.cat(countdown.prac.stream.token_windows(TOK, word_texts(1), 2048, 64)[:16])
+    ids = torch.cat(countdown.selectors.stream.token_windows(TOK, word_texts(1), 2048, 64)[:16])
     for k in (0.5, 0.7):
         for i in range(2):
             levels = art.layer_tensors(k, i)

@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 import countdown
 from countdown import calibrate, train_predictors
-from countdown.artifacts import model_fingerprint
-from countdown.mlp import require_gated_mlps
-from countdown.registry import get_method, kept_rows
-from countdown.state import state_of
-from countdown.tp import (ShardingError, ShardSpec, chunk_range, exact_topk_keep, shard_spec, shard_topk_keep,
+from countdown.artifacts.store import model_fingerprint
+from countdown.model.gated_mlp import require_gated_mlps
+from countdown.methods.registry import get_method, kept_rows
+from countdown.patch.state import state_of
+from countdown.model.tensor_parallel import (ShardingError, ShardSpec, chunk_range, exact_topk_keep, shard_spec, shard_topk_keep,
                           topk_gap)
 
 from _tp_worker import IdTokenizer, capture_masks

@@ -21,7 +21,7 @@ from torch import nn
 
 from countdown.eval.cost import mlp_weight_bytes
 from countdown.int4 import Int4Linear, quantize_rtn
-from countdown.mlp import find_gated_mlps
+from countdown.model.gated_mlp import find_gated_mlps
 
 LAYOUTS = {
     "any": "no groups (bf16): every skip pays; the sparse kernels read W_down^T, a transposed copy of the same "

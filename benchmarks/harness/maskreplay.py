@@ -29,7 +29,7 @@ def record_masks(model, held, n_tokens: int = 64) -> torch.Tensor:
     """Keep masks ``[layers, n_tokens, d_inter]`` (bool) that a sparsified ``model`` (``path="masked"``)
     picks on the first ``n_tokens`` sparse positions of the first window of ``held``
     (:class:`countdown.bench.quality.HeldOut`): real masks to replay at another shape."""
-    from countdown.state import dense_prefix, state_of
+    from countdown.patch.state import dense_prefix, state_of
 
     layers = state_of(model).layers
     n = min(n_tokens, held.rows.shape[1] - held.prompt)
@@ -103,7 +103,7 @@ def replay_files(model, paths: list[str], copy_bps: float, layers: int = 8, toke
     """Replay every mask file of ``paths`` (files or folders of ``*.pt``) on ``model``'s first ``layers``
     Gated-MLPs: one dict per file with the kept fraction and the three timings."""
     from countdown.eval.cost import mlp_weight_bytes
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
 
     files: list[str] = []
     for p in paths:

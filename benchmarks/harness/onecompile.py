@@ -71,8 +71,8 @@ class OneCompileSettings:
 
 def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
     """Speed-only artifacts of ``spec`` at every k, cuts fitted on decode steps; (art, label)."""
-    from countdown.mlp import require_gated_mlps
-    from countdown.prac.base import selectors_for
+    from countdown.model.gated_mlp import require_gated_mlps
+    from countdown.selectors.base import selectors_for
     from countdown.bench.speedonly import (RANDOM_KINDS, SPEED_ONLY, IdTokenizer, fit_cuts_on_decode, generated_texts,
                                            library_artifacts, random_artifacts)
 
@@ -104,7 +104,7 @@ def _speed_artifacts(model, spec: Spec, s: OneCompileSettings, log):
 def _mlp_inputs(model, prompt, layers: int, tokens: int) -> list[list[torch.Tensor]]:
     """Inputs of the first ``layers`` Gated-MLPs at ``tokens`` dense decode steps (eager)."""
     from countdown.decode.generate import generate_fast
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
 
     mlps = require_gated_mlps(model)[:layers]
     seen: list[list[torch.Tensor]] = [[] for _ in mlps]
@@ -128,8 +128,8 @@ def mlp_time(modules, inputs, reps: int = 25) -> float:
 
 def _mlp_kept(holder, modules, inputs) -> float:
     """Sparsity-Real of the patched ``holder`` on the recorded inputs (counted on the masked path)."""
-    from countdown.sparse import sparsity_real, state_of
-    from countdown.state import reset_sparsity_stats
+    from countdown.patch.sparsify import sparsity_real, state_of
+    from countdown.patch.state import reset_sparsity_stats
 
     state = state_of(holder)
     path, state.path = state.path, "masked"
@@ -149,7 +149,7 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
     (``harness.report.DECODE_COLUMNS``) and fills ``meta`` (``skipped``, ``dense_spread``,
     ``slot_graphs``, ``kernel``, ``mask_replay``, ``sparsity_real_8b``)."""
     from countdown.decode.generate import reset_decoders
-    from countdown.sparse import sparsify, unsparsify
+    from countdown.patch.sparsify import sparsify, unsparsify
     from countdown.bench.speedonly import private_copy
 
     s = settings
@@ -244,7 +244,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
     """Dense and every prepared spec at every k through one compiled step (see the module docstring).
     If the Inductor compile or its capture fails, the eager step is captured instead (harness
     ``one-compile-eager``: the same for every row, so the ratios hold; said in the log and meta)."""
-    from countdown.sparse import sparsify, unsparsify
+    from countdown.patch.sparsify import sparsify, unsparsify
     from countdown.bench.speedonly import private_copy
     from .slots import CapturedDecoder, SlotModel
 

@@ -2,7 +2,7 @@
 
 Per model: the dense model's answer on held-out XSum once (:func:`countdown.bench.quality.held_out`),
 then for each method spec its SP-Prac artifacts for every k at once through
-:func:`countdown.prac.prepare.ensure_artifacts` (cached and shared with the lm-eval sweep: an option at its
+:func:`countdown.artifacts.prepare.ensure_artifacts` (cached and shared with the lm-eval sweep: an option at its
 kind's default keys the same file as leaving it out, so ``dual[shadow4]`` here is the sweep's ``dual``), and per
 k one decode-style pass (perplexity increase, KL, top-1 agreement, Sparsity-Real). Each finished cell
 is merged into ``<out>/<model>.csv`` at once (atomically, under a lock), so a killed run resumes where
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from countdown.registry import get_method
+from countdown.methods.registry import get_method
 from countdown.spec import parse_specs
 
 QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense_ppl", "ppl_increase", "kl", "top1",
@@ -89,8 +89,8 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
     ``num_tokens``; they key another cached file)."""
     from countdown import load_model
     from countdown.io import file_lock
-    from countdown.prac.prepare import ensure_artifacts
-    from countdown.sparse import sparsify, unsparsify
+    from countdown.artifacts.prepare import ensure_artifacts
+    from countdown.patch.sparsify import sparsify, unsparsify
     from countdown.bench.quality import decode_quality, held_out
 
     from .maskreplay import record_masks

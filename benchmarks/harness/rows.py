@@ -17,7 +17,7 @@ OPTION_KEYS = ("d_rank", "bits", "group")
 
 def shapes_of(model) -> dict:
     """What the byte counts need, read before the MLPs move: bytes outside the MLPs, each MLP's shape."""
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
     from .weightbytes import non_mlp_weight_bytes
 
     mlps = require_gated_mlps(model)

@@ -100,7 +100,7 @@ def decode_sweep(model, settings: DecodeSettings, meta: dict, log=print, checkpo
     ``skipped`` (spec -> reason), ``dense_spread``, ``breakdown`` and ``profiles``. ``checkpoint(rows)``,
     if given, is called after every configuration (e.g. to write the report so far)."""
     from countdown.decode.generate import reset_decoders
-    from countdown.sparse import sparsify, unsparsify, with_mode
+    from countdown.patch.sparsify import sparsify, unsparsify, with_mode
 
     s = settings
     budget = Budget(s.budget_s)

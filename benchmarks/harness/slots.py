@@ -119,7 +119,7 @@ class SlotModel:
     ``unsparsify`` / ``retarget``; ``mlps``: their ``GatedMLP`` views (taken before the move)."""
 
     def __init__(self, model: nn.Module):
-        from countdown.mlp import require_gated_mlps
+        from countdown.model.gated_mlp import require_gated_mlps
 
         self.model = model
         self.mlps = require_gated_mlps(model)
@@ -172,7 +172,7 @@ def _sparse_scope(holder: nn.Module, n_dense: int):
     """Inside: the first ``n_dense`` positions dense, the rest sparse, if ``holder`` is patched."""
     import contextlib
 
-    from countdown.state import dense_prefix, is_sparsified
+    from countdown.patch.state import dense_prefix, is_sparsified
 
     return dense_prefix(holder, n_dense) if is_sparsified(holder) else contextlib.nullcontext()
 

@@ -13,7 +13,7 @@ from countdown.eval.cost import mlp_weight_bytes
 
 def non_mlp_weight_bytes(model, batch: int = 1) -> int:
     """Bytes of every parameter outside the Gated-MLPs that one decode step of ``batch`` rows reads."""
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
 
     mlp_params = {id(p) for mlp in require_gated_mlps(model) for p in mlp.module.parameters()}
     emb = model.get_input_embeddings().weight
@@ -33,7 +33,7 @@ def non_mlp_weight_bytes(model, batch: int = 1) -> int:
 def step_weight_bytes(model, kind: str, kept: float, batch: int = 1, **options) -> int:
     """Weight bytes one decode step reads with every Gated-MLP read as ``kind``
     (:func:`countdown.eval.cost.mlp_weight_bytes`) at kept fraction ``kept``; ``options``: d_rank, bits, group."""
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
 
     total = float(non_mlp_weight_bytes(model, batch))
     for mlp in require_gated_mlps(model):

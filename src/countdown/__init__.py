@@ -17,20 +17,20 @@ with the benchmarks' defaults) and the building blocks of extensions and the har
 ``refine_cuts_on_decode``, ``ArtifactMismatchError``).
 """
 
-from .artifacts import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
+from .artifacts.store import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
 from .data.snapshot import one_save
-from .mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
-from .registry import Method, get_method, kept_rows, methods
-from .sparse import sparsify, unsparsify
+from .model.gated_mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
+from .methods.registry import Method, get_method, kept_rows, methods
+from .patch.sparsify import sparsify, unsparsify
 from .spec import Spec, parse_spec
-from .state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)
-from .prac.kinds import KINDS  # registers the SP-Prac selector kinds
-from .prac.prepare import calibrate, ensure_artifacts, prepare, train_predictors  # the last three: deprecated aliases
-from .prac.quality import predictor_quality, refine_cuts_on_decode
+from .patch.state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)
+from .selectors.kinds import KINDS  # registers the SP-Prac selector kinds
+from .artifacts.prepare import calibrate, ensure_artifacts, prepare, train_predictors  # the last three: deprecated aliases
+from .selectors.quality import predictor_quality, refine_cuts_on_decode
 from .decode.prepared import PreparedStep
-from .hf_quantizer import register as _register_quantizer
+from .model.hf_quantizer import register as _register_quantizer
 
-_register_quantizer()  # AutoModelForCausalLM.from_pretrained rebuilds a saved countdown model (countdown.hf_quantizer)
+_register_quantizer()  # AutoModelForCausalLM.from_pretrained rebuilds a saved countdown model (countdown.model.hf_quantizer)
 
 __version__ = "0.1.0"
 
@@ -56,13 +56,13 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="fp32", device="cpu", *
     catalogue name if it is one, else a path if it exists, else a hub id: :func:`countdown.data.models.model_source`,
     the same rule as ``--model``). A folder written by :func:`save` (or ``save_pretrained`` of a sparsified or
     4-bit model, by this release or an earlier one) comes back sparsified and quantized as it was saved: it is
-    ``AutoModelForCausalLM.from_pretrained`` through countdown's quantizer (:mod:`countdown.hf_quantizer`), onto
+    ``AutoModelForCausalLM.from_pretrained`` through countdown's quantizer (:mod:`countdown.model.hf_quantizer`), onto
     ``device``. See :func:`countdown.data.models.load_model`."""
     from pathlib import Path
 
     from .data.models import load_model as _load, model_source, parse_device, parse_dtype
-    from .hf_quantizer import load_saved
-    from .saving import saved_config
+    from .model.hf_quantizer import load_saved
+    from .model.saving import saved_config
 
     # the folder as load_model reads the string (a catalogue name is never a folder of that name)
     folder = None if kwargs.get("random_weights") or model_source(name_or_path)[0] != "folder" else \
@@ -88,8 +88,8 @@ def quantize(model, group: int = 128, source: str = "rtn", **kwargs):
 
 def save(model, folder, tokenizer=None, overwrite: bool = False, **kwargs):
     """Save a dense, sparsified or 4-bit model so that :func:`load_model` gives it back the same: its configuration
-    (``Spec.of(model)``) goes into config.json as ``quantization_config``. See :mod:`countdown.saving`."""
-    from .saving import save as _save
+    (``Spec.of(model)``) goes into config.json as ``quantization_config``. See :mod:`countdown.model.saving`."""
+    from .model.saving import save as _save
 
     return _save(model, folder, tokenizer=tokenizer, overwrite=overwrite, **kwargs)
 

@@ -4,7 +4,7 @@
 openai) loads each model with ``from_pretrained`` and generates with the model's own ``generate``. A bare
 ``transformers serve`` never imports countdown, so it would serve a saved folder dense (or, 4-bit, with random
 Linears). In this process countdown is imported, so its transformers quantizer is registered
-(:mod:`countdown.hf_quantizer`), and :func:`serving` runs the same server on a folder or hub id that the server loads
+(:mod:`countdown.model.hf_quantizer`), and :func:`serving` runs the same server on a folder or hub id that the server loads
 itself: ``from_pretrained`` rebuilds a saved countdown model as saved. A model object (one sparsified in this process,
 or a catalogue model :func:`countdown.load_model` made) is served as it is instead: the server's model manager is
 handed the object (its loading hooks, ``_load_model`` / ``_load_processor``, return it). Every endpoint, request

@@ -6,8 +6,8 @@ wherever a method is named; a :class:`Spec` carries it from the API to the saved
 
 Every spec says by itself whether it is SP-Ideal or SP-Prac (:attr:`Spec.mode`): a plain METHOD is SP-Ideal
 (the exact per-token top-k), brackets name an SP-Prac *kind* and its options. The kinds a method takes are those
-of the kind registry that serve it (:func:`countdown.prac.base.kinds_for`); each kind says how its options are
-written (:class:`countdown.prac.base.SelectorKind`: ``spec_number``, ``spec_letters``), any option of it
+of the kind registry that serve it (:func:`countdown.selectors.base.kinds_for`); each kind says how its options are
+written (:class:`countdown.selectors.base.SelectorKind`: ``spec_number``, ``spec_letters``), any option of it
 (``get_kind(kind).defaults``) may be written ``KEY=VALUE``, so a new kind needs no edit here::
 
     dual[shadow4]       4-bit shadows of W_gate and W_up  (dual[shadow3g32]: 3 bits, groups of 32)
@@ -26,7 +26,7 @@ parse (:data:`LEGACY`), and so does the ``mode=`` of earlier releases (:func:`wi
 
 Beside the method part, a :class:`Spec` may carry the sparsity ``k``, the ``scope`` and the weight format ``weights``
 (:class:`WeightFormat`, what :func:`countdown.quantize` made): ``Spec.of(model)`` is the whole configuration of a
-model, the object :func:`countdown.save` writes into config.json (:mod:`countdown.saving`).
+model, the object :func:`countdown.save` writes into config.json (:mod:`countdown.model.saving`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .artifacts import ArtifactMismatchError, Artifacts
-from .prac.base import KINDS, default_kind, get_kind, kinds_for
-from .registry import Method, check_sparsity, get_method, methods
-from .state import STATE_ATTR
+from .artifacts.store import ArtifactMismatchError, Artifacts
+from .selectors.base import KINDS, default_kind, get_kind, kinds_for
+from .methods.registry import Method, check_sparsity, get_method, methods
+from .patch.state import STATE_ATTR
 
 MODES = ("ideal", "prac")
 SCOPES = ("decode", "all")
@@ -184,7 +184,7 @@ class Spec:
 def parse_spec(text: str | Spec | Method, k: float | None = None, scope: str | None = None) -> Spec:
     """``"dual[shadow4]"`` -> ``Spec("dual", "shadow", {"bits": 4}, "dual[shadow4]")`` (module docstring: the
     grammar); ``k`` and ``scope`` set where given (:meth:`Spec.at`). A :class:`Spec` is returned as it is, a
-    :class:`~countdown.registry.Method` as its plain spec. What the library cannot run is a ValueError that lists
+    :class:`~countdown.methods.registry.Method` as its plain spec. What the library cannot run is a ValueError that lists
     the valid specs."""
     if k is not None or scope is not None:
         return parse_spec(text).at(k, scope)

@@ -28,7 +28,7 @@ def test_record_masks_are_the_masks_the_selectors_pick(tmp_path):
     finally:
         countdown.unsparsify(model)
     assert masks.shape == (2, 8, 97) and masks.dtype == torch.bool
-    assert (masks.sum(-1) == countdown.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
+    assert (masks.sum(-1) == countdown.methods.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
 
 
 def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):

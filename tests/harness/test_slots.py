@@ -24,7 +24,7 @@ def test_one_compiled_step_serves_dense_every_method_and_every_k():
     """The slot harness (Dynamo, eager backend on the CPU) against eager decoding of the patched model:
     same tokens for dense and each spec at each k, switched in place, and ONE graph for all of them."""
     from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, private_copy, random_artifacts, retarget
-    from countdown.mlp import require_gated_mlps
+    from countdown.model.gated_mlp import require_gated_mlps
 
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
@@ -98,8 +98,8 @@ def test_the_one_compile_slots_take_the_block_route():
     from countdown.decode import attention as fused_attention
     from countdown.decode import layer as folded_layer
     from countdown.decode.linears import route_linears
-    from countdown.prac.threshold import ThresholdSelector
-    from countdown.state import state_of
+    from countdown.selectors.threshold import ThresholdSelector
+    from countdown.patch.state import state_of
 
     torch.manual_seed(0)
 

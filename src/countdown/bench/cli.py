@@ -189,7 +189,7 @@ def _bench(args, specs, texts, calib_texts) -> int:
 def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> list[str]:
     """How to run the recommended configuration, pasteable: the Python API and the command line (the
     same spec in both; the artifacts built once, then passed)."""
-    from ..prac.prepare import TRAINED
+    from ..artifacts.prepare import TRAINED
     from ..spec import parse_spec
     from .opreport import recommended
 

@@ -41,13 +41,13 @@ def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, floa
     """(mean kept fraction per token, mean kept fraction of the batch's union per step) over ``steps``
     eager decode steps of a model patched with ``path="masked"`` (its selectors run on every token)."""
     from ..decode.generate import generate_fast
-    from ..sparse import state_of
+    from ..patch.sparsify import state_of
 
     per_token, union = [], []
 
     def hook(module, args, keep):
         if isinstance(keep, tuple):  # teal: (keep_x, keep_s), weighted by the weights each entry skips
-            from ..teal import kept_fractions as input_kept
+            from ..methods.teal import kept_fractions as input_kept
 
             token, both = input_kept(*keep)
             per_token.append(token)

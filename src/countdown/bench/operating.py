@@ -7,7 +7,7 @@ which reads only the kept rows), and quality on held-out text as the operating-p
 (:mod:`countdown.bench.quality`): decode-style perplexity (the first half of each window a dense prompt,
 the rest sparse and scored) relative to dense, and KL(dense || sparse) and top-1 agreement on the
 same positions, from one forward per window. SP-Prac artifacts come from
-:func:`countdown.prac.prepare.prepare` (calibrated / trained once, cached). A model with random
+:func:`countdown.artifacts.prepare.prepare` (calibrated / trained once, cached). A model with random
 weights (a paper-scale ``*-shape``: no tokenizer) gets speed-only artifacts and no quality columns.
 
 The timings alternate: ``samples`` rounds, each timing dense once and then every configuration at every k once,
@@ -62,7 +62,7 @@ class BenchSettings:
         as ``--texts`` reads them (a source name or a file path; a list of strings is the text itself)."""
         from ..data.texts import as_texts
         from ..options import check_all, check_optional
-        from ..registry import sparsity_list
+        from ..methods.registry import sparsity_list
 
         self.ks = sparsity_list(self.ks)
         check_all(window=self.window, batch=self.batch, prompt=self.prompt, max_new_tokens=self.new_tokens,
@@ -85,7 +85,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
             art = library_artifacts(model, spec, s.ks, texts, IdTokenizer(), num_tokens=1024)
         fit_cuts_on_decode(model, art, decode_prompts(model.config.vocab_size, 8, min(s.prompt, 32)), new_tokens=16)
         return art, "speed-only"
-    from ..prac.prepare import prepare
+    from ..artifacts.prepare import prepare
 
     if s.artifacts_dir is None:
         from ..data.texts import cache_root
@@ -103,7 +103,7 @@ def _artifacts(model, tokenizer, spec: Spec, s: BenchSettings, speed_only: bool)
 
 
 def _quality(model, spec, k, art, held) -> dict:
-    from ..sparse import sparsify, unsparsify, with_mode
+    from ..patch.sparsify import sparsify, unsparsify, with_mode
     from .quality import decode_quality
 
     sparsify(model, with_mode(spec, "prac", art), k, artifacts=art, path="masked")
@@ -167,7 +167,7 @@ def _run_block(block: _Block, prompt, s: BenchSettings, fast: bool, harness: str
     """One round of ``block``: patched once (one compile on CUDA), each point timed once (thresholds / cuts
     switched in place), then unpatched."""
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify, with_mode
+    from ..patch.sparsify import sparsify, unsparsify, with_mode
     from .speedonly import private_copy, retarget
 
     tps = []
@@ -272,7 +272,7 @@ def _spec_block(model, tokenizer, spec, s: BenchSettings, held, prompt, path: st
     """The timing block of one spec on ``model`` (its rows at every k, quality filled in), or none where the spec
     cannot be built here (logged)."""
     from ..decode.generate import reset_decoders
-    from ..sparse import sparsify, unsparsify, with_mode
+    from ..patch.sparsify import sparsify, unsparsify, with_mode
     from .speedonly import SpecUnavailable, private_copy
 
     speed_only = s.speed_only or tokenizer is None

@@ -58,7 +58,7 @@ def held_out(model, tokenizer, texts: Sequence[str] | None = None, max_tokens: i
     from ..data.models import require_tokenizer
     from ..data.texts import as_texts
     from ..eval.perplexity import check_window, token_windows
-    from ..state import is_sparsified
+    from ..patch.state import is_sparsified
 
     if is_sparsified(model):
         raise ValueError("held_out needs the dense model: call countdown.unsparsify(model) first")
@@ -104,7 +104,7 @@ def decode_quality(model, held: HeldOut, others: Sequence[HeldOut] = ()) -> dict
     ``others``: more dense references on the same windows (another model's :func:`held_out`, e.g. the 4-bit
     model's own dense answer beside the float one's): the same sparse pass is scored against each too, and
     ``"others"`` lists ``{"ppl_increase", "kl", "top1"}`` per reference, in order (no extra forward)."""
-    from ..state import dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real
+    from ..patch.state import dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real
 
     if not is_sparsified(model):
         raise ValueError("decode_quality scores a sparsified model: call countdown.sparsify(model, ...) first")

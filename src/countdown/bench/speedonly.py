@@ -6,7 +6,7 @@ training predictors (66-95 s per method on the Llama-3.1-8B shape), the benchmar
 the real file format and size, with random predictor weights, and fits every layer's threshold or cut
 on the sparse model's own decode steps (:func:`fit_cuts_on_decode`), so the kept fraction is k where
 it is timed. Rows made with them are labelled ``speed-only``. Kinds this module cannot synthesise
-(shadow, or a newer one) are built by the library's own ``countdown.prac.prepare`` on the dense model's
+(shadow, or a newer one) are built by the library's own ``countdown.artifacts.prepare`` on the dense model's
 greedy continuations (:func:`generated_texts`, read back by :class:`IdTokenizer`), then cut the same way.
 :func:`retarget` switches a patched model to another k in place (on a :func:`private_copy` of the artifact).
 """
@@ -32,7 +32,7 @@ SPEED_RANK = {"lowrank": 512}  # the paper's d_rank at the Llama-3.1-8B shape (t
 
 def default_rank(spec: Spec, d_model: int, d_inter: int) -> int:
     """``d_rank`` of a random stand-in: the spec's, else :data:`SPEED_RANK`, else the kind's default."""
-    from ..prac.kinds import KINDS
+    from ..selectors.kinds import KINDS
 
     rank = spec.options.get("d_rank") or SPEED_RANK.get(spec.kind) or KINDS[spec.kind].defaults.get("d_rank") or 128
     return max(1, min(int(rank), d_model, d_inter))
@@ -41,7 +41,7 @@ def default_rank(spec: Spec, d_model: int, d_inter: int) -> int:
 def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
     """Tensors of a ``spec.kind`` artifact with random predictors and placeholder cuts (keep all):
     per layer ``shared/layer<i>/...`` (served at every k) and ``k=<k>/layer<i>/cut``."""
-    from ..artifacts import sparsity_key
+    from ..artifacts.store import sparsity_key
 
     if spec.kind == "threshold":
         return {"thresholds": torch.full((len(ks), len(mlps)), -1.0)}, {"rule": "speed-only", "d_rank": None}
@@ -67,9 +67,9 @@ def _random_tensors(spec: Spec, mlps, ks, generator) -> tuple[dict, dict]:
 def _shadow_tensors(spec: Spec, mlps, ks) -> tuple[dict, dict]:
     """The shadow kind's tensors: the model's own W_gate / W_up quantized (on their device, as the
     library's fit does; closed form, nothing to train) and placeholder cuts that keep every row."""
-    from ..artifacts import sparsity_key
+    from ..artifacts.store import sparsity_key
     from ..kernels.shadow.format import pack_bits, quantize_rtn
-    from ..prac.shadow import DEFAULT_BITS, DEFAULT_GROUP
+    from ..selectors.shadow import DEFAULT_BITS, DEFAULT_GROUP
 
     bits, group = int(spec.options.get("bits", DEFAULT_BITS)), int(spec.options.get("group", DEFAULT_GROUP))
     tensors: dict[str, torch.Tensor] = {}
@@ -88,9 +88,9 @@ def random_artifacts(model, spec: str | Spec, ks: list[float], seed: int = 7):
     """A ``spec.kind`` artifact (threshold, lowrank, hybrid, ternary, shadow; a plain method: its default
     kind) for ``model`` at ``ks`` with random predictor weights (shadow: the model's own weights quantized)
     and cuts that keep every row: call :func:`fit_cuts_on_decode` next."""
-    from ..artifacts import Artifacts, new_meta
-    from ..mlp import require_gated_mlps
-    from ..registry import get_method
+    from ..artifacts.store import Artifacts, new_meta
+    from ..model.gated_mlp import require_gated_mlps
+    from ..methods.registry import get_method
 
     spec = parse_spec(spec).resolved()
     if spec.kind not in RANDOM_KINDS:
@@ -105,10 +105,10 @@ def random_artifacts(model, spec: str | Spec, ks: list[float], seed: int = 7):
 
 def library_artifacts(model, spec: str | Spec, ks: list[float], texts: list[str], tokenizer, num_tokens: int,
                       window: int = 128):
-    """The library's own builder (``countdown.prac.prepare``) for ``spec`` (a kind this module cannot
+    """The library's own builder (``countdown.artifacts.prepare``) for ``spec`` (a kind this module cannot
     synthesise, e.g. shadow: closed-form, seconds); :class:`SpecUnavailable` with the library's
     message if it refuses."""
-    from ..prac.prepare import prepare
+    from ..artifacts.prepare import prepare
 
     spec = parse_spec(spec).resolved()
     options = dict(spec.options)
@@ -127,7 +127,7 @@ def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int)
     (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
     kind without a score."""
     from ..decode.generate import generate_fast
-    from ..sparse import sparsify, sparsity_real, state_of, unsparsify, with_mode
+    from ..patch.sparsify import sparsify, sparsity_real, state_of, unsparsify, with_mode
 
     sparsify(model, with_mode(art.method, "prac", art), k, artifacts=art, path="masked")
     try:
@@ -177,7 +177,7 @@ def fit_cuts_on_decode(model, art, prompts: torch.Tensor, new_tokens: int = 32, 
     ``shared_first`` (default: for stand-ins, whose placeholder cuts keep every row): the first round
     is the dense model's at every k, so one generation serves all of them. Returns
     ``{k: [Sparsity-Real of each round's generation]}``."""
-    from ..prac.base import get_kind
+    from ..selectors.base import get_kind
 
     kind = get_kind(art.kind)
     ks = list(art.sparsities)
@@ -219,8 +219,8 @@ def retarget(model, art, k: float) -> None:
     A compiled decode step reads them from the device, so it runs at k with no recompilation. Buffers
     the patched selector no longer holds (a shadow's int8 copies, once packed for the kernel) are the
     same at every k and skipped."""
-    from ..prac.base import selectors_for
-    from ..sparse import state_of
+    from ..selectors.base import selectors_for
+    from ..patch.sparsify import state_of
 
     layers = state_of(model).layers
     fresh = selectors_for(art, [layer.mlp for layer in layers], art.method, k)

@@ -14,8 +14,8 @@ from .prac import add_prac_commands
 
 
 def cmd_methods(args) -> int:
-    from ..prac.base import kinds_for
-    from ..registry import get_method, methods
+    from ..selectors.base import kinds_for
+    from ..methods.registry import get_method, methods
     from ..spec import parse_spec, spec_forms
 
     for name in methods():
@@ -38,8 +38,8 @@ def _validated_method(args):
     """Check the method spec, sparsity, mode, artifacts and model argument before the (slow) model load; returns
     the spec, which says SP-Ideal or SP-Prac by itself (a deprecated ``--mode`` folded in, with a warning on
     stderr), and sets ``args.mode`` to its mode."""
-    from ..registry import check_sparsity, get_method
-    from ..sparse import check_artifacts_given, mode_warning, with_mode
+    from ..methods.registry import check_sparsity, get_method
+    from ..patch.sparsify import check_artifacts_given, mode_warning, with_mode
     from ..spec import parse_spec
 
     fill_sparse_args(args)  # a folder saved sparsified: its configuration, unless --method is given
@@ -56,7 +56,7 @@ def _validated_method(args):
     if not args.build_artifacts:
         check_artifacts_given(spec, args.artifacts)
     if args.artifacts is not None and not hasattr(args, "artifacts_path"):  # read now: a wrong file is named
-        from ..artifacts import load_artifacts                               # before the model load
+        from ..artifacts.store import load_artifacts                               # before the model load
 
         args.artifacts_path, args.artifacts = args.artifacts, load_artifacts(args.artifacts)
     check_model_arg(args.model)
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..data.texts import PackageUnavailableError
     from ..io import LockedError, UnwritableError, describe_os_error, os_error_of
     from ..data.models import CorruptDownloadError
-    from ..state import AlreadySparsifiedError, NotSparsifiedError
+    from ..patch.state import AlreadySparsifiedError, NotSparsifiedError
 
     args = parse_args(argv)
     if isinstance(args, int):

@@ -84,8 +84,8 @@ def _saved_sparsity(model: str) -> tuple[str, float, str, str | None] | None:
     from pathlib import Path
 
     from ..data.models import model_source
-    from ..saving import saved_config
-    from ..sparse import with_mode
+    from ..model.saving import saved_config
+    from ..patch.sparsify import with_mode
 
     try:
         kind, where = model_source(model)

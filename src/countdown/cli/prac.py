@@ -17,7 +17,7 @@ def _artifact_out(args, slug: str, ks: list[float]):
     """The output path, checked before any work: writable, and not a file of another kind."""
     from pathlib import Path
 
-    from ..artifacts import refuse_foreign
+    from ..artifacts.store import refuse_foreign
     from ..io import check_writable
 
     label = "_".join(f"{k:g}" for k in ks)
@@ -44,7 +44,7 @@ def _build_artifact(args, build) -> int:
 
     import countdown
     from ..io import check_writable_dir, file_lock
-    from ..prac.prepare import TRAINED
+    from ..artifacts.prepare import TRAINED
     from ..spec import build_options, parse_spec
 
     # the spec and method checks before the (slow) model load
@@ -84,7 +84,7 @@ def cmd_calibrate(args) -> int:
     import countdown
 
     def build(model, tok, spec, kind, ks):
-        kind = kind or countdown.prac.prepare.default_kind(spec.method)
+        kind = kind or countdown.artifacts.prepare.default_kind(spec.method)
         names = {"threshold": ("rule",), "teal": ("allocation",)}.get(kind) or TRAIN_OPTIONS[kind]
         return countdown.prepare(model, tok, spec, ks, kind=args.kind, texts=args.texts,
                                  num_tokens=args.num_tokens, refine=not args.no_refine,
@@ -102,7 +102,7 @@ def cmd_train(args) -> int:
     import countdown
 
     def build(model, tok, spec, kind, ks):
-        kind = kind or countdown.prac.prepare.default_kind(spec.method)
+        kind = kind or countdown.artifacts.prepare.default_kind(spec.method)
         art = countdown.prepare(model, tok, spec, ks, kind=kind, texts=args.texts,
                                 num_tokens=args.num_tokens, selection=args.selection,
                                 checkpoint=args.checkpoint, refine=not args.no_refine,
@@ -119,7 +119,7 @@ def _refine_on_decode(args, model, tok, art) -> None:
 
     import countdown
     from ..data.texts import calibration_texts
-    from ..prac.stream import token_windows
+    from ..selectors.stream import token_windows
 
     # prompts: 8 windows of 32 tokens of the calibration text; the model then writes 64 tokens each
     texts = args.texts or calibration_texts()
@@ -133,7 +133,7 @@ def _refine_on_decode(args, model, tok, art) -> None:
 
 def cmd_quality(args) -> int:
     import countdown
-    from ..artifacts import footprint, load_artifacts
+    from ..artifacts.store import footprint, load_artifacts
 
     art = load_artifacts(args.artifacts)
     if args.selection:

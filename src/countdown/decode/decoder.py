@@ -73,7 +73,7 @@ def _scope(model: nn.Module, dense_positions: int):
     state = _patch_state(model)
     if state is None or state.scope == "all":
         return contextlib.nullcontext()
-    from ..sparse import dense_prefix
+    from ..patch.sparsify import dense_prefix
 
     return dense_prefix(model, dense_positions)
 

@@ -43,7 +43,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..mlp import refuse_meta
+from ..model.gated_mlp import refuse_meta
 from ..nonfinite import check_finite_logits
 from ..options import check, check_optional, check_sampling, check_token_ids
 from .prepared import StepKey, current_step

@@ -112,9 +112,9 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
 
 
 def _patch_of(mlp: nn.Module, x: torch.Tensor):
-    """The sparse patch (countdown.patched.PatchedMLP) in force on ``mlp`` for this one-token step, or None (not
+    """The sparse patch (countdown.patch.patched_mlp.PatchedMLP) in force on ``mlp`` for this one-token step, or None (not
     patched, a dense selector, or this position dense by the patch's scope: the dense route serves it)."""
-    from ..patched import PatchedMLP
+    from ..patch.patched_mlp import PatchedMLP
 
     # the patch as a submodule (countdown.sparsify registers it as ``countdown_sparse``): torch.compile traces this
     # lookup, where the bound ``forward`` in the instance dict gave None (the compiled step decoded dense)
@@ -134,7 +134,7 @@ def _patch_rule(patch, down: Int4Linear) -> str | None:
     """The kept-rows kernel's rule for a patch it serves: a calibrated mono / cats threshold (SP-Prac) on an MLP whose
     W_down is held transposed (``quantize(transposed_down=True)``: the rows the patch keeps are bytes not read, with
     the weights the patch itself computes with), on the kernel route. None otherwise."""
-    from ..prac.threshold import ThresholdSelector
+    from ..selectors.threshold import ThresholdSelector
 
     if patch is _MASKED or not down.transposed or patch.state.path not in ("auto", "kernel") or patch.mlp.tp is not None:
         return None
@@ -248,7 +248,7 @@ def _foldable(layer: nn.Module) -> bool:
 
 
 def _mlps(model: nn.Module):
-    from ..mlp import find_gated_mlps
+    from ..model.gated_mlp import find_gated_mlps
 
     for g in find_gated_mlps(model):
         parts = [getattr(g.module, n) if n else None for n in (g.gate, g.up, g.down)]

@@ -49,7 +49,7 @@ def _decode_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _layers(model: nn.Module, target: str) -> list[nn.Linear]:
-    from ..mlp import require_gated_mlps
+    from ..model.gated_mlp import require_gated_mlps
 
     if target == "down":
         found = [getattr(g.module, g.down) for g in require_gated_mlps(model) if g.tp is None]

@@ -64,7 +64,7 @@ class StepKey:
     @classmethod
     def of(cls, model: nn.Module) -> StepKey:
         from ..int4.linear import Int4Linear
-        from ..state import STATE_ATTR
+        from ..patch.state import STATE_ATTR
 
         weights, backends = [], []
         for prefix, module in model.named_modules():

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..decode.cache import cache_kwargs, output_cache
 from ..nonfinite import check_finite
 from ..spec import parse_spec, resolve_mode
-from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
+from ..patch.sparsify import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 PROMPTS_FILE = "agreement_prompts.json"
 _ALL_DENSE = 1 << 40  # a dense prefix longer than any input: every position dense

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..registry import check_sparsity, kept_rows
+from ..methods.registry import check_sparsity, kept_rows
 
 SIGNALS = ("u", "h")
 FACTORS = ("cif_alive", "cif_dead", "caf_alive", "caf_dead")
@@ -83,7 +83,7 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
     Each text is tokenized (``tokenizer(text, return_tensors="pt")["input_ids"]``) and run through
     the dense model (a sparsified one is refused: its residual stream is no longer the model's); a
     forward pre-hook on every Gated-MLP found by
-    :func:`countdown.mlp.find_gated_mlps` takes its input ``x`` and computes ``u, g = parts(x)``,
+    :func:`countdown.model.gated_mlp.find_gated_mlps` takes its input ``x`` and computes ``u, g = parts(x)``,
     ``h = act(g)``, ``s = u * h`` (in at least float32) for every token. At most ``max_tokens``
     tokens are used in all (an integer >= 1), the last text cut short if needed. ``texts``: a source name or a
     .txt / .jsonl path (as ``--texts``: :func:`countdown.data.texts.as_texts`), or a list of strings, the text.
@@ -91,8 +91,8 @@ def collect_indicator_stats(model, tokenizer, texts, sparsities=(0.7, 0.8, 0.9),
     Returns ``{"sparsities", "tokens", "texts", "overall": {k: factors}, "layers": {name: {k: factors}}}``
     with ``factors`` as in :func:`factors_from_counts`; "overall" pools the counts of all layers.
     """
-    from ..mlp import require_gated_mlps
-    from ..sparse import is_sparsified
+    from ..model.gated_mlp import require_gated_mlps
+    from ..patch.sparsify import is_sparsified
 
     if is_sparsified(model):
         raise ValueError("the model is sparsified: call countdown.unsparsify(model) first")

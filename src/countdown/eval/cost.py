@@ -13,7 +13,7 @@ FLOPs (paper, "Theoretical FLOPs Analysis"; a GEMV of an ``a x b`` matrix costs 
     dual   2 d_m d_r + 2 d_r d_i + d_i + 6 d_m s + c_act s + s
     teal   2 d_m + 4 d_i s_x + c_act d_i + d_i + 2 d_i + 2 d_m s
 
-with, for teal (not in the paper; TEAL skips inputs, :mod:`countdown.teal`), ``s_x = int(d_m (1 - k))``
+with, for teal (not in the paper; TEAL skips inputs, :mod:`countdown.methods.teal`), ``s_x = int(d_m (1 - k))``
 kept entries of x (columns of W_gate and W_up) and ``s`` kept entries of the intermediate (columns of
 W_down): uniform k on both, so its weight traffic ``2 d_i s_x + d_m s`` is the share ``1 - k`` of
 the three matrices, as for the row methods.
@@ -34,7 +34,7 @@ Deja Vu is left out: the paper gives no cost formulas for it.
 
 from __future__ import annotations
 
-from ..registry import kept_rows
+from ..methods.registry import kept_rows
 
 METHODS = ("dense", "cats", "mono", "dual", "teal")
 _MEGA = 1e6
@@ -164,7 +164,7 @@ def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_by
         kept rows of the other two), ``"teal"`` (input sparsity: the columns of W_gate and W_up of the
         kept inputs, ``kept_in`` of d_model, and the columns of W_down of the kept intermediate entries,
         ``kept`` of d_inter; with ``kept_in`` None, ``kept`` is teal's kept weight share
-        ``1 - Sparsity-Real = (2 kept_x + kept_s) / 3`` and the bytes are ``3 kept`` matrices), or any SP-Prac kind of ``countdown.prac`` (``"lowrank"``, ``"hybrid"``,
+        ``1 - Sparsity-Real = (2 kept_x + kept_s) / 3`` and the bytes are ``3 kept`` matrices), or any SP-Prac kind of ``countdown.selectors`` (``"lowrank"``, ``"hybrid"``,
         ``"ternary"``, ``"shadow"``, ...), whose own ``weight_bytes`` counts its predictor / shadows
         (``d_rank``, ``bits``, ``group``: its options; None: the kind's default) plus the kept rows.
     kept: the kept fraction of the ``d_inter`` rows (``1 - Sparsity-Real``; for a batch, the union
@@ -175,13 +175,13 @@ def mlp_weight_bytes(kind: str, d_model: int, d_inter: int, kept: float, elem_by
     matrix = d_model * d_inter * elem_bytes  # one full matrix
     if kind == "dense":
         return 3.0 * matrix
-    from ..prac.kinds import KINDS  # the kinds count their own bytes; prac never imports this module
+    from ..selectors.kinds import KINDS  # the kinds count their own bytes; prac never imports this module
 
     if kind == "teal":  # its kind in KINDS counts the same bytes from the kept weight share alone
         return 2 * (kept if kept_in is None else kept_in) * matrix + kept * matrix
     name = "threshold" if kind in ("mono", "cats") else kind
     if name not in KINDS:
         raise ValueError(f"unknown roofline kind {kind!r}: choose dense, mono, cats, teal or a kind of "
-                         f"countdown.prac ({', '.join(KINDS)})")
+                         f"countdown.selectors ({', '.join(KINDS)})")
     meta = {key: value for key, value in (("d_rank", d_rank), ("bits", bits), ("group", group)) if value is not None}
     return float(KINDS[name].weight_bytes(d_model, d_inter, kept, elem_bytes, meta))

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
+from ..patch.sparsify import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 
 DEFAULT_SPARSITIES = (0.5, 0.7, 0.8, 0.9)

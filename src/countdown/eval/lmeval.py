@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from ..nonfinite import check_finite_values
 from ..spec import parse_spec, resolve_mode
-from ..sparse import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
+from ..patch.sparsify import dense_prefix, is_sparsified, reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 
 MODEL_NAME = "countdown"
 DEFAULT_SEED = 1234
@@ -56,7 +56,7 @@ class CountdownLM(HFLM):
     pretrained: a model object (then ``tokenizer`` is required) or a name/path for
         :func:`countdown.load_model` (catalogue name such as ``"smollm2-135m"``, a .gguf file, a folder), read by
         the one rule of ``--model`` (:func:`countdown.data.models.model_source`). ``artifacts``: a path or an
-        :class:`~countdown.artifacts.Artifacts`.
+        :class:`~countdown.artifacts.store.Artifacts`.
     method, sparsity, mode, artifacts, path: as for :func:`countdown.sparsify`; the model is patched
         in place with ``scope="decode"`` and :meth:`restore` undoes it. ``method=None`` leaves the
         model as it is (already patched by the caller, or dense).

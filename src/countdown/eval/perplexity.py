@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..nonfinite import check_finite, finite_exp
-from ..sparse import dense_prefix, is_sparsified
+from ..patch.sparsify import dense_prefix, is_sparsified
 
 
 def _token_ids(tokenizer, texts: Sequence[str], needed: int) -> list[int]:
@@ -112,7 +112,7 @@ def perplexity(model, tokenizer, texts: Sequence[str] | None = None, max_tokens:
     likely cause, never a result.
     """
     from ..data.models import require_tokenizer
-    from ..mlp import refuse_meta
+    from ..model.gated_mlp import refuse_meta
     from ..data.texts import as_texts
     from ..options import check
 

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from ..decode.cache import cache_kwargs, output_cache
 from ..nonfinite import check_finite_values
-from ..sparse import dense_prefix, sparsify, state_of, unsparsify, with_mode
+from ..patch.sparsify import dense_prefix, sparsify, state_of, unsparsify, with_mode
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """One configuration: ``method`` ("dense", "mono" ...), ``mode`` ("ideal"/"prac"), ``sparsity`` k
-    (None for dense) and the SP-Prac ``artifacts`` (an :class:`countdown.artifacts.Artifacts` or path)."""
+    (None for dense) and the SP-Prac ``artifacts`` (an :class:`countdown.artifacts.store.Artifacts` or path)."""
 
     method: str
     mode: str = "ideal"

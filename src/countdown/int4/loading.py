@@ -3,7 +3,7 @@
 A saved 4-bit model is a Hugging Face folder whose safetensors hold, for each 4-bit Linear ``name``,
 ``name.qweight`` / ``name.scale`` / ``name.offset`` (and ``name.bias``) instead of ``name.weight``, and whose
 config.json records what :func:`~countdown.int4.quantize.quantize` did (``quantization_config``'s ``weights``,
-:mod:`countdown.saving`). The transformers quantizer (:mod:`countdown.hf_quantizer`) calls :func:`build_int4_modules`
+:mod:`countdown.model.saving`). The transformers quantizer (:mod:`countdown.model.hf_quantizer`) calls :func:`build_int4_modules`
 on the skeleton (meta tensors, no memory): each such Linear becomes an :class:`Int4Linear` whose buffers have the
 saved shapes and dtypes, read from the files' headers (no tensor is read), so transformers loads the codes, scales
 and offsets straight into them, in the dtypes they were saved in (float16 / float32 scales stay as saved whatever the

@@ -44,7 +44,7 @@ def nested_modules(model: nn.Module) -> dict[str, NestedLinear]:
 
 def _mlp_linears(model: nn.Module, mlps) -> list[tuple[str, str, nn.Module]]:
     """(qualified name, role, module) of the gate / up / down Linears of each Gated-MLP, checked convertible."""
-    from ..state import is_sparsified
+    from ..patch.state import is_sparsified
 
     if is_sparsified(model):
         raise ValueError("convert the model's MLPs to the nested format before sparsifying it "
@@ -132,7 +132,7 @@ def restore(model: nn.Module, replaced: list[tuple[nn.Module, str, nn.Module]]) 
 def to_nested(model: nn.Module, group: int = DEFAULT_GROUP, scale_dtype: torch.dtype = torch.float16) -> nn.Module:
     """Every Gated-MLP's Linears of ``model`` as nested 8-bit weights, in place (the module docstring); returns
     ``model``. A model converted already with the same group and scale dtype is returned as it is."""
-    from ..mlp import require_gated_mlps
+    from ..model.gated_mlp import require_gated_mlps
 
     convert(model, require_gated_mlps(model), group, scale_dtype)
     return model

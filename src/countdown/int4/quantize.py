@@ -21,7 +21,7 @@ the input width is a multiple of it, else the largest of 64 / 32 that divides it
 64 at ``group=128``); a Linear whose input width is not a multiple of 32 stays as it is. The function logs
 what it did and keeps it in ``model.config.countdown_int4``; ``model.save_pretrained`` (as ``countdown.save``) writes
 it into config.json's ``quantization_config``, from which ``from_pretrained`` rebuilds the 4-bit modules after
-``import countdown`` (``loading.py``, :mod:`countdown.hf_quantizer`).
+``import countdown`` (``loading.py``, :mod:`countdown.model.hf_quantizer`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..data.texts import log
-from ..foreign import refuse_foreign_quantization
+from ..model.foreign_weights import refuse_foreign_quantization
 from .format import GROUPS, quantize_rtn
 from .linear import Int4Linear
 
@@ -48,8 +48,8 @@ def int4_config(model: nn.Module) -> dict | None:
 
 
 def _refuse(model: nn.Module) -> None:
-    from ..mlp import refuse_meta
-    from ..state import is_sparsified
+    from ..model.gated_mlp import refuse_meta
+    from ..patch.state import is_sparsified
 
     refuse_meta(model, "quantize")
     if is_sparsified(model):
@@ -86,7 +86,7 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     head = _head_name(model)
     downs = set()
     if transposed_down:
-        from ..mlp import find_gated_mlps
+        from ..model.gated_mlp import find_gated_mlps
 
         downs = {f"{g.name}.{g.down}" if g.name else g.down for g in find_gated_mlps(model) if g.fused is None}
     from .nested_linear import NestedLinear
@@ -134,7 +134,7 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     record["int4"], record["kept"] = dict(done), {why: len(which) for why, which in kept.items()}
     setattr(model.config, CONFIG_ATTR, record)
     if hasattr(type(model), "save_pretrained") and "save_pretrained" not in model.__dict__:
-        from ..saving import save_pretrained_method  # model.save_pretrained writes the record (countdown.save)
+        from ..model.saving import save_pretrained_method  # model.save_pretrained writes the record (countdown.save)
 
         object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
     left = "; ".join(f"{len(which)} kept as loaded ({why})" for why, which in kept.items()) or "none left in float"

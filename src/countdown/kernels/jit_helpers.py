@@ -3,7 +3,7 @@ and signal.
 
 * Activations, the keep rules (:data:`KEEP_RULES`, the one table of their codes), loads, rounding, the partial
   sums' store, an RMSNorm row, a sum of fp32 partials.
-* Sparsity-Real counted inside the sparse kernels (:func:`add_count`). A patched Gated-MLP (countdown.patched)
+* Sparsity-Real counted inside the sparse kernels (:func:`add_count`). A patched Gated-MLP (countdown.patch.patched_mlp)
   counts ``1 - kept / rows`` in two device tensors, ``kept`` ([1] float64) and ``rows`` (one int64); the kernel
   that decides the rows adds them itself, so the count costs no launch and no host sync: every program adds the
   kept entries it decided (each token's own rows, never the batch's union) with one float64 atomic (integers:

@@ -51,7 +51,7 @@ ROUTES: dict[tuple[str, str], tuple[str | None, str | None, str | None]] = {
     ("teal", "interpreter"):          ("teal",       "teal",       "teal"),
     ("down", "cuda"):                 ("down",       "down",       "down"),          # sparse_down_proj
     ("down", "interpreter"):          ("down",       "down",       "down"),
-    # a trained low-rank predictor (countdown.prac.lowrank): its scores into the dual kernels, or its mask computed
+    # a trained low-rank predictor (countdown.selectors.lowrank): its scores into the dual kernels, or its mask computed
     # in PyTorch and the masked kernels ("masked": benchmarks/decode.py --predictor-route compares them)
     ("lowrank", "cuda"):              ("dual",       "dual",       "dual"),
     ("lowrank", "interpreter"):       ("dual",       "dual",       "dual"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...artifacts import load_artifacts
+from ...artifacts.store import load_artifacts
 from ..scoring import EvalConfig, score_requests
 from .files import (artifact_identity, empty_scores, job_digest, read_job, read_scores, restore_shadows,
                     task_entry, write_gz_json)

@@ -78,7 +78,7 @@ def trim_artifacts(art, ks: Sequence[float]):
     """A copy of ``art`` holding only the sparsities ``ks`` (each must be in it): per-k tensors of the
     other k dropped, a threshold table cut to the rows of ``ks``. Selectors built from the copy at
     any of ``ks`` equal those built from ``art``."""
-    from ...artifacts import Artifacts, sparsity_key
+    from ...artifacts.store import Artifacts, sparsity_key
 
     keep = [art.sparsity_index(k) for k in ks]
     kept_keys = {sparsity_key(art.sparsities[i]) for i in keep}
@@ -100,7 +100,7 @@ def strip_shadows(art):
     """A shadow artifact without its low-bit copies of W_gate / W_up (``shared/`` tensors): they are a
     function of the model's weights, rebuilt where the model is (:func:`restore_shadows`), so they
     need not travel. Other kinds are returned as they are."""
-    from ...artifacts import Artifacts
+    from ...artifacts.store import Artifacts
 
     if art.kind != "shadow":
         return art
@@ -112,9 +112,9 @@ def restore_shadows(art, model):
     """The shadow tensors of ``art`` rebuilt from ``model``'s Gated-MLPs as the shadow kind builds them
     (round-to-nearest of each weight, :func:`countdown.kernels.shadow.format.quantize_rtn`), on the weights'
     device; the caller checks the result with :func:`artifact_identity`."""
-    from ...artifacts import Artifacts
+    from ...artifacts.store import Artifacts
     from ...kernels.shadow.format import pack_bits, quantize_rtn
-    from ...mlp import require_gated_mlps
+    from ...model.gated_mlp import require_gated_mlps
 
     if art.kind != "shadow" or any(n.startswith("shared/") for n in art.tensors):
         return art
@@ -131,7 +131,7 @@ def restore_shadows(art, model):
 def artifact_identity(art, ks: Sequence[float]) -> str:
     """The checksum of ``art`` trimmed to ``ks``: equal on both machines exactly when the GPU scored
     with the tensors the CPU sweep would use."""
-    from ...artifacts import artifact_checksum
+    from ...artifacts.store import artifact_checksum
 
     trimmed = trim_artifacts(art, ks)
     return artifact_checksum(trimmed.meta, trimmed.tensors)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from ..agreement import agreement
 from ..grid import STYLES
 from ..perplexity import perplexity
-from ...sparse import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
+from ...patch.sparsify import reset_sparsity_stats, sparsify, sparsity_real, unsparsify, with_mode
 from ...spec import Spec
 from .cells import AGREEMENT_METRICS, PPL_TASKS, CellSpec, format_k
 
@@ -108,7 +108,7 @@ def ensure_prac(model, tokenizer, spec: Spec, sparsities, artifacts_dir, options
                 log: Callable[[str], None]):
     """The SP-Prac artifacts of one method spec for every k (built once, cached in ``artifacts_dir``; the
     spec's kind and options key the file, an option at its default as if left out)."""
-    from ...prac.prepare import prepare
+    from ...artifacts.prepare import prepare
 
     if artifacts_dir is None:
         from ...data.texts import cache_root

@@ -1,0 +1,1 @@
+"""The model side: finding Gated-MLPs, fingerprints, tensor parallelism, saving and loading folders."""
