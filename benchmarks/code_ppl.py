@@ -10,7 +10,7 @@ table gives each configuration's perplexity increase over dense.
 
 Rows (model, method, mode, sparsity, sparsity_real, ppl, ppl_increase, tokens, python, seconds, date)
 go to ``<out>/<model>-code.csv``, a Markdown table beside it; the run resumes: rows already in the CSV
-are kept and not recomputed. SP-Prac artifacts are the sweep's (``ensure_artifacts``, same cache);
+are kept and not recomputed. SP-Prac artifacts are the sweep's (``prepare`` with ``cache_dir``, same cache);
 ``dual`` SP-Prac is the shadow kind (the default). The text depends on the Python version (recorded).
 """
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     import countdown
     from countdown.data.code_text import python_text_version
     from countdown.data.texts import cache_root, load_texts
-    from countdown.artifacts.prepare import ensure_artifacts
+    from countdown.artifacts.prepare import prepare
     from countdown.patch.state import sparsity_real
 
     ks = [float(k) for k in args.sparsity.split(",")]
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         real = ""
         if method != "dense":
             if mode == "prac" and method not in arts:  # one file holds every k: read it once per method
-                arts[method] = ensure_artifacts(model, tok, method, ks, cache_root() / "artifacts", progress=False)
+                arts[method] = prepare(model, tok, method, ks, cache_dir=cache_root() / "artifacts", progress=False)
             art = arts.get(method) if mode == "prac" else None
             countdown.sparsify(model, method, k, mode=mode, artifacts=art, scope="all")
         try:

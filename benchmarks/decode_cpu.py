@@ -201,9 +201,9 @@ def main() -> int:
     for k in ks:
         for method in ("cats", "mono", "dual"):
             run_patched(method, "ideal", "gather", k)
-    from countdown import calibrate
+    from countdown import prepare
 
-    thresholds = calibrate(model, tok, "mono", ks, num_tokens=args.calib_tokens, progress=False)
+    thresholds = prepare(model, tok, "mono[threshold]", ks, num_tokens=args.calib_tokens, progress=False)
     for k in ks:
         run_patched("mono", "prac", "gather", k, thresholds)
         run_patched("mono", "prac", "masked", k, thresholds)

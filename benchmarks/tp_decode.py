@@ -14,8 +14,8 @@ the full 80 layers would not fit one GPU, which the 1-GPU rows need).
 
 1. One GPU per config, the configs in parallel (rank r takes configs r, r + world, ...): build the
    model, save it with ``save_pretrained`` (to /dev/shm when it has room, else /tmp), build the
-   SP-Prac artifacts on that single process (``countdown.calibrate`` thresholds for mono and cats and
-   a ``train_predictors(kind="lowrank", init="random")`` predictor for dual, its cuts re-fitted on the
+   SP-Prac artifacts on that single process (``countdown.prepare`` thresholds for mono and cats and
+   a ``dual[lowrank]`` predictor (``init="random"``) for dual, its cuts re-fitted on the
    sparse model's own decode steps; all on random-token text: on random weights only the kept
    fraction matters for speed, so the closed-form gate start, an SVD per layer, is skipped), measure Sparsity-Real (masked path, eager) and time
    dense and every (method, k) with ``countdown.decode.generate.generate_fast``: static cache, the decode step
@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 
 import countdown
-from countdown import calibrate, refine_cuts_on_decode, train_predictors
+from countdown import prepare, refine_cuts_on_decode
+from countdown.patch.sparsify import with_mode
 from countdown.artifacts.store import load_artifacts
 from countdown.selectors.base import selectors_for
 from countdown.decode.generate import generate_fast, reset_decoders
@@ -115,17 +116,17 @@ def build_artifacts(model, methods, ks, folder, args) -> dict:
     for method in methods:
         start = time.perf_counter()
         if method in ("mono", "cats"):
-            art = calibrate(model, IdTokenizer(), method, ks, texts=random_texts(vocab, args.calib_tokens + 8, 0),
-                            num_tokens=args.calib_tokens, window=128, refine_tokens=args.calib_tokens, progress=False)
-            label = f"calibrate() on {args.calib_tokens} random tokens"
+            art = prepare(model, IdTokenizer(), f"{method}[threshold]", ks,
+                          texts=random_texts(vocab, args.calib_tokens + 8, 0), num_tokens=args.calib_tokens,
+                          window=128, refine_tokens=args.calib_tokens, progress=False)
+            label = f"prepare() of thresholds on {args.calib_tokens} random tokens"
         else:
-            art = train_predictors(model, IdTokenizer(), "dual", ks, texts=random_texts(vocab, args.calib_tokens + 8, 1),
-                                   num_tokens=args.calib_tokens, window=128, kind="lowrank", d_rank=args.rank,
-                                   epochs=1, init="random", cut_rule="pooled", refine_tokens=args.calib_tokens,
-                                   progress=False)
+            art = prepare(model, IdTokenizer(), "dual[lowrank]", ks, texts=random_texts(vocab, args.calib_tokens + 8, 1),
+                          num_tokens=args.calib_tokens, window=128, d_rank=args.rank, epochs=1, init="random",
+                          cut_rule="pooled", refine_tokens=args.calib_tokens, progress=False)
             prompts = torch.randint(0, vocab, (4, args.prompt), generator=torch.Generator().manual_seed(100))
             refine_cuts_on_decode(model, art, prompts, new_tokens=32, rounds=1)
-            label = (f"train_predictors(kind=lowrank, rank {args.rank}, init=random, 1 epoch) on {args.calib_tokens} "
+            label = (f"prepare(dual[lowrank], rank {args.rank}, init=random, 1 epoch) on {args.calib_tokens} "
                      "random tokens, cuts re-fitted on 4 x 32 sparse decode steps")
         path = os.path.join(folder, f"{method}.safetensors")
         art.save(path)
@@ -147,7 +148,7 @@ def retarget(model, art, method: str, k: float) -> None:
 
 
 def sparsity_real(model, art, method, k, prompt, steps) -> float:
-    countdown.sparsify(model, method, k, mode="prac", artifacts=art, path="masked")
+    countdown.sparsify(model, with_mode(method, "prac", art), k, artifacts=art, path="masked")
     try:
         generate_fast(model, prompt, steps + 1, compile=False)
         return countdown.sparsity_real(model)["mean"]
@@ -198,7 +199,7 @@ def time_model(model, gpus, config, artifacts, methods, ks, args, meta, kept=Non
     for method in methods:
         path, label = artifacts[method]
         art = load_artifacts(path)
-        countdown.sparsify(model, method, ks[0], mode="prac", artifacts=art, path="auto")
+        countdown.sparsify(model, with_mode(method, "prac", art), ks[0], artifacts=art, path="auto")
         for k in ks:
             retarget(model, art, method, k)
             stats, h = timed(model, prompt, args.new_tokens, [harness] + [x for x in harnesses if x != harness])
@@ -321,7 +322,8 @@ def compile_rows(model, gpus, config, artifacts, methods, k, args, meta, kept) -
         label = "" if method == "dense" else artifacts[method][1]
         try:
             if method != "dense":
-                countdown.sparsify(model, method, k, mode="prac", artifacts=load_artifacts(artifacts[method][0]))
+                art = load_artifacts(artifacts[method][0])
+                countdown.sparsify(model, with_mode(method, "prac", art), k, artifacts=art)
             _, stats = generate_fast(model, prompt, args.new_tokens, compile=True)
             rows.append({"gpus": gpus, "config": config, "method": method, "sparsity": "" if method == "dense" else k,
                          "batch": 1, "tokens_per_s": round(stats["tokens_per_s"], 2), "device": meta["device"],

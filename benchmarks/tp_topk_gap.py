@@ -33,7 +33,7 @@ import countdown
 from countdown.selectors.stream import stream_mlp_inputs, token_windows
 from countdown.data.texts import eval_texts
 from countdown.model.gated_mlp import require_gated_mlps
-from countdown.methods.registry import get_method
+from countdown.sparse_methods.registry import get_method
 from countdown.patch.state import state_of
 from countdown.model.tensor_parallel import ShardSpec, chunk_range, shard_topk_keep, topk_gap
 

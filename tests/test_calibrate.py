@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import countdown
 from countdown import calibrate
 from countdown.selectors.stream import token_quantiles, token_windows
-from countdown.methods.registry import kept_rows
+from countdown.sparse_methods.registry import kept_rows
 from conftest import tiny_model
 
 

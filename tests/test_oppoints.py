@@ -160,7 +160,7 @@ def test_shadow_stand_in_is_the_librarys_quantization_with_cuts_fitted_on_decode
     art = random_artifacts(model, parse_spec("dual[shadow4]"), [0.8, 0.5])
     from countdown.selectors.shadow import fit_shadow_layer
     from countdown.model.gated_mlp import require_gated_mlps
-    from countdown.methods.registry import get_method
+    from countdown.sparse_methods.registry import get_method
 
     mlps = require_gated_mlps(model)
     ref = fit_shadow_layer(get_method("dual"), mlps[1], 1, torch.randn(8, 64), [0.8], {"bits": 4, "group": 64,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import countdown
-from countdown.methods.registry import kept_rows
+from countdown.sparse_methods.registry import kept_rows
 from conftest import ARCHS, tiny_model
 
 SPARSE_METHODS = ["cats", "mono", "dual", "dejavu"]

@@ -15,7 +15,7 @@ from test_lmeval import WORDS, _write_tiny_task, tiny_model, tiny_tokenizer  # n
 import countdown  # noqa: E402
 import countdown.artifacts.prepare  # noqa: E402
 from countdown.eval import sweep  # noqa: E402
-from countdown.methods.registry import kept_rows  # noqa: E402
+from countdown.sparse_methods.registry import kept_rows  # noqa: E402
 
 REQUIRED = ["model", "method", "mode", "sparsity", "sparsity_real", "task", "metric", "value", "limit", "seconds", "date"]
 GRID = dict(methods=("dense", "mono", "dual"), modes=("ideal", "prac"), sparsities=(0.5,), tasks=("tiny_mc",))

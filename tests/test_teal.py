@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import countdown
 from countdown.artifacts.store import ArtifactError, ArtifactMismatchError, load_artifacts
 from countdown.selectors.teal import TealThresholdSelector, _Layer, greedy_levels
-from countdown.methods.registry import kept_rows
+from countdown.sparse_methods.registry import kept_rows
 from countdown.patch.state import state_of
 from conftest import tiny_model
 from test_calibrate import TOK, word_texts

@@ -23,7 +23,7 @@ import countdown
 from countdown import calibrate, train_predictors
 from countdown.artifacts.store import model_fingerprint
 from countdown.model.gated_mlp import require_gated_mlps
-from countdown.methods.registry import get_method, kept_rows
+from countdown.sparse_methods.registry import get_method, kept_rows
 from countdown.patch.state import state_of
 from countdown.model.tensor_parallel import (ShardingError, ShardSpec, chunk_range, exact_topk_keep, shard_spec, shard_topk_keep,
                           topk_gap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from countdown.bench.speedonly import decode_prompts, fit_cuts_on_decode, random_artifacts
+from countdown.patch.sparsify import with_mode
 from countdown.spec import parse_spec
 
 
@@ -63,7 +64,7 @@ def run_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"), mo
     for spec, art in setups:
         name = "dense" if art is None else spec.label
         if art is not None:
-            countdown.sparsify(model, spec.method, 0.8, mode="prac", artifacts=art, path="auto")
+            countdown.sparsify(model, with_mode(spec.method, "prac", art), 0.8, artifacts=art, path="auto")
         ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, do_sample=False)
         for mode in modes:
             torch._dynamo.reset()
@@ -125,7 +126,7 @@ def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"
         arts[label] = (spec, art)
     refs = {("dense", None): generate_fast(model, prompt, n_new, compile="eager")[0][:, 9:]}
     for label, (spec, art) in arts.items():
-        countdown.sparsify(model, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+        countdown.sparsify(model, with_mode(spec.method, "prac", art), ks[0], artifacts=private_copy(art), path="auto")
         try:
             for k in ks:
                 retarget(model, art, k)
@@ -152,7 +153,7 @@ def run_slot_checks(log=print, specs: tuple[str, ...] = ("mono", "dual[lowrank]"
             dec.capture(prompt)
         check("dense", None)
         for label, (spec, art) in arts.items():
-            countdown.sparsify(slots.holder, spec.method, ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+            countdown.sparsify(slots.holder, with_mode(spec.method, "prac", art), ks[0], artifacts=private_copy(art), path="auto")
             try:
                 if cuda:
                     dec.capture(prompt)

@@ -32,6 +32,7 @@ import torch
 
 from countdown.bench.measure import kept_fractions, time_decode
 from countdown.bench.speedonly import SpecUnavailable, decode_prompts, retarget
+from countdown.patch.sparsify import with_mode
 from countdown.spec import Spec, parse_spec
 
 from .checks import clear_dynamo_counts, dynamo_counts
@@ -211,7 +212,7 @@ def one_compile_sweep(model, settings: OneCompileSettings, meta: dict, log=print
             log(f"skipping {spec.label}: {skipped[spec.label]}")
             continue
         kept = {}
-        sparsify(model, spec.method, s.ks[0], mode="prac", artifacts=private_copy(art), path="masked")
+        sparsify(model, with_mode(spec.method, "prac", art), s.ks[0], artifacts=private_copy(art), path="masked")
         try:
             for k in s.ks:
                 retarget(model, art, k)
@@ -302,7 +303,7 @@ def _slot_phase(model, prepared, s: OneCompileSettings, ctx, rows, prompt, max_c
                 continue
             start = time.perf_counter()
             try:
-                sparsify(slots.holder, spec.method, s.ks[0], mode="prac", artifacts=private_copy(art), path="auto")
+                sparsify(slots.holder, with_mode(spec.method, "prac", art), s.ks[0], artifacts=private_copy(art), path="auto")
                 try:
                     setup = dec.capture(prompt)
                     for k in s.ks:

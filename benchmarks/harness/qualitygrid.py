@@ -2,7 +2,7 @@
 
 Per model: the dense model's answer on held-out XSum once (:func:`countdown.bench.quality.held_out`),
 then for each method spec its SP-Prac artifacts for every k at once through
-:func:`countdown.artifacts.prepare.ensure_artifacts` (cached and shared with the lm-eval sweep: an option at its
+:func:`countdown.artifacts.prepare.prepare` with ``cache_dir`` (cached and shared with the lm-eval sweep: an option at its
 kind's default keys the same file as leaving it out, so ``dual[shadow4]`` here is the sweep's ``dual``), and per
 k one decode-style pass (perplexity increase, KL, top-1 agreement, Sparsity-Real). Each finished cell
 is merged into ``<out>/<model>.csv`` at once (atomically, under a lock), so a killed run resumes where
@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from countdown.methods.registry import get_method
+from countdown.sparse_methods.registry import get_method
+from countdown.patch.sparsify import with_mode
 from countdown.spec import parse_specs
 
 QUALITY_COLUMNS = ["model", "method", "sparsity", "sparsity_real", "ppl", "dense_ppl", "ppl_increase", "kl", "top1",
@@ -85,11 +86,11 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
     """Measure (or resume) every spec x k on ``model_name``; returns the CSV path. ``masks``: also
     save the keep masks of each spec at k = 0.8 under ``<out>/masks/`` for the replay check.
     ``model`` / ``tokenizer``: an already loaded model (else ``load_model(model_name)``); ``texts``:
-    held-out text (default XSum); ``calib``: extra ``ensure_artifacts`` options (calibration ``texts``,
+    held-out text (default XSum); ``calib``: extra ``prepare`` options (calibration ``texts``,
     ``num_tokens``; they key another cached file)."""
     from countdown import load_model
     from countdown.io import file_lock
-    from countdown.artifacts.prepare import ensure_artifacts
+    from countdown.artifacts.prepare import prepare
     from countdown.patch.sparsify import sparsify, unsparsify
     from countdown.bench.quality import decode_quality, held_out
 
@@ -126,8 +127,8 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
             spec = spec.resolved()
             start = time.perf_counter()
             try:  # the spec's kind and options key the cached file (shared with the sweep's)
-                art = ensure_artifacts(model, tokenizer, spec, list(ks), artifacts_dir, progress=False,
-                                       **(calib or {}))
+                art = prepare(model, tokenizer, spec, list(ks), cache_dir=artifacts_dir, progress=False,
+                              **(calib or {}))
             except (TypeError, ValueError, NotImplementedError) as error:
                 log(f"skipping {spec.label}: the library could not build its artifacts ({type(error).__name__}: "
                     f"{str(error)[:200]})")
@@ -146,7 +147,7 @@ def run_quality_grid(model_name: str, specs: str | Sequence[str] = DEFAULT_SPECS
                 if row_key in have and not want_masks:
                     continue
                 start = time.perf_counter()
-                sparsify(model, spec, k, mode="prac", artifacts=art, path="masked")
+                sparsify(model, with_mode(spec, "prac", art), k, artifacts=art, path="masked")
                 try:
                     if want_masks:
                         _save_masks(mask_path, record_masks(model, held),

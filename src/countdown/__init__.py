@@ -20,7 +20,7 @@ with the benchmarks' defaults) and the building blocks of extensions and the har
 from .artifacts.store import ArtifactError, ArtifactMismatchError, Artifacts, load_artifacts
 from .data.snapshot import one_save
 from .model.gated_mlp import GatedMLP, NoGatedMLPError, find_gated_mlps
-from .methods.registry import Method, get_method, kept_rows, methods
+from .sparse_methods.registry import Method, get_method, kept_rows, methods
 from .patch.sparsify import sparsify, unsparsify
 from .spec import Spec, parse_spec
 from .patch.state import (AlreadySparsifiedError, NotSparsifiedError, dense_prefix, is_sparsified, reset_sparsity_stats, sparsity_real)

@@ -37,7 +37,7 @@ from typing import Any
 
 from .artifacts.store import ArtifactMismatchError, Artifacts
 from .selectors.base import KINDS, default_kind, get_kind, kinds_for
-from .methods.registry import Method, check_sparsity, get_method, methods
+from .sparse_methods.registry import Method, check_sparsity, get_method, methods
 from .patch.state import STATE_ATTR
 
 MODES = ("ideal", "prac")
@@ -184,7 +184,7 @@ class Spec:
 def parse_spec(text: str | Spec | Method, k: float | None = None, scope: str | None = None) -> Spec:
     """``"dual[shadow4]"`` -> ``Spec("dual", "shadow", {"bits": 4}, "dual[shadow4]")`` (module docstring: the
     grammar); ``k`` and ``scope`` set where given (:meth:`Spec.at`). A :class:`Spec` is returned as it is, a
-    :class:`~countdown.methods.registry.Method` as its plain spec. What the library cannot run is a ValueError that lists
+    :class:`~countdown.sparse_methods.registry.Method` as its plain spec. What the library cannot run is a ValueError that lists
     the valid specs."""
     if k is not None or scope is not None:
         return parse_spec(text).at(k, scope)

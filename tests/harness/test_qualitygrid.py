@@ -22,13 +22,13 @@ TOK = CharTokenizer()
 def test_record_masks_are_the_masks_the_selectors_pick(tmp_path):
     model = tiny_model("llama")
     held = held_out(model, TOK, texts=word_texts(5), max_tokens=128, window=64)
-    countdown.sparsify(model, "mono", 0.8, mode="ideal", path="masked")
+    countdown.sparsify(model, "mono", 0.8, path="masked")
     try:
         masks = record_masks(model, held, n_tokens=8)
     finally:
         countdown.unsparsify(model)
     assert masks.shape == (2, 8, 97) and masks.dtype == torch.bool
-    assert (masks.sum(-1) == countdown.methods.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
+    assert (masks.sum(-1) == countdown.sparse_methods.registry.kept_rows(97, 0.8)).all()  # SP-Ideal keeps exactly n rows
 
 
 def test_quality_grid_resumes_and_skips_what_it_cannot_build(tmp_path):

@@ -24,7 +24,7 @@ from .store import (SPARSITY_TOL, ArtifactError, Artifacts, load_artifacts, mode
 from ..io import check_writable
 from ..model.gated_mlp import require_gated_mlps
 from ..options import check, check_optional
-from ..methods.registry import Method, get_method, sparsity_list
+from ..sparse_methods.registry import Method, get_method, sparsity_list
 from ..selectors.stream import (DEFAULT_REFINE_TOKENS, DEFAULT_WINDOW, check_unpatched, first_windows, resolve_texts, token_windows)
 from ..selectors.base import DEFAULT_KIND, KINDS, FitContext, check_selection, default_kind, get_kind, kinds_for  # noqa: F401
 from ..selectors.cuts import refine_cuts

@@ -35,7 +35,7 @@ import torch
 from ..model.fingerprint import dtype_name, model_fingerprint, model_meta, model_probe, other_weights  # noqa: F401
 from ..io import atomic_path, entry_kind, read_safetensors, refuse_special
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import Method, check_sparsity, get_method
+from ..sparse_methods.registry import Method, check_sparsity, get_method
 
 FORMAT = "countdown-artifacts"
 FORMAT_VERSION = 2

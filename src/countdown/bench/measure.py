@@ -47,7 +47,7 @@ def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, floa
 
     def hook(module, args, keep):
         if isinstance(keep, tuple):  # teal: (keep_x, keep_s), weighted by the weights each entry skips
-            from ..methods.teal import kept_fractions as input_kept
+            from ..sparse_methods.teal import kept_fractions as input_kept
 
             token, both = input_kept(*keep)
             per_token.append(token)

@@ -62,7 +62,7 @@ class BenchSettings:
         as ``--texts`` reads them (a source name or a file path; a list of strings is the text itself)."""
         from ..data.texts import as_texts
         from ..options import check_all, check_optional
-        from ..methods.registry import sparsity_list
+        from ..sparse_methods.registry import sparsity_list
 
         self.ks = sparsity_list(self.ks)
         check_all(window=self.window, batch=self.batch, prompt=self.prompt, max_new_tokens=self.new_tokens,

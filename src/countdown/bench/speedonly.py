@@ -90,7 +90,7 @@ def random_artifacts(model, spec: str | Spec, ks: list[float], seed: int = 7):
     and cuts that keep every row: call :func:`fit_cuts_on_decode` next."""
     from ..artifacts.store import Artifacts, new_meta
     from ..model.gated_mlp import require_gated_mlps
-    from ..methods.registry import get_method
+    from ..sparse_methods.registry import get_method
 
     spec = parse_spec(spec).resolved()
     if spec.kind not in RANDOM_KINDS:

@@ -15,7 +15,7 @@ from .prac import add_prac_commands
 
 def cmd_methods(args) -> int:
     from ..selectors.base import kinds_for
-    from ..methods.registry import get_method, methods
+    from ..sparse_methods.registry import get_method, methods
     from ..spec import parse_spec, spec_forms
 
     for name in methods():
@@ -38,7 +38,7 @@ def _validated_method(args):
     """Check the method spec, sparsity, mode, artifacts and model argument before the (slow) model load; returns
     the spec, which says SP-Ideal or SP-Prac by itself (a deprecated ``--mode`` folded in, with a warning on
     stderr), and sets ``args.mode`` to its mode."""
-    from ..methods.registry import check_sparsity, get_method
+    from ..sparse_methods.registry import check_sparsity, get_method
     from ..patch.sparsify import check_artifacts_given, mode_warning, with_mode
     from ..spec import parse_spec
 

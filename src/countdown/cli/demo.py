@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..eval.grid import DEFAULT_SPARSITIES, environment_key, markdown_table, plot, run_environment, run_grid
-from ..methods.registry import methods as method_names
+from ..sparse_methods.registry import methods as method_names
 from ..patch.sparsify import sparsify, unsparsify
 from ..spec import parse_spec
 
@@ -52,7 +52,7 @@ def prac_artifacts(model, tokenizer, methods: Sequence[str], sparsities: Sequenc
     """SP-Prac artifacts for each method (thresholds or predictors), built once and cached."""
     from ..artifacts.prepare import prepare
     from ..data.texts import cache_root
-    from ..methods.registry import get_method
+    from ..sparse_methods.registry import get_method
 
     cache = cache_root() / "artifacts"
     arts = {}
@@ -80,7 +80,7 @@ def run_demo(model_name: str = "smollm2-135m", sparsities: Sequence[float] = DEF
     cpu)."""
     from ..io import claim_output
     from ..options import check
-    from ..methods.registry import sparsity_list
+    from ..sparse_methods.registry import sparsity_list
 
     max_tokens = check("max_tokens", max_tokens)  # the numbers before any work (countdown.options.RANGES)
     sparsities = sparsity_list(list(sparsities))

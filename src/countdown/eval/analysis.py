@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..methods.registry import check_sparsity, kept_rows
+from ..sparse_methods.registry import check_sparsity, kept_rows
 
 SIGNALS = ("u", "h")
 FACTORS = ("cif_alive", "cif_dead", "caf_alive", "caf_dead")

@@ -13,7 +13,7 @@ FLOPs (paper, "Theoretical FLOPs Analysis"; a GEMV of an ``a x b`` matrix costs 
     dual   2 d_m d_r + 2 d_r d_i + d_i + 6 d_m s + c_act s + s
     teal   2 d_m + 4 d_i s_x + c_act d_i + d_i + 2 d_i + 2 d_m s
 
-with, for teal (not in the paper; TEAL skips inputs, :mod:`countdown.methods.teal`), ``s_x = int(d_m (1 - k))``
+with, for teal (not in the paper; TEAL skips inputs, :mod:`countdown.sparse_methods.teal`), ``s_x = int(d_m (1 - k))``
 kept entries of x (columns of W_gate and W_up) and ``s`` kept entries of the intermediate (columns of
 W_down): uniform k on both, so its weight traffic ``2 d_i s_x + d_m s`` is the share ``1 - k`` of
 the three matrices, as for the row methods.
@@ -34,7 +34,7 @@ Deja Vu is left out: the paper gives no cost formulas for it.
 
 from __future__ import annotations
 
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 
 METHODS = ("dense", "cats", "mono", "dual", "teal")
 _MEGA = 1e6

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 
 TOPK_MODES = ("exact", "shard")
 # Per-row tensors of the SP-Prac selectors, by buffer name -> the dimension that runs over d_inter.
@@ -275,7 +275,7 @@ def topk_gap(mlp, method, x: torch.Tensor, sparsity: float, world: int) -> dict:
     """Exact global top-k against per-shard top-k on one UNSHARDED Gated-MLP, ``world`` shards
     simulated on one process (the masks depend only on the rows, not on where they run).
 
-    mlp: a :class:`countdown.model.gated_mlp.GatedMLP`; method: a :class:`countdown.methods.registry.Method`;
+    mlp: a :class:`countdown.model.gated_mlp.GatedMLP`; method: a :class:`countdown.sparse_methods.registry.Method`;
     x ``[N, d_model]``. Returns ``{"mask_differs": fraction of (token, row) entries whose keep bit
     differs, "recall": fraction of the exact mask's rows the per-shard mask keeps, "output_rel_err":
     ||y_shard - y_exact|| / ||y_exact||, "dense_rel_err": ||y_exact - y_dense|| / ||y_dense|| (for

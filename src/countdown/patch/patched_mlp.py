@@ -5,7 +5,7 @@ module's ``forward`` at it. This base holds the layer's view, the shared state, 
 Sparsity-Real counters, and routes each forward: dense where the state says so (the prompt with
 ``scope="decode"``), the Triton kernels where they apply, else the ``gather`` or ``masked`` path.
 The subclasses say what is skipped: :class:`countdown.patch.sparsify.SparseGatedMLP` rows of d_inter,
-:class:`countdown.methods.teal.InputSparseGatedMLP` entries of the projections' inputs (TEAL).
+:class:`countdown.sparse_methods.teal.InputSparseGatedMLP` entries of the projections' inputs (TEAL).
 """
 
 from __future__ import annotations

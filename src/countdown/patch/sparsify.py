@@ -1,7 +1,7 @@
 """Patching a model so that its Gated-MLPs skip rows, and restoring it.
 
 ``sparsify`` attaches a :class:`SparseGatedMLP` (or, for a method that skips inputs rather than rows,
-TEAL, a :class:`countdown.methods.teal.InputSparseGatedMLP`) to every Gated-MLP module and points the module's
+TEAL, a :class:`countdown.sparse_methods.teal.InputSparseGatedMLP`) to every Gated-MLP module and points the module's
 ``forward`` at it; parameters, their names and the module tree stay as they were, so
 ``unsparsify`` only has to undo two attributes and the original computation comes back bit for bit.
 
@@ -30,11 +30,11 @@ from ..model.gated_mlp import GatedMLP, require_gated_mlps
 from .patched_mlp import PatchedMLP
 from ..selectors.base import KINDS, RowSelector, selectors_for
 from ..artifacts.store import ArtifactError, Artifacts, load_artifacts, method_mismatch, read_meta
-from ..methods.registry import Method, check_sparsity, get_method, kept_rows
+from ..sparse_methods.registry import Method, check_sparsity, get_method, kept_rows
 from ..spec import DEFAULT_SCOPE, SCOPES, Spec, artifact_spec, check_artifact, parse_spec, resolve_mode
 from .state import (STATE_ATTR, AlreadySparsifiedError, NotSparsifiedError, SparsityState, dense_prefix,
                     is_sparsified, mark_prompt_pass, reset_sparsity_stats, sparsity_real, state_of)
-from ..methods.teal import InputSparseGatedMLP, TealTopK, refuse_teal_sharded
+from ..sparse_methods.teal import InputSparseGatedMLP, TealTopK, refuse_teal_sharded
 from ..model.tensor_parallel import shard_selectors
 
 PATHS = ("auto", "masked", "gather", "kernel")
@@ -231,7 +231,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         thresholds / trained predictors from ``artifacts``, whose kind it must be. A :class:`~countdown.spec.Spec`
         may carry k and the scope (``parse_spec("dual[shadow4]", k=0.5)``).
     sparsity: k in (0, 1), the fraction of ``d_inter`` rows skipped per token (ignored for dense; teal: the
-        fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.methods.teal`); default the spec's.
+        fraction of the entries of x and of s = u * act(g) skipped, see :mod:`countdown.sparse_methods.teal`); default the spec's.
     mode: deprecated (it warns; it goes in the next release): ``"prac"`` with a plain method takes the artifact's
         kind, ``"ideal"`` with a kind is refused. Write the spec instead.
     scope: ``"decode"`` (the default, the paper's setting: the prompt, i.e. any forward that starts

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..kernels.config import KernelOptions
-from ..methods.registry import Method
+from ..sparse_methods.registry import Method
 
 STATE_ATTR = "_countdown_state"
 _SERIALS = itertools.count()  # one number per sparsify call: what a prepared decode step is keyed on
@@ -159,7 +159,7 @@ def reset_sparsity_stats(model: nn.Module) -> None:
 def sparsity_real(model: nn.Module) -> dict:
     """Fraction of rows actually skipped since the model was patched or the stats last reset (teal: the
     fraction of the Gated-MLP's weights its skipped inputs leave unread, ``(2 k_x + k_s) / 3``, see
-    :mod:`countdown.methods.teal`; both are the share of the three matrices a token does not need).
+    :mod:`countdown.sparse_methods.teal`; both are the share of the three matrices a token does not need).
 
     Returns ``{"mean": float, "per_layer": [float, ...], "target": k}``: the mean is over every sparse
     token of every layer (layers weigh equally since each sees the same tokens). Layers that saw no

@@ -33,7 +33,7 @@ from .. import kernels
 from ..artifacts.store import ArtifactError, Artifacts, check_artifacts, load_artifacts
 from ..model.gated_mlp import GatedMLP
 from ..options import check
-from ..methods.registry import Method, get_method
+from ..sparse_methods.registry import Method, get_method
 
 # The kinds' numeric options and their ranges in countdown.options.RANGES (the same as the command line's)
 KIND_OPTION_RANGES = {"d_rank": "d_rank", "epochs": "epochs", "pos_weight": "pos_weight", "bits": "bits",

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..artifacts.store import Artifacts
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import Method, kept_rows
+from ..sparse_methods.registry import Method, kept_rows
 from ..patch.sparsify import sparsify, unsparsify, with_mode
 from .stream import POOLED_SAMPLES, pooled_sample, stream_mlp_inputs, token_quantiles
 from .base import get_kind, selectors_for

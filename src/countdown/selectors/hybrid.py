@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..artifacts.store import ArtifactError, sparsity_key
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 from .stream import like
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture

@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.route import route
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 from .base import register_kind, select
 from .hybrid import LowRankFactors, full_rank, resolve_rank
 from .train import TrainedKind

@@ -42,7 +42,7 @@ from ..int4.format import GROUPS
 from ..int4.nested import nbytes as nested_bytes
 from ..patch.mixed_mlp import ACT_GRADS, FloatPlanes, MixedGatedMLP, NestedPlanes, error_constants, ranking_score, row_score
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture
 from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule

@@ -13,7 +13,7 @@ from torch import nn
 from ..artifacts.store import Artifacts, load_artifacts, sparsity_key
 from ..decode.generate import generate_fast
 from ..model.gated_mlp import GatedMLP, require_gated_mlps
-from ..methods.registry import get_method, kept_rows
+from ..sparse_methods.registry import get_method, kept_rows
 from ..patch.sparsify import sparsify, unsparsify, with_mode
 from ..patch.state import sparsity_real, state_of
 from .stream import DEFAULT_WINDOW, stream_mlp_inputs, token_windows

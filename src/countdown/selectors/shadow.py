@@ -28,7 +28,7 @@ from .. import kernels
 from ..artifacts.store import ArtifactError, sparsity_key
 from ..kernels.shadow.format import BITS, dequantize, pack_bits, quantize_rtn, shadow_bytes, unpack_bits
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 from .base import RowSelector, SelectorKind, register_kind, select
 from .capture import fit_by_capture
 from .cuts import CUT_RULES, calibrated_cuts, check_cut_rule

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import Method
+from ..sparse_methods.registry import Method
 from ..patch.state import AlreadySparsifiedError, is_sparsified
 from ..model.tensor_parallel import refuse_sharded
 

@@ -6,7 +6,7 @@ sparsity l the threshold is the l-quantile of |x| (its code reads ``icdf(0.5 + l
 histogram, the same number for a distribution symmetric about 0; we take the quantile of |x| itself).
 
 **Allocation** (``allocation="greedy"``, the default; TEAL's block-wise greedy optimisation). A layer's
-Sparsity-Real is ``(2 l_x + l_s) / 3`` (x feeds two matrices, s one: :mod:`countdown.methods.teal`). Starting
+Sparsity-Real is ``(2 l_x + l_s) / 3`` (x feeds two matrices, s one: :mod:`countdown.sparse_methods.teal`). Starting
 from nothing skipped, each step raises either l_x by ``1.5 step`` or l_s by ``3 step`` (each adds
 ``step`` to the layer's Sparsity-Real, as TEAL's steps are scaled by each projection's weight count),
 whichever moves the layer's output least (mean over tokens of ||y_sparse - y_dense||, on
@@ -36,7 +36,7 @@ from ..artifacts.store import ArtifactError, sparsity_key
 from ..model.gated_mlp import GatedMLP
 from ..patch.sparsify import sparsify, unsparsify, with_mode
 from .stream import like, pooled_sample, stream_mlp_inputs
-from ..methods.teal import InputSelector
+from ..sparse_methods.teal import InputSelector
 from .base import SelectorKind, register_kind
 from .capture import fit_by_capture
 from .cuts import pooled_cut

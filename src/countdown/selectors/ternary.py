@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ..methods.registry import kept_rows
+from ..sparse_methods.registry import kept_rows
 from .base import RowSelector, register_kind, select
 from .train import TrainedKind
 

@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..artifacts.store import ArtifactError, Artifacts
 from ..model.gated_mlp import GatedMLP
-from ..methods.registry import Method, kept_rows
+from ..sparse_methods.registry import Method, kept_rows
 from .stream import indicator_of, stream_mlp_inputs
 from .base import FitContext, RowSelector, SelectorKind, register_kind
 from .cuts import CUT_RULES, CutEstimator

@@ -25,7 +25,7 @@ from torch import nn
 from ..artifacts.store import ArtifactError, sparsity_key
 from ..model.gated_mlp import GatedMLP
 from ..nonfinite import check_finite
-from ..methods.registry import Method, kept_rows
+from ..sparse_methods.registry import Method, kept_rows
 from .stream import indicator_of
 from .base import SelectorKind
 from .capture import fit_by_capture

@@ -16,7 +16,7 @@ import torch
 from ..agreement import default_prompts
 from ...io import check_writable_dir
 from ...options import check, check_all, check_optional
-from ...methods.registry import check_sparsity
+from ...sparse_methods.registry import check_sparsity
 from . import measure, offline
 from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_TASKS, MODES, CellSpec,
                     agreement_setting, column_label, format_k, lmeval_setting, model_label, parse_methods,

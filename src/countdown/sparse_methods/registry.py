@@ -30,7 +30,7 @@ class Method:
     ``prac`` names how SP-Prac picks rows without the full indicator: ``"threshold"`` (a calibrated
     per-layer cut on the indicator itself) or ``"predictor"`` (a trained predictor from ``x``).
     ``structure`` says what one keep decision skips: ``"rows"`` (one index of d_inter: a row of W_gate
-    and W_up and a column of W_down) or ``"inputs"`` (TEAL, :mod:`countdown.methods.teal`: an entry of the
+    and W_up and a column of W_down) or ``"inputs"`` (TEAL, :mod:`countdown.sparse_methods.teal`: an entry of the
     input x skips that column of W_gate and W_up, an entry of s = u * act(g) that column of W_down;
     its indicator is not a per-row score and is never called).
     """
@@ -67,7 +67,7 @@ def _signed_h(u, h):
 
 def _inputs_not_rows(u, h):
     raise TypeError("teal keeps entries of the inputs x and s = u * act(g), not rows of d_inter: it has no "
-                    "per-row indicator (countdown.methods.teal computes its masks)")
+                    "per-row indicator (countdown.sparse_methods.teal computes its masks)")
 
 
 _REGISTRY: dict[str, Method] = {}
