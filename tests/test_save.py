@@ -50,7 +50,7 @@ def test_a_saved_sparsified_model_loads_back_the_same(shadow, tmp_path, how):
     assert record == {"quant_method": "countdown", "format_version": 3, "countdown": countdown.__version__,
                       "spec": "dual[shadow4]", "method": "dual", "kind": "shadow", "options": {"bits": 4},
                       "mode": "prac", "k": 0.7, "scope": "decode", "path": "auto", "artifacts": ARTIFACTS_NAME,
-                      "weights": None}
+                      "weights": None, "nested": None}
     assert (folder / ARTIFACTS_NAME).is_file() and not (folder / CONFIG_NAME).exists()
     back, _ = countdown.load_model(folder)
     assert countdown.is_sparsified(back) and countdown.Spec.of(back) == countdown.parse_spec("dual[shadow4]", 0.7, "decode")
