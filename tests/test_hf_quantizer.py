@@ -24,7 +24,7 @@ from test_calibrate import TOK, word_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[1, 17, 4, 99, 23, 56, 8, 71, 30]]
-KINDS = ("dual[shadow4]", "int4", "int4 + dual[shadow4]")
+KINDS = ("dual[shadow4]", "int4", "int4 + dual[shadow4]", "dual[mixed]")
 
 # Greedy tokens and the logits of every step (the prompt's first), as the fresh process computes them.
 DECODE = """
@@ -39,13 +39,17 @@ exec(DECODE)
 
 
 def _build(kind: str):
-    model = tiny_model("llama", intermediate_size=96)
+    model = tiny_model("llama", intermediate_size=128)
     if "int4" in kind:
         countdown.quantize(model, group=32)
     if "shadow4" in kind:
         art = countdown.prepare(model, TOK, "dual[shadow4]", 0.5, texts=word_texts(0), num_tokens=256, window=64,
                                 progress=False)
         countdown.sparsify(model, "dual[shadow4]", 0.5, artifacts=art)
+    if "mixed" in kind:  # nested 8-bit MLPs (made by prepare), kept rows at 8 bits, the rest at 4
+        art = countdown.prepare(model, TOK, "dual[mixed]", 0.5, texts=word_texts(0), num_tokens=256, window=64,
+                                progress=False)
+        countdown.sparsify(model, "dual[mixed]", 0.5, artifacts=art)
     return model
 
 
@@ -53,7 +57,7 @@ def _build(kind: str):
 def saved(tmp_path_factory):
     """{kind: (folder, tokens, logits of the model as saved)}, and the dense float model's under "dense"."""
     root = tmp_path_factory.mktemp("hf")
-    out = {"dense": (None, *decode(tiny_model("llama", intermediate_size=96)))}
+    out = {"dense": (None, *decode(tiny_model("llama", intermediate_size=128)))}
     for kind in KINDS:
         model = _build(kind)
         folder = root / kind.replace(" + ", "-").replace("[", "-").replace("]", "")
@@ -132,7 +136,7 @@ def test_save_pretrained_of_a_loaded_model_writes_the_same_record(saved, tmp_pat
     record = json.loads((folder / "config.json").read_text())["quantization_config"]
     written = json.loads((tmp_path / "again" / "config.json").read_text())
     assert written["quantization_config"] == record and "countdown_int4" not in written  # one record
-    assert (tmp_path / "again" / ARTIFACTS_NAME).is_file() == ("shadow4" in kind)
+    assert (tmp_path / "again" / ARTIFACTS_NAME).is_file() == ("shadow4" in kind or "mixed" in kind)  # an SP-Prac artifact
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     assert torch.equal(decode(back)[0], tokens)
     assert torch.equal(decode(back)[1], decode(model)[1])  # loaded the same way: bit for bit
