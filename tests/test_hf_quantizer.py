@@ -1,7 +1,7 @@
 """countdown's transformers quantizer: in a fresh process, ``import countdown`` then
 ``AutoModelForCausalLM.from_pretrained(folder)`` gives the model ``countdown.save`` wrote (the same greedy tokens
 and the same logits at every step: the prompt's, dense on a scope="decode" model, and each decode step's) for a
-sparsified SP-Prac model, a 4-bit one and a 4-bit sparsified one; what transformers alone does with such a folder;
+sparsified SP-Prac model, a 4-bit one, a 4-bit sparsified one and a dual[mixed] one (nested 8-bit MLPs); what transformers alone does with such a folder;
 ``save_pretrained`` of a loaded model writes the same record; the quantizer's side effects (``is_quantized``,
 ``.half()``) and what sparsify / unsparsify make of them; the artifact found beside the weights or on the hub."""
 
