@@ -129,3 +129,58 @@ def test_the_op_counts_the_refined_rows():
     assert int(rows) == d_inter and float(kept) == int(cnt.sum())
     torch.testing.assert_close(y, nested_rows.mixed_mlp(x, *args, torch.tensor(0.02, device=DEV), "silu",
                                                         residual=h), atol=0, rtol=0)
+
+
+def _launches(calls):
+    import countdown.kernels as K
+
+    return K.overrides(on_launch=lambda name, *a: calls.append(name) if name.startswith("int4_nested") else None)
+
+
+def test_the_4bit_step_takes_the_mixed_kernels():
+    """A model whose MLPs are nested (to_nested) and whose other Linears are 4-bit (quantize), dual[mixed] with
+    calibrated cuts: the folded 4-bit step (fastest_step, as countdown.generate prepares it) runs each MLP on the
+    mixed kernels, counts the refined rows, and decodes as the patch's own forward does within the kernels'
+    rounding; unsparsified, the same kernels read the 8-bit MLP whole (every row refined)."""
+    from conftest import captured_logits, tiny_model
+    from test_calibrate import TOK, word_texts
+
+    import countdown
+    from countdown.decode.generate import generate_fast
+    from countdown.decode.linears import fastest_step
+    from countdown.int4.nested_model import to_nested
+
+    model = to_nested(tiny_model("llama", intermediate_size=128))
+    countdown.quantize(model, group=32, lm_head=True)
+    art = countdown.prepare(model, TOK, "dual[mixed]", [0.8], texts=word_texts(0), num_tokens=256, window=64,
+                            progress=False)
+    countdown.sparsify(model, "dual[mixed]", 0.8, artifacts=art, path="masked")  # the patch's own forward
+    model = model.to(DEV)
+    prompt = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
+    with captured_logits(model) as want:
+        ref, _ = generate_fast(model, prompt, 4, compile=False)
+    countdown.unsparsify(model)
+    with captured_logits(model) as want8:
+        ref8, _ = generate_fast(model, prompt, 4, compile=False)  # the 8-bit model's own forward
+    countdown.sparsify(model, "dual[mixed]", 0.8, artifacts=art)
+    fastest_step(model)
+    n_layers = model.config.num_hidden_layers
+    try:
+        calls = []
+        countdown.reset_sparsity_stats(model)
+        with _launches(calls), captured_logits(model) as got:
+            out, _ = generate_fast(model, prompt, 4, compile=False)
+        assert calls == ["int4_nested_low_gate_up", "int4_nested_low_down"] * 3 * n_layers  # 3 decode steps
+        assert 0.5 < countdown.sparsity_real(model)["mean"] < 0.95
+        for g, w in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g[:, -1], w[:, -1], atol=5e-2, rtol=5e-2)
+        countdown.unsparsify(model)
+        fastest_step(model)
+        calls.clear()
+        with _launches(calls), captured_logits(model) as got8:
+            out8, _ = generate_fast(model, prompt, 4, compile=False)
+        assert len(calls) == 2 * 3 * n_layers
+        for g, w in zip(got8[1:], want8[1:]):
+            torch.testing.assert_close(g[:, -1], w[:, -1], atol=5e-2, rtol=5e-2)
+    finally:
+        fastest_step(model, on=False)
