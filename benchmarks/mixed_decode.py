@@ -163,45 +163,60 @@ def main(argv=None) -> None:
             log(f"{name:22s} k={k:<5} {tps:8.1f} tokens/s {ms:7.3f} ms  mlp {row['mlp_us']} us  {nbytes / 1e6:.1f} MB")
 
     ids = torch.randint(3, 250, (1, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.no_grad():
-        model = bf16_model(device)
-        model.generation_config.eos_token_id = None
-        d_model, d_inter = model.config.hidden_size, model.config.intermediate_size
-        if "bf16" in todo:
-            add("bf16", 0.0, timed(model, ids, args.new_tokens, args.repeats), mlp_us(model, mlp_inputs(model, ids),
-                                                                                      device),
-                mlp_bytes(d_model, d_inter, "bf16", 0))
-        if "int4" in todo:
-            countdown.quantize(model, group=GROUP, lm_head=True)
-            add("int4", 0.0, timed(model, ids, args.new_tokens, args.repeats),
-                mlp_us(model, mlp_inputs(model, ids), device, args.profile), mlp_bytes(d_model, d_inter, "int4", 0))
-        if "int8" in todo or "mixed" in todo:
-            del model
-            torch.cuda.empty_cache() if device == "cuda" else None
-            from countdown.int4.nested_model import to_nested
 
-            model = to_nested(bf16_model(device), group=GROUP)
-            model.generation_config.eos_token_id = None
-            countdown.quantize(model, group=GROUP, lm_head=True)
-        if "int8" in todo:
-            add("int8", 0.0, timed(model, ids, args.new_tokens, args.repeats),
-                mlp_us(model, mlp_inputs(model, ids), device), mlp_bytes(d_model, d_inter, "int8", 0))
-        if "mixed" in todo:
-            art = countdown.prepare(model, ByteTokenizer(), "dual[mixed]", list(KS), texts=texts(),
-                                    num_tokens=512 if device == "cuda" else 128, window=64, refine=False,
-                                    progress=False)
-            countdown.sparsify(model, "dual[mixed]", KS[1], artifacts=art)
-            patches = [layer.mlp.countdown_sparse for layer in model.model.layers]
+    def stage(name, fn):  # a configuration that fails is reported, the others still run
+        if name not in todo:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            log(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+
+    def dense(config, model):
+        add(config, 0.0, timed(model, ids, args.new_tokens, args.repeats),
+            mlp_us(model, mlp_inputs(model, ids), device, args.profile and config == "int4"),
+            mlp_bytes(d_model, d_inter, config, 0))
+
+    def mixed(model):
+        art = countdown.prepare(model, ByteTokenizer(), "dual[mixed]", list(KS), texts=texts(),
+                                num_tokens=512 if device == "cuda" else 128, window=64, refine=False, progress=False)
+        countdown.sparsify(model, "dual[mixed]", KS[1], artifacts=art)
+        patches = [layer.mlp.countdown_sparse for layer in model.model.layers]
+        try:
             for k in (KS[1], KS[0], KS[2]):  # the compiled step reads the cuts in place
                 for i, patch in enumerate(patches):
                     patch.selector.cut.copy_(art.layer_tensors(k, i)["cut"].reshape(()))
                 countdown.reset_sparsity_stats(model)
                 stats = timed(model, ids, args.new_tokens, args.repeats)
                 real = countdown.sparsity_real(model)["mean"]
-                xs = mlp_inputs(model, ids) if device == "cuda" else []
-                us = mlp_us(model, xs, device, args.profile and k == KS[1])
+                us = mlp_us(model, mlp_inputs(model, ids), device, args.profile and k == KS[1])
                 log(f"dual[mixed] k={k}: Sparsity-Real {real:.4f} (rows left at 4 bits, decode steps)")
                 add("dual[mixed]", k, stats, us, mlp_bytes(d_model, d_inter, "mixed", 1 - real))
+        finally:
+            countdown.unsparsify(model)
+
+    with torch.no_grad():
+        model = bf16_model(device)
+        model.generation_config.eos_token_id = None
+        d_model, d_inter = model.config.hidden_size, model.config.intermediate_size
+        countdown.quantize(model, group=GROUP, lm_head=True)
+        stage("int4", lambda: dense("int4", model))
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+        from countdown.int4.nested_model import to_nested
+
+        model = to_nested(bf16_model(device), group=GROUP)
+        model.generation_config.eos_token_id = None
+        countdown.quantize(model, group=GROUP, lm_head=True)
+        stage("mixed", lambda: mixed(model))
+        stage("int8", lambda: dense("int8", model))  # unsparsify's result: the 8-bit MLPs read whole
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+        model = bf16_model(device)
+        model.generation_config.eos_token_id = None
+        stage("bf16", lambda: dense("bf16", model))
     base = {r["config"]: r["tokens_per_s"] for r in rows}
     log("\nratios (tokens/s):")
     for r in rows:
