@@ -106,6 +106,10 @@ def mlp_us(model, xs, device: str, profile: bool = False) -> float:
     sys.path.insert(0, os.path.dirname(__file__))
     from harness.timing import time_graph
 
+    for layer in model.model.layers:  # after mlp_inputs' prompt pass a patch computes dense: these are decode calls
+        patch = getattr(layer.mlp, "countdown_sparse", None)
+        if patch is not None and patch.state is not None:
+            patch.state.prompt_pass = False
     calls = [(lambda mlp=layer.mlp, x=x: mlp(x)) for layer, x in zip(model.model.layers, xs)]
     with torch.no_grad():
         us = time_graph(calls, device=device)
