@@ -33,6 +33,7 @@ from ..int4 import Int4Linear, stack
 from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model
 from .attention import _QKV4, attend, cache_of, decode_layer
 from .layer import _BEFORE as LAYER_BEFORE
+from .nested_step import drop as drop_nested, high_parts, is_nested, mixed_step, nested_entry, nested_parts
 
 _GU = "_countdown_int4_mlp"   # (stacked gate/up, down, activation name, activation) in the MLP's __dict__
 _BEFORE = "_countdown_int4_mlp_before"
@@ -40,7 +41,10 @@ _ROWS = "_countdown_int4_rows"  # (rule, indicator module, other module, W_down^
 
 
 def has_int4(model: nn.Module) -> bool:
-    return any(isinstance(m, Int4Linear) for m in model.modules())
+    """Whether the model has 4-bit Linears or nested 8-bit ones (whose high planes are 4-bit: nested_step.py)."""
+    from ..int4.nested_linear import NestedLinear
+
+    return any(isinstance(m, (Int4Linear, NestedLinear)) for m in model.modules())
 
 
 def _mlp_forward(self, x):
@@ -51,6 +55,11 @@ def _mlp_forward(self, x):
     if one_token(x) and backend_of(gate_up) == backend_of(down) == "countdown":
         from ..kernels.common import available
 
+        if is_nested(self):  # nested 8-bit: the mixed kernels, every row refined (or none: read="high")
+            if available(x):
+                zero = x.new_zeros((1, x.shape[-1]))
+                return mixed_step(self, zero, x.reshape(1, -1), gate_up, down, act_name).view(x.shape)
+            return getattr(self, _BEFORE)(x)
         rows = self.__dict__.get(_ROWS)
         if rows is not None and available(x):  # sparse rows, or a W_down held transposed (every row kept)
             zero = x.new_zeros((1, x.shape[-1]))  # no residual here: the MLP's output alone (+ bias)
@@ -58,7 +67,7 @@ def _mlp_forward(self, x):
         if available(x) and not down.transposed:
             gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
             return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
-    if one_token(x):
+    if one_token(x) and not is_nested(self):
         g, u = gate_up(x).split(down.in_features, -1)
         return down(act(g) * u)
     return getattr(self, _BEFORE)(x)
@@ -95,6 +104,11 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     h, x = torch.ops.countdown.decode_add_norm(h, gemv_partials(a.reshape(1, -1), o), o.bias, post.weight,
                                                float(post.variance_epsilon))
     patch = _patch_of(mlp, x)
+    if is_nested(mlp):  # nested 8-bit: the mixed kernels (a mixed patch's cut, or the MLP read whole)
+        out = mixed_step(mlp, h, x, gate_up, down, act_name, patch) if patch is not _MASKED else None
+        if out is None:
+            out = h + mlp(x.view_as(hidden_states)).reshape(1, -1)
+        return out.view_as(hidden_states)
     if patch is not None:  # sparsified (countdown.sparsify), before or after this step was set up
         rule = _patch_rule(patch, down)
         if rule is None:  # a patch the kept-rows kernel does not serve: the patched module's own forward
@@ -252,8 +266,8 @@ def _mlps(model: nn.Module):
 
     for g in find_gated_mlps(model):
         parts = [getattr(g.module, n) if n else None for n in (g.gate, g.up, g.down)]
-        if g.tp is None and g.fused is None and all(isinstance(p, Int4Linear) for p in parts) \
-                and g.act_name in ("silu", "gelu_tanh"):
+        if g.tp is None and g.fused is None and g.act_name in ("silu", "gelu_tanh") \
+                and (all(isinstance(p, Int4Linear) for p in parts) or nested_parts(parts)):
             yield g, parts
 
 
@@ -271,6 +285,7 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         fold_norms(model, False)
         for module in model.modules():
             module.__dict__.pop(_ROWS, None)
+            drop_nested(module)
             if module.__dict__.pop(_GU, None) is not None:
                 if module.__dict__.pop(_BEFORE, None) is not None \
                         and getattr(module.__dict__.get("forward"), "__func__", None) is _mlp_forward:
@@ -279,16 +294,21 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         fuse_attention(model, False)
         return changed
     fuse_attention(model)
-    from ..kernels.int4 import rows  # noqa: F401  (registers countdown::int4_kept_rows: Triton)
+    from ..kernels.int4 import nested_rows, rows  # noqa: F401  (register countdown::int4_kept_rows and
+    # countdown::int4_nested_mixed_mlp: Triton)
 
     for g, (gate, up, down) in _mlps(model):
         module = g.module
         if _GU in module.__dict__:
             continue
-        try:
-            gate_up = stack([gate, up])
-        except ValueError:
-            continue
+        if nested_parts((gate, up, down)):  # the high planes as 4-bit Linears, the low planes beside them
+            nested_entry(module, (gate, up, down))
+            gate_up, down = high_parts((gate, up, down))
+        else:
+            try:
+                gate_up = stack([gate, up])
+            except ValueError:
+                continue
         module.__dict__[_GU] = (gate_up, down, g.act_name, g.act)
         if down.transposed:
             module.__dict__[_ROWS] = _keep_all(module)

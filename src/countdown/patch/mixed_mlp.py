@@ -19,8 +19,8 @@ weight, no float copy) or :class:`FloatPlanes` (the float Linears as loaded plus
 Paths (``countdown.sparsify``'s): ``masked`` computes both precisions for every row and picks per row (prompt rows of
 a dense prefix are all kept: the 8-bit model's own numbers, up to float32 summation order); ``gather`` computes
 the high planes in full and the full-precision weights of the batch's kept rows only (per token, a row kept by
-another token stays at 4 bits, so both paths compute the same function). No Triton kernel yet: the decode step's
-kernels (issue 58, item 3) read the planes as ``mixed_mlp_ref`` computes them.
+another token stays at 4 bits, so both paths compute the same function). One-token decode steps on CUDA take the
+kernels of ``kernels/int4/nested_rows.py`` (``decode/nested_step.py``), which compute as ``mixed_mlp_ref`` does.
 """
 
 from __future__ import annotations
@@ -173,7 +173,19 @@ class MixedGatedMLP(SparseGatedMLP):
     """The patch of one Gated-MLP under a mixed-rows selector (the module docstring): nothing skipped."""
 
     def _selector_has_kernel(self) -> bool:
-        return False  # the decode step's kernels are issue 58's item 3
+        # the one-token kernels (kernels/int4/nested_rows.py) on an MLP the 4-bit decode step has taken
+        # (countdown.generate's step on CUDA: decode/nested_step.py); a folded layer calls them without this
+        from ..decode.nested_step import serves
+
+        return serves(self)
+
+    def _kernel_ready(self, x2: torch.Tensor, path: str) -> bool:
+        return x2.shape[0] == 1 and super()._kernel_ready(x2, path)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        from ..decode.nested_step import patch_kernel
+
+        return patch_kernel(self, x2)
 
     def _kernel_layout(self, path: str) -> list[torch.Tensor]:
         return []
