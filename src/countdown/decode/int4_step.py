@@ -33,9 +33,9 @@ from ..int4 import Int4Linear, stack
 from ..int4.backends import backend_of, finish, gemv_final, gemv_partials, one_token, prepare_model
 from .attention import _QKV4, attend, cache_of, decode_layer
 from .layer import _BEFORE as LAYER_BEFORE
-from .nested_step import drop as drop_nested, high_parts, is_nested, mixed_step, nested_entry, nested_parts
+from .nested_step import _GU, drop as drop_nested, high_parts, is_nested, mixed_step, nested_entry, nested_parts
 
-_GU = "_countdown_int4_mlp"   # (stacked gate/up, down, activation name, activation) in the MLP's __dict__
+# _GU (nested_step.py): (stacked gate/up, down, activation name, activation) in the MLP's __dict__
 _BEFORE = "_countdown_int4_mlp_before"
 _ROWS = "_countdown_int4_rows"  # (rule, indicator module, other module, W_down^T, state of threshold and counters)
 

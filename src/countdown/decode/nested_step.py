@@ -23,6 +23,7 @@ from torch import nn
 from ..int4 import Int4Linear, stack
 from ..int4.nested_linear import NestedLinear
 
+_GU = "_countdown_int4_mlp"   # the 4-bit step's entry in an MLP's __dict__ (int4_step.py: stacked gate/up, down, act)
 _NESTED = "_countdown_nested_mlp"  # (gate low, up low, down low^T triples, state) in the MLP module's __dict__
 _HIGH = ("high_qweight", "high_scale", "high_offset")
 
@@ -71,11 +72,9 @@ def _words(m: Int4Linear) -> tuple[torch.Tensor, ...]:
 
 
 def _served_patch(patch) -> bool:
-    from ..patch.mixed_mlp import MixedGatedMLP, NestedPlanes
-
-    sel = getattr(patch, "selector", None)
-    return (isinstance(patch, MixedGatedMLP) and isinstance(sel.planes, NestedPlanes) and sel.rank == "shadow"
-            and sel.selection == "cut" and patch.state.path in ("auto", "kernel") and patch.mlp.tp is None)
+    """Whether ``patch`` is a mixed patch the kernels serve (it says so: MixedGatedMLP.kernels_serve)."""
+    says = getattr(patch, "kernels_serve", None)
+    return says is not None and says()
 
 
 def mixed_step(module: nn.Module, h: torch.Tensor, x: torch.Tensor, gate_up: Int4Linear, down: Int4Linear,
@@ -111,15 +110,11 @@ def drop(module: nn.Module) -> None:
 def serves(patch) -> bool:
     """Whether the mixed kernels serve ``patch``'s one-token calls outside a folded layer: a patch they serve, on an
     MLP that ``int4_step`` has taken (its high planes stacked)."""
-    from .int4_step import _GU
-
     return _GU in patch.mlp.module.__dict__ and is_nested(patch.mlp.module) and _served_patch(patch)
 
 
 def patch_kernel(patch, x2: torch.Tensor) -> torch.Tensor:
     """The mixed patch's output for one token ``x2`` [1, d_model] on the mixed kernels (:func:`serves` first)."""
-    from .int4_step import _GU
-
     module = patch.mlp.module
     gate_up, down, act_name, _ = module.__dict__[_GU]
     return mixed_step(module, x2.new_zeros(x2.shape), x2, gate_up, down, act_name, patch)

@@ -231,3 +231,17 @@ def low_columns_ref(s_rows: torch.Tensor, weight: NestedWeight, rows: torch.Tens
         return s_rows @ weight.dequantize_low_rows(rows).to(s_rows.dtype)
     return F.linear(s_rows, weight.dequantize_low_rows(None).index_select(1, rows).to(s_rows.dtype))
 
+
+def mixed_mlp_ref(x: torch.Tensor, gate: NestedWeight, up: NestedWeight, down: NestedWeight, act,
+                  keep: torch.Tensor) -> torch.Tensor:
+    """The mixed Gated-MLP of ``x [tokens, d_model]`` in float64 as the decode kernels compute it: the high planes'
+    products for every row, the low planes' corrections for the kept rows (``keep [tokens, d_inter]``), W_down's high
+    plane on every row's coefficient plus its low plane on the kept rows' coefficients."""
+    x = x.double()
+    plane = {(name, which): w.dequantize(which).double() for name, w in (("gate", gate), ("up", up), ("down", down))
+             for which in ("high", "low")}
+    k = keep.double()
+    u = x @ plane["up", "high"].t() + k * (x @ plane["up", "low"].t())
+    g = x @ plane["gate", "high"].t() + k * (x @ plane["gate", "low"].t())
+    s = u * act(g)
+    return s @ plane["down", "high"].t() + (k * s) @ plane["down", "low"].t()

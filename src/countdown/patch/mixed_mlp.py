@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..int4.nested import NestedWeight, quantize_nested
+from ..int4.nested import NestedWeight, mixed_mlp_ref, quantize_nested  # noqa: F401  (mixed_mlp_ref: its reference, here too)
 from ..int4.nested_linear import NestedLinear
 from ..model.gated_mlp import GatedMLP
 from .sparsify import SparseGatedMLP
@@ -172,6 +172,13 @@ def _bias_rows(bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | 
 class MixedGatedMLP(SparseGatedMLP):
     """The patch of one Gated-MLP under a mixed-rows selector (the module docstring): nothing skipped."""
 
+    def kernels_serve(self) -> bool:
+        """Whether the one-token mixed kernels compute this patch: ranked on the high planes, kept rows over the
+        calibrated cut, a kernel path, not tensor-parallel."""
+        sel = self.selector
+        return (isinstance(sel.planes, NestedPlanes) and sel.rank == "shadow" and sel.selection == "cut"
+                and self.state.path in ("auto", "kernel") and self.mlp.tp is None)
+
     def _selector_has_kernel(self) -> bool:
         # the one-token kernels (kernels/int4/nested_rows.py) on an MLP the 4-bit decode step has taken
         # (countdown.generate's step on CUDA: decode/nested_step.py); a folded layer calls them without this
@@ -233,16 +240,3 @@ class MixedGatedMLP(SparseGatedMLP):
         return y + F.linear(torch.where(kept, u_r * h_r, zero), planes.full_rows("down", rows, high_down).to(dt))
 
 
-def mixed_mlp_ref(x: torch.Tensor, gate: NestedWeight, up: NestedWeight, down: NestedWeight, act,
-                  keep: torch.Tensor) -> torch.Tensor:
-    """The mixed Gated-MLP of ``x [tokens, d_model]`` in float64 as the decode kernels compute it: the high planes'
-    products for every row, the low planes' corrections for the kept rows (``keep [tokens, d_inter]``), W_down's high
-    plane on every row's coefficient plus its low plane on the kept rows' coefficients."""
-    x = x.double()
-    plane = {(name, which): w.dequantize(which).double() for name, w in (("gate", gate), ("up", up), ("down", down))
-             for which in ("high", "low")}
-    k = keep.double()
-    u = x @ plane["up", "high"].t() + k * (x @ plane["up", "low"].t())
-    g = x @ plane["gate", "high"].t() + k * (x @ plane["gate", "low"].t())
-    s = u * act(g)
-    return s @ plane["down", "high"].t() + (k * s) @ plane["down", "low"].t()

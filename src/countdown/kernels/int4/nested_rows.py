@@ -229,7 +229,7 @@ def keep_of_lists(idx: torch.Tensor, cnt: torch.Tensor, d_inter: int, set_rows: 
 def mixed_mlp_kernel_ref(x: torch.Tensor, gate, up, down, keep: torch.Tensor, activation: str = "silu"):
     """float64 output [d_model] of the mixed MLP of one token with the rows ``keep`` [d_inter] refined (NestedWeight
     gate / up / down): ``patch.mixed_mlp.mixed_mlp_ref`` with the kernels' activation."""
-    from ...patch.mixed_mlp import mixed_mlp_ref
+    from ...int4.nested import mixed_mlp_ref
 
     return mixed_mlp_ref(x.reshape(1, -1), gate, up, down, lambda g: act_torch(g, activation),
                          keep.reshape(1, -1)).reshape(-1)
