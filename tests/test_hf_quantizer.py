@@ -67,9 +67,11 @@ def saved(tmp_path_factory):
 
 
 def _fresh(script: str, folders: dict, countdown_imported: bool):
-    """Run ``script`` in a new Python process (countdown's src on the path; imported only where asked) with
-    ``folders``; returns (its results, its stderr)."""
-    head = "import sys, json, torch\n" + ("import countdown\n" if countdown_imported else "") + \
+    """Run ``script`` in a new Python process (countdown's src on the path; imported only where asked; this
+    process's torch thread count, so that its matrix products split and round as ours) with ``folders``; returns
+    (its results, its stderr)."""
+    head = "import sys, json, torch\n" + f"torch.set_num_threads({torch.get_num_threads()})\n" + \
+        ("import countdown\n" if countdown_imported else "") + \
         "from transformers import AutoModelForCausalLM\n" + f"PROMPT = {PROMPT!r}\n" + DECODE
     tail = "\nresults = {}\nfor kind, folder in json.loads(sys.argv[1]).items():\n" + \
            "\n".join("    " + line for line in script.strip().splitlines()) + "\ntorch.save(results, sys.argv[2])\n"
