@@ -19,9 +19,10 @@ DIRECT = kernels.KernelOptions(eager_graphs=False)
 
 
 def _chain_rules(calls: list):
-    """The spy hook recording the keep rule of each launch of the chain's gate / up kernel (mono: "abs", cats:
-    "abs_act", a predictor's scores: "gt", a mask: "mask")."""
-    return lambda name, *a: calls.append(a[1]) if name == "chain_gate_up" else None
+    """The spy hook recording the keep rule of each launch of the kernel that computes the kept rows' gate / up
+    (mono: "abs", cats: "abs_act", a predictor's scores: "gt", a mask: "mask"): the chain's gate / up kernel, or on
+    CUDA for 2-8 tokens the few-token kernel (kernels/route.py), which takes the same rules."""
+    return lambda name, *a: calls.append(a[1]) if name in ("chain_gate_up", "few_tokens") else None
 
 
 class FirstRowsSelector(RowSelector):
