@@ -15,7 +15,8 @@ from conftest import tiny_model
 from test_calibrate import TOK, word_texts
 from test_serve import chat_tokenizer
 
-KINDS = ("dual[shadow4]", "int4", "int4 + dual[shadow4]")
+KINDS = ("dual[shadow4]", "int4", "int4 + dual[shadow4]", "dual[mixed]")
+SAVED_SPEC = {"dual[shadow4]": "dual[shadow4]", "int4 + dual[shadow4]": "dual[shadow4]", "dual[mixed]": "dual[mixed]"}
 PROMPT = "w1 w2 w3 w17 w5"
 
 
@@ -32,13 +33,17 @@ def saved(tmp_path_factory):
     """{kind: (folder, the model as saved)} with the chat tokenizer in each folder."""
     out = {}
     for kind in KINDS:
-        model = tiny_model("llama", intermediate_size=96)
+        model = tiny_model("llama", intermediate_size=128)  # dual[mixed]'s groups of 64 divide d_inter
         if "int4" in kind:
             countdown.quantize(model, group=32)
         if "shadow4" in kind:
             art = countdown.prepare(model, TOK, "dual[shadow4]", [0.5, 0.7], texts=word_texts(0), num_tokens=256,
                                     window=64, progress=False)
             countdown.sparsify(model, "dual[shadow4]", 0.5, artifacts=art)
+        if "mixed" in kind:  # the MLPs nested 8-bit (made by prepare), kept rows at 8 bits, the rest at 4
+            art = countdown.prepare(model, TOK, "dual[mixed]", [0.5, 0.7], texts=word_texts(0), num_tokens=256,
+                                    window=64, progress=False)
+            countdown.sparsify(model, "dual[mixed]", 0.5, artifacts=art)
         folder = tmp_path_factory.mktemp("saved") / kind.replace(" + ", "-").replace("[", "-").replace("]", "")
         countdown.save(model, folder, chat_tokenizer())
         out[kind] = (folder, model)
@@ -60,13 +65,14 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize("kind", KINDS)
 def test_ppl_and_generate_run_a_saved_folder_as_saved(saved, held_out, kind, capsys):
     folder, model = saved[kind]
-    method = "dual[shadow4]" if "shadow4" in kind else "mono"  # a 4-bit folder alone takes a method as any model
-    extra = [] if "shadow4" in kind else ["--method", "mono", "-k", "0.5"]
+    sparse = kind in SAVED_SPEC  # saved sparsified: its spec and k come from the folder
+    method = SAVED_SPEC.get(kind, "mono")  # a 4-bit folder alone takes a method as any model
+    extra = [] if sparse else ["--method", "mono", "-k", "0.5"]
     printed = _run(capsys, "ppl", "--model", str(folder), *extra, "--texts", str(held_out), "--max-tokens", "256",
                    "--window", "64", "--json")
     result = json.loads(printed.out)
     assert (result["method"], result["sparsity"]) == (method, 0.5) and "replaces" not in printed.err
-    if "shadow4" not in kind:
+    if not sparse:
         countdown.sparsify(model, "mono", 0.5)
     try:
         assert result["perplexity"] == pytest.approx(_ppl(model, held_out), rel=1e-5)
@@ -76,9 +82,9 @@ def test_ppl_and_generate_run_a_saved_folder_as_saved(saved, held_out, kind, cap
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                  pad_token_id=0)
     finally:
-        if "shadow4" not in kind:
+        if not sparse:
             countdown.unsparsify(model)
-    if "shadow4" in kind:  # really sparse: the saved weights alone give another perplexity
+    if sparse:  # really sparse (or mixed): the saved weights alone give another perplexity: the saved weights alone give another perplexity
         dense = countdown.unsparsify(countdown.load_model(folder)[0])
         assert abs(_ppl(dense, held_out) / result["perplexity"] - 1) > 1e-4  # ten times the tolerance above
     want = chat_tokenizer().decode(out[0, ids.shape[1]:], skip_special_tokens=True)
