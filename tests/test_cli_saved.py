@@ -1,5 +1,5 @@
 """The command line opens every folder the API writes: ``countdown ppl`` and ``countdown generate`` on a folder
-``countdown.save`` wrote (sparsified SP-Prac, 4-bit, 4-bit sparsified) run the model as saved when no --method is
+``countdown.save`` wrote (sparsified SP-Prac, 4-bit, 4-bit sparsified, dual[mixed]) run the model as saved when no --method is
 given (the same perplexity and text as the saved model's in Python), and with --method sparsify its saved weights as
 the options say (saying so on stderr)."""
 
