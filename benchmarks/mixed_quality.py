@@ -221,8 +221,10 @@ def run_model(name: str, ks: list[float], args) -> None:
             read_planes(model, "high")
             measure(f"int4-high-g{args.group}", None, lambda kept: 4 + 32 / args.group)
             read_planes(model, "both")
-        sparse_rows(spec, "dual[mixed]", art, meta, "mixed")
-        sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
+        if todo("dual[mixed]", ks):
+            sparse_rows(spec, "dual[mixed]", art, meta, "mixed")
+        if todo("dual[mixed]/topk", ks):
+            sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
         error = spec[:-1] + ",rank=error]"  # the rows whose refinement changes the output most (mixed_rows.row_score)
         if todo("dual[mixed,rank=error]", ks):
             sparse_rows(error, "dual[mixed,rank=error]", countdown.ensure_artifacts(model, tok, error, ks, cache),
