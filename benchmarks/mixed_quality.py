@@ -27,6 +27,9 @@ kinds' own byte counts at the measured kept share (1 - Sparsity-Real); float wei
 deployment's read), except the fp32 row (32). Writes ``<out>/<model>.csv`` (FIELDS, nothing else), ``<out>/<model>.json``
 (the settings and per row the Sparsity-Real and seconds) and ``<out>/<model>.png``; each row as it finishes, under a
 lock: a killed run resumes, a row already there is skipped (the settings must match, else the script stops).
+``--configs`` runs only the named rows (a comma list of the ``config`` names above, commas inside brackets kept:
+``--configs "fp32,bf16,dual[mixed],dual[mixed,kept=float]/topk"``; default: every row); the fp32 row runs whenever the
+table has none (it is the reference).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import csv
 import io
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -53,6 +57,14 @@ FIELDS = ["model", "config", "k", "bits_read", "ppl", "ppl_increase_vs_bf16"]
 KS = "0.5,0.7,0.8,0.9,0.95"
 MODELS = "smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b"
 ROLES = ("gate", "up", "down")
+CONFIGS = ["fp32", "bf16", "int4-rtn-g64", "int4-rtn-g128", "dual[shadow4]", "int8-nested-g{G}", "int4-high-g{G}",
+           "dual[mixed]", "dual[mixed]/topk", "dual[mixed,rank=error]", "dual[mixed,rank=exact]/topk",
+           "dual[mixed,kept=float]/topk"]
+
+
+def split_configs(text: str) -> list[str]:
+    """A comma list of config names; a comma inside brackets (``dual[mixed,kept=float]/topk``) does not split."""
+    return [c.strip() for c in re.split(r",(?![^\[]*\])", text) if c.strip()]
 
 
 class Table:
@@ -121,8 +133,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/mixed")
     ap.add_argument("--artifacts-dir", default=str(Path.home() / ".cache" / "countdown" / "artifacts"))
+    ap.add_argument("--configs", default="",
+                    help="only these rows: a comma list of config names (commas inside brackets kept), e.g. "
+                         "'fp32,bf16,dual[mixed],dual[mixed,kept=float]/topk'; default: every row "
+                         f"({', '.join(CONFIGS)}; G the --group)")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
+    if args.configs:
+        known = {c.replace("{G}", str(args.group)) for c in CONFIGS}
+        unknown = [c for c in split_configs(args.configs) if c not in known]
+        if unknown:
+            ap.error(f"unknown --configs {unknown}; known: {sorted(known)}")
     torch.set_num_threads(args.threads)
     ks = [float(k) for k in args.ks.split(",")]
     for name in args.models.split(","):
@@ -135,6 +156,12 @@ def run_model(name: str, ks: list[float], args) -> None:
     settings = {"tokens": args.tokens, "window": 512, "metric": "decode", "group": args.group,
                 "threads": args.threads, "torch": torch.__version__, "machine": platform.machine()}
     table = Table(Path(args.out), name, settings)
+    chosen = set(split_configs(args.configs)) if args.configs else None
+
+    def todo(config: str, at: list[float | None]) -> list[float | None]:
+        """The ks of ``config`` still to run, none where --configs leaves it out."""
+        return table.todo(config, at) if chosen is None or config in chosen else []
+
     model, tok = countdown.load_model(name)
     texts = countdown.load_texts("xsum")
     mlps = countdown.find_gated_mlps(model)
@@ -156,7 +183,7 @@ def run_model(name: str, ks: list[float], args) -> None:
         return lambda kept: 8 * get_kind(kind).weight_bytes(d_model, d_inter, kept, 2, meta) / (3 * d_model * d_inter)
 
     def sparse_rows(spec, config, art, meta, kind, at=ks):
-        for k in table.todo(config, at):
+        for k in todo(config, at):
             countdown.sparsify(model, spec, k, artifacts=art)
             try:
                 measure(config, k, kind_bits(kind, meta))
@@ -166,46 +193,56 @@ def run_model(name: str, ks: list[float], args) -> None:
     # the float model as loaded
     if table.todo("fp32", [None]) or table.reference is None:
         measure("fp32", None, lambda kept: 32.0)
-    if table.todo("bf16", [None]):
+    if todo("bf16", [None]):
         half = copy.deepcopy(model).to(torch.bfloat16)
         measure("bf16", None, lambda kept: 16.0, half)
         del half
     for group in (64, 128):
-        if d_model % group == 0 and d_inter % group == 0 and table.todo(f"int4-rtn-g{group}", [None]):
+        if d_model % group == 0 and d_inter % group == 0 and todo(f"int4-rtn-g{group}", [None]):
             with mlp_rtn(mlps, group):
                 measure(f"int4-rtn-g{group}", None, lambda kept, g=group: 4 + 32 / g)
-    if table.todo("dual[shadow4]", ks):
+    if todo("dual[shadow4]", ks):
         art = countdown.ensure_artifacts(model, tok, "dual[shadow4]", ks, cache)
         sparse_rows("dual[shadow4]", "dual[shadow4]", art, {"bits": 4, "group": 64}, "shadow")
     # the nested model: prepare converts it (a cached artifact does not: to_nested then does)
     spec = "dual[mixed]" if args.group == 64 else f"dual[mixedg{args.group}]"
-    art = countdown.ensure_artifacts(model, tok, spec, ks, cache)
-    to_nested(model, args.group)
     meta = {"group": args.group}
-    if table.todo(f"int8-nested-g{args.group}", [None]):
-        measure(f"int8-nested-g{args.group}", None, lambda kept: 8 + 64 / args.group)
-    if table.todo(f"int4-high-g{args.group}", [None]):
-        read_planes(model, "high")
-        measure(f"int4-high-g{args.group}", None, lambda kept: 4 + 32 / args.group)
-        read_planes(model, "both")
-    sparse_rows(spec, "dual[mixed]", art, meta, "mixed")
-    sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
-    error = spec[:-1] + ",rank=error]"  # the rows whose refinement changes the output most (mixed_rows.row_score)
-    if table.todo("dual[mixed,rank=error]", ks):
-        sparse_rows(error, "dual[mixed,rank=error]", countdown.ensure_artifacts(model, tok, error, ks, cache), meta,
-                    "mixed")
-    # the variants, for quality studies: ranked by the exact 8-bit score; kept rows as loaded (a fresh model)
     variant_ks = [float(k) for k in args.variant_ks.split(",")] if args.variant_ks else ks
-    exact = spec[:-1] + ",rank=exact]"
-    if table.todo("dual[mixed,rank=exact]/topk", variant_ks):
-        art = countdown.ensure_artifacts(model, tok, exact, variant_ks, cache, refine=False).with_selection("topk")
-        sparse_rows(exact, "dual[mixed,rank=exact]/topk", art, meta, "mixed", variant_ks)
-    if table.todo("dual[mixed,kept=float]/topk", variant_ks):
+    nested = [todo(f"int8-nested-g{args.group}", [None]), todo(f"int4-high-g{args.group}", [None]),
+              todo("dual[mixed]", ks), todo("dual[mixed]/topk", ks), todo("dual[mixed,rank=error]", ks),
+              todo("dual[mixed,rank=exact]/topk", variant_ks)]
+    if any(nested):
+        if todo("dual[mixed]", ks) or todo("dual[mixed]/topk", ks):  # calibrated on the float model, as prepare does
+            art = countdown.ensure_artifacts(model, tok, spec, ks, cache)
+        to_nested(model, args.group)
+        if todo(f"int8-nested-g{args.group}", [None]):
+            measure(f"int8-nested-g{args.group}", None, lambda kept: 8 + 64 / args.group)
+        if todo(f"int4-high-g{args.group}", [None]):
+            read_planes(model, "high")
+            measure(f"int4-high-g{args.group}", None, lambda kept: 4 + 32 / args.group)
+            read_planes(model, "both")
+        if todo("dual[mixed]", ks):
+            sparse_rows(spec, "dual[mixed]", art, meta, "mixed")
+        if todo("dual[mixed]/topk", ks):
+            sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
+        error = spec[:-1] + ",rank=error]"  # the rows whose refinement changes the output most (mixed_rows.row_score)
+        if todo("dual[mixed,rank=error]", ks):
+            sparse_rows(error, "dual[mixed,rank=error]", countdown.ensure_artifacts(model, tok, error, ks, cache),
+                        meta, "mixed")
+        # the variants, for quality studies: ranked by the exact 8-bit score; kept rows as loaded (a fresh model)
+        exact = spec[:-1] + ",rank=exact]"
+        if todo("dual[mixed,rank=exact]/topk", variant_ks):
+            art = countdown.ensure_artifacts(model, tok, exact, variant_ks, cache, refine=False).with_selection("topk")
+            sparse_rows(exact, "dual[mixed,rank=exact]/topk", art, meta, "mixed", variant_ks)
         del model
-        model, tok = countdown.load_model(name)
+        model, tok = None, None
+    if todo("dual[mixed,kept=float]/topk", variant_ks):
+        if model is None:  # the nested conversion changed it
+            model, tok = countdown.load_model(name)
         spec = spec[:-1] + ",kept=float]"
         art = countdown.ensure_artifacts(model, tok, spec, variant_ks, cache, refine=False).with_selection("topk")
         sparse_rows(spec, "dual[mixed,kept=float]/topk", art, {**meta, "kept": "float"}, "mixed", variant_ks)
+
 
 def plot(out: Path, name: str) -> None:
     """Perplexity against bits read a step, every configuration; the fp32 / bf16 rows as lines, +3 % / +5 %."""
