@@ -19,7 +19,7 @@ Linear stays as loaded. Rows (``config``, ``k``):
   refinement (calibrated cuts); ``dual[mixed,rank=exact]/topk``: ranked by the exact 8-bit score (SP-Ideal);
   ``dual[mixed,kept=float]/topk``: the reference variant, kept rows in the model's precision, the rest the high planes.
 
-Artifacts: ``countdown.ensure_artifacts`` (default calibration text: Wikipedia passages, never the evaluation text;
+Artifacts: ``countdown.prepare`` with ``cache_dir`` (default calibration text: Wikipedia passages, never the evaluation text;
 cached in ``--artifacts-dir``). Score: ``countdown.perplexity(metric="decode")`` on ``--tokens`` tokens of XSum in
 windows of 512 (the first half of each window a dense prompt, the second half sparse and scored: half the tokens are
 scored). ``bits_read``: average bits read per MLP weight per decode token, scales and offsets included, from the
@@ -202,7 +202,7 @@ def run_model(name: str, ks: list[float], args) -> None:
             with mlp_rtn(mlps, group):
                 measure(f"int4-rtn-g{group}", None, lambda kept, g=group: 4 + 32 / g)
     if todo("dual[shadow4]", ks):
-        art = countdown.ensure_artifacts(model, tok, "dual[shadow4]", ks, cache)
+        art = countdown.prepare(model, tok, "dual[shadow4]", ks, cache_dir=cache)
         sparse_rows("dual[shadow4]", "dual[shadow4]", art, {"bits": 4, "group": 64}, "shadow")
     # the nested model: prepare converts it (a cached artifact does not: to_nested then does)
     spec = "dual[mixed]" if args.group == 64 else f"dual[mixedg{args.group}]"
@@ -213,7 +213,7 @@ def run_model(name: str, ks: list[float], args) -> None:
               todo("dual[mixed,rank=exact]/topk", variant_ks)]
     if any(nested):
         if todo("dual[mixed]", ks) or todo("dual[mixed]/topk", ks):  # calibrated on the float model, as prepare does
-            art = countdown.ensure_artifacts(model, tok, spec, ks, cache)
+            art = countdown.prepare(model, tok, spec, ks, cache_dir=cache)
         to_nested(model, args.group)
         if todo(f"int8-nested-g{args.group}", [None]):
             measure(f"int8-nested-g{args.group}", None, lambda kept: 8 + 64 / args.group)
@@ -227,12 +227,12 @@ def run_model(name: str, ks: list[float], args) -> None:
             sparse_rows(spec, "dual[mixed]/topk", art.with_selection("topk"), meta, "mixed")
         error = spec[:-1] + ",rank=error]"  # the rows whose refinement changes the output most (mixed_rows.row_score)
         if todo("dual[mixed,rank=error]", ks):
-            sparse_rows(error, "dual[mixed,rank=error]", countdown.ensure_artifacts(model, tok, error, ks, cache),
+            sparse_rows(error, "dual[mixed,rank=error]", countdown.prepare(model, tok, error, ks, cache_dir=cache),
                         meta, "mixed")
         # the variants, for quality studies: ranked by the exact 8-bit score; kept rows as loaded (a fresh model)
         exact = spec[:-1] + ",rank=exact]"
         if todo("dual[mixed,rank=exact]/topk", variant_ks):
-            art = countdown.ensure_artifacts(model, tok, exact, variant_ks, cache, refine=False).with_selection("topk")
+            art = countdown.prepare(model, tok, exact, variant_ks, cache_dir=cache, refine=False).with_selection("topk")
             sparse_rows(exact, "dual[mixed,rank=exact]/topk", art, meta, "mixed", variant_ks)
         del model
         model, tok = None, None
@@ -240,7 +240,7 @@ def run_model(name: str, ks: list[float], args) -> None:
         if model is None:  # the nested conversion changed it
             model, tok = countdown.load_model(name)
         spec = spec[:-1] + ",kept=float]"
-        art = countdown.ensure_artifacts(model, tok, spec, variant_ks, cache, refine=False).with_selection("topk")
+        art = countdown.prepare(model, tok, spec, variant_ks, cache_dir=cache, refine=False).with_selection("topk")
         sparse_rows(spec, "dual[mixed,kept=float]/topk", art, {**meta, "kept": "float"}, "mixed", variant_ks)
 
 
