@@ -196,11 +196,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     ``tokenizer`` None (or ``settings.speed_only``) measures speed only, with speed-only artifacts:
     the quality columns are left empty and ``quality`` says ``speed only``. Specs this library cannot
     run are skipped with the reason logged. ``settings.int4`` adds, last, the dense row of a copy of the model
-    quantized to 4 bits (``weights`` "int4") and each spec on a 4-bit copy with W_down held transposed (``weights``
-    "int4-downT"; the other rows' ``weights`` is the dtype as loaded). Quality first, then the alternated timings
-    (see the module docstring)."""
-    import copy
-
+    quantized to 4 bits (``weights`` "int4"; the other rows' ``weights`` is the dtype as loaded). Quality first, then
+    the alternated timings (see the module docstring)."""
     from tqdm.auto import tqdm
 
     s = settings
@@ -218,7 +215,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     prompt = torch.randint(0, model.config.vocab_size, (s.batch, s.prompt),
                            generator=torch.Generator().manual_seed(3)).to(device)
     specs = [spec.resolved() for spec in map(parse_spec, s.specs) if not spec.is_dense]
-    bar = tqdm(total=len(specs) * (2 if s.int4 else 1) + (1 if s.int4 else 0), desc="countdown bench: quality",
+    bar = tqdm(total=len(specs) + (1 if s.int4 else 0), desc="countdown bench: quality",
                disable=not progress)
     base = {"model": model_name, "device": device_name, "date": datetime.date.today().isoformat(), "batch": s.batch,
             "new_tokens": s.new_tokens, "harness": harness,
@@ -231,13 +228,7 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     blocks = [block for spec in specs for block in _spec_block(model, tokenizer, spec, s, held, prompt, path, base,
                                                                bar, log)]
     if s.int4:
-        from ..int4 import quantize
-
-        # the sparse 4-bit rows on a copy with W_down^T, listed after the dense 4-bit row (another copy)
-        quantized = quantize(copy.deepcopy(model), group=128, lm_head=True, transposed_down=True)
-        sparse4 = [block for spec in specs for block in _spec_block(
-            quantized, tokenizer, spec, s, held, prompt, path, {**base, "weights": "int4-downT"}, bar, log)]
-        blocks += [_int4_block(model, tokenizer, s, held, base)] + sparse4
+        blocks.append(_int4_block(model, tokenizer, s, held, base))
         bar.update(1)
     bar.close()
     fast = cuda and s.fast_step
@@ -259,9 +250,8 @@ def operating_points(model, tokenizer, settings: BenchSettings, model_name: str 
     for (row, _), speed in zip((p for b in blocks for p in b.points), paired_speedups(dense_tps, sparse_tps)):
         row.update(speed)
         rows.append(row)
-        if row["weights"].startswith("int4"):
-            log(f"4-bit weights{', W_down held transposed' if row['weights'] == 'int4-downT' else ''}, "
-                f"{row['method']}{'' if row['method'] == 'dense' else ' k = ' + format(row['sparsity'], 'g')}: "
+        if row["weights"] == "int4":
+            log(f"4-bit weights, {row['method']}: "
                 f"{row['tokens_per_s']:.1f} tokens/s, {row['decode_speedup']:.2f}x the loaded model"
                 + ("" if row["ppl_increase"] == "" else f", perplexity {100 * row['ppl_increase']:+.1f} %"))
     return rows

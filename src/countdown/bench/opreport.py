@@ -113,9 +113,8 @@ _EXTRA = [("kernel_us", "MLP us", ".1f"), ("mlp_speedup", "MLP speed-up", ".2f")
 
 
 def label(row: dict) -> str:
-    """A row's method as the table and the plot name it: with " (int4)" for the 4-bit model's rows, " (int4,
-    W_down^T)" for the 4-bit copy with W_down held transposed (the sparse 4-bit rows)."""
-    return row["method"] + {"int4": " (int4)", "int4-downT": " (int4, W_down^T)"}.get(row.get("weights"), "")
+    """A row's method as the table and the plot name it: with " (int4)" for the 4-bit model's row."""
+    return row["method"] + {"int4": " (int4)"}.get(row.get("weights"), "")
 
 
 def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:
