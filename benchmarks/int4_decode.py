@@ -20,8 +20,8 @@ bits a weight). Parts (``--parts``):
   for each backend and bf16 cuBLAS, cycling through weight copies of more than 256 MB so that none is read from
   the L2 cache; microseconds and the ratio to the roofline (bytes / the copy bandwidth of the same call);
 * ``rows``: the kept-rows kernel of sparse rows on 4-bit weights alone against the dense 4-bit MLP, over a grid of
-  its launch configurations (``harness.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``
-  for ``--rows-config``); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
+  its launch configurations (``harness.int4rows``: ``rows.csv``, the fastest per method in ``rows_best.json``,
+  the kernels dual[mixed] reuses); ``memory``: the 8B shape's bytes in memory by arithmetic (``memory.csv``; any machine);
 * ``prefill``: a 4-bit model's prompt, our one-pass de-quantization against the format's reference and bf16
   (``harness.int4prefill``: ``prefill.csv``; ``--tiles`` times the kernel's tiles);
 * ``step``: ``countdown.decode.generate_fast`` on the fastest step (``fastest_step``: fused attention, compiled,
@@ -53,7 +53,7 @@ import torch
 import countdown
 from countdown.int4 import Int4Linear, quantize_rtn, use_backend
 from countdown.kernels import overrides
-from countdown.kernels.config import LAUNCH, launch_config
+from countdown.kernels.config import LAUNCH
 from countdown.kernels.int4 import gemv as _int4
 from harness.int4profile import profile_step
 from harness.timing import time_graph
@@ -283,7 +283,7 @@ def step_rows(device, args, bw, stamp, worst, out):
             tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
             add("bf16", tps, ms, step_bytes(model), None)
             fastest_step(model, on=False)
-        countdown.quantize(model, group=GROUP, lm_head=True, transposed_down=args.transposed_down)
+        countdown.quantize(model, group=GROUP, lm_head=True)
         torch.cuda.empty_cache() if device == "cuda" else None
         fastest_step(model)
         for backend in (["countdown", "torch"] + (["gemlite"] if have_gemlite() else [])
@@ -298,65 +298,12 @@ def step_rows(device, args, bw, stamp, worst, out):
             if args.profile and backend == "countdown" and device == "cuda":
                 profile_step(model, ids, args.new_tokens, stamp, {"weights": "int4", "method": "dense",
                                                                   "sparsity": 0.0}, out, log)
-        if args.sparse and (device == "cuda" or args.smoke):
-            use_backend(model, "countdown")
-            sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse=lambda row: rows.append(row))
     base = {r["weights"]: r["tokens_per_s"] for r in rows if r["method"] == "dense"}
     for r in rows:
         log(f"  {r['weights']:13s} {r['method']:6s} {r['sparsity']:<4} {r['tokens_per_s']:8.1f} tokens/s  "
             + (f"{r['tokens_per_s'] / base['bf16']:.2f}x bf16  " if "bf16" in base else "")
             + f"{r['tokens_per_s'] / base['int4']:.2f}x int4"
             + (f"  {r['tokens_per_s'] / base['int4-torch']:.2f}x int4-torch" if "int4-torch" in base else ""))
-
-
-def sparse_thresholds(model, ids, method: str, k: float) -> list[torch.Tensor]:
-    """Per layer, the k-quantile of the method's |indicator| over the prompt's MLP inputs (the prompt runs the
-    modules' own forwards, so a hook sees them): speed-only thresholds, whose Sparsity-Real the kernels count."""
-    from countdown.kernels.common import act_torch
-
-    inputs, hooks = [], []
-    for layer in model.model.layers:
-        hooks.append(layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1]))))
-    try:
-        model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    out = []
-    for layer, x in zip(model.model.layers, inputs):
-        mlp = layer.mlp
-        u = (x @ mlp.up_proj.weight.t()).float()
-        h = act_torch((x @ mlp.gate_proj.weight.t()).float(), "silu")
-        ind = {"mono": u, "cats": h, "dual": h * u}[method].abs().flatten()
-        out.append(ind.kthvalue(max(1, int(k * ind.numel()))).values.reshape(1))
-    return out
-
-
-def sparse_step_rows(model, ids, args, bw, stamp, out, add_sparse):
-    """The 4-bit step with sparse rows (decode/int4_step.sparse_rows) for each method and k of --sparse."""
-    from countdown.decode.int4_step import sparse_rows, sparse_rows_real
-
-    held = step_bytes(model)
-    for item in args.sparse.split(","):
-        method, k = item.split(":")
-        k = float(k)
-        sparse_rows(model, method, sparse_thresholds(model, ids, method, k))
-        try:
-            tps, ms = decode_tps(model, ids, args.new_tokens, args.repeats)
-            if args.profile and ids.is_cuda:  # the step as just timed (compiled, sparse rows set)
-                profile_step(model, ids, args.new_tokens, stamp, {"weights": "int4", "method": method,
-                                                                  "sparsity": k}, out, log)
-        except Exception as e:  # noqa: BLE001
-            log(f"sparse {method} k={k}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        finally:
-            real = sparse_rows_real(model)
-            sparse_rows(model, None, [])
-        row = {**stamp, "weights": "int4", "method": method, "sparsity": k, "tokens_per_s": round(tps, 2),
-               "bw_share": round(held * tps / bw, 4) if bw == bw else "", "gemv_roofline_ratio": ""}
-        append(os.path.join(out, "decode.csv"), DECODE_FIELDS, row)
-        add_sparse(row)
-        log(f"step int4 {method:5s} k={k}: {tps:8.1f} tokens/s  {ms:6.3f} ms a step  Sparsity-Real {real:.3f}")
 
 
 def main(argv=None):
@@ -366,13 +313,7 @@ def main(argv=None):
     ap.add_argument("--parts", default="sweep,gemv,step", help="any of sweep, gemv, rows, memory, prefill, step, bound")
     ap.add_argument("--tiles", default="", help="prefill part: our de-quantization's tiles, rows x bytes (8x256,...)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--transposed-down", action="store_true",
-                    help="W_down held as W_down^T (quantize(transposed_down=True)): the dense rows decode it through "
-                    "the kept-rows kernel keeping every row, the sparse rows read it with no second copy")
     ap.add_argument("--rows-ks", default="0.7", help="k of the rows part (the kept-rows kernel alone)")
-    ap.add_argument("--rows-config", default=None,
-                    help="launch configuration of the kept-rows kernel for --sparse: JSON (e.g. '{\"BM\": 4}') or a "
-                    "rows_best.json of the rows part (its first method's)")
     ap.add_argument("--gemv-config", default=None,
                     help="launch configuration of our 4-bit GEMV by shape for this call, over kernels/config.py's "
                     "launch table: JSON keyed by shape name (qkv, o_proj, gate_up, up, down, lm_head), e.g. "
@@ -380,8 +321,6 @@ def main(argv=None):
                     "in one slice)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                     help="the step part's bf16 step and the baseline GEMVs (--no-baselines: ours only)")
-    ap.add_argument("--sparse", default="", help="sparse rows on the 4-bit step, after the dense rows: method:k, ... "
-                    "(methods mono, cats, dual; e.g. mono:0.7,dual:0.7)")
     ap.add_argument("--bound-k", type=float, default=0.7, help="bound part: the sparsity k")
     ap.add_argument("--select-us", type=float, default=None,
                     help="bound part: the select kernel's microseconds a layer (default: run G16's profile, 1.95)")
@@ -400,12 +339,6 @@ def main(argv=None):
         return report(args.out)
     parts = set(args.parts.split(","))
     run = contextlib.ExitStack()  # the launch configurations this call sets, for the whole call
-    if args.rows_config:
-        text = open(args.rows_config).read() if os.path.exists(args.rows_config) else args.rows_config
-        cfg = json.loads(text)
-        cfg = next(iter(cfg.values())) if cfg and isinstance(next(iter(cfg.values())), dict) else cfg
-        run.enter_context(overrides(launch={"int4_rows": cfg}))
-        log(f"kept-rows kernel configuration: {launch_config('int4_rows')}")
     if args.gemv_config:
         run.enter_context(overrides(launch=gemv_config(args.gemv_config, SMOKE_SHAPES if args.smoke else SHAPES)))
     device = "cpu" if args.smoke else "cuda"

@@ -143,10 +143,10 @@ def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
 
 def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
     """--int4: after the rows of the model as loaded (weights float32), the dense row of the same model quantized to
-    4 bits in place (weights int4) and each spec on a 4-bit copy with W_down held transposed (weights int4-downT,
-    calibrated on that copy), their perplexity increases and KL against the model as loaded equal to an independent
-    recomputation on 4-bit copies, their speed over the same dense row; named "dense (int4)" and "mono (int4,
-    W_down^T)" in the printed and Markdown tables."""
+    4 bits (weights int4), its perplexity increase and KL against the model as loaded equal to an independent
+    recomputation on a 4-bit copy, its speed over the same dense row; named "dense (int4)" in the printed and
+    Markdown tables, with the bits its dense step reads per MLP weight. No spec runs on the 4-bit copy (skipping on
+    4-bit weights left the product)."""
     import copy
 
     model, held_out, calib = tiny_llama
@@ -160,28 +160,127 @@ def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
     assert "4-bit weights" in printed.err and "dense (int4)" in printed.out
     rows = list(csv.DictReader(open(out / "tiny.csv")))
     assert [(r["method"], r["weights"]) for r in rows] == [("dense", "float32"), ("mono[threshold]", "float32"),
-                                                           ("dense", "int4"), ("mono[threshold]", "int4-downT")]
+                                                           ("dense", "int4")]
     texts = countdown.load_texts(held_out)
     dense = countdown.perplexity(reference, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
                                  progress=False)
-    # the sparse 4-bit row: a 4-bit copy with W_down^T, its own artifacts (the cached file of that copy), recomputed
-    downt = countdown.quantize(copy.deepcopy(reference), group=128, lm_head=True, transposed_down=True)
-    art = ensure_artifacts(downt, TOK, "mono", [0.5], tmp_path / "arts", progress=False,
-                           texts=countdown.load_texts(calib), num_tokens=256)
-    countdown.sparsify(downt, "mono", 0.5, mode="prac", artifacts=art, path="masked")
-    sparse4 = countdown.perplexity(downt, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
-                                   progress=False)
-    assert float(rows[3]["ppl_increase"]) == pytest.approx(sparse4 / dense - 1, abs=1e-5)
-    assert sparse4 != float(rows[1]["ppl"]) and abs(float(rows[3]["sparsity_real"]) - 0.5) < 0.1
-    assert float(rows[3]["decode_speedup"]) == pytest.approx(float(rows[3]["tokens_per_s"]) / float(rows[3]["dense_tokens_per_s"]))
-    countdown.quantize(reference, group=128, lm_head=True)
+    countdown.quantize(reference, group=64, lm_head=True)  # --int4 alone: groups of 64 (dual[mixed]'s default)
     int4 = countdown.perplexity(reference, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
                                 progress=False)
     assert float(rows[2]["ppl_increase"]) == pytest.approx(int4 / dense - 1, abs=1e-5)
     assert int4 != dense and float(rows[2]["kl"]) > 0 and 0 < float(rows[2]["top1"]) <= 1
     assert float(rows[2]["decode_speedup"]) == pytest.approx(float(rows[2]["tokens_per_s"]) / float(rows[2]["dense_tokens_per_s"]))
+    assert "| dense (int4) |" in (out / "tiny.md").read_text()
+    # d_inter 97 takes no group: W_down stays float32 (4 bytes a weight), gate and up 4.5 bits a weight
+    assert float(rows[2]["mlp_bits"]) == pytest.approx((2 * 4.5 + 32) / 3) and float(rows[0]["mlp_bits"]) == 32
+
+
+@pytest.fixture
+def tiny_llama128(monkeypatch, tmp_path):
+    """tiny_llama with d_inter 128: a width the nested format's groups of 64 divide."""
+    model = tiny_model("llama", intermediate_size=128)
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, TOK))
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n".join(word_texts(1)))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(word_texts(0)))
+    return model, str(held_out), str(calib)
+
+
+def test_countdown_bench_measures_mixed_beside_dense_4bit_and_skipping(tiny_llama128, tmp_path, capsys):
+    """dual[mixed] beside dual[shadow4] and the dense 4-bit model, on the user's model: dense (float32), the skipping
+    rows on the model as loaded, the dense 4-bit row (countdown.quantize, groups of 64 as dual[mixed]'s), then the
+    mixed rows on a copy with nested MLPs and every other Linear 4-bit. Each row's bits read per MLP weight are the
+    kinds' arithmetic at its Sparsity-Real (worked by hand here); the mixed rows' perplexity lies between the 8-bit
+    model's and the 4-bit model's (the same 4-bit non-MLP Linears in all three) and equals the user's path recomputed
+    (prepare, quantize, sparsify); every speed is over the loaded dense."""
+    import copy
+
+    from countdown.int4.nested_model import to_nested
+
+    model, held_out, calib = tiny_llama128
+    reference = copy.deepcopy(model)
+    out = tmp_path / "out"
+    arts = tmp_path / "arts"
+    assert bench_main(["--model", "tiny", "--methods", "dual[shadow4],dual[mixed]", "-k", "0.5,0.8", "--texts",
+                       held_out, "--calib-texts", calib, "--calib-tokens", "256", "--ppl-tokens", "256", "--window",
+                       "64", "--new-tokens", "4", "--prompt", "6", "--samples", "1", "--artifacts-dir", str(arts),
+                       "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    assert "skipping" not in printed.err and "nested 8-bit MLPs, the other Linears 4-bit" in printed.err
+    assert "bits/MLP w" in printed.out and "dual[mixed] (other Linears int4)" in printed.out
+    rows = list(csv.DictReader(open(out / "tiny.csv")))
+    assert [(r["method"], r["sparsity"], r["weights"]) for r in rows] == [
+        ("dense", "0.0", "float32"), ("dual[shadow4]", "0.8", "float32"), ("dual[shadow4]", "0.5", "float32"),
+        ("dense", "0.0", "int4"), ("dual[mixed]", "0.8", "nested8+int4"), ("dual[mixed]", "0.5", "nested8+int4")]
+    dense, shadow8, shadow5, int4, mixed8, mixed5 = rows
+    assert not countdown.is_sparsified(model) and isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    # bits read per MLP weight (d_model 64, d_inter 128, float32 weights, 4-bit planes with fp16 scale and offset
+    # per 64 weights: 4 + 32 / 64 = 4.5 bits)
+    d, i = 64, 128
+    assert float(dense["mlp_bits"]) == 32.0 and float(int4["mlp_bits"]) == pytest.approx(4.5)
+    for row in (mixed8, mixed5):  # the high planes of all three, the low planes of the refined share
+        refined = 1 - float(row["sparsity_real"])
+        assert 0 < refined < 1 and float(row["mlp_bits"]) == pytest.approx(4.5 * (1 + refined), rel=1e-6)
+    for row in (shadow8, shadow5):  # two 4-bit shadows (W_gate, W_up; an fp16 scale per 64 weights: 4.25 bits), then
+        kept = 1 - float(row["sparsity_real"])  # the kept rows of three fp32 matrices
+        assert float(row["mlp_bits"]) == pytest.approx((2 * 4.25 * d * i + 32 * 3 * d * i * kept) / (3 * d * i),
+                                                       rel=1e-6)
+    assert float(mixed8["mlp_bits"]) < float(mixed5["mlp_bits"]) < 2 * 4.5
+    # quality: every row against the loaded model's dense perplexity on the same windows
+    texts = countdown.load_texts(held_out)
+
+    def ppl(m):
+        return countdown.perplexity(m, TOK, texts=texts, max_tokens=256, window=64, prompt_fraction=0.5,
+                                    progress=False)
+
+    assert float(dense["ppl"]) == pytest.approx(ppl(reference), rel=1e-5)
+    ppl4 = ppl(countdown.quantize(copy.deepcopy(reference), group=64, lm_head=True))
+    ppl8 = ppl(countdown.quantize(to_nested(copy.deepcopy(reference), 64), group=64, lm_head=True))
+    assert float(int4["ppl"]) == pytest.approx(ppl4, rel=1e-5)
+    for row in (mixed8, mixed5):  # (this random model's MLP is too weak for k to order them: 136.70 / 136.75)
+        assert ppl8 < float(row["ppl"]) < ppl4
+    for row in rows[1:]:
+        assert float(row["ppl_increase"]) == pytest.approx(float(row["ppl"]) / float(dense["ppl"]) - 1, rel=1e-6)
+        assert float(row["decode_speedup"]) == pytest.approx(float(row["tokens_per_s"]) / float(row["dense_tokens_per_s"]))
+    # the user's path, as the usage lines give it, with the bench's cached artifact: the mixed row's numbers
+    user = copy.deepcopy(reference)
+    art = countdown.prepare(user, TOK, "dual[mixed]", [0.5, 0.8], texts=countdown.load_texts(calib), num_tokens=256,
+                            cache_dir=arts, progress=False)
+    countdown.quantize(user, group=64, lm_head=True)
+    countdown.sparsify(user, "dual[mixed]", 0.8, artifacts=art, path="masked")
+    assert float(mixed8["ppl"]) == pytest.approx(ppl(user), rel=1e-5)
     table = (out / "tiny.md").read_text()
-    assert "| dense (int4) |" in table and "| mono[threshold] (int4, W_down^T) |" in table
+    assert "bits read / MLP weight" in table and "| dual[mixed] (other Linears int4) | 0.8 |" in table
+
+
+def test_the_recommendation_weighs_mixed_dense_4bit_and_skipping_on_one_scale():
+    """The dense 4-bit row is a configuration like any other (only the loaded model's dense row is the reference);
+    the line names the winner's bits read per MLP weight, and the usage lines rebuild it."""
+    from countdown.bench.cli import usage_lines
+
+    def row(method, k, inc, speedup, bits, weights="bfloat16", **more):
+        return {"method": method, "sparsity": k, "sparsity_real": k, "ppl_increase": inc, "decode_speedup": speedup,
+                "speedup_min": speedup - 0.02, "speedup_max": speedup + 0.02, "samples": 3, "mlp_bits": bits,
+                "weights": weights, **more}
+
+    rows = [row("dense", 0.0, 0.0, 1.0, 16.0), row("dual[shadow4]", 0.5, 0.04, 1.12, 10.2),
+            row("dense", 0.0, 0.08, 1.60, 4.5, "int4", group=64), row("dual[mixed]", 0.9, 0.03, 1.45, 4.95, "nested8+int4")]
+    line = operating.recommendation(rows, 0.05)
+    assert line.startswith("for at most 5 % perplexity increase, use dual[mixed] (other Linears int4) at k=0.9 "
+                           "(+3.0 %, Sparsity-Real 0.900, 4.95 bits read per MLP weight): 1.45x")
+    lines = usage_lines(rows, 0.05, "tiny")
+    assert 'countdown.prepare(model, tokenizer, "dual[mixed]", 0.9)' in lines[0]
+    assert "countdown.quantize(model, group=64, lm_head=True)" in lines[1]
+    assert 'countdown.sparsify(model, "dual[mixed]", 0.9, artifacts=art)' in lines[2]
+    line = operating.recommendation(rows, 0.10)  # dense 4-bit is faster still, within 10 %
+    assert line.startswith("for at most 10 % perplexity increase, use dense (int4) (+8.0 %, 4.50 bits read per MLP "
+                           "weight): 1.60x")
+    assert usage_lines(rows, 0.10, "tiny")[0] == "  Python: countdown.quantize(model, group=64, lm_head=True)"
+    assert [r["method"] for r in operating.pareto(rows)] == ["dense", "dense", "dual[mixed]"]
+    rows[2].update(speedup_min=0.97)  # its spread reaches 1.0x: never recommended, whatever its median
+    assert operating.recommendation(rows, 0.10).startswith("for at most 10 % perplexity increase, use dual[mixed]")
+    assert "dual[shadow4] at k=0.5" in operating.recommendation(rows[:2], 0.05)
 
 
 def test_countdown_bench_speed_only(tiny_llama, tmp_path, capsys):
@@ -209,3 +308,22 @@ def test_countdown_bench_on_a_random_weight_shape_reports_speed_only(monkeypatch
     rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
     assert [r["method"] for r in rows] == ["dense", "mono[threshold]", "dual[shadow4]"]
     assert all(r["ppl_increase"] == "" for r in rows[1:]) and abs(float(rows[2]["sparsity_real"]) - 0.8) < 0.15
+
+
+def test_countdown_bench_speed_only_runs_mixed_on_a_random_weight_shape(monkeypatch, tmp_path, capsys):
+    """A *-shape (no tokenizer): dual[mixed] is built by the library on the model's own greedy text (its patch ranks
+    inside the MLP, so its Sparsity-Real comes from the patch's counters), beside the dense 4-bit row; no quality."""
+    from countdown.cli import commands as cli
+
+    model = tiny_model("llama", intermediate_size=128)
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, None))
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--model", "tiny-shape", "--methods", "dual[mixed]", "-k", "0.9", "--new-tokens", "4",
+                     "--prompt", "6", "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    assert "skipping" not in capsys.readouterr().err
+    rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
+    assert [(r["method"], r["weights"]) for r in rows] == [("dense", "float32"), ("dense", "int4"),
+                                                           ("dual[mixed]", "nested8+int4")]
+    real = float(rows[2]["sparsity_real"])
+    assert abs(real - 0.9) < 0.15 and rows[2]["ppl_increase"] == ""
+    assert float(rows[2]["mlp_bits"]) == pytest.approx(4.5 * (2 - real), rel=1e-6)

@@ -117,3 +117,22 @@ def test_the_bench_prints_and_writes_each_ratio_with_its_spread(scripted, monkey
     assert [(r["method"], r["samples"]) for r in rows] == [("dense", "3"), ("mono[threshold]", "2"), ("mono[threshold]", "2")]
     assert float(rows[1]["speedup_min"]) == pytest.approx(0.9) == float(rows[1]["speedup_max"])
     assert "| 1.25x (1.25-1.25x, 2 rounds) |" in (out / "tiny-shape.md").read_text()
+
+
+def test_a_table_of_an_earlier_release_keeps_its_rows(scripted, monkeypatch, tmp_path):
+    """A bench table written before the mlp_bits column is taken as one (not refused as another file): its rows stay,
+    with that column empty, and this run's rows follow with theirs."""
+    model, _ = scripted
+    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, None))  # speed only
+    out = tmp_path / "out"
+    out.mkdir()
+    old = [c for c in operating.COLUMNS if c not in operating.NEW_COLUMNS] + ["run"]
+    with open(out / "tiny-shape.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=old)
+        writer.writeheader()
+        writer.writerow({"model": "tiny-shape", "method": "dense", "sparsity": "0.0", "run": "earlier"})
+    assert bench_main(["--model", "tiny-shape", "--methods", "mono", "-k", "0.5", "--new-tokens", "4", "--prompt", "6",
+                       "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    rows = list(csv.DictReader(open(out / "tiny-shape.csv")))
+    assert [(r["run"], r["method"]) for r in rows][0] == ("earlier", "dense") and rows[0]["mlp_bits"] == ""
+    assert [r["method"] for r in rows[1:]] == ["dense", "mono[threshold]"] and float(rows[1]["mlp_bits"]) == 32.0

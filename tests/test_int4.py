@@ -74,7 +74,7 @@ def test_rtn_error_within_its_bound_against_float64(group, dtype, scale_dtype):
 
 
 def test_rtn_of_a_transposed_view_is_the_format_row_major():
-    """A transposed view (W^T, as quantize(transposed_down=True) rounds it) gives the same codes as its contiguous
+    """A transposed view (W^T, as the kept-rows kernels' tests round W_down^T) gives the same codes as its contiguous
     copy, in row-major buffers whose words a kernel can read (qweight.view(int32))."""
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     view, copied = quantize_rtn(w.t(), 32), quantize_rtn(w.t().contiguous(), 32)
@@ -353,12 +353,10 @@ def test_sparsify_runs_on_the_dequantized_view(method, path):
     assert isinstance(q.model.layers[0].mlp.up_proj, Int4Linear)
 
 
-@pytest.mark.parametrize("how", ["countdown.save", "save_pretrained", "sparsified", "lm_head", "tied lm_head", "bf16",
-                                 "transposed_down"])
+@pytest.mark.parametrize("how", ["countdown.save", "save_pretrained", "sparsified", "lm_head", "tied lm_head", "bf16"])
 def test_save_and_load_give_the_same_model(tmp_path, how):
     arch = "gemma3" if how == "tied lm_head" else "llama"
-    model = countdown.quantize(tiny_model(arch, intermediate_size=96), group=32, lm_head="lm_head" in how,
-                               transposed_down=how == "transposed_down")
+    model = countdown.quantize(tiny_model(arch, intermediate_size=96), group=32, lm_head="lm_head" in how)
     if how == "tied lm_head":  # the head is untied from the embedding, which keeps its precision
         assert isinstance(model.lm_head, Int4Linear) and type(model.model.embed_tokens) is not Int4Linear
         assert model.config.tie_word_embeddings is False
@@ -373,7 +371,7 @@ def test_save_and_load_give_the_same_model(tmp_path, how):
     record = config["quantization_config"]  # one record, config.json's quantization_config (countdown.model.saving)
     assert "countdown_int4" not in config and not (folder / CONFIG_NAME).exists()
     assert record["quant_method"] == "countdown" and record["weights"]["record"] == model.config.countdown_int4
-    assert record["weights"]["group"] == 32 and record["weights"]["transposed_down"] == (how == "transposed_down")
+    assert record["weights"]["group"] == 32 and "transposed_down" not in record["weights"]
     assert record["spec"] == ("mono" if how == "sparsified" else None)
     dtype = torch.bfloat16 if how == "bf16" else torch.float32
     back, _ = countdown.load_model(folder, dtype=dtype)
@@ -381,14 +379,32 @@ def test_save_and_load_give_the_same_model(tmp_path, how):
     for name, module in model.named_modules():
         if isinstance(module, Int4Linear):
             mine = back.get_submodule(name)
-            assert isinstance(mine, Int4Linear) and mine.compute_dtype == dtype and mine.transposed == module.transposed
+            assert isinstance(mine, Int4Linear) and mine.compute_dtype == dtype and not mine.transposed
             assert all(torch.equal(getattr(mine, b), getattr(module, b)) for b in ("qweight", "scale", "offset"))
-    assert sum(m.transposed for m in back.modules() if isinstance(m, Int4Linear)) == \
-        (model.config.num_hidden_layers if how == "transposed_down" else 0)
     if how == "bf16":
         inv_freq = model.model.rotary_emb.inv_freq
         model.to(dtype)
         model.model.rotary_emb.inv_freq = inv_freq  # from_pretrained keeps the rotary frequencies in float32
+    assert torch.equal(_logits(back), _logits(model))
+
+
+def test_a_folder_saved_with_w_down_transposed_is_refused_naming_the_fix(tmp_path):
+    """A folder whose 4-bit record holds W_down transposed (written by countdown.quantize(transposed_down=True) of an
+    earlier release, a layout this release no longer builds) is refused before any weight is read, saying to
+    quantize again without it; the same folder without that record loads."""
+    model = countdown.quantize(tiny_model("llama", intermediate_size=96), group=32)
+    folder = tmp_path / "q"
+    countdown.save(model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    record = config["quantization_config"]["weights"]["record"]
+    assert "transposed" not in record  # quantize writes no such field any more
+    record["transposed"] = [f"model.layers.{i}.mlp.down_proj" for i in range(model.config.num_hidden_layers)]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"W_down transposed .*quantize the float model again without transposed_down"):
+        countdown.load_model(folder)
+    record["transposed"] = []
+    (folder / "config.json").write_text(json.dumps(config))
+    back, _ = countdown.load_model(folder)
     assert torch.equal(_logits(back), _logits(model))
 
 

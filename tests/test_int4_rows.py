@@ -1,5 +1,6 @@
-"""Sparse rows on 4-bit weights (kernels/int4/rows.py) against a float64 reference, under Triton's interpreter on
-CPU (on a GPU: the inline-asm dequantization at a Llama-3.1-8B MLP's shape)."""
+"""The kept-rows kernels on 4-bit weights (kernels/int4/rows*.py, which dual[mixed] reuses) against a float64 reference,
+under Triton's interpreter on CPU (on a GPU: the inline-asm dequantization at a Llama-3.1-8B MLP's shape); a sparsified
+4-bit model decodes through its patch."""
 
 from __future__ import annotations
 
@@ -236,146 +237,11 @@ def test_kept_rows_at_the_8b_shape_on_the_gpu():
             assert ((got - want).norm() / ref.norm()).item() < 1e-2 + 2.0 ** -8 * want.norm() / ref.norm()
 
 
-def test_sparse_rows_in_the_4bit_decode_step():
-    """sparse_rows on a 4-bit model's folded step: each decode step's MLP runs the kept-rows kernel (after its
-    indicator GEMV); keeping every row gives the dense 4-bit step's tokens with logits within W_down's second
-    rounding (its transposed groups); thresholds at the indicator's median skip about half the rows, counted;
-    method None gives the dense step back, bit for bit."""
-    from conftest import captured_logits, tiny_model
-
-    import countdown
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.int4_step import sparse_rows, sparse_rows_real
-    from countdown.decode.linears import fastest_step
-
-    model = countdown.quantize(tiny_model("llama", intermediate_size=128), group=32, lm_head=True).to(DEV)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    fastest_step(model)
-    with captured_logits(model) as dense_steps:
-        dense, _ = generate_fast(model, prompt, 4, compile=False)
-    n_layers = model.config.num_hidden_layers
-    calls = []
-    with _count_launches(calls):
-        for method in ("mono", "dual"):
-            assert sparse_rows(model, method, [torch.tensor(-1.0)] * n_layers) == n_layers
-            with captured_logits(model) as steps:
-                out, _ = generate_fast(model, prompt, 4, compile=False)
-            assert torch.equal(out, dense) and sparse_rows_real(model) == 0.0
-            for got, want in zip(steps[1:], dense_steps[1:]):  # the decode steps (the prompt is the dense path)
-                torch.testing.assert_close(got[:, -1], want[:, -1], atol=5e-2, rtol=5e-2)
-        assert calls[:6 * n_layers] == ["abs"] * 3 * n_layers + ["dual"] * 3 * n_layers
-        torch._dynamo.reset()  # compiled whole, as countdown.generate compiles it (the op's fake and its mutations hold)
-        compiled, _ = generate_fast(model, prompt, 4, compile=True, compile_options={"backend": "aot_eager"})
-        assert torch.equal(compiled, dense)
-        sparse_rows(model, "mono", [torch.tensor(0.0)] * n_layers)  # every |u| passes 0: all kept again
-        x = torch.randn(1, 64, device=DEV)
-        thresholds = [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers]
-        sparse_rows(model, "mono", thresholds)
-        generate_fast(model, prompt, 4, compile=False)
-        assert 0.2 < sparse_rows_real(model) < 0.8
-        assert sparse_rows(model, None, []) == n_layers
-        calls.clear()
-        with captured_logits(model) as again:
-            out, _ = generate_fast(model, prompt, 4, compile=False)
-        assert torch.equal(out, dense) and calls == []
-        for got, want in zip(again, dense_steps):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        with pytest.raises(ValueError, match="one threshold per folded 4-bit layer"):
-            sparse_rows(model, "teal", [torch.tensor(0.0)] * n_layers)
-
-
-@pytest.mark.skipif(DEV != "cuda", reason="PDL runs on a GPU only")
-def test_early_list_reads_under_pdl_give_the_same_step():
-    """EARLY = 1 (the down kernel reads the select kernel's lists before its PDL wait, the other GEMV signals only
-    once past its own): the folded 4-bit step with mono sparse rows decodes the same tokens and logits, bit for bit,
-    as with EARLY = 0 (the same arithmetic; a list read before select had finished would differ)."""
-    from conftest import captured_logits, tiny_model
-
-    import countdown
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.int4_step import sparse_rows
-    from countdown.decode.linears import fastest_step
-
-    model = countdown.quantize(tiny_model("llama", intermediate_size=512), group=32, lm_head=True).to(DEV)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(5)).to(DEV)
-    fastest_step(model)
-    x = torch.randn(1, 64, device=DEV)
-    sparse_rows(model, "mono", [layer.mlp.up_proj(x).abs().median().reshape(1) for layer in model.model.layers])
-    runs = []
-    for early in (0, 1):
-        with captured_logits(model) as steps, K.overrides(launch={"int4_rows": dict(EARLY=early)}):
-            out, _ = generate_fast(model, prompt, 6, compile=False)
-        runs.append((out, steps))
-    assert torch.equal(runs[0][0], runs[1][0])
-    for a, b in zip(runs[0][1], runs[1][1]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    sparse_rows(model, None, [])
-
-
-def test_transposed_down_holds_w_down_t_and_decodes_through_the_kept_rows():
-    """quantize(transposed_down=True): each W_down is held as W_down^T rounded along d_model (the same bytes, no
-    second copy; the other Linears as without it; GGUF refused), its forward is F.linear of the de-quantized
-    transpose, exactly; the 4-bit step decodes it through the kept-rows kernel keeping every row (no down GEMV) with
-    the reference's tokens, and sparse_rows reads that W_down^T itself (method None keeps every row again)."""
-    import copy
-
-    from conftest import captured_logits, tiny_model
-
-    import countdown
-    from countdown.decode.generate import generate_fast
-    from countdown.decode.int4_step import _ROWS, sparse_rows, sparse_rows_real
-    from countdown.decode.linears import fastest_step
-    from countdown.int4 import Int4Linear, use_backend
-
-    base = tiny_model("llama", intermediate_size=128)
-    plain = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True)
-    model = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True, transposed_down=True)
-    with pytest.raises(ValueError, match="source='rtn'"):
-        countdown.quantize(copy.deepcopy(base), source="gguf", transposed_down=True)
-    assert model.config.countdown_int4["transposed"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
-    for (name, mine), theirs in zip(model.named_modules(), plain.modules()):
-        if not isinstance(mine, Int4Linear):
-            continue
-        assert mine.transposed == name.endswith("down_proj") and mine.int4.nbytes == theirs.int4.nbytes
-        if not mine.transposed:
-            assert torch.equal(mine.qweight, theirs.qweight)
-            continue
-        w = base.get_submodule(name).weight
-        want = quantize_rtn(w.t(), 32)
-        assert torch.equal(mine.qweight, want.qweight) and (mine.in_features, mine.out_features) == (128, 64)
-        x = torch.randn(3, 128)
-        torch.testing.assert_close(mine(x), torch.nn.functional.linear(x, want.dequantize().t()), rtol=0, atol=0)
-    model.to(DEV)
-    prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    use_backend(model, "reference")
-    with captured_logits(model) as ref_steps:
-        ref, _ = generate_fast(model, prompt, 4, compile=False)
-    use_backend(model, "countdown")
-    fastest_step(model)
-    calls = []
-    with _count_launches(calls), captured_logits(model) as steps:
-        out, _ = generate_fast(model, prompt, 4, compile=False)
-    assert calls == ["dual"] * 3 * 2  # 3 decode steps x 2 layers, every row kept
-    _assert_same_decode(out, ref, steps, ref_steps, atol=2e-3, rtol=2e-3)
-    mlp = model.model.layers[0].mlp
-    sparse_rows(model, "mono", [torch.tensor(0.0)] * 2)
-    assert mlp.__dict__[_ROWS][3] is mlp.down_proj  # the model's own W_down^T, nothing rounded again
-    generate_fast(model, prompt, 4, compile=False)
-    assert sparse_rows_real(model) == 0.0
-    sparse_rows(model, None, [])
-    assert mlp.__dict__[_ROWS][0] == "dual" and mlp.__dict__[_ROWS][3] is mlp.down_proj
-    assert fastest_step(model, on=False) == [] and _ROWS not in mlp.__dict__
-
-
 @pytest.mark.parametrize("order", ["sparsify first", "step first"])
 def test_sparsified_4bit_model_decodes_through_its_patch(order):
     """countdown.sparsify on a 4-bit model, before or after its 4-bit step is set up (countdown.generate sets it up
-    once): a calibrated mono threshold on a W_down held transposed runs the kept-rows kernel with the patch's own
-    threshold and Sparsity-Real counters; on a W_down held as usual the patch's own forward serves the MLP. Both give
-    the tokens of the same sparsified model on the reference path (never the dense model's), with logits within the
-    4-bit GEMV's rounding of the indicator."""
-    import copy
-
+    once): the folded layer runs the patch's own forward (no kept-rows kernel launches), giving the tokens of the same
+    sparsified model on the reference path (never the dense model's), with its Sparsity-Real counters."""
     from conftest import captured_logits, tiny_model
 
     import countdown
@@ -384,37 +250,31 @@ def test_sparsified_4bit_model_decodes_through_its_patch(order):
     from countdown.decode.linears import fastest_step
     from countdown.int4 import use_backend
 
-    base = tiny_model("llama", intermediate_size=128)
+    model = countdown.quantize(tiny_model("llama", intermediate_size=128), group=32, lm_head=True).to(DEV)
     prompt = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
-    for transposed in (True, False):
-        model = countdown.quantize(copy.deepcopy(base), group=32, lm_head=True, transposed_down=transposed).to(DEV)
-        dense, _ = generate_fast(model, prompt, 5, compile=False)
-        art = random_artifacts(model, "mono", [0.6])
-        fit_cuts_on_decode(model, art, decode_prompts(128, 2, 9).to(DEV), new_tokens=8)
-        if order == "step first":
-            fastest_step(model)
-        countdown.sparsify(model, "mono", 0.6, mode="prac", artifacts=art)
-        use_backend(model, "reference")  # the reference: every MLP through the patch's own (gather) path
-        with captured_logits(model) as ref_steps:
-            ref, _ = generate_fast(model, prompt, 5, compile=False)
-        ref_real = countdown.sparsity_real(model)["mean"]
-        use_backend(model, "countdown")
-        if order == "sparsify first":
-            fastest_step(model)
-        countdown.reset_sparsity_stats(model)
-        calls = []
-        with _count_launches(calls), captured_logits(model) as steps:
-            out, _ = generate_fast(model, prompt, 5, compile=False)
-        assert calls == (["abs"] * 4 * 2 if transposed else [])  # 4 decode steps x 2 layers
-        assert not torch.equal(ref, dense)
-        _assert_same_decode(out, ref, steps, ref_steps, atol=2e-2)
-        assert abs(countdown.sparsity_real(model)["mean"] - ref_real) < 0.05 and 0.3 < ref_real < 0.9
-        if transposed and order == "step first":  # compiled whole, as countdown.generate compiles the step
-            torch._dynamo.reset()
-            compiled, _ = generate_fast(model, prompt, 5, compile=True, compile_options={"backend": "aot_eager"})
-            assert torch.equal(compiled, out), (compiled, out)  # the same kernels on the same inputs
-        fastest_step(model, on=False)
-        countdown.unsparsify(model)
+    dense, _ = generate_fast(model, prompt, 5, compile=False)
+    art = random_artifacts(model, "mono", [0.6])
+    fit_cuts_on_decode(model, art, decode_prompts(128, 2, 9).to(DEV), new_tokens=8)
+    if order == "step first":
+        fastest_step(model)
+    countdown.sparsify(model, "mono", 0.6, mode="prac", artifacts=art)
+    use_backend(model, "reference")  # the reference: every MLP through the patch's own (gather) path
+    with captured_logits(model) as ref_steps:
+        ref, _ = generate_fast(model, prompt, 5, compile=False)
+    ref_real = countdown.sparsity_real(model)["mean"]
+    use_backend(model, "countdown")
+    if order == "sparsify first":
+        fastest_step(model)
+    countdown.reset_sparsity_stats(model)
+    calls = []
+    with _count_launches(calls), captured_logits(model) as steps:
+        out, _ = generate_fast(model, prompt, 5, compile=False)
+    assert calls == []
+    assert not torch.equal(ref, dense)
+    _assert_same_decode(out, ref, steps, ref_steps, atol=2e-2)
+    assert abs(countdown.sparsity_real(model)["mean"] - ref_real) < 0.05 and 0.3 < ref_real < 0.9
+    fastest_step(model, on=False)
+    countdown.unsparsify(model)
 
 
 def test_down_scales_s_where_fp16_rounds_up():
@@ -437,10 +297,9 @@ def test_down_scales_s_where_fp16_rounds_up():
     assert ((out - want).abs() <= _down_bound(w, s.double(), cfg) + 1e-6).all()
 
 
-def test_sparsify_on_4bit_weights_says_where_the_rows_save_no_bytes(capsys):
-    """One line on stderr when sparsify cannot save W_down's bytes on 4-bit weights (W_down held as usual, or a
-    configuration the kept-rows kernels do not serve); none for a calibrated mono on a W_down held transposed, or on
-    float weights."""
+def test_sparsify_on_4bit_weights_says_no_rows_are_skipped(capsys):
+    """One line on stderr when sparsify patches 4-bit MLP weights (no 4-bit kernel skips rows; it names dual[mixed]),
+    whatever the method; none on float weights."""
     import copy
 
     from conftest import tiny_model
@@ -449,15 +308,13 @@ def test_sparsify_on_4bit_weights_says_where_the_rows_save_no_bytes(capsys):
     from countdown.bench.speedonly import random_artifacts
 
     base = tiny_model("llama", intermediate_size=128)
-    cases = [(False, "mono", "prac", "held as usual"), (True, "dual", "ideal", "dual (ideal) runs the patch's own"),
-             (True, "mono", "prac", None)]
-    for transposed, method, mode, said in cases:
-        model = countdown.quantize(copy.deepcopy(base), group=32, transposed_down=transposed)
+    for method, mode in (("mono", "prac"), ("dual", "ideal")):
+        model = countdown.quantize(copy.deepcopy(base), group=32)
         art = random_artifacts(model, method, [0.6]) if mode == "prac" else None
         capsys.readouterr()
         countdown.sparsify(model, method, 0.6, mode=mode, artifacts=art)
         err = capsys.readouterr().err
-        assert (said in err) if said else ("sparsify:" not in err), (transposed, method, err)
+        assert "no 4-bit kernel skips rows" in err and "dual[mixed]" in err, (method, err)
         countdown.unsparsify(model)
     countdown.sparsify(base, "dual", 0.6)
     assert "sparsify:" not in capsys.readouterr().err

@@ -171,6 +171,24 @@ def test_sparsify_converts_a_fresh_model_and_a_failed_check_puts_it_back(prepare
     assert torch.equal(_logits(other), before) and not countdown.is_sparsified(other)
 
 
+def test_prepare_converts_the_model_on_a_cached_artifact_too(tmp_path):
+    """prepare with a cache folder leaves the model nested whether it builds the artifact or reads it back (so that
+    quantize after prepare, the user's path to 4-bit other Linears, leaves the MLPs nested), and the cached artifact
+    then sparsifies that model as the built one does."""
+    built_on, read_on = (tiny_model("llama", intermediate_size=128) for _ in range(2))
+    options = dict(texts=word_texts(0), num_tokens=256, window=64, progress=False, cache_dir=tmp_path)
+    built = countdown.prepare(built_on, TOK, "dual[mixed]", KS, **options)
+    read = countdown.prepare(read_on, TOK, "dual[mixed]", KS, **options)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # the second call read the first one's file
+    for model in (built_on, read_on):
+        assert isinstance(model.model.layers[1].mlp.down_proj, NestedLinear)
+        countdown.quantize(model, group=64, lm_head=True)  # the other Linears 4-bit; the nested MLPs stay
+        assert isinstance(model.model.layers[1].mlp.up_proj, NestedLinear)
+    countdown.sparsify(built_on, "dual[mixed]", 0.8, artifacts=built)
+    countdown.sparsify(read_on, "dual[mixed]", 0.8, artifacts=read)
+    assert torch.equal(_logits(read_on, prompt=6), _logits(built_on, prompt=6))
+
+
 def test_spec_grammar_options_and_refusals(prepared):
     _, art = prepared
     assert countdown.parse_spec("dual[mixed]").label == "dual[mixed]"

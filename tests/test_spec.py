@@ -110,15 +110,15 @@ def test_a_models_configuration_is_its_spec_k_scope_and_weight_format():
 
     model = tiny_model("llama", intermediate_size=96)
     assert Spec.of(model) == parse_spec("dense") and Spec.of(model).weights is None
-    countdown.quantize(model, group=32, transposed_down=True)
+    countdown.quantize(model, group=32, lm_head=True)
     weights = Spec.of(model).weights
-    assert (weights.bits, weights.group, weights.source, weights.scale_dtype, weights.transposed_down) == \
+    assert (weights.bits, weights.group, weights.source, weights.scale_dtype, weights.lm_head) == \
         (4, 32, "rtn", "float16", True) and weights.record == model.config.countdown_int4
     countdown.sparsify(model, parse_spec("mono", 0.5, "all").at(weights=weights))  # k, scope from the spec
     assert Spec.of(model) == parse_spec("mono", 0.5, "all").at(weights=WeightFormat.from_record(
         model.config.countdown_int4))
     assert repr(Spec.of(model)) == ("Spec('mono', k=0.5, scope='all', weights='int4 (groups of 32, float16 scales, "
-                                    "W_down transposed)')")
+                                    "lm_head)')")
     countdown.unsparsify(model)
     with pytest.raises(ValueError, match=r"the spec's weights are int4 .* but the model's are as loaded"):
         countdown.sparsify(tiny_model("llama"), parse_spec("mono", 0.5).at(weights=weights))

@@ -64,7 +64,7 @@ _TERM = re.compile(r"^(\d+)?((?:[a-z]\d+)*)$")
 class WeightFormat:
     """The weight format :func:`countdown.quantize` made: ``bits`` per weight in groups of ``group`` columns with a
     scale and an offset each (``scale_dtype``), from ``source`` ("rtn": rounded to nearest; "gguf": the GGUF file's
-    own blocks), the output projection too where ``lm_head``, each W_down held transposed where ``transposed_down``.
+    own blocks), the output projection too where ``lm_head``.
     ``record`` is :func:`countdown.quantize`'s own record (``model.config.countdown_int4``: which modules, how
     many), kept as it is for the file (not compared)."""
 
@@ -73,7 +73,6 @@ class WeightFormat:
     source: str = "rtn"
     scale_dtype: str = "float16"
     lm_head: bool = False
-    transposed_down: bool = False
     record: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
@@ -83,12 +82,11 @@ class WeightFormat:
             return None
         return cls(bits=4, group=int(record.get("rtn_group", 128)), source=record.get("source", "rtn"),
                    scale_dtype=record.get("rtn_scale_dtype", "float16"), lm_head=bool(record.get("lm_head", False)),
-                   transposed_down=bool(record.get("transposed")), record=dict(record))
+                   record=dict(record))
 
     def __str__(self) -> str:
         how = f"groups of {self.group}" if self.source == "rtn" else f"{self.source} blocks"
-        return (f"int{self.bits} ({how}, {self.scale_dtype} scales{', lm_head' if self.lm_head else ''}"
-                f"{', W_down transposed' if self.transposed_down else ''})")
+        return f"int{self.bits} ({how}, {self.scale_dtype} scales{', lm_head' if self.lm_head else ''})"
 
 
 @dataclass(frozen=True)

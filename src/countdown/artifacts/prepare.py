@@ -60,7 +60,8 @@ def prepare(model: nn.Module, tokenizer, method: str | Spec | Method, sparsity, 
     options: the kind's own (``countdown.selectors.get_kind(kind).defaults`` lists them with defaults),
         e.g. ``rule`` for thresholds, ``d_rank``/``epochs``/``cut_rule`` for predictors.
     cache_dir: a folder of built artifacts (:func:`_cached`: one file per model, spec, options and library version;
-        a corrupt or edited file is rebuilt; a call for a subset of the k of a file reuses it).
+        a corrupt or edited file is rebuilt; a call for a subset of the k of a file reuses it). A kind that changes
+        the model when it builds (dual[mixed] converts the MLPs to the nested format) changes it on a cached file too.
     Numbers out of their range (:data:`countdown.options.RANGES`, the command line's) are refused before any
     work. Returns :class:`~countdown.artifacts.store.Artifacts`; save it with ``.save(path)``.
     """
@@ -232,6 +233,9 @@ def _cached(model, tokenizer, method: str | Spec | Method, sparsity, cache_dir: 
             except ArtifactError:
                 continue  # a corrupt cache entry is rebuilt below, under the requested name
             if all(any(abs(k - have) <= SPARSITY_TOL for have in art.sparsities) for k in ks):
+                # a kind whose build changes the model (dual[mixed]: the MLPs to the nested format) changes it on a
+                # cached artifact too, so that prepare leaves the model as a build would
+                get_kind(art.kind).prepare_model(model, mlps, art.meta)
                 return art
     target = cache / f"{stem}-k{'_'.join(f'{k:g}' for k in ks)}.safetensors"
     check_writable(target, CACHE_OPTION)  # before the fit: a read-only or full cache folder fails now, not after it

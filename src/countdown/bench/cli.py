@@ -1,12 +1,16 @@
 """``countdown bench``: speed and quality of each configuration on the user's own model and machine.
 
     countdown bench --model smollm2-135m --methods mono,cats,dual[hybrid] --sparsity 0.7,0.8,0.9 --out bench_out
+    countdown bench --model smollm2-135m --methods 'dual[shadow4],dual[mixed]' -k 0.8,0.9   # skip, or refine
     countdown bench --model llama-3.1-8b-shape            # random weights: speed only, and it says so
-    countdown bench --model smollm2-135m --int4           # and the model in 4 bits, dense, last
+    countdown bench --model smollm2-135m --int4           # and the model in 4 bits, dense
 
+A ``dual[mixed]`` spec (each token's top rows at 8 bits, the rest at 4: docs/mixed.md) runs on a copy of the model
+with its MLPs nested and every other Linear in 4 bits, beside the dense 4-bit model (``countdown.quantize``, the
+same group) and the skipping specs on the model as loaded; the recommendation picks among all of them.
 Writes ``<out>/<model>.csv`` / ``.md`` / ``.png`` (columns model, method, sparsity, sparsity_real,
-ppl_increase, kl, decode_speedup, device, date, ..., run) and prints the table and a one-line
-recommendation. The CSV keeps the rows of every run into the folder (``run`` says which), the report and plot
+ppl_increase, kl, decode_speedup, device, date, ..., mlp_bits, run) and prints the table (per row: bits read per
+MLP weight, speed-up, perplexity increase, all against the model as loaded) and a one-line recommendation. The CSV keeps the rows of every run into the folder (``run`` says which), the report and plot
 show the latest run. :func:`add_arguments` and :func:`bench_from_args` are what ``countdown.cli`` registers.
 """
 
@@ -19,7 +23,7 @@ import sys
 
 from ..options import Parser, add_device_arg, add_number, path_option
 
-DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal"
+DEFAULT_METHODS = "mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal,dual[mixed]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "'*-shape' name gets random weights and a speed-only report")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="method specs (countdown.spec), e.g. mono,cats,dual[hybrid],dual[lowrank],dual[shadow4],teal "
-                             "(a spec this library cannot run is refused, listing the valid ones)")
+                             "(a spec this library cannot run is refused, listing the valid ones); dual[mixed] runs "
+                             "on a copy with its MLPs nested 8/4-bit and the other Linears 4-bit, beside the dense "
+                             "4-bit model")
     add_number(parser, "--sparsity", "-k", range="sparsities", default=[0.7, 0.8, 0.9], help="target sparsities k")
     parser.add_argument("--out", default="bench_out", type=path_option, help="folder for <model>.csv / .md / .png")
     add_device_arg(parser)
@@ -58,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CUDA: time transformers' own attention and Inductor's GEMVs instead of the fastest step "
                              "(countdown.decode.linears.fastest_step: fused attention, every projection on the fixed GEMV)")
     parser.add_argument("--int4", action="store_true",
-                        help="also the model in 4 bits (countdown.quantize: every Linear and lm_head, RTN group 128), "
-                             "dense, last: its quality against the model as loaded and its speed on the same harness")
+                        help="also the model in 4 bits (countdown.quantize: every Linear and lm_head, RTN, the "
+                             "dual[mixed] specs' group, else 64), dense: its quality against the model as loaded and "
+                             "its speed on the same harness (measured anyway where a dual[mixed] spec is)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -117,12 +124,12 @@ def bench_from_args(args) -> int:
         print(f"countdown bench: error: {error}", file=sys.stderr)
         return 2
     from ..io import check_writable_dir, read_table
-    from .operating import COLUMNS
+    from .operating import COLUMNS, NEW_COLUMNS
 
     # the outputs are checked before the model loads, not after the measurements; the table is locked only while
     # this run adds its rows to it (runs into one folder proceed side by side and keep every row)
     check_writable_dir(args.out, "--out")
-    read_table(_table(args), COLUMNS, "bench table")  # a file there that is no bench table is refused now
+    read_table(_table(args), COLUMNS, "bench table", NEW_COLUMNS)  # a file there that is no bench table is refused now
     if args.artifacts_dir is not None and not args.speed_only:
         check_writable_dir(args.artifacts_dir, "--artifacts-dir")
     return _bench(args, specs, texts, calib_texts)
@@ -135,7 +142,7 @@ def _table(args):
 
 
 def _bench(args, specs, texts, calib_texts) -> int:
-    from .operating import COLUMNS, BenchSettings, operating_points, write_operating_points
+    from .operating import COLUMNS, NEW_COLUMNS, BenchSettings, operating_points, write_operating_points
 
     model, tok, random_weights = _load(args)
     speed_only = args.speed_only or tok is None
@@ -163,21 +170,26 @@ def _bench(args, specs, texts, calib_texts) -> int:
             "command": _command(args)}
     from ..io import adding_rows
 
-    with adding_rows(_table(args), COLUMNS, "bench table", "--out") as (work, added):  # earlier runs' rows kept
+    with adding_rows(_table(args), COLUMNS, "bench table", "--out", optional=NEW_COLUMNS) as (work, added):  # earlier runs' rows kept
         paths = write_operating_points(rows, str(work), meta, args.max_ppl_increase, columns=COLUMNS)
         added.extend(rows)
     paths = {key: value if key == "recommendation" else f"{args.out}/{os.path.basename(value)}"
              for key, value in paths.items()}
-    print(f"{'method':16s} {'k':>4s} {'real':>6s} {'ppl +%':>8s} {'KL':>7s} {'speed-up (min-max)':>20s} {'tok/s':>8s}")
     from .opreport import label, spread
 
+    width = max([16] + [len(label(r)) for r in rows])
+    print(f"{'method':{width}s} {'k':>4s} {'real':>6s} {'bits/MLP w':>10s} {'ppl +%':>8s} {'KL':>7s} "
+          f"{'speed-up (min-max)':>20s} {'tok/s':>8s}")
     for r in rows:
         inc = "-" if r["ppl_increase"] in ("", None) else f"{100 * r['ppl_increase']:+.1f}"
         kl = "-" if r["kl"] in ("", None) else f"{r['kl']:.3f}"
+        bits = "-" if r.get("mlp_bits") in ("", None) else f"{r['mlp_bits']:.2f}"
         low, high = spread(r)
         speed = f"{r['decode_speedup']:.2f}x ({low:.2f}-{high:.2f})"
-        print(f"{label(r):16s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {inc:>8s} {kl:>7s} {speed:>20s} "
-              f"{r['tokens_per_s']:8.1f}")
+        print(f"{label(r):{width}s} {r['sparsity']:4g} {r['sparsity_real']:6.3f} {bits:>10s} {inc:>8s} {kl:>7s} "
+              f"{speed:>20s} {r['tokens_per_s']:8.1f}")
+    print("bits/MLP w: bits a decode step reads per MLP weight (scales and selectors included); speed-up and "
+          "ppl +% against the model as loaded")
     print(paths["recommendation"])
     if not speed_only:  # the recommended spec, pasteable into the API and the command line
         for line in usage_lines(rows, args.max_ppl_increase, args.model):
@@ -187,8 +199,9 @@ def _bench(args, specs, texts, calib_texts) -> int:
 
 
 def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> list[str]:
-    """How to run the recommended configuration, pasteable: the Python API and the command line (the
-    same spec in both; the artifacts built once, then passed)."""
+    """How to run the recommended configuration, pasteable: the Python API and, where the command line builds it,
+    the shell (the same spec in both; the artifacts built once, then passed). The dense 4-bit row and a dual[mixed]
+    row (its other Linears 4-bit) are built in Python; ``countdown.save`` then gives a folder every command runs."""
     from ..artifacts.prepare import TRAINED
     from ..spec import parse_spec
     from .opreport import recommended
@@ -196,8 +209,20 @@ def usage_lines(rows: list[dict], max_ppl_increase: float, model_name: str) -> l
     best = recommended(rows, max_ppl_increase)
     if best is None:
         return []
+    if best["method"] == "dense":  # the dense 4-bit row (the reference is never recommended)
+        return [f"  Python: countdown.quantize(model, group={best.get('group') or 64}, lm_head=True)",
+                "          countdown.save(model, \"my-model-int4\", tokenizer)   # then: countdown generate --model "
+                "my-model-int4 --prompt '...'"]
     spec, k = parse_spec(best["method"]).resolved(), f"{best['sparsity']:g}"
     label, model = shlex.quote(spec.label), shlex.quote(model_name)
+    if spec.kind == "mixed":
+        g = spec.options.get("group", 64)
+        return [f"  Python: art = countdown.prepare(model, tokenizer, \"{spec.label}\", {k})   # the MLPs nested "
+                "8-bit, cuts calibrated",
+                f"          countdown.quantize(model, group={g}, lm_head=True)   # every other Linear 4-bit",
+                f"          countdown.sparsify(model, \"{spec.label}\", {k}, artifacts=art)",
+                "          countdown.save(model, \"my-model-mixed\", tokenizer)   # then: countdown generate --model "
+                "my-model-mixed --prompt '...'"]
     build = "train" if spec.kind in TRAINED else "calibrate"
     out = f"{spec.slug}-k{k}.safetensors"
     return [f"  Python: countdown.sparsify(model, \"{spec.label}\", {k}, "

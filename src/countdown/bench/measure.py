@@ -39,9 +39,12 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, harness: str = "co
 
 def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
     """(mean kept fraction per token, mean kept fraction of the batch's union per step) over ``steps``
-    eager decode steps of a model patched with ``path="masked"`` (its selectors run on every token)."""
+    eager decode steps of a model patched with ``path="masked"`` (its selectors run on every token). A patch that
+    ranks rows inside the MLP instead of calling its selector (dual[mixed]) gives the per-token fraction from its
+    own counters (Sparsity-Real) and NaN for the union, which it does not count."""
     from ..decode.generate import generate_fast
     from ..patch.sparsify import state_of
+    from ..patch.state import reset_sparsity_stats, sparsity_real
 
     per_token, union = [], []
 
@@ -57,11 +60,15 @@ def kept_fractions(model, prompt: torch.Tensor, steps: int) -> tuple[float, floa
         union.append(keep.any(dim=0).float().mean().item())
 
     handles = [layer.selector.register_forward_hook(hook) for layer in state_of(model).layers]
+    reset_sparsity_stats(model)
     try:
         generate_fast(model, prompt, steps + 1, compile=False)
     finally:
         for h in handles:
             h.remove()
     if not per_token:
+        real = sparsity_real(model)["mean"]
+        if real == real:  # counted by the patch itself
+            return 1.0 - real, float("nan")
         raise RuntimeError("no decode step ran a selector: is the model patched with path='masked'?")
     return sum(per_token) / len(per_token), sum(union) / len(union)

@@ -16,6 +16,25 @@ def _known(value) -> bool:
     return value not in ("", None) and not (isinstance(value, float) and math.isnan(value))
 
 
+# a row's weights -> what its label adds: the quantized copies countdown bench measures beside the model as loaded
+WEIGHT_LABELS = {"int4": " (int4)", "nested8+int4": " (other Linears int4)"}
+
+
+def is_reference(row: dict) -> bool:
+    """The row every ratio is against: dense on the weights as loaded (a dense 4-bit row is a configuration)."""
+    return row["method"] == "dense" and row.get("weights") not in WEIGHT_LABELS
+
+
+def configurations(rows: list[dict]) -> list[dict]:
+    """The rows a recommendation chooses from: every row but the reference."""
+    return [r for r in rows if not is_reference(r)]
+
+
+def what(row: dict) -> str:
+    """A configuration as the recommendation names it: its label, and its k where it has one."""
+    return label(row) + ("" if row["method"] == "dense" else f" at k={row['sparsity']:g}")
+
+
 def spread(row: dict) -> tuple[float, float]:
     """(min, max) of a row's speed-up over its timings; a row measured once (or merged without a spread) is its
     one value."""
@@ -42,7 +61,7 @@ def speed_text(row: dict) -> str:
 def recommended(rows: list[dict], max_ppl_increase: float = 0.05) -> dict | None:
     """The row :func:`recommendation` names as the one to use: the fastest (median) within the bound whose every
     timing beat dense (speed only: the fastest such), or None where it names none."""
-    every = [r for r in rows if r["method"] != "dense"]
+    every = configurations(rows)
     sparse = [r for r in every if faster(r)]
     if all(not _known(r.get("ppl_increase")) for r in every):
         return max(sparse, key=lambda r: r["decode_speedup"]) if sparse else None
@@ -54,8 +73,10 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
     """One line: the fastest configuration within ``max_ppl_increase`` (relative, 0.05 = 5 %) of dense
     decode-style perplexity, and its speed-up (``where``: e.g. " at the Llama-3.1-8B shape on an H200");
     on speed-only rows, the fastest and that quality was not measured. A configuration whose speed-up spread
-    reaches down to 1.0x or below (:func:`faster`) is never recommended: the line says so."""
-    every = [r for r in rows if r["method"] != "dense"]
+    reaches down to 1.0x or below (:func:`faster`) is never recommended: the line says so. The configurations are
+    every row but the reference (:func:`is_reference`): the dense 4-bit row is one; the line gives the recommended
+    one's bits read per MLP weight where the row has them."""
+    every = configurations(rows)
     sparse = [r for r in every if _known(r.get("decode_speedup"))]
     if not every:
         return "no sparse configuration was measured"
@@ -66,32 +87,37 @@ def recommendation(rows: list[dict], max_ppl_increase: float = 0.05, where: str 
         if best is None:
             top = max(sparse, key=lambda r: r["decode_speedup"])
             return (f"speed only (random weights, quality not measured): no configuration is faster than the dense "
-                    f"decoder beyond the run-to-run spread{where}; the fastest is {top['method']} at "
-                    f"k={top['sparsity']:g}: {speed_text(top)}; stay dense")
-        return (f"speed only (random weights, quality not measured): the fastest is {best['method']} at "
-                f"k={best['sparsity']:g}: {speed_text(best)} the dense decoder{where}")
+                    f"decoder beyond the run-to-run spread{where}; the fastest is {what(top)}: "
+                    f"{speed_text(top)}; stay dense")
+        return (f"speed only (random weights, quality not measured): the fastest is {what(best)}: "
+                f"{speed_text(best)} the dense decoder{where}{_bits(best)}")
     pct = f"{100 * max_ppl_increase:g} %"
     within = [r for r in every if _known(r.get("ppl_increase")) and r["ppl_increase"] <= max_ppl_increase]
     ok = [r for r in within if _known(r.get("decode_speedup"))]
     if within and not ok:
-        names = ", ".join(f"{r['method']} at k={r['sparsity']:g} ({100 * r['ppl_increase']:+.1f} %, Sparsity-Real "
+        names = ", ".join(f"{what(r)} ({100 * r['ppl_increase']:+.1f} %, Sparsity-Real "
                           f"{r['sparsity_real']:.3f})" for r in within)
         return (f"for at most {pct} perplexity increase: {names}; no decode speed was measured at "
                 f"{'that Sparsity-Real' if len(within) == 1 else 'those Sparsity-Real values'}")
     if not ok:
         closest = min((r for r in every if _known(r.get("ppl_increase"))), key=lambda r: r["ppl_increase"])
         speed = (f", {closest['decode_speedup']:.2f}x{where}" if _known(closest.get("decode_speedup")) else "")
-        return (f"no configuration stays within {pct} perplexity increase; the closest is {closest['method']} at "
-                f"k={closest['sparsity']:g} ({100 * closest['ppl_increase']:+.1f} %{speed}); stay dense or accept more")
+        return (f"no configuration stays within {pct} perplexity increase; the closest is {what(closest)} "
+                f"({100 * closest['ppl_increase']:+.1f} %{speed}); stay dense or accept more")
     best = recommended(rows, max_ppl_increase)
     if best is None:
         top = max(ok, key=lambda r: r["decode_speedup"])
         return (f"for at most {pct} perplexity increase no configuration is faster than dense beyond the run-to-run "
-                f"spread{where}: the fastest within it, {top['method']} at k={top['sparsity']:g} "
+                f"spread{where}: the fastest within it, {what(top)} "
                 f"({100 * top['ppl_increase']:+.1f} %), runs {speed_text(top)}; stay dense")
-    return (f"for at most {pct} perplexity increase, use {best['method']} at k={best['sparsity']:g} "
-            f"({100 * best['ppl_increase']:+.1f} %, Sparsity-Real {best['sparsity_real']:.3f}): "
-            f"{speed_text(best)} faster{where}")
+    real = "" if best["method"] == "dense" else f", Sparsity-Real {best['sparsity_real']:.3f}"
+    return (f"for at most {pct} perplexity increase, use {what(best)} ({100 * best['ppl_increase']:+.1f} %{real}"
+            f"{_bits(best)}): {speed_text(best)} faster{where}")
+
+
+def _bits(row: dict) -> str:
+    """``, 5.40 bits read per MLP weight`` where the row has them, else nothing."""
+    return f", {float(row['mlp_bits']):.2f} bits read per MLP weight" if _known(row.get("mlp_bits")) else ""
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -108,14 +134,14 @@ def _cell(value, fmt: str) -> str:
 
 
 # optional Markdown columns: (row key, header, format); shown when some row has the key filled
-_EXTRA = [("kernel_us", "MLP us", ".1f"), ("mlp_speedup", "MLP speed-up", ".2f"), ("task_score", "task score", ".3f"),
+_EXTRA = [("mlp_bits", "bits read / MLP weight", ".2f"), ("kernel_us", "MLP us", ".1f"), ("mlp_speedup", "MLP speed-up", ".2f"), ("task_score", "task score", ".3f"),
           ("tokens_per_s", "tokens/s", ".1f")]
 
 
 def label(row: dict) -> str:
-    """A row's method as the table and the plot name it: with " (int4)" for the 4-bit model's rows, " (int4,
-    W_down^T)" for the 4-bit copy with W_down held transposed (the sparse 4-bit rows)."""
-    return row["method"] + {"int4": " (int4)", "int4-downT": " (int4, W_down^T)"}.get(row.get("weights"), "")
+    """A row's method as the table and the plot name it: with " (int4)" for the 4-bit model's row, " (other Linears
+    int4)" for a dual[mixed] row (its MLPs nested 8-bit, every other Linear 4-bit: :data:`WEIGHT_LABELS`)."""
+    return row["method"] + WEIGHT_LABELS.get(row.get("weights"), "")
 
 
 def markdown(rows: list[dict], meta: dict, line: str, front: set) -> str:

@@ -125,7 +125,7 @@ def library_artifacts(model, spec: str | Spec, ks: list[float], texts: list[str]
 def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int):
     """Every layer's selector scores on the decode steps of ``model`` patched with ``art`` at ``k``
     (masked path, prompt dense, greedy, eager), and the Sparsity-Real of that generation; None for a
-    kind without a score."""
+    kind without a score, or whose patch does not call its selector's forward (dual[mixed])."""
     from ..decode.generate import generate_fast
     from ..patch.sparsify import sparsify, sparsity_real, state_of, unsparsify, with_mode
 
@@ -149,6 +149,8 @@ def _decode_scores(model, art, k: float, prompts: torch.Tensor, new_tokens: int)
         finally:
             for h in handles:
                 h.remove()
+        if not all(scores):  # a patch that never calls its selector's forward (dual[mixed] ranks inside the MLP):
+            return None, float("nan")  # its cuts stay as its builder fitted them
         return [torch.cat(s) for s in scores], round(sparsity_real(model)["mean"], 4)
     finally:
         unsparsify(model)

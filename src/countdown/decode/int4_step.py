@@ -16,10 +16,10 @@ with our backend (``countdown.int4.use_backend``), and each Llama-style decoder 
 layers are (countdown.decode.layer): its norms and residual adds on our kernels, the GEMVs' partial sums over
 slices of K added by the residual add (:func:`_layer_forward`), so a layer's step is a chain of our kernels that
 programmatic dependent launch overlaps. With a baseline backend the same stacked GEMV, act(g) * u in
-PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). A sparsified MLP
-is asked at each step (its patch's kept-rows kernel or its own forward: :func:`_patch_rule`); a W_down held
-transposed, and :func:`sparse_rows`, take the kept-rows kernel (kernels/int4/rows.py). Anything else (the prompt,
-batch > 1) runs the module's own forward.
+PyTorch, then the down GEMV through that backend (only the GEMVs differ between the backends). A sparsified 4-bit
+MLP runs its patch's own forward in the folded layer (no 4-bit kernel skips rows: docs/experiments.md#4-bit-weights);
+a nested 8-bit one (dual[mixed]) runs the mixed kernels (nested_step.py). Anything else (the prompt, batch > 1) runs
+the module's own forward.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from .nested_step import _GU, drop as drop_nested, high_parts, is_nested, mixed_
 
 # _GU (nested_step.py): (stacked gate/up, down, activation name, activation) in the MLP's __dict__
 _BEFORE = "_countdown_int4_mlp_before"
-_ROWS = "_countdown_int4_rows"  # (rule, indicator module, other module, W_down^T, state of threshold and counters)
 
 
 def has_int4(model: nn.Module) -> bool:
@@ -60,11 +59,7 @@ def _mlp_forward(self, x):
                 zero = x.new_zeros((1, x.shape[-1]))
                 return mixed_step(self, zero, x.reshape(1, -1), gate_up, down, act_name).view(x.shape)
             return getattr(self, _BEFORE)(x)
-        rows = self.__dict__.get(_ROWS)
-        if rows is not None and available(x):  # sparse rows, or a W_down held transposed (every row kept)
-            zero = x.new_zeros((1, x.shape[-1]))  # no residual here: the MLP's output alone (+ bias)
-            return _kept_rows(zero, down.bias, x.reshape(1, -1), act_name, *_unpacked(rows)).view(x.shape)
-        if available(x) and not down.transposed:
+        if available(x):
             gu = gemv_partials(x.reshape(1, -1), gate_up)  # [S, 2 I]: the down GEMV sums the partials as it loads
             return finish(gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name), down, x.shape, x.dtype)
     if one_token(x) and not is_nested(self):
@@ -109,16 +104,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
         if out is None:
             out = h + mlp(x.view_as(hidden_states)).reshape(1, -1)
         return out.view_as(hidden_states)
-    if patch is not None:  # sparsified (countdown.sparsify), before or after this step was set up
-        rule = _patch_rule(patch, down)
-        if rule is None:  # a patch the kept-rows kernel does not serve: the patched module's own forward
-            return (h + mlp(x.view_as(hidden_states)).reshape(1, -1)).view_as(hidden_states)
-        ind, other = _roles(rule, gate_up)
-        return _kept_rows(h, down.bias, x, act_name, rule, ind, other, down, patch.selector.threshold,
-                          patch.kept_total, patch.rows_total).view_as(hidden_states)
-    rows = mlp.__dict__.get(_ROWS)
-    if rows is not None:  # sparse rows (sparse_rows) or a W_down held transposed: the indicator GEMV, the kept rows
-        return _kept_rows(h, down.bias, x, act_name, *_unpacked(rows)).view_as(hidden_states)
+    if patch is not None:  # sparsified (countdown.sparsify), before or after this step was set up: the patch's own
+        return (h + mlp(x.view_as(hidden_states)).reshape(1, -1)).view_as(hidden_states)  # forward
     gu = gemv_partials(x, gate_up)
     out = torch.ops.countdown.decode_add_partials(h, gemv_partials(gu.view(gu.shape[0], 2, -1), down, act_name),
                                                   down.bias)
@@ -144,111 +131,6 @@ def _patch_of(mlp: nn.Module, x: torch.Tensor):
 _MASKED = object()
 
 
-def _patch_rule(patch, down: Int4Linear) -> str | None:
-    """The kept-rows kernel's rule for a patch it serves: a calibrated mono / cats threshold (SP-Prac) on an MLP whose
-    W_down is held transposed (``quantize(transposed_down=True)``: the rows the patch keeps are bytes not read, with
-    the weights the patch itself computes with), on the kernel route. None otherwise."""
-    from ..selectors.threshold import ThresholdSelector
-
-    if patch is _MASKED or not down.transposed or patch.state.path not in ("auto", "kernel") or patch.mlp.tp is not None:
-        return None
-    selector = patch.selector
-    return {"mono": "abs", "cats": "abs_act"}.get(selector.method.name) if isinstance(selector, ThresholdSelector) \
-        else None
-
-
-def _roles(rule: str, gate_up: Int4Linear) -> tuple:
-    """(the indicator's module, the other GEMV's module or None) of a rule, from the stacked gate / up."""
-    gate, up = gate_up.stacked_from
-    return {"abs": (up, gate), "abs_act": (gate, up), "dual": (gate_up, None)}[rule]
-
-
-def _unpacked(entry: tuple) -> tuple:
-    rule, ind, other, down_t, state = entry
-    return rule, ind, other, down_t, state.threshold, state.kept, state.rows
-
-
-def _kept_rows(h, bias, x, act_name, mode, ind, other, down_t, threshold, kept, rows):
-    """h + a sparse 4-bit MLP's output for one token x (+ bias): kernels/int4/rows.py, the residual add in the down
-    launch."""
-    gu = gemv_partials(x, ind)
-    if mode == "dual":
-        gu = gu.view(gu.shape[0], 2, -1)
-    o = other if other is not None else down_t
-    return torch.ops.countdown.int4_kept_rows(gu, x, o.qweight.view(torch.int32), o.scale, o.offset,
-                                              down_t.qweight.view(torch.int32), down_t.scale, down_t.offset,
-                                              threshold, mode, act_name, kept, rows, h, bias)
-
-
-def _rows_entry(mlp: nn.Module, rule: str, threshold: torch.Tensor, down_t: Int4Linear | None = None) -> tuple:
-    """The ``_ROWS`` entry of a stacked 4-bit MLP: (rule, indicator module, other module, W_down^T, state), the
-    state a module of buffers (threshold, Sparsity-Real counters) that a compiled, CUDA-graphed step reads in place.
-    W_down^T is the MLP's own down where it holds it transposed, else ``down_t``."""
-    gate_up, down, _, _ = mlp.__dict__[_GU]
-    ind, other = _roles(rule, gate_up)
-    device = down.qweight.device
-    state = nn.Module()
-    state.register_buffer("threshold", threshold.reshape(1).float().to(device))
-    state.register_buffer("kept", torch.zeros(1, dtype=torch.float64, device=device))
-    state.register_buffer("rows", torch.zeros((), dtype=torch.int64, device=device))
-    return rule, ind, other, down if down.transposed else down_t, state
-
-
-def _keep_all(mlp: nn.Module) -> tuple:
-    """A W_down held transposed has no down GEMV: its dense decode is the kept-rows kernel keeping every row."""
-    return _rows_entry(mlp, "dual", torch.tensor(float("-inf")))
-
-
-def sparse_rows(model: nn.Module, method: str | None, thresholds: list[torch.Tensor]) -> int:
-    """Sparse rows on the 4-bit step's folded layers (``int4_step`` first), a building block for benchmarks:
-    ``method`` "mono" (keep |u| > t), "cats" (|act(g)| > t) or "dual" (|act(g) u| > t), one fp32 threshold per
-    layer. The kernel reads W_down^T: the MLP's own down where ``quantize(transposed_down=True)`` made it so, else
-    a W_down^T rounded to 4 bits from the de-quantized W_down in the gate's groups (a second rounding, and memory
-    beside W_down: docs/int4.md). ``method=None`` gives the dense step back. Returns the number of layers changed.
-    Each MLP's counters count its kept rows (:func:`sparse_rows_real`)."""
-    from ..int4 import quantize_rtn
-    from ..kernels.int4 import rows  # noqa: F401  (registers countdown::int4_kept_rows)
-    from .attention import decoder_layers
-    from .layer import is_folded
-
-    layers = [layer for layer in decoder_layers(model, "sparse_rows") if is_folded(layer) and _GU in layer.mlp.__dict__]
-    if method is None:
-        for layer in layers:
-            down = layer.mlp.__dict__[_GU][1]
-            if down.transposed:
-                layer.mlp.__dict__[_ROWS] = _keep_all(layer.mlp)
-            else:
-                layer.mlp.__dict__.pop(_ROWS, None)
-        return len(layers)
-    modes = {"mono": "abs", "cats": "abs_act", "dual": "dual"}
-    if method not in modes or len(thresholds) != len(layers):
-        raise ValueError(f"sparse_rows takes a method of {', '.join(modes)} and one threshold per folded 4-bit layer "
-                         f"({len(layers)}); got {method!r} and {len(thresholds)} thresholds")
-    for layer, thr in zip(layers, thresholds):
-        mlp = layer.mlp
-        gate_up, down, _, _ = mlp.__dict__[_GU]
-        down_t = None
-        if not down.transposed:
-            g = gate_up.group
-            if down.out_features % g:
-                raise ValueError(f"W_down^T's rows ({down.out_features} values) do not split into the gate's groups "
-                                 f"of {g}")
-            w = quantize_rtn(down.weight.t().contiguous(), g, down.scale.dtype)
-            device = down.qweight.device
-            down_t = Int4Linear.from_weight(type(w)(w.qweight.to(device), w.scale.to(device), w.offset.to(device)),
-                                            dtype=down.weight.dtype, transposed=True)
-        mlp.__dict__[_ROWS] = _rows_entry(mlp, modes[method], thr, down_t)
-    return len(layers)
-
-
-def sparse_rows_real(model: nn.Module) -> float:
-    """Sparsity-Real of the sparse 4-bit rows since they were set: 1 - kept / rows over every layer."""
-    entries = [m.__dict__[_ROWS] for m in model.modules() if _ROWS in m.__dict__]
-    kept = sum(float(e[-1].kept) for e in entries)
-    rows = sum(int(e[-1].rows) for e in entries)
-    return 1 - kept / rows if rows else float("nan")
-
-
 def _foldable(layer: nn.Module) -> bool:
     from .layer import FOLDABLE, is_folded
 
@@ -267,15 +149,15 @@ def _mlps(model: nn.Module):
     for g in find_gated_mlps(model):
         parts = [getattr(g.module, n) if n else None for n in (g.gate, g.up, g.down)]
         if g.tp is None and g.fused is None and g.act_name in ("silu", "gelu_tanh") \
-                and (all(isinstance(p, Int4Linear) for p in parts) or nested_parts(parts)):
+                and (all(isinstance(p, Int4Linear) and not p.transposed for p in parts) or nested_parts(parts)):
             yield g, parts
 
 
 def int4_step(model: nn.Module, on: bool = True) -> int:
     """Stack and route the 4-bit attention and Gated-MLPs of ``model`` (``on=False``: undo). Returns how many
     MLPs changed. A sparsified MLP keeps its patch's forward: the folded layer asks the patch at each step (a
-    calibrated mono / cats threshold on a W_down held transposed runs the kept-rows kernel, any other patch its own
-    forward), whether ``countdown.sparsify`` came before or after this."""
+    dual[mixed] patch on nested MLPs runs the mixed kernels, any other patch its own forward), whether
+    ``countdown.sparsify`` came before or after this."""
     from .attention import fuse_attention
 
     changed = 0
@@ -284,7 +166,6 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
 
         fold_norms(model, False)
         for module in model.modules():
-            module.__dict__.pop(_ROWS, None)
             drop_nested(module)
             if module.__dict__.pop(_GU, None) is not None:
                 if module.__dict__.pop(_BEFORE, None) is not None \
@@ -294,8 +175,7 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
         fuse_attention(model, False)
         return changed
     fuse_attention(model)
-    from ..kernels.int4 import nested_rows, rows  # noqa: F401  (register countdown::int4_kept_rows and
-    # countdown::int4_nested_mixed_mlp: Triton)
+    from ..kernels.int4 import nested_rows  # noqa: F401  (registers countdown::int4_nested_mixed_mlp: Triton)
 
     for g, (gate, up, down) in _mlps(model):
         module = g.module
@@ -310,8 +190,6 @@ def int4_step(model: nn.Module, on: bool = True) -> int:
             except ValueError:
                 continue
         module.__dict__[_GU] = (gate_up, down, g.act_name, g.act)
-        if down.transposed:
-            module.__dict__[_ROWS] = _keep_all(module)
         if "forward" not in module.__dict__:  # a sparsified MLP keeps its patch's forward (the folded layer asks it)
             setattr(module, _BEFORE, module.forward)
             module.forward = types.MethodType(_mlp_forward, module)

@@ -116,7 +116,7 @@ def _swaps(model: nn.Module) -> dict[str, int]:
     from .hf_attention import NAME
 
     markers = {"attention": attention._BEFORE, "attention4": attention._QKV4, "qkv": attention.QKV_FIXED,
-               "linears": linears._ROUTED, "layers": layer._BEFORE, "mlp4": int4_step._GU, "rows4": int4_step._ROWS}
+               "linears": linears._ROUTED, "layers": layer._BEFORE, "mlp4": int4_step._GU}
     counts = dict.fromkeys(markers, 0)
     for module in model.modules():
         found = module.__dict__
@@ -134,7 +134,6 @@ _SWAP_TEXT = {
     "linears": ("decode/linears.py", "Linears (down, gate/up, o_proj) on the fixed GEMV"),
     "layers": ("decode/layer.py", "decoder layers folded (norms and residual adds on our kernels; PDL on)"),
     "mlp4": ("decode/int4_step.py", "4-bit Gated-MLPs stacked (gate/up one GEMV, the 4-bit step's forward)"),
-    "rows4": ("decode/int4_step.py", "of them on the kept-rows kernel (W_down held transposed)"),
     "implementation": ("decode/hf_attention.py", "attention implementation switched to 'countdown_decode'"),
 }
 

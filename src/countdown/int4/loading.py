@@ -34,6 +34,11 @@ def check_int4_record(record: dict | None, where: str) -> None:
         raise ValueError(f"{where}: the 4-bit record is not a {FORMAT} record "
                          f"({record.get('format') if isinstance(record, dict) else record!r}); save the model again "
                          "with countdown.save")
+    if record.get("transposed"):
+        raise ValueError(f"{where}: this 4-bit model holds its W_down transposed (saved after "
+                         "countdown.quantize(..., transposed_down=True)), a layout this release no longer builds or "
+                         "loads: quantize the float model again without transposed_down "
+                         "(countdown.quantize(model, group=...)) and save it")
 
 
 def int4_headers(checkpoint_files: list[str | Path]) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
@@ -65,7 +70,6 @@ def build_int4_modules(model: nn.Module, checkpoint_files: list[str | Path], rec
     if not headers:
         raise ValueError("the folder records a 4-bit or nested 8-bit model but its safetensors hold no such weights "
                          "(name.qweight / .scale / .offset, or name.high_qweight ... .low_offset)")
-    transposed = set((record or {}).get("transposed", ()))
     low_transposed = set((nested or {}).get("low_transposed", ()))
     for name, parts in headers.items():
         linear = model.get_submodule(name) if _has(model, name) else None
@@ -84,12 +88,10 @@ def build_int4_modules(model: nn.Module, checkpoint_files: list[str | Path], rec
                                  "weights disagree")
         else:
             weight = Int4Weight(*(meta[leaf] for leaf in BUFFERS))
-            t = name in transposed
-            if weight.shape != tuple(linear.weight.shape)[:: -1 if t else 1]:
-                raise ValueError(f"the saved 4-bit weight of {name} is {weight.shape}{' (W^T)' if t else ''}, the "
-                                 f"model's Linear {tuple(linear.weight.shape)}: the folder's config.json and weights "
-                                 "disagree")
-            module = Int4Linear(weight, bias, linear.weight.dtype, record["source"], transposed=t)
+            if weight.shape != tuple(linear.weight.shape):
+                raise ValueError(f"the saved 4-bit weight of {name} is {weight.shape}, the model's Linear "
+                                 f"{tuple(linear.weight.shape)}: the folder's config.json and weights disagree")
+            module = Int4Linear(weight, bias, linear.weight.dtype, record["source"])
         module._is_hf_initialized = True  # loaded whole: transformers' init would de-quantize `weight` to fill a copy
         model.set_submodule(name, module)
     return sorted(headers)

@@ -63,7 +63,7 @@ def _refuse(model: nn.Module) -> None:
 
 def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: bool = False,
              gguf: str | os.PathLike | None = None, requantize: bool = False,
-             scale_dtype: torch.dtype = torch.float16, transposed_down: bool = False) -> nn.Module:
+             scale_dtype: torch.dtype = torch.float16) -> nn.Module:
     """Replace the model's decoder Linears by 4-bit ones in place (see the module docstring); returns ``model``.
 
     group: columns per scale and offset for RTN (32, 64 or 128; smaller where it does not divide a Linear's
@@ -71,9 +71,6 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     lm_head: quantize the output projection too (RTN). gguf: the GGUF file for ``source="gguf"`` (a path or
     a catalogue name; default: the file the model was loaded from). requantize: with ``"gguf"``, round the
     tensors that are not 4-bit in the file to 4 bits too. scale_dtype: of RTN's scales and offsets.
-    transposed_down: each Gated-MLP's W_down held as W_down^T (RTN, groups along d_model), so that the sparse rows'
-    kernel skips the bytes of skipped rows (kernels/int4/rows.py) with no second copy; RTN only (a GGUF file's
-    W_down blocks run along d_inter). It costs quality: docs/int4.md measures it.
     """
     refuse_foreign_quantization(model, "countdown.quantize")  # torchao / bitsandbytes / GPTQ... weights
     if source not in SOURCES:
@@ -81,20 +78,13 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
     if group not in GROUPS:
         raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
     _refuse(model)
-    if transposed_down and source != "rtn":
-        raise ValueError("transposed_down rounds W_down^T, which a GGUF file does not hold: use source='rtn'")
     head = _head_name(model)
-    downs = set()
-    if transposed_down:
-        from ..model.gated_mlp import find_gated_mlps
-
-        downs = {f"{g.name}.{g.down}" if g.name else g.down for g in find_gated_mlps(model) if g.fused is None}
     from .nested_linear import NestedLinear
 
     names = [name for name, m in model.named_modules()  # nested 8-bit MLPs (dual[mixed]) keep their planes
              if isinstance(m, nn.Linear) and not isinstance(m, NestedLinear) and (lm_head or name != head)]
     record = {"format": FORMAT, "version": 1, "source": source, "lm_head": lm_head, "rtn_group": group,
-              "rtn_scale_dtype": str(scale_dtype).removeprefix("torch."), "int4": {}, "kept": {}, "transposed": []}
+              "rtn_scale_dtype": str(scale_dtype).removeprefix("torch."), "int4": {}, "kept": {}}
     tensors, path = {}, None
     if source == "gguf":
         from ..data.model_cache import file_sha256
@@ -117,17 +107,13 @@ def quantize(model: nn.Module, group: int = 128, source: str = "rtn", lm_head: b
                 kept.setdefault(why, []).append(name)
                 continue
             else:
-                t = name in downs  # W^T: its groups run along the output
-                k = linear.out_features if t else linear.in_features
+                k = linear.in_features
                 fit = next((g for g in sorted(GROUPS, reverse=True) if g <= group and k % g == 0), None)
                 if fit is None:
-                    kept.setdefault(f"{'out' if t else 'in'}_features not a multiple of {min(GROUPS)}", []).append(name)
+                    kept.setdefault(f"in_features not a multiple of {min(GROUPS)}", []).append(name)
                     continue
-                weight, how = quantize_rtn(linear.weight.t() if t else linear.weight, fit, scale_dtype), "rtn"
-                if t:
-                    record["transposed"].append(name)
-            model.set_submodule(name, Int4Linear.from_linear(linear, weight, source=how,
-                                                             transposed=name in record["transposed"]))
+                weight, how = quantize_rtn(linear.weight, fit, scale_dtype), "rtn"
+            model.set_submodule(name, Int4Linear.from_linear(linear, weight, source=how))
             done[f"{how} g{weight.group}"] += 1
     if head in names and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own 4-bit module now; the embedding stays

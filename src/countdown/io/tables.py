@@ -31,11 +31,13 @@ def run_id() -> str:
     return f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-def read_table(path: str | os.PathLike, columns: Sequence[str], what: str = "table") -> list[dict]:
+def read_table(path: str | os.PathLike, columns: Sequence[str], what: str = "table",
+               optional: Sequence[str] = ()) -> list[dict]:
     """The rows of a CSV table (``[]`` where there is none), as dicts of strings over ``columns`` (and
     :data:`RUN`, "" in a table written before rows were marked). A file whose header lacks ``columns`` (another
     file, a damaged one) is a ValueError naming it, and what is no regular file (a FIFO would block the open)
-    is refused: before the work, a run calls this on the table it will add to."""
+    is refused: before the work, a run calls this on the table it will add to. ``optional``: columns of
+    ``columns`` that a table of an earlier release may lack ("" in its rows)."""
     path = Path(path)
     refuse_special(path)
     if not path.exists():
@@ -44,7 +46,7 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], what: str = "tab
         with open(path, newline="", encoding="utf-8") as fh:
             reader = csv.DictReader(fh)
             header = reader.fieldnames or []
-            missing = [c for c in columns if c not in header]
+            missing = [c for c in columns if c not in header and c not in optional]
             rows = [] if missing else [{c: row.get(c) or "" for c in [*columns, RUN]} for row in reader]
     except (UnicodeDecodeError, csv.Error) as error:
         raise ValueError(f"{path} is not a readable {what} ({type(error).__name__}): move it aside or choose "
@@ -65,17 +67,17 @@ def table_text(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def adding_rows(table: str | os.PathLike, columns: Sequence[str], what: str = "table", option: str | None = None,
-                wait: float = MERGE_WAIT_S) -> Iterator[tuple[Path, list]]:
+                wait: float = MERGE_WAIT_S, optional: Sequence[str] = ()) -> Iterator[tuple[Path, list]]:
     """Hold the lock of the CSV ``table`` and yield ``(work, added)``: write this run's files into the folder
     ``work`` (a report, a plot, the run's own version of the table: any file of the table's folder) and put
     this run's rows in the list ``added``. On a clean exit the table becomes the rows of earlier runs (read now,
     under the lock) plus ``added``, marked with :func:`run_id`, and every file written in ``work`` replaces its
     namesake in the table's folder atomically (:func:`countdown.io.files_into`): a run killed at any moment
-    leaves the earlier rows in the table, never a table without them."""
+    leaves the earlier rows in the table, never a table without them. ``optional``: as :func:`read_table`'s."""
     table = Path(table)
     run = run_id()
     with file_lock(table, wait=wait, what=what):
-        earlier = read_table(table, columns, what)
+        earlier = read_table(table, columns, what, optional)
         with files_into(table.parent, what=what, option=option) as work:
             added: list = []
             yield work, added

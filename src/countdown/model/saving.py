@@ -15,7 +15,7 @@ model's Linears as their codes, scales and offsets) whose config.json carries th
                             "artifacts": "countdown_artifacts.safetensors", "weights": null}
 
 ``weights`` is the :class:`~countdown.spec.WeightFormat` of a 4-bit model (bits, group, source, scale dtype,
-lm_head, transposed_down, and ``record``: what :func:`countdown.quantize` recorded, from which its modules are
+lm_head, and ``record``: what :func:`countdown.quantize` recorded, from which its modules are
 rebuilt), ``artifacts`` the SP-Prac selectors' file in the folder (checksummed), ``spec`` null where the model is not
 sparsified. After ``import countdown``, ``AutoModelForCausalLM.from_pretrained(folder)`` rebuilds the model as saved
 (countdown's transformers quantizer, :mod:`countdown.model.hf_quantizer`; :func:`countdown.load_model` is that call);

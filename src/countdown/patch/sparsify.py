@@ -323,7 +323,7 @@ def sparsify(model: nn.Module, method: str | Spec | Method, sparsity: float | No
         object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
     follow_state(model)
     if not m.is_dense:
-        _note_4bit_route(mlps, m, spec.mode)
+        _note_4bit_route(mlps)
     return model
 
 
@@ -342,22 +342,16 @@ def _one_of(name: str, given: Any, in_spec: Any) -> Any:
     return in_spec if given is None else given
 
 
-def _note_4bit_route(mlps: list[GatedMLP], m: Method, mode: str) -> None:
-    """On 4-bit weights (countdown.quantize), one line on stderr where the sparse rows cannot save W_down's bytes:
-    a W_down held as usual (its groups run along d_inter), or a configuration the kept-rows kernels do not serve."""
+def _note_4bit_route(mlps: list[GatedMLP]) -> None:
+    """On 4-bit MLP weights (countdown.quantize), one line on stderr: the patch computes the sparse MLP, but no 4-bit
+    kernel skips rows (skipping on 4-bit weights did not pay through countdown.generate: docs/experiments.md)."""
     from ..data.texts import log
     from ..int4.linear import Int4Linear
 
-    downs = [getattr(g.module, g.down) for g in mlps]
-    if not any(isinstance(d, Int4Linear) for d in downs):
-        return
-    if not all(isinstance(d, Int4Linear) and d.transposed for d in downs):
-        log("sparsify: 4-bit weights with W_down held as usual (groups along d_inter): the patch computes the sparse "
-            "MLP, but no 4-bit kernel skips W_down's bytes; countdown.quantize(model, transposed_down=True) holds "
-            "W_down^T, whose kept rows the 4-bit kernels read (docs/int4.md)")
-    elif mode != "prac" or m.name not in ("mono", "cats"):
-        log(f"sparsify: on 4-bit weights the kept-rows kernels serve a calibrated mono / cats threshold; "
-            f"{m.name} ({mode}) runs the patch's own forward in the 4-bit decode step")
+    if any(isinstance(getattr(g.module, g.down), Int4Linear) for g in mlps):
+        log("sparsify: on 4-bit MLP weights the patch computes the sparse MLP with its own forward; no 4-bit kernel "
+            "skips rows: expect no speed-up over the dense 4-bit step. For near-4-bit bytes at near-8-bit quality use "
+            "dual[mixed] on the float model (docs/mixed.md)")
 
 
 def unsparsify(model: nn.Module) -> nn.Module:
