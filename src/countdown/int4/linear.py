@@ -115,14 +115,7 @@ class Int4Linear(nn.Linear):
         return int4_linear(x, self)
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype) / .half() convert every floating buffer: keep the scales' dtype, let them only move.
-        before = {name: self._buffers[name] for name in BUFFERS}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.qweight.device)).dtype
+        apply_keeping_dtypes(self, fn, recurse, BUFFERS)
         self.kernel_layout = None
         return self
 
@@ -160,3 +153,17 @@ def stack(modules: list[Int4Linear]) -> Int4Linear:
         for m, part in zip(modules, whole.bias.split(rows)):
             m.bias = nn.Parameter(part, requires_grad=False)
     return whole
+
+
+def apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:
+    """``nn.Module._apply`` for a quantized Linear (``module``, whose buffers ``names`` hold its codes and scales):
+    ``.to(dtype)`` / ``.half()`` would convert every floating buffer, so these keep their dtype and only move;
+    ``module.compute_dtype`` follows the conversion."""
+    before = {name: module._buffers[name] for name in names}
+    nn.Module._apply(module, fn, recurse)
+    for name, old in before.items():
+        new = module._buffers[name]
+        if new.dtype != old.dtype:
+            module._buffers[name] = old.to(new.device)
+    device = module._buffers[names[0]].device
+    module.compute_dtype = fn(torch.empty(0, dtype=module.compute_dtype, device=device)).dtype

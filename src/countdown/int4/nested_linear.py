@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .format import Int4Weight
+from .linear import apply_keeping_dtypes
 from .nested import NestedWeight, quantize_nested
 
 BUFFERS = ("high_qweight", "high_scale", "high_offset", "low_qweight", "low_scale", "low_offset")
@@ -102,14 +103,7 @@ class NestedLinear(nn.Linear):
         return nested_linear(x, self)
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype) / .half() convert every floating buffer: keep the scales' dtype, let them only move.
-        before = {name: self._buffers[name] for name in BUFFERS}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.high_qweight.device)).dtype
+        apply_keeping_dtypes(self, fn, recurse, BUFFERS)
         return self
 
     def extra_repr(self) -> str:
