@@ -93,15 +93,21 @@ def test_recommendation_and_pareto():
     assert [r["method"] for r in operating.pareto(rows)] == ["dense", "mono", "dual[hybrid]", "mono"]
 
 
-@pytest.fixture
-def tiny_llama(monkeypatch, tmp_path):
-    model = tiny_model("llama")
+def _bench_inputs(monkeypatch, tmp_path, **changes):
+    """A tiny Llama (``changes`` to its configuration) that countdown.load_model returns, and the held-out and
+    calibration text files: (model, held-out path, calibration path)."""
+    model = tiny_model("llama", **changes)
     monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, TOK))
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("\n".join(word_texts(1)))
     calib = tmp_path / "calib.txt"
     calib.write_text("\n".join(word_texts(0)))
     return model, str(held_out), str(calib)
+
+
+@pytest.fixture
+def tiny_llama(monkeypatch, tmp_path):
+    return _bench_inputs(monkeypatch, tmp_path)
 
 
 def test_countdown_bench_end_to_end(tiny_llama, tmp_path, capsys):
@@ -178,13 +184,7 @@ def test_countdown_bench_int4_row(tiny_llama, tmp_path, capsys):
 @pytest.fixture
 def tiny_llama128(monkeypatch, tmp_path):
     """tiny_llama with d_inter 128: a width the nested format's groups of 64 divide."""
-    model = tiny_model("llama", intermediate_size=128)
-    monkeypatch.setattr(countdown, "load_model", lambda *a, **k: (model, TOK))
-    held_out = tmp_path / "held_out.txt"
-    held_out.write_text("\n".join(word_texts(1)))
-    calib = tmp_path / "calib.txt"
-    calib.write_text("\n".join(word_texts(0)))
-    return model, str(held_out), str(calib)
+    return _bench_inputs(monkeypatch, tmp_path, intermediate_size=128)
 
 
 def test_countdown_bench_measures_mixed_beside_dense_4bit_and_skipping(tiny_llama128, tmp_path, capsys):

@@ -72,10 +72,7 @@ class Int4Linear(nn.Linear):
         self.source = source  # how the codes were made: "rtn" or the GGUF type ("Q4_1", ...)
         for name in BUFFERS:
             self.register_buffer(name, getattr(weight, name))
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have {self.out_features} values, got shape {tuple(bias.shape)}")
-        kept = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        self.register_parameter("bias", kept)
+        set_frozen_bias(self, bias, dtype)
         self.compute_dtype = dtype
         self.kernel_layout = None
 
@@ -153,6 +150,15 @@ def stack(modules: list[Int4Linear]) -> Int4Linear:
         for m, part in zip(modules, whole.bias.split(rows)):
             m.bias = nn.Parameter(part, requires_grad=False)
     return whole
+
+
+def set_frozen_bias(module: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Register ``bias`` (checked against ``module.out_features``; None: no bias) on a quantized Linear as a frozen
+    parameter in the compute dtype ``dtype``."""
+    if bias is not None and tuple(bias.shape) != (module.out_features,):
+        raise ValueError(f"bias must have {module.out_features} values, got shape {tuple(bias.shape)}")
+    kept = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    module.register_parameter("bias", kept)
 
 
 def apply_keeping_dtypes(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .format import Int4Weight
-from .linear import apply_keeping_dtypes
+from .linear import apply_keeping_dtypes, set_frozen_bias
 from .nested import NestedWeight, quantize_nested
 
 BUFFERS = ("high_qweight", "high_scale", "high_offset", "low_qweight", "low_scale", "low_offset")
@@ -56,10 +56,7 @@ class NestedLinear(nn.Linear):
         self.low_transposed = weight.low_transposed
         for name, tensor in zip(BUFFERS, _tensors(weight)):
             self.register_buffer(name, tensor)
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have {self.out_features} values, got shape {tuple(bias.shape)}")
-        kept = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        self.register_parameter("bias", kept)
+        set_frozen_bias(self, bias, dtype)
         self.compute_dtype = dtype
         self.read = read
 

@@ -74,6 +74,12 @@ class CountdownConfig(QuantizationConfigMixin):
         return self.to_dict()
 
 
+def quantized_records(record: dict) -> tuple[dict | None, dict | None]:
+    """The 4-bit record (``weights.record``) and the nested 8-bit record (``nested``) of a saved record, each None
+    where the model has no such weights."""
+    return (record.get("weights") or {}).get("record"), record.get("nested")
+
+
 def check_record(record: dict) -> None:
     """A record this release rebuilds, else a ValueError saying what to do (before anything is loaded)."""
     from ..int4.loading import check_int4_record
@@ -151,20 +157,21 @@ class CountdownHfQuantizer(HfQuantizer):
                              "state_dict: give from_pretrained the folder")
         if record.get("artifacts"):
             self.artifact = artifact_file(getattr(model.config, "name_or_path", ""), checkpoint_files)
-        if record.get("weights") is not None or record.get("nested") is not None:
+        int4, nested = quantized_records(record)
+        if int4 is not None or nested is not None:
             from ..int4.loading import build_int4_modules
 
-            build_int4_modules(model, checkpoint_files, (record.get("weights") or {}).get("record"),
-                               record.get("nested"))
+            build_int4_modules(model, checkpoint_files, int4, nested)
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs):
         record = self.quantization_config.to_dict()
-        if record.get("weights") is not None or record.get("nested") is not None:
+        int4, nested = quantized_records(record)
+        if int4 is not None or nested is not None:
             from ..int4.loading import finish_int4_modules
             from .saving import save_pretrained_method
 
-            finish_int4_modules(model, (record.get("weights") or {}).get("record"), record.get("nested"))
+            finish_int4_modules(model, int4, nested)
             if "save_pretrained" not in model.__dict__:  # as countdown.quantize leaves a 4-bit model: one save path
                 object.__setattr__(model, "save_pretrained", save_pretrained_method(model))
         if record.get("spec") is not None:
