@@ -54,6 +54,10 @@ def test_routes_by_token_count_and_the_overrides():
     with K.overrides(triton=False):
         assert not K.available(x[1]) and route("mono", x[1]) == "reference"
     assert route("linear", torch.zeros(1, 1, 8)) == "linear" and route("linear", torch.zeros(0, 8)) == "torch"
+    # float64 (a model moved to it): the references, on CUDA too (the kernels compute in fp32 at most)
+    with K.overrides(cuda_routes=True):
+        assert route("linear", torch.zeros(1, 1, 8, dtype=torch.float64)) == "reference"
+        assert route("mono", torch.zeros(1, 1, 8, dtype=torch.float64)) == "reference"
 
 
 def test_launch_configurations_and_their_overrides():

@@ -87,12 +87,15 @@ def tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.numel() else 0
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in (float64: the references)
+
+
 def route(kind: str, x: torch.Tensor, per_token: bool = False) -> str | None:
     """The kernel that runs ``kind`` for ``x [..., d]`` here (see the module docstring), "reference" where the
-    kernels cannot run. ``per_token``: each token its own rows (the chain's option), so not the few-token kernel,
-    which reads the batch's union. ``config.overrides`` may replace entries (``routes``), take the CUDA column on
+    kernels cannot run (no Triton here, or a dtype outside :data:`KERNEL_DTYPES`). ``per_token``: each token its own
+    rows (the chain's option), so not the few-token kernel, which reads the batch's union. ``config.overrides`` may replace entries (``routes``), take the CUDA column on
     the CPU interpreter (``cuda_routes``) or switch a kernel off (``off``: its bucket's interpreter route)."""
-    if not available(x):
+    if not available(x) or x.dtype not in KERNEL_DTYPES:
         return "reference"
     n = tokens(x)
     bucket = 0 if n == 1 else 1 if 2 <= n <= FEW_TOKENS else 2
