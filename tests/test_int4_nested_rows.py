@@ -72,8 +72,18 @@ def _bound(x, gate, up, down, keep, act_name):
 
 @pytest.mark.parametrize("act_name", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("keep_share", [0.0, 0.2, 1.0])
-def test_mixed_mlp_matches_the_float64_reference(act_name, keep_share):
+@pytest.mark.parametrize("slices", [1, 4])
+def test_mixed_mlp_matches_the_float64_reference(act_name, keep_share, slices):
+    """slices: K in that many slices, for the high planes' GEMV and the low planes' corrections alike (each slice's
+    correction added to the GEMV's partial sums of the same slice)."""
+    import countdown.kernels as K
+
     d_model, d_inter, group = 256, 512, 64
+    with K.overrides(launch={("int4_gemv", (2 * d_inter, d_model)): dict(MAX_COLS=d_model // slices)}):
+        _mixed_against_reference(act_name, keep_share, {"L_COLS": d_model // slices}, d_model, d_inter, group)
+
+
+def _mixed_against_reference(act_name, keep_share, config, d_model, d_inter, group):
     gate, up, down = _weights(d_model, d_inter, group, seed=1)
     x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(2))
     args = _args(gate, up, down)
@@ -83,7 +93,7 @@ def test_mixed_mlp_matches_the_float64_reference(act_name, keep_share):
     cut = torch.tensor(-1.0 if keep_share == 1.0 else float(score.quantile(1 - keep_share)) if keep_share else 1e9)
     kept, rows = torch.zeros(1, dtype=torch.float64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)
     partials, idx, cnt = nested_rows.mixed_mlp(x.to(DEV), *args, cut.to(DEV), act_name, count=(kept, rows),
-                                               lists=True)
+                                               config=config, lists=True)
     keep = nested_rows.keep_of_lists(idx, cnt, d_inter, nested_rows._config(None, DEV)[0]["SET"])
     want_share = {0.0: 0, 1.0: d_inter}.get(keep_share, round(keep_share * d_inter))
     assert abs(int(keep.sum()) - want_share) <= 2

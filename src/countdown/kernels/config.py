@@ -128,7 +128,7 @@ LAUNCH: dict[str, dict] = {
     # int4/nested_rows.py (the mixed Gated-MLP's kept rows; the select's sets are int4_rows' SET): the low planes of
     # W_gate / W_up, L_SUB sets a program, L_R rows a tile, L_COLS columns of x a slice, L_WARPS; W_down's transposed
     # low plane, D_SUB sets a program, D_T rows a tile, D_CB packed bytes (2 D_CB columns) a column slice, D_WARPS.
-    "int4_nested": dict(L_SUB=1, L_R=8, L_COLS=4096, L_WARPS=4, D_SUB=4, D_T=16, D_CB=256, D_WARPS=4),
+    "int4_nested": dict(L_SUB=1, L_R=16, L_COLS=1024, L_WARPS=4, D_SUB=2, D_T=8, D_CB=256, D_WARPS=4),
 }
 
 # What changes under the interpreter, by op: PROGRAMS persistent programs in all; MIN_R / MIN_BN the least rows a

@@ -18,9 +18,9 @@ each low plane (W_down's: d_model / 2 bytes of codes and the scales and offsets 
 group's kept rows).
 
 low_gate_up: the arithmetic and the shape of work of ``rows_other.py`` (x paired once a program, ``word_dot`` on int32
-words, the group's scale, the asymmetric part in fp32), both low planes' rows of a tile at once; the corrections are
-added to the first partial slice with an atomic add (one slice of K, ``L_COLS`` >= d_model: one writer a value, so
-the sum is the same on every run). low_down: fp32 throughout, ``fl32(fl32(S l) + O)`` as the format de-quantizes (no
+words, the group's scale, the asymmetric part in fp32), both low planes' rows of a tile at once; the corrections of
+slice s of K (``L_COLS`` columns; at most as many slices as gu has) are added to gu's partial slice s with an atomic
+add (one writer a value, so the sum is the same on every run). low_down: fp32 throughout, ``fl32(fl32(S l) + O)`` as the format de-quantizes (no
 fused multiply-add) times s, summed over the kept rows of a program's sets per column; partials ``[P, d_model]``
 (the program of the first sets adds q's partials), and with a residual h the last program of each column slice
 writes h + y (+ bias) in h's dtype (``rows_down.py``'s ``_add_when_last``; the select zeroes its counters).
@@ -70,8 +70,8 @@ def low_gate_up_kernel(X, WG, SCG, OFG, WU, SCU, OFU, IDX, CNT, GU, n_sets, d_in
         wu, scu, ofu = _tile(WU, SCU, OFU, rows, d_inter, n_words, n_groups, wcol, gi, gm, BIG)
         dg = _low_dot(wg, scg, ofg, xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, ASM)
         du = _low_dot(wu, scu, ofu, xs, down, h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, ASM)
-        tl.atomic_add(GU + rows, dg, mask=ok, sem="relaxed")
-        tl.atomic_add(GU + d_inter + rows, du, mask=ok, sem="relaxed")
+        tl.atomic_add(GU + s * 2 * d_inter + rows, dg, mask=ok, sem="relaxed")  # slice s of K: gu's slice s
+        tl.atomic_add(GU + s * 2 * d_inter + d_inter + rows, du, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -128,12 +128,14 @@ def _config(config: dict | None, device) -> tuple[dict, dict]:
 
 
 def low_gate_up(x, gate_low, up_low, idx, cnt, gu, set_rows: int, cfg: dict) -> None:
-    """Add the kept rows' low-plane products ``x Delta[i]^T`` of W_gate and W_up to ``gu``'s first partial slice
-    (fp32 ``[S, 2, d_inter]``), in place. ``gate_low`` / ``up_low``: (int32 words [d_inter, d_model / 8], scale,
+    """Add the kept rows' low-plane products ``x Delta[i]^T`` of W_gate and W_up to ``gu``'s partial slices (fp32
+    ``[S, 2, d_inter]``; slice s of K to slice s), in place. ``gate_low`` / ``up_low``: (int32 words [d_inter, d_model / 8], scale,
     offset). (Spy hook: ``on_launch("int4_nested_low_gate_up", x, idx)``.)"""
     (d_inter, n_words), n_groups = gate_low[0].shape, gate_low[1].shape[1]
     group = 8 * n_words // n_groups
     n_splits = split_for(n_groups, group, cfg["L_COLS"])
+    if n_splits > gu.shape[0]:  # slice s adds to gu's slice s: one writer a value (the same sum on every run)
+        n_splits = next(s for s in range(gu.shape[0], 0, -1) if n_groups % s == 0)
     n_sets = cnt.numel()
     pdl = pdl_mode(x)
     launching("int4_nested_low_gate_up", x, idx)
