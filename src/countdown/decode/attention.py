@@ -32,7 +32,7 @@ from transformers.cache_utils import StaticLayer
 
 from .hf_attention import NAME, mask_row, use_decode_attention
 from ..kernels.common import available
-from ..kernels.route import decode_gemv_serves
+from ..kernels.route import KERNEL_DTYPES, decode_gemv_serves
 
 FUSABLE = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # rotate_half rotary, q/k/v/o Linear
 _BEFORE = "_countdown_forward_before"
@@ -200,7 +200,7 @@ def decode_layer(attn, hidden_states, attention_mask, past_key_values, kwargs):
     """The cache layer and mask row when this call can take the fused path, else None."""
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or attention_mask is None or attn.training:
         return None
-    if kwargs.get("output_attentions") or not available(hidden_states):
+    if kwargs.get("output_attentions") or not available(hidden_states) or hidden_states.dtype not in KERNEL_DTYPES:
         return None
     layers = getattr(past_key_values, "layers", None)
     if layers is None or attn.layer_idx >= len(layers):
