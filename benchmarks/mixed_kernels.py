@@ -124,13 +124,50 @@ def profile(calls, reps: int = 3) -> dict[str, float]:
     return out
 
 
+def plot(folder: str, runs: list[str], path: str) -> None:
+    """Stacked bars of each launch's time (``<run>_launches.csv`` under ``folder``), a bar per run and
+    configuration: where a mixed MLP's microseconds go."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = {}
+    for run in runs:
+        with open(os.path.join(folder, f"{run}_launches.csv")) as f:
+            for r in csv.DictReader(f):
+                name = "PyTorch sum / add (the harness's)" if r["kernel"].startswith("void") else \
+                    r["kernel"].split("_kernel")[0]
+                bars.setdefault(f"{r['config']}\n{run}", {}).setdefault(name, 0.0)
+                bars[f"{r['config']}\n{run}"][name] += float(r["us"])
+    names = sorted({n for b in bars.values() for n in b})
+    fig, ax = plt.subplots(figsize=(1.1 * len(bars) + 2, 4.5))
+    labels = sorted(bars, key=lambda lab: (lab.split("\n")[0], runs.index(lab.split("\n")[1])))
+    bottom = [0.0] * len(labels)
+    for n in names:
+        vals = [bars[lab].get(n, 0.0) for lab in labels]
+        ax.bar(range(len(labels)), vals, bottom=bottom, label=n)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylim(0, 1.25 * max(bottom))
+    ax.set_ylabel("us a call (torch.profiler, one MLP of the 8B shape)")
+    ax.set_title("Mixed MLP one-token launches (H200)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="a small shape on the CPU (TRITON_INTERPRET=1): checks only")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--sweep", action="store_true", help="also time k = 0.9 under each launch configuration")
+    p.add_argument("--plot", default=None, metavar="RUN[,RUN]",
+                   help="draw <out>/launches.png from <out>/<RUN>_launches.csv (earlier runs' files); time nothing")
     a = p.parse_args(argv)
+    if a.plot:
+        return plot(a.out, a.plot.split(","), os.path.join(a.out, "launches.png"))
     device = "cpu" if a.smoke else "cuda"
     d_model, d_inter, n = (128, 256, 1) if a.smoke else (4096, 14336, a.layers)
     layers = [layer(d_model, d_inter, 64, device, s) for s in range(n)]
