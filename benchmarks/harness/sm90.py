@@ -45,7 +45,7 @@ class Compile:
             from triton.compiler import ASTSource
 
             cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kw}
             kw.pop("launch_pdl", None)  # a launch attribute, not a kernel argument
             params = inspect.signature(self.jit.fn).parameters
             binding = inspect.signature(self.jit.fn).bind(*args, **kw)

@@ -112,3 +112,30 @@ class NestedLinear(nn.Linear):
 def _tensors(weight: NestedWeight) -> tuple[torch.Tensor, ...]:
     high = weight.high
     return high.qweight, high.scale, high.offset, weight.low_qweight, weight.low_scale, weight.low_offset
+
+
+def _applies_many(x: torch.Tensor, module: NestedLinear) -> bool:
+    """Calls on CUDA where Triton is installed (a prompt; a one-token call outside the mixed step): the weight
+    de-quantized by one kernel pass, then ``F.linear``. Decided without importing the kernel (which imports Triton):
+    a CPU call, or an install without Triton, takes the reference."""
+    from ..kernels.common import has_triton
+    from .backends import DEQUANT_DTYPES
+
+    return x.is_cuda and x.dtype in DEQUANT_DTYPES and has_triton()
+
+
+def _run_many(x: torch.Tensor, module: NestedLinear) -> torch.Tensor:
+    """``F.linear`` of the module's ``read`` weight de-quantized in one pass (``kernels/int4/nested_dequant.py`` for
+    both planes, ``kernels/int4/dequant.py`` for the high plane): the reference's numbers, without its eager passes."""
+    nested = module.nested
+    if module.read == "high":
+        from ..kernels.int4.dequant import dequantize
+
+        high = nested.high
+        return F.linear(x, dequantize(high.qweight, high.scale, high.offset, x.dtype), module.bias)
+    from ..kernels.int4.nested_dequant import dequantize_both
+
+    return F.linear(x, dequantize_both(nested, x.dtype), module.bias)
+
+
+register_kernel(_applies_many, _run_many)
