@@ -46,16 +46,31 @@ def layer(d_model: int, d_inter: int, group: int, device: str, seed: int):
                 down_high=words(down.high), down_low_t=(down.low_qweight, down.low_scale, down.low_offset))
 
 
-def cut_of(x, L, k: float) -> torch.Tensor:
+def cut_of(x, L, k: float, consts=None) -> torch.Tensor:
+    """The k-quantile of this token's |act(g~) u~| (or with ``consts``, of its rank=error score)."""
+    from countdown.patch.mixed_mlp import row_score
+
     d_inter = L["gate_low"][0].shape[0]
     gu = gemv.launch(x, *L["gate_up"]).sum(0).view(2, d_inter)
-    s = (torch.nn.functional.silu(gu[0]) * gu[1]).abs()
+    s = row_score("error" if consts is not None else "shadow", torch.nn.functional.silu, "silu", x.float(),
+                  gu[1][None], gu[0][None], consts).reshape(-1)
     return torch.quantile(s.float().cpu(), k).reshape(1).to(x.device)
 
 
-def mixed(x, L, cut, h, lists=False, config=None):
+def mixed(x, L, cut, h, lists=False, config=None, consts=None):
     return mixed_mlp(x, L["gate_up"], L["gate_low"], L["up_low"], L["down_high"], L["down_low_t"], cut, "silu",
-                     residual=h, lists=lists, config=config)
+                     residual=h, lists=lists, config=config, consts=consts)
+
+
+def error_consts(L) -> torch.Tensor:
+    """rank=error's four constants a row (``patch.mixed_mlp.error_constants``) of a layer's planes, fp32 [4, d_inter]."""
+    rows = []
+    for role in ("up", "gate"):
+        w = L[role]
+        rows.append(w.dequantize("low").pow(2).mean(dim=1).sqrt())
+    d = L["down"]
+    rows += [d.dequantize("high").pow(2).sum(dim=0).sqrt(), d.dequantize("low").pow(2).sum(dim=0).sqrt()]
+    return torch.stack(rows).float().contiguous()
 
 
 SWEEP = (  # each kernel's launch configuration (config.LAUNCH["int4_nested"]) varied alone, the other at its default
@@ -85,9 +100,9 @@ def dense4(x, L, h):
     return h + gemv.launch(gu.view(gu.shape[0], 2, -1), *L["down_high"], activation="silu").sum(0)
 
 
-def check(x, L, cut) -> float:
+def check(x, L, cut, consts=None) -> float:
     h = torch.zeros_like(x)  # h + y in h's dtype: a zero h leaves only y's own rounding
-    y, idx, cnt = mixed(x, L, cut, h, lists=True)
+    y, idx, cnt = mixed(x, L, cut, h, lists=True, consts=consts)
     keep = keep_of_lists(idx, cnt, L["gate_low"][0].shape[0], idx.numel() // cnt.numel())
     ref = mixed_mlp_kernel_ref(x.double().cpu(), *(_cpu(L[r]) for r in ("gate", "up", "down")), keep)
     err = ((y.double().cpu() - h.double().cpu()).reshape(-1) - ref).abs().max().item()
@@ -171,14 +186,19 @@ def main(argv=None) -> None:
     device = "cpu" if a.smoke else "cuda"
     d_model, d_inter, n = (128, 256, 1) if a.smoke else (4096, 14336, a.layers)
     layers = [layer(d_model, d_inter, 64, device, s) for s in range(n)]
+    for L in layers:
+        L["consts"] = error_consts(L)
     gen = torch.Generator().manual_seed(99)
     xs = [torch.randn(1, d_model, generator=gen).to(device, torch.bfloat16) for _ in layers]
     hs = [torch.randn(1, d_model, generator=gen).to(device, torch.bfloat16) for _ in layers]
     rows, prof_rows = [], []
     cuts = {k: [cut_of(x, L, k) for x, L in zip(xs, layers)] for k in KS}
+    cuts["error"] = [cut_of(x, L, 0.9, L["consts"]) for x, L in zip(xs, layers)]
     for k in KS:
         kept = check(xs[0], layers[0], cuts[k][0])
         print(f"k={k}: kept {kept:.4f} of the rows, output matches float64", flush=True)
+    kept = check(xs[0], layers[0], cuts["error"][0], layers[0]["consts"])
+    print(f"rank=error k=0.9: kept {kept:.4f} of the rows, output matches float64", flush=True)
     if a.smoke:
         return
     bw = copy_bandwidth()
@@ -186,12 +206,15 @@ def main(argv=None) -> None:
     configs = {"int4": (lambda x, L, h, c=None: dense4(x, L, h), None, 3 * plane)}
     for k in KS:
         configs[f"mixed k={k}"] = (lambda x, L, h, c: mixed(x, L, c, h), k, round(3 * plane * (2 - k)))
+    configs["rank=error k=0.9"] = (lambda x, L, h, c: mixed(x, L, c, h, consts=L["consts"]), "error",
+                                   round(3 * plane * 1.1))  # the select's error rule, its own k = 0.9 cut
     for name, (fn, k, nbytes) in configs.items():
         calls = [(lambda x=x, L=L, h=h, c=(cuts[k][i] if k else None): fn(x, L, h, c))
                  for i, (x, L, h) in enumerate(zip(xs, layers, hs))]
         us = time_graph(calls, device=device)
         roof = nbytes / bw * 1e6
-        rows.append(dict(config=name, k=k or "", us=round(us, 2), mlp_bytes=nbytes, roofline_us=round(roof, 2),
+        rows.append(dict(config=name, k=(0.9 if k == "error" else k) or "", us=round(us, 2), mlp_bytes=nbytes,
+                         roofline_us=round(roof, 2),
                          x_roofline=round(us / roof, 3)))
         for kname, t in profile(calls).items():
             prof_rows.append(dict(config=name, kernel=kname, us=round(t, 2)))

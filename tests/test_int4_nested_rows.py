@@ -109,6 +109,39 @@ def _mixed_against_reference(act_name, keep_share, config, d_model, d_inter, gro
         assert (y - ref).abs().max() < 0.05 * (four_bit - ref).abs().max()
 
 
+@pytest.mark.parametrize("act_name", ["silu", "gelu_tanh"])
+def test_the_error_rule_keeps_the_rows_of_the_expected_refinement(act_name):
+    """consts given: the select keeps the rows whose rank=error score (patch.mixed_mlp.row_score, here in float64 on
+    the high planes' sums) is over the cut; the refined output is the float64 mixed MLP of those rows."""
+    from countdown.patch.mixed_mlp import row_score
+
+    d_model, d_inter, group = 256, 512, 64
+    gate, up, down = _weights(d_model, d_inter, group, seed=11)
+    x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(12))
+    args = _args(gate, up, down)
+    hi = lambda w: w.dequantize("high").double()  # noqa: E731
+    full = lambda w: w.dequantize("both").double()  # noqa: E731
+    consts = torch.stack([(full(up) - hi(up)).pow(2).mean(1).sqrt(), (full(gate) - hi(gate)).pow(2).mean(1).sqrt(),
+                          hi(down).pow(2).sum(0).sqrt(), (full(down) - hi(down)).pow(2).sum(0).sqrt()])
+    x64 = x.double()
+    u, g = x64 @ hi(up).t(), x64 @ hi(gate).t()
+    score = row_score("error", lambda v: act_torch(v, act_name), act_name, x64, u, g, consts).reshape(-1)
+    cut = score.quantile(0.75)
+    _, idx, cnt = nested_rows.mixed_mlp(x.to(DEV), *args, cut.float().to(DEV), act_name, lists=True,
+                                        consts=consts.float().to(DEV))
+    keep = nested_rows.keep_of_lists(idx, cnt, d_inter, nested_rows._config(None, DEV)[0]["SET"])
+    differ = (keep != (score > cut)).nonzero().reshape(-1)
+    assert len(differ) <= 2 and all(abs(score[i] / cut - 1) < 1e-3 for i in differ), differ
+    # a ranking of its own: not |act(g) u|'s top quarter
+    plain = (u * act_torch(g, act_name)).abs().reshape(-1)
+    assert (keep != (plain > plain.quantile(0.75))).sum() > 8
+    y = nested_rows.mixed_mlp(x.to(DEV), *args, cut.float().to(DEV), act_name, consts=consts.float().to(DEV))
+    ref = nested_rows.mixed_mlp_kernel_ref(x, gate, up, down, keep, act_name)
+    assert ((y.sum(0).double().cpu() - ref).abs() <= _bound(x, gate, up, down, keep, act_name)).all()
+    with pytest.raises(ValueError, match="consts"):
+        nested_rows.mixed_mlp(x.to(DEV), *args, cut.float().to(DEV), act_name, consts=consts[:3].float().to(DEV))
+
+
 def test_the_residual_add_and_bias_in_the_last_launch():
     d_model, d_inter, group = 128, 384, 64
     gate, up, down = _weights(d_model, d_inter, group, seed=3)
@@ -147,11 +180,13 @@ def _launches(calls):
     return K.overrides(on_launch=lambda name, *a: calls.append(name) if name.startswith("int4_nested") else None)
 
 
-def test_the_4bit_step_takes_the_mixed_kernels():
+@pytest.mark.parametrize("spec", ["dual[mixed]", "dual[mixed,rank=error]"])
+def test_the_4bit_step_takes_the_mixed_kernels(spec):
     """A model whose MLPs are nested (to_nested) and whose other Linears are 4-bit (quantize), dual[mixed] with
-    calibrated cuts: the folded 4-bit step (fastest_step, as countdown.generate prepares it) runs each MLP on the
-    mixed kernels, counts the refined rows, and decodes as the patch's own forward does within the kernels'
-    rounding; unsparsified, the same kernels read the 8-bit MLP whole (every row refined)."""
+    calibrated cuts (ranked as the patch ranks: |act(g~) u~| or rank=error's expected refinement): the folded 4-bit
+    step (fastest_step, as countdown.generate prepares it) runs each MLP on the mixed kernels, counts the refined
+    rows, and decodes as the patch's own forward does within the kernels' rounding; unsparsified, the same kernels
+    read the 8-bit MLP whole (every row refined)."""
     from conftest import captured_logits, tiny_model
     from test_calibrate import TOK, word_texts
 
@@ -162,9 +197,8 @@ def test_the_4bit_step_takes_the_mixed_kernels():
 
     model = to_nested(tiny_model("llama", intermediate_size=128))
     countdown.quantize(model, group=32, lm_head=True)
-    art = countdown.prepare(model, TOK, "dual[mixed]", [0.8], texts=word_texts(0), num_tokens=256, window=64,
-                            progress=False)
-    countdown.sparsify(model, "dual[mixed]", 0.8, artifacts=art, path="masked")  # the patch's own forward
+    art = countdown.prepare(model, TOK, spec, [0.8], texts=word_texts(0), num_tokens=256, window=64, progress=False)
+    countdown.sparsify(model, spec, 0.8, artifacts=art, path="masked")  # the patch's own forward
     model = model.to(DEV)
     prompt = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(4)).to(DEV)
     with captured_logits(model) as want:
@@ -172,7 +206,7 @@ def test_the_4bit_step_takes_the_mixed_kernels():
     countdown.unsparsify(model)
     with captured_logits(model) as want8:
         ref8, _ = generate_fast(model, prompt, 4, compile=False)  # the 8-bit model's own forward
-    countdown.sparsify(model, "dual[mixed]", 0.8, artifacts=art)
+    countdown.sparsify(model, spec, 0.8, artifacts=art)
     fastest_step(model)
     n_layers = model.config.num_hidden_layers
     try:

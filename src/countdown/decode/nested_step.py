@@ -89,13 +89,14 @@ def mixed_step(module: nn.Module, h: torch.Tensor, x: torch.Tensor, gate_up: Int
         if not _served_patch(patch):
             return None
         cut, kept, rows = patch.selector.cut.reshape(1), patch.kept_total, patch.rows_total
+        consts = patch.selector.consts if patch.selector.rank == "error" else None
     else:
         cut = state.both if parts[0].read == "both" else state.high
-        kept, rows = state.kept, state.rows
+        kept, rows, consts = state.kept, state.rows, None
     gate, up, nd = parts
     return torch.ops.countdown.int4_nested_mixed_mlp(
         x, *_words(gate_up), *_low(gate), *_low(up), *_words(down), nd.low_qweight, nd.low_scale, nd.low_offset,
-        cut, act_name, kept, rows, h, None)
+        cut, act_name, kept, rows, h, None, consts)
 
 
 def is_nested(module: nn.Module) -> bool:

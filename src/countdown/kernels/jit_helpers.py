@@ -30,7 +30,7 @@ import triton.language as tl
 #   abs      |ind| > thr              (mono: ind = u)
 #   abs_act  |act(ind)| > thr         (cats: ind = g)
 #   dual     |act(g) u| > thr         (the 4-bit kept rows: g and u both the indicator, int4/rows.py)
-KEEP_RULES = {"mask": 0, "gt": 1, "abs": 2, "abs_act": 3, "dual": 4}
+KEEP_RULES = {"mask": 0, "gt": 1, "abs": 2, "abs_act": 3, "dual": 4, "error": 5}
 
 
 @triton.jit
@@ -41,6 +41,20 @@ def act(g, ACT: tl.constexpr):
     else:
         z = 1.5957691216057308 * (g + 0.044715 * g * g * g)
         return g / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def act_grad(g, ACT: tl.constexpr):
+    """fp32 in, fp32 out: the derivative of :func:`act`, sig(z) + g sig(z) (1 - sig(z)) z' with z = g (SiLU) or
+    2c (g + 0.044715 g^3) (GELU-tanh)."""
+    if ACT == 0:
+        z = g
+        dz = 1.0
+    else:
+        z = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        dz = 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+    sig = 1.0 / (1.0 + tl.exp(-z))
+    return sig + g * sig * (1.0 - sig) * dz
 
 
 @triton.jit

@@ -173,10 +173,12 @@ class MixedGatedMLP(SparseGatedMLP):
     """The patch of one Gated-MLP under a mixed-rows selector (the module docstring): nothing skipped."""
 
     def kernels_serve(self) -> bool:
-        """Whether the one-token mixed kernels compute this patch: ranked on the high planes, kept rows over the
-        calibrated cut, a kernel path, not tensor-parallel."""
+        """Whether the one-token mixed kernels compute this patch: ranked on the high planes (rank=shadow, or
+        rank=error with an activation the kernels know), kept rows over the calibrated cut, a kernel path, not
+        tensor-parallel."""
         sel = self.selector
-        return (isinstance(sel.planes, NestedPlanes) and sel.rank == "shadow" and sel.selection == "cut"
+        ranked = sel.rank == "shadow" or (sel.rank == "error" and self.mlp.act_name in ("silu", "gelu_tanh"))
+        return (isinstance(sel.planes, NestedPlanes) and ranked and sel.selection == "cut"
                 and self.state.path in ("auto", "kernel") and self.mlp.tp is None)
 
     def _selector_has_kernel(self) -> bool:

@@ -183,19 +183,22 @@ def low_down(idx, cnt, counters, gu, q, down_low_t, act_name, set_rows: int, cfg
 
 
 def mixed_mlp(x, gate_up_high, gate_low, up_low, down_high, down_low_t, cut: torch.Tensor, activation="silu",
-              count=None, config=None, residual=None, bias=None, lists: bool = False):
+              count=None, config=None, residual=None, bias=None, lists: bool = False,
+              consts: torch.Tensor | None = None):
     """The mixed Gated-MLP of one token ``x [1, d_model]`` (the module docstring): fp32 partials ``[P, d_model]``
     whose sum is its output, or with ``residual`` h, h + output (+ ``bias``) in h's dtype. Weights as (int32 words
     [N, K / 8], scale, offset): ``gate_up_high`` the stacked high planes [2 d_inter, d_model], ``gate_low`` /
     ``up_low`` the low planes [d_inter, d_model], ``down_high`` [d_model, d_inter]; ``down_low_t`` (codes uint8
     [d_inter, d_model / 2], scale and offset [d_inter / G, d_model]). ``cut``: one fp32 value; ``count`` = (kept,
     rows): the refined rows added to Sparsity-Real's counters (``1 - kept / rows``: the share left at 4 bits).
-    ``lists``: also the select's (IDX, CNT) (tests)."""
+    ``lists``: also the select's (IDX, CNT) (tests). ``consts`` (fp32 [4, d_inter], ``patch.mixed_mlp.error_constants``):
+    rows ranked by rank=error's expected refinement (``row_score``) instead of ``|act(g~) u~|``; ``cut`` on its scale."""
     sel_cfg, cfg = _config(config, x.device)
     d_inter = gate_low[0].shape[0]
     gu = gemv.launch(x.reshape(1, -1), *gate_up_high).view(-1, 2, d_inter)
     slices = down_slices(down_high[0].shape[0], cfg) if residual is not None else 0
-    idx, _, cnt, counters = select(gu, d_inter, cut, "dual", activation, count, sel_cfg, slices)
+    mode, xr = ("dual", None) if consts is None else ("error", x.reshape(-1))
+    idx, _, cnt, counters = select(gu, d_inter, cut, mode, activation, count, sel_cfg, slices, consts, xr)
     low_gate_up(x.reshape(1, -1), gate_low, up_low, idx, cnt, gu, sel_cfg["SET"], cfg)
     q = gemv.launch(gu, *down_high, activation=activation)
     y = low_down(idx, cnt, counters, gu, q, down_low_t, activation, sel_cfg["SET"], cfg, residual, bias)
@@ -207,15 +210,17 @@ def _mixed_mlp_op(x: torch.Tensor, gu_w: torch.Tensor, gu_sc: torch.Tensor, gu_o
                   gl_sc: torch.Tensor, gl_of: torch.Tensor, ul_w: torch.Tensor, ul_sc: torch.Tensor,
                   ul_of: torch.Tensor, dh_w: torch.Tensor, dh_sc: torch.Tensor, dh_of: torch.Tensor,
                   dl_q: torch.Tensor, dl_sc: torch.Tensor, dl_of: torch.Tensor, cut: torch.Tensor, activation: str,
-                  kept: torch.Tensor, rows: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # h + the mixed MLP's output (+ bias): a decode step's residual add in the last launch
+                  kept: torch.Tensor, rows: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
+                  consts: torch.Tensor | None = None) -> torch.Tensor:
+    # h + the mixed MLP's output (+ bias): a decode step's residual add in the last launch; consts: rank=error
     return mixed_mlp(x, (gu_w, gu_sc, gu_of), (gl_w, gl_sc, gl_of), (ul_w, ul_sc, ul_of), (dh_w, dh_sc, dh_of),
-                     (dl_q, dl_sc, dl_of), cut, activation, op_count(kept, rows), residual=h, bias=bias)
+                     (dl_q, dl_sc, dl_of), cut, activation, op_count(kept, rows), residual=h, bias=bias,
+                     consts=consts)
 
 
 @_mixed_mlp_op.register_fake
 def _(x, gu_w, gu_sc, gu_of, gl_w, gl_sc, gl_of, ul_w, ul_sc, ul_of, dh_w, dh_sc, dh_of, dl_q, dl_sc, dl_of, cut,
-      activation, kept, rows, h, bias):
+      activation, kept, rows, h, bias, consts=None):
     return torch.empty_like(h)
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..common import act_code, act_torch, op_count, pow2
 from ..config import LAUNCH, launch_config, launch_kwargs, launching, pdl_mode
-from ..jit_helpers import KEEP_RULES, act, add_count, gdc_launch_dependents, gdc_wait
+from ..jit_helpers import KEEP_RULES, act, act_grad, add_count, gdc_launch_dependents, gdc_wait
 from .rows_down import column_slices, down
 from .rows_other import other
 
@@ -56,9 +56,9 @@ RULES = ("abs", "abs_act", "dual")  # the keep rules served (jit_helpers.KEEP_RU
 
 
 @triton.jit
-def rows_select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_stride, n_locks, MODE: tl.constexpr,
-                   ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr, COUNT: tl.constexpr,
-                   NL: tl.constexpr, PDL: tl.constexpr = 0):
+def rows_select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_stride, n_locks, CONSTS, X, d_model,
+                       MODE: tl.constexpr, ACT: tl.constexpr, S: tl.constexpr, CHUNK: tl.constexpr, SET: tl.constexpr,
+                       COUNT: tl.constexpr, NL: tl.constexpr, XB: tl.constexpr = 16, PDL: tl.constexpr = 0):
     if PDL:  # launched early (PDL): everything below reads the indicator GEMV's output
         gdc_launch_dependents()
         gdc_wait()
@@ -69,6 +69,14 @@ def rows_select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_st
             tl.store(LOCK + li, tl.zeros([NL], dtype=tl.int32), mask=li < n_locks)
     set0 = b * SET
     thr = tl.load(THR).to(tl.float32)
+    if MODE == 5:  # error: |x|^2, each program on its own (x is d_model values, from L2)
+        xs = tl.zeros([XB], dtype=tl.float32)
+        for x0 in range(0, d_model, XB):
+            xi = x0 + tl.arange(0, XB)
+            xv = tl.load(X + xi, mask=xi < d_model, other=0.0).to(tl.float32)
+            xs += xv * xv
+        x2 = tl.sum(xs, axis=0)
+        thr = thr * thr  # the score compared squared
     cr = tl.arange(0, CHUNK)
     n = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
     for c0 in tl.static_range(0, SET, CHUNK):
@@ -78,15 +86,25 @@ def rows_select_kernel(IND, IDX, SV, CNT, THR, KEPT, ROWS, LOCK, d_inter, ind_st
         g2 = tl.zeros([CHUNK], dtype=tl.float32)
         for i in tl.static_range(S):  # the indicator GEMV's partial sums over its slices of K
             a += tl.load(IND + i * ind_stride + r, mask=rm, other=0.0)
-            if MODE == 4:  # dual
+            if MODE >= 4:  # dual, error
                 g2 += tl.load(IND + i * ind_stride + d_inter + r, mask=rm, other=0.0)
         if MODE == 2:  # abs
             ind = a                      # u
         elif MODE == 3:  # abs_act
             ind = act(a, ACT)            # act(g)
-        else:
+        elif MODE == 4:
             ind = act(a, ACT) * g2       # s = act(g) u
             a = ind
+        else:  # error (patch/mixed_mlp.row_score), squared: x2 (sig_up^2 h^2 + sig_gate^2 (u act'(g))^2) hd^2 + s^2 ld^2
+            h = act(a, ACT)
+            su = tl.load(CONSTS + r, mask=rm, other=0.0)
+            sg = tl.load(CONSTS + d_inter + r, mask=rm, other=0.0)
+            hd = tl.load(CONSTS + 2 * d_inter + r, mask=rm, other=0.0)
+            ld = tl.load(CONSTS + 3 * d_inter + r, mask=rm, other=0.0)
+            dg = sg * g2 * act_grad(a, ACT)
+            sv = h * g2
+            ind = x2 * (su * su * h * h + dg * dg) * (hd * hd) + sv * sv * (ld * ld)
+            a = sv
         keep = (tl.abs(ind) > thr) & rm
         ki = keep.to(tl.int32)
         pos = set0 + n + tl.cumsum(ki, axis=0) - 1
@@ -165,13 +183,19 @@ def launch(ind, x, words_o, sc_o, of_o, words_d, sc_d, of_d, threshold, mode, ac
     return down(idx, sv, cnt, counters, words_d, sc_d, of_d, cfg, o, mode, activation, residual, bias)
 
 
-def select(ind, d_inter, threshold, mode, activation, count, cfg, slices=0):
+def select(ind, d_inter, threshold, mode, activation, count, cfg, slices=0, consts=None, x=None):
     """The select kernel: (IDX, SV, CNT, counters), the kept rows of each set of ``cfg["SET"]`` rows compacted (row
-    numbers and the indicator: u for mono, g for cats, s for dual), their count per set, and ``slices`` int32 zeros
-    (the down kernel's counters for its residual add: :func:`column_slices`). (Spy hook: ``on_launch("int4_rows",
+    numbers and the indicator: u for mono, g for cats, s for dual and error), their count per set, and ``slices``
+    int32 zeros (the down kernel's counters for its residual add: :func:`column_slices`). Mode "error" (dual[mixed]'s
+    rank=error) keeps the rows whose expected refinement ``patch.mixed_mlp.row_score`` exceeds the threshold, from g,
+    u, the token ``x`` and ``consts`` (fp32 [4, d_inter], ``error_constants``). (Spy hook: ``on_launch("int4_rows",
     ind, mode)``.)"""
     n_sets = -(-d_inter // cfg["SET"])
-    want = (2 * d_inter) if mode == "dual" else d_inter
+    want = (2 * d_inter) if mode in ("dual", "error") else d_inter
+    if mode == "error" and (consts is None or x is None or consts.shape != (4, d_inter)
+                            or consts.dtype != torch.float32):
+        raise ValueError(f"mode 'error' needs the token x and fp32 consts [4, {d_inter}] (error_constants); got "
+                         f"{None if consts is None else (consts.dtype, tuple(consts.shape))}")
     idx = torch.empty(n_sets * cfg["SET"], dtype=torch.int32, device=ind.device)
     sv = torch.empty(n_sets * cfg["SET"], dtype=torch.float32, device=ind.device)
     cnt = torch.empty(n_sets, dtype=torch.int32, device=ind.device)
@@ -181,8 +205,10 @@ def select(ind, d_inter, threshold, mode, activation, count, cfg, slices=0):
     launching("int4_rows", ind, mode)
     rows_select_kernel[(n_sets,)](
         ind.contiguous(), idx, sv, cnt, threshold.reshape(1).to(device=ind.device, dtype=torch.float32), kept, rows,
-        counters, d_inter, want, slices, MODE=KEEP_RULES[mode], ACT=act_code(activation), S=ind.numel() // want,
-        CHUNK=cfg["CHUNK"], SET=cfg["SET"], COUNT=count is not None, NL=pow2(slices) if slices else 0, PDL=pdl,
+        counters, d_inter, want, slices, consts if consts is not None else ind, x if x is not None else ind,
+        x.numel() if x is not None else 0, MODE=KEEP_RULES[mode], ACT=act_code(activation), S=ind.numel() // want,
+        CHUNK=cfg["CHUNK"], SET=cfg["SET"], COUNT=count is not None, NL=pow2(slices) if slices else 0,
+        XB=min(1024, pow2(x.numel())) if x is not None else 16, PDL=pdl,
         num_warps=cfg["A_WARPS"], num_stages=1, **launch_kwargs(pdl))
     return idx, sv, cnt, counters
 
