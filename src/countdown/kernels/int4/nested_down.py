@@ -4,8 +4,9 @@ GEMV partials q, as fp32 partials [P, d_model], or with a residual h, h + their 
 
 The transposed low plane: codes uint8 [d_inter, d_model / 2] (a kept row i is one contiguous row; byte b holds
 columns 2b, low nibble, and 2b + 1), scale and offset [d_inter / G, d_model] (a row per group of G rows of d_inter).
-A grid of (D_SUB sets of the select's lists, column slices of D_CB bytes); a program walks its sets' kept rows as one
-flat sequence in tiles of D_T rows (``rows_list.py``) and for each tile reads
+A grid of (D_SUB sets of the select's lists, column slices of D_CB bytes); a program reads its sets' kept counts
+once and walks their kept rows as one flat sequence in tiles of D_T rows (``rows_list.tile_at``'s order) and for
+each tile reads
 
 * the codes [D_T, D_CB] of its rows,
 * their groups' scales and offsets as fp16 (or fp32) *pairs*: the host views the scale / offset rows as int32 (int64)
@@ -16,8 +17,10 @@ flat sequence in tiles of D_T rows (``rows_list.py``) and for each tile reads
 and adds ``s (fl32(fl32(S l) + O))`` (no fused multiply-add: the launch turns it off) to accumulators [D_T, D_CB]
 for the low and the high nibbles: one accumulator an element, so a tile's rows are summed across threads only once,
 after the last tile. A software pipeline keeps D_AHEAD tiles' loads in flight: while tile q is summed, tile q +
-D_AHEAD's codes, scales, offsets and s are requested, and the row numbers of tile q + D_AHEAD + 1 (so no load of a
-tile waits on a row number requested in the same iteration).
+D_AHEAD's codes, scales, offsets and gu's partials are requested, and the row numbers of tile q + D_AHEAD + 1 (no
+load of a tile waits on a row number requested in the same iteration). ptxas places a tile's loads after the
+arithmetic of the iteration (sm_90 SASS), so with D_AHEAD = 1 they are barely ahead; D_AHEAD = 2 keeps a whole
+iteration between a tile's request and its use, at ~14 registers a code byte a thread (~8 with 1).
 
 PDL: every program signals at its start. D_EARLY (the mixed MLP launches the high plane's down GEMV with its signal
 after its own wait, ``gemv.launch(late=True)``, so when this grid starts the select and low_gate_up have finished):
@@ -35,24 +38,52 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, new_output
+from ..common import act_code, new_output, pow2
 from ..config import launch_kwargs, launching, pdl_mode
 from ..jit_helpers import act, gdc_launch_dependents, gdc_wait, partial_sum, round_to
-from .rows_list import q_total, tile_at
+from .rows_list import listed
 
 
 @triton.jit
-def _row_loads(GU, QT, SCP, OFP, rows, ok, cb, cm, d_inter, half, group, GS: tl.constexpr, BIG: tl.constexpr,
-               CG: tl.constexpr):
-    """The codes [T, CB] (uint8, widened only where summed: fewer registers in flight), scale and offset pair words [T, CB] and gu's g and u [T] (summed over gu's GS
-    slices; 0 past the end) of a tile's ``rows``: every load issued before any arithmetic on them."""
+def _set_counts(CNT, part, n_sets, SUB: tl.constexpr, SUBP: tl.constexpr, CG: tl.constexpr):
+    """The kept counts [SUBP] of program ``part``'s SUB sets (0 past them): read once a program (from L2 where CG,
+    where ``rows_list.tile_at`` would read them again each tile)."""
+    js = tl.arange(0, SUBP)
+    set_j = part * SUB + js
+    return listed(CNT, set_j, (js < SUB) & (set_j < n_sets), 0, CG)
+
+
+@triton.jit
+def _tile_rows(IDX, counts, q, part, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr,
+               T: tl.constexpr, CG: tl.constexpr):
+    """(row numbers, valid) of tile ``q`` of the program's flat sequence of kept rows (``rows_list.tile_at``'s, from
+    the counts in registers): row d_inter and valid False past the end."""
+    m = q * T + slot
+    pos = m * 0 - 1
+    start = q * 0
+    js = tl.arange(0, SUBP)
+    for jj in tl.static_range(SUB):
+        c = tl.sum(tl.where(js == jj, counts, 0), axis=0)
+        pos = tl.where((m >= start) & (m < start + c), (part * SUB + jj) * SET + (m - start), pos)
+        start += c
+    valid = pos >= 0
+    rows = listed(IDX, pos, valid, 0, CG)
+    return tl.where(valid, rows, d_inter), valid
+
+
+@triton.jit
+def _row_loads(GU, QT, SCP, OFP, rows, ok, cb, cm, d_inter, half, GROUP: tl.constexpr, GS: tl.constexpr,
+               BIG: tl.constexpr, CG: tl.constexpr):
+    """The codes [T, CB] (uint8, widened only where summed: fewer registers in flight), scale and offset pair words
+    [T, CB] and gu's g and u [T] (summed over gu's GS slices; 0 past the end) of a tile's ``rows``: every load issued
+    before any arithmetic on them."""
     m2 = ok[:, None] & cm[None, :]
     if BIG:
         r = rows.to(tl.int64)
     else:
         r = rows
     b = tl.load(QT + r[:, None] * half + cb[None, :], mask=m2, other=0)
-    prow = (r // group)[:, None] * half + cb[None, :]
+    prow = (r // GROUP)[:, None] * half + cb[None, :]
     sp = tl.load(SCP + prow, mask=m2, other=0)
     op = tl.load(OFP + prow, mask=m2, other=0)
     cmod: tl.constexpr = ".cg" if CG else ""
@@ -110,9 +141,9 @@ def _add_when_last(P, Q, H, B, Y, lock, cols, n, NP: tl.constexpr, QS: tl.conste
 
 
 @triton.jit
-def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_inter, d_model, half, group,
-                    SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr,
-                    QS: tl.constexpr, ACT: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr,
+def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_inter, d_model, half,
+                    GROUP: tl.constexpr, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr, T: tl.constexpr, CB: tl.constexpr,
+                    GS: tl.constexpr, QS: tl.constexpr, ACT: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr,
                     AHEAD: tl.constexpr = 1, EARLY: tl.constexpr = 0, FIX: tl.constexpr = 0, NP: tl.constexpr = 1,
                     HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
     if PDL:  # gu and q are the kernels' before this one (EARLY: gu already final, q not; the module docstring)
@@ -127,17 +158,18 @@ def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_i
     ti = tl.arange(0, T)
     acc_lo = tl.zeros([T, CB], dtype=tl.float32)
     acc_hi = tl.zeros([T, CB], dtype=tl.float32)
-    total = q_total(CNT, part, n_sets, SUB, T, CG)
-    rows, pos, ok = tile_at(IDX, CNT, 0, part, n_sets, ti, d_inter, SET, SUB, T, CG)
-    b, sp, op, g, u, ok = _row_loads(GU, QT, SCP, OFP, rows, ok, cb, cm, d_inter, half, group, GS, BIG, CG)
+    counts = _set_counts(CNT, part, n_sets, SUB, SUBP, CG)
+    total = (tl.sum(counts, axis=0) + T - 1) // T
+    rows, ok = _tile_rows(IDX, counts, 0, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+    b, sp, op, g, u, ok = _row_loads(GU, QT, SCP, OFP, rows, ok, cb, cm, d_inter, half, GROUP, GS, BIG, CG)
     if AHEAD == 2:
-        rows, pos, ok_m = tile_at(IDX, CNT, 1, part, n_sets, ti, d_inter, SET, SUB, T, CG)
-        b_m, sp_m, op_m, g_m, u_m, ok_m = _row_loads(GU, QT, SCP, OFP, rows, ok_m, cb, cm, d_inter, half, group, GS,
+        rows, ok_m = _tile_rows(IDX, counts, 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+        b_m, sp_m, op_m, g_m, u_m, ok_m = _row_loads(GU, QT, SCP, OFP, rows, ok_m, cb, cm, d_inter, half, GROUP, GS,
                                                      BIG, CG)
-    rows_n, pos, ok_n = tile_at(IDX, CNT, AHEAD, part, n_sets, ti, d_inter, SET, SUB, T, CG)
+    rows_n, ok_n = _tile_rows(IDX, counts, AHEAD, part, ti, d_inter, SET, SUB, SUBP, T, CG)
     for q in range(0, total):  # tile q summed while tile q + AHEAD's loads and tile q + AHEAD + 1's rows are out
-        rows_nn, pos, ok_nn = tile_at(IDX, CNT, q + AHEAD + 1, part, n_sets, ti, d_inter, SET, SUB, T, CG)
-        b_n, sp_n, op_n, g_n, u_n, ok_n = _row_loads(GU, QT, SCP, OFP, rows_n, ok_n, cb, cm, d_inter, half, group, GS,
+        rows_nn, ok_nn = _tile_rows(IDX, counts, q + AHEAD + 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+        b_n, sp_n, op_n, g_n, u_n, ok_n = _row_loads(GU, QT, SCP, OFP, rows_n, ok_n, cb, cm, d_inter, half, GROUP, GS,
                                                      BIG, CG)
         acc_lo, acc_hi = _add_tile(acc_lo, acc_hi, b, sp, op, g, u, ok, ACT, WIDE)
         if AHEAD == 2:
@@ -201,8 +233,9 @@ def low_down(idx, cnt, counters, gu, q, down_low_t, act_name, set_rows: int, cfg
     low_down_kernel[(n_parts, n_slices)](
         idx, cnt, gu, q, qt.contiguous(), _pairs(sct), _pairs(oft), out,
         residual.contiguous() if fix else out, bias.contiguous() if bias is not None else out, y, counters, n_sets,
-        d_inter, d_model, half, group, SET=set_rows, SUB=cfg["D_SUB"], T=cfg["D_T"], CB=cfg["D_CB"],
-        GS=gu.shape[0], QS=q.shape[0], ACT=act_code(act_name), BIG=d_inter * half >= 2**31 or n_parts * d_model >= 2**31,
+        d_inter, d_model, half, GROUP=group, SET=set_rows, SUB=cfg["D_SUB"], SUBP=pow2(cfg["D_SUB"]), T=cfg["D_T"],
+        CB=cfg["D_CB"], GS=gu.shape[0], QS=q.shape[0], ACT=act_code(act_name),
+        BIG=d_inter * half >= 2**31 or n_parts * d_model >= 2**31,
         WIDE=int(sct.element_size() == 4), AHEAD=cfg["D_AHEAD"], EARLY=int(cfg["D_EARLY"]), FIX=int(fix),
         NP=n_parts, HAS_B=int(bias is not None), PDL=pdl, num_warps=cfg["D_WARPS"], num_stages=1,
         enable_fp_fusion=False, **launch_kwargs(pdl))
