@@ -79,13 +79,13 @@ def error_consts(L) -> torch.Tensor:
 SWEEP = (  # each kernel's launch configuration (config.LAUNCH["int4_nested"]) varied alone, the other at its default
     [dict(L_R=r, L_COLS=c, L_WARPS=w) for r in (8, 16) for c in (1024, 4096) for w in (2, 4)]
     # low_down (nested_down.py): E = D_T D_CB / (32 D_WARPS) bytes a thread a tile (8 by default; registers ~14 E
-    # with two tiles ahead, ~8 E with one), D_SUB sets a program (its tiles in a chain; more programs, more waves)
+    # with two tiles ahead, ~8 E with one); D_SUB sets a program: its tiles in one chain, the tail's NP partials; the
+    # grid's registers ~ sets / D_SUB x D_T x d_model / 2 x 14: the default fits an H200 at once, D_SUB 2 ~1.5x over
     + [dict(D_CB=256, D_WARPS=8), dict(D_T=16, D_WARPS=8), dict(D_CB=64, D_WARPS=2), dict(D_CB=64, D_WARPS=4),
        dict(D_CB=32, D_WARPS=1), dict(D_T=4, D_WARPS=2), dict(D_T=16, D_CB=64), dict(D_WARPS=8),
-       dict(D_SUB=1), dict(D_SUB=4), dict(D_SUB=1, D_CB=64, D_WARPS=4), dict(D_SUB=4, D_CB=256, D_WARPS=8),
-       dict(D_AHEAD=1), dict(D_AHEAD=1, D_CB=256), dict(D_AHEAD=1, D_SUB=4),
-       dict(D_EARLY=0), dict(D_EARLY=0, D_SUB=1),
-       dict(Q_PER_SM=2), dict(Q_PER_SM=2, D_CB=64, D_WARPS=2), dict(Q_PER_SM=2, D_SUB=4)])
+       dict(D_SUB=2), dict(D_SUB=1), dict(D_SUB=8, D_CB=64), dict(D_SUB=2, D_CB=64, D_WARPS=4),
+       dict(D_SUB=2, D_T=4, D_WARPS=2), dict(D_AHEAD=1), dict(D_AHEAD=1, D_SUB=2), dict(D_AHEAD=1, D_CB=256),
+       dict(D_EARLY=0), dict(D_EARLY=0, D_SUB=2), dict(Q_PER_SM=2), dict(Q_PER_SM=2, D_SUB=2)])
 
 
 def sweep(xs, layers, cuts, device) -> list[dict]:
