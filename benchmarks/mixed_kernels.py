@@ -2,6 +2,8 @@
 
     PYTHONPATH=src:benchmarks python benchmarks/mixed_kernels.py --out DIR     # an H200: CUDA-graph times + profile
     TRITON_INTERPRET=1 PYTHONPATH=src:benchmarks python benchmarks/mixed_kernels.py --smoke   # CPU: the checks only
+    PYTHONPATH=src:benchmarks python benchmarks/mixed_kernels.py --compile-check   # CPU: low_down's sm_90 registers
+    PYTHONPATH=src:benchmarks python benchmarks/mixed_kernels.py --out DIR --pdl --sweep   # as a folded decode step
 
 A tool for finding why (results/mixed/decode.md has the user's figure, through ``countdown.generate``). Random
 bf16 weights [14336, 4096] quantized to the nested 8-bit format (groups of 64), several layers' worth so that no
@@ -15,6 +17,7 @@ reference of the rows the kernel kept (``mixed_mlp_kernel_ref``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -74,8 +77,15 @@ def error_consts(L) -> torch.Tensor:
 
 
 SWEEP = (  # each kernel's launch configuration (config.LAUNCH["int4_nested"]) varied alone, the other at its default
-    [dict(L_R=r, L_COLS=c, L_WARPS=w) for r in (4, 8, 16) for c in (1024, 4096) for w in (2, 4)]
-    + [dict(D_SUB=s, D_T=t, D_CB=c) for s in (1, 2, 4) for t in (8, 16) for c in (128, 256)])
+    [dict(L_R=r, L_COLS=c, L_WARPS=w) for r in (8, 16) for c in (1024, 4096) for w in (2, 4)]
+    # low_down (nested_down.py): E = D_T D_CB / (32 D_WARPS) bytes a thread a tile (8 by default; registers ~14 E
+    # with two tiles ahead, ~8 E with one); D_SUB sets a program: its tiles in one chain, the tail's NP partials; the
+    # grid's registers ~ sets / D_SUB x D_T x d_model / 2 x 14: the default fits an H200 at once, D_SUB 2 ~1.5x over
+    + [dict(D_CB=256, D_WARPS=8), dict(D_T=16, D_WARPS=8), dict(D_CB=64, D_WARPS=2), dict(D_CB=64, D_WARPS=4),
+       dict(D_CB=32, D_WARPS=1), dict(D_T=4, D_WARPS=2), dict(D_T=16, D_CB=64), dict(D_WARPS=8),
+       dict(D_SUB=2), dict(D_SUB=1), dict(D_SUB=8, D_CB=64), dict(D_SUB=2, D_CB=64, D_WARPS=4),
+       dict(D_SUB=2, D_T=4, D_WARPS=2), dict(D_AHEAD=1), dict(D_AHEAD=1, D_SUB=2), dict(D_AHEAD=1, D_CB=256),
+       dict(D_EARLY=0), dict(D_EARLY=0, D_SUB=2), dict(Q_PER_SM=2), dict(Q_PER_SM=2, D_SUB=2)])
 
 
 def sweep(xs, layers, cuts, device) -> list[dict]:
@@ -93,6 +103,45 @@ def sweep(xs, layers, cuts, device) -> list[dict]:
         out.append(dict(config=json.dumps(cfg), us=round(time_graph(calls, device=device), 2)))
     out.sort(key=lambda r: r["us"])
     return out
+
+
+def compile_check(d_model: int = 4096, d_inter: int = 14336, group: int = 64, set_rows: int = 128) -> bool:
+    """low_down (and the down GEMV that signals late) compiled for sm_90 on this machine, no GPU (``harness.sm90``):
+    the default and every D_ / Q_ configuration of :data:`SWEEP` at the Llama-3.1-8B MLP shape with PDL and a residual,
+    and the default without PDL, without a residual, with a bias and GELU-tanh, with fp32 scales. Logs registers and
+    spills; False if any fails."""
+    from countdown.kernels import config as kconfig
+    from countdown.kernels.int4 import nested_down
+    from harness.launches import stand_in
+    from harness.sm90 import Compile
+
+    failures = []
+    z = lambda *shape, dt=torch.float32: torch.zeros(shape, dtype=dt)  # noqa: E731
+    lists = (z(d_inter, dt=torch.int32), z(d_inter // set_rows, dt=torch.int32), z(64, dt=torch.int32))
+    gu, q, h, bias = z(4, 2, d_inter), z(14, d_model), z(1, d_model, dt=torch.bfloat16), z(d_model, dt=torch.bfloat16)
+    low = (z(d_inter, d_model // 2, dt=torch.uint8), z(d_inter // group, d_model, dt=torch.float16),
+           z(d_inter // group, d_model, dt=torch.float16))
+    low32 = (low[0], low[1].float(), low[2].float())
+    runs = [(c, 1, "silu", low, h, None) for c in [{}] + [c for c in SWEEP if not any(k.startswith("L_") for k in c)]]
+    runs += [({}, 0, "silu", low, h, None), ({}, 1, "silu", low, None, None), ({}, 1, "gelu_tanh", low, h, bias),
+             ({}, 1, "silu", low32, h, None)]
+    pdl_mode = nested_down.pdl_mode
+    try:
+        with stand_in(["int4_nested_low_down", "int4_gemv"], lambda name, jit: Compile(jit, failures)):
+            for cfg, pdl, act_name, low_t, res, b in runs:
+                print(f"low_down {cfg} PDL {pdl} {act_name} scales {low_t[1].dtype} residual {res is not None} "
+                      f"bias {b is not None}:", flush=True)
+                nested_down.pdl_mode = lambda t, p=pdl: p
+                full = kconfig.launch_config("int4_nested", None, extra=cfg)
+                nested_down.low_down(*lists, gu, q, low_t, act_name, set_rows, full, res, b)
+            gemv.pdl_mode = lambda t: 1
+            print("the down GEMV, late PDL signal:", flush=True)
+            sc = z(d_model, d_inter // group, dt=torch.float16)
+            gemv.launch(gu, z(d_model, d_inter // 8, dt=torch.int32), sc, sc, activation="silu", late=True)
+    finally:
+        nested_down.pdl_mode = gemv.pdl_mode = pdl_mode
+    print(f"compile check: {len(failures)} failures", flush=True)
+    return not failures
 
 
 def dense4(x, L, h):
@@ -178,11 +227,21 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="a small shape on the CPU (TRITON_INTERPRET=1): checks only")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--sweep", action="store_true", help="also time k = 0.9 under each launch configuration")
+    p.add_argument("--pdl", action="store_true",
+                   help="programmatic dependent launch on, as in a folded decode step (D_EARLY acts only then)")
+    p.add_argument("--compile-check", action="store_true",
+                   help="compile low_down's configurations for sm_90 here (no GPU) and log registers and spills")
     p.add_argument("--plot", default=None, metavar="RUN[,RUN]",
                    help="draw <out>/launches.png from <out>/<RUN>_launches.csv (earlier runs' files); time nothing")
     a = p.parse_args(argv)
     if a.plot:
         return plot(a.out, a.plot.split(","), os.path.join(a.out, "launches.png"))
+    if a.compile_check:
+        raise SystemExit(0 if compile_check() else 1)
+    if a.pdl:  # for the whole run: every launch of every configuration
+        from countdown.kernels.config import overrides
+
+        contextlib.ExitStack().enter_context(overrides(pdl=True))
     device = "cpu" if a.smoke else "cuda"
     d_model, d_inter, n = (128, 256, 1) if a.smoke else (4096, 14336, a.layers)
     layers = [layer(d_model, d_inter, 64, device, s) for s in range(n)]
@@ -199,7 +258,13 @@ def main(argv=None) -> None:
         print(f"k={k}: kept {kept:.4f} of the rows, output matches float64", flush=True)
     kept = check(xs[0], layers[0], cuts["error"][0], layers[0]["consts"])
     print(f"rank=error k=0.9: kept {kept:.4f} of the rows, output matches float64", flush=True)
-    if a.smoke:
+    if a.smoke:  # every configuration of the sweep gives the default's output
+        want = mixed(xs[0], layers[0], cuts[0.9][0], hs[0]).float()
+        for cfg in SWEEP:
+            y = mixed(xs[0], layers[0], cuts[0.9][0], hs[0], config=cfg).float()
+            if not torch.allclose(y, want, rtol=2e-2, atol=1e-3 * want.abs().max().item()):
+                raise SystemExit(f"{cfg}: output differs from the default's")
+        print(f"the sweep's {len(SWEEP)} configurations: the default's output", flush=True)
         return
     bw = copy_bandwidth()
     plane = d_inter * d_model // 2 + 2 * 2 * d_inter * d_model // 64
@@ -246,7 +311,8 @@ def main(argv=None) -> None:
                 w.writeheader()
                 w.writerows(data)
         with open(os.path.join(a.out, "mixed_kernels_meta.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, torch=torch.__version__), f)
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, torch=torch.__version__,
+                           pdl=a.pdl), f)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,51 @@ def test_mixed_mlp_matches_the_float64_reference(act_name, keep_share, slices):
         _mixed_against_reference(act_name, keep_share, {"L_COLS": d_model // slices}, d_model, d_inter, group)
 
 
+LOW_DOWN = [  # nested_down.py's knobs: tiles of 1 to 16 rows (kept counts not a multiple of the tile), 1 set a
+    # program to every set in one (one program a column slice: its own last), 1 or 2 tiles ahead (a program with fewer
+    # tiles than are requested ahead), column slices of 16 to 128 bytes, the walk before or after the PDL wait
+    dict(D_T=1, D_SUB=1, D_CB=16, D_WARPS=1, D_AHEAD=2),
+    dict(D_T=4, D_SUB=1, D_CB=32, D_WARPS=2, D_AHEAD=1, D_EARLY=0),
+    dict(D_T=16, D_SUB=4, D_CB=128, D_WARPS=4, D_AHEAD=2),
+    dict(D_T=8, D_SUB=3, D_CB=64, D_WARPS=2, D_AHEAD=1),
+]
+
+
+@pytest.mark.parametrize("keep_share", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("low_down", range(len(LOW_DOWN)))
+def test_low_down_configurations_match_the_float64_reference(keep_share, low_down):
+    """Each D_* configuration: the partials' sum against float64 (0 kept rows, some, all), and with a residual the
+    launch's own sum (h + partials + bias, the last program of each column slice)."""
+    d_model, d_inter, group = 256, 512, 64
+    cfg = LOW_DOWN[low_down]
+    _mixed_against_reference("silu", keep_share, cfg, d_model, d_inter, group)
+    gate, up, down = _weights(d_model, d_inter, group, seed=1)
+    x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(2)).to(DEV)
+    h = torch.randn(1, d_model, generator=torch.Generator().manual_seed(5)).to(DEV)
+    bias = torch.randn(d_model, generator=torch.Generator().manual_seed(6)).to(DEV)
+    cut = torch.tensor(0.02 if keep_share else 1e9).to(DEV)
+    partials = nested_rows.mixed_mlp(x, *_args(gate, up, down), cut, "silu", config=cfg)
+    out = nested_rows.mixed_mlp(x, *_args(gate, up, down), cut, "silu", config=cfg, residual=h, bias=bias)
+    torch.testing.assert_close(out, h + partials.sum(0) + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_low_down_reads_fp32_scales_as_pairs_too():
+    """A nested weight stored with fp32 scales and offsets: low_down reads them as int64 pairs of columns."""
+    d_model, d_inter, group = 128, 256, 64
+    g = torch.Generator().manual_seed(9)
+    gate, up, down = (quantize_nested(torch.randn(n, k, generator=g) / k ** 0.5, group, torch.float32, **kw)
+                      for n, k, kw in ((d_inter, d_model, {}), (d_inter, d_model, {}),
+                                       (d_model, d_inter, dict(low_transposed=True))))
+    x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(10))
+    _, idx, cnt = nested_rows.mixed_mlp(x.to(DEV), *_args(gate, up, down), torch.tensor(0.01).to(DEV), "silu",
+                                        lists=True)
+    y = nested_rows.mixed_mlp(x.to(DEV), *_args(gate, up, down), torch.tensor(0.01).to(DEV), "silu")
+    keep = nested_rows.keep_of_lists(idx, cnt, d_inter, nested_rows._config(None, DEV)[0]["SET"])
+    assert 0 < int(keep.sum()) < d_inter
+    ref = nested_rows.mixed_mlp_kernel_ref(x, gate, up, down, keep, "silu")
+    assert ((y.sum(0).double().cpu() - ref).abs() <= _bound(x, gate, up, down, keep, "silu")).all()
+
+
 def _mixed_against_reference(act_name, keep_share, config, d_model, d_inter, group):
     gate, up, down = _weights(d_model, d_inter, group, seed=1)
     x = torch.randn(1, d_model, generator=torch.Generator().manual_seed(2))

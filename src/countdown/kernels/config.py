@@ -127,8 +127,12 @@ LAUNCH: dict[str, dict] = {
     "int4_dequant": dict(BN=8, BB=256),  # int4/dequant.py: rows and packed bytes a program
     # int4/nested_rows.py (the mixed Gated-MLP's kept rows; the select's sets are int4_rows' SET): the low planes of
     # W_gate / W_up, L_SUB sets a program, L_R rows a tile, L_COLS columns of x a slice, L_WARPS; W_down's transposed
-    # low plane, D_SUB sets a program, D_T rows a tile, D_CB packed bytes (2 D_CB columns) a column slice, D_WARPS.
-    "int4_nested": dict(L_SUB=1, L_R=16, L_COLS=1024, L_WARPS=4, D_SUB=2, D_T=8, D_CB=256, D_WARPS=4),
+    # low plane (int4/nested_down.py), D_SUB sets a program, D_T rows a tile, D_CB packed bytes (2 D_CB columns) a
+    # column slice, D_WARPS, D_AHEAD tiles' loads in flight (1 or 2), D_EARLY: its walk before its PDL wait (the down
+    # GEMV then signals after its own wait); Q_PER_SM: the down GEMV's PER_SM in the mixed MLP (None: int4_gemv's;
+    # fewer leave SM room for low_down's early programs).
+    "int4_nested": dict(L_SUB=1, L_R=16, L_COLS=1024, L_WARPS=4, D_SUB=4, D_T=8, D_CB=128, D_WARPS=4, D_AHEAD=2,
+                        D_EARLY=1, Q_PER_SM=None),
 }
 
 # What changes under the interpreter, by op: PROGRAMS persistent programs in all; MIN_R / MIN_BN the least rows a

@@ -9,4 +9,5 @@ launcher, op registration where the op is ours here (the dense ops are registere
     rows_down.py    the down projection of the kept rows of W_down^T (with the residual add)
     rows_list.py    the select kernel's compacted row lists, walked in tiles
     nested_rows.py  the mixed Gated-MLP on nested 8-bit weights (dual[mixed]): the kept rows' low planes, the op
+    nested_down.py  its last launch: the kept rows of W_down's transposed low plane, q and the residual added
 """

@@ -148,7 +148,7 @@ def int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_group
                       NORM: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pid = tl.program_id(0)
     s = tl.program_id(1)
-    if PDL:  # launched early (PDL): the next grid may launch now; x is read only after the wait below
+    if PDL == 1:  # launched early (PDL): the next grid may launch now; x is read only after the wait below
         gdc_launch_dependents()
     gi, gm, wcol, wm = _slice_grid(s, SLICE, SG, WPG)
     ri = tl.arange(0, R)
@@ -158,6 +158,8 @@ def int4_gemv_kernel(X, Wq, SC, OF, B, NW, eps, OUT, n_rows, K, n_words, n_group
             mw, msc, mof = _tile(Wq, SC, OF, (pid + n_progs) * R + ri, n_rows, n_words, n_groups, wcol, gi, gm, BIG)
     if PDL:  # the weights above depend on no earlier kernel; x is the previous kernel's output
         gdc_wait()
+        if PDL == 2:  # late: the next grid launches once every program is past its wait (may read x's producers)
+            gdc_launch_dependents()
     x0 = _xval(X, wcol, wm, 0, K, GLU, ACT, XS)
     x1 = _xval(X, wcol, wm, 1, K, GLU, ACT, XS)
     x2 = _xval(X, wcol, wm, 2, K, GLU, ACT, XS)
@@ -221,14 +223,17 @@ def check(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
            activation: str | None = None, config: dict | None = None, final: bool = False,
-           bias: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+           late: bool = False) -> torch.Tensor:
     """fp32 partial sums ``[S, N]`` (their sum over S is ``x W~^T``) of one token ``x`` (any float dtype;
     with ``activation``, fp32 gate/up partial sums ``[S_in, 2, K]`` whose ``act(g) * u`` of their sum is the input)
     through the 4-bit
     weight ``words`` (``qweight.view(torch.int32)``), ``scale``, ``offset``. ``final``: K in one slice and the output
     ``[1, N]`` itself, in x's dtype, plus ``bias`` if given (what a layer hands on, no sum after it). ``norm``
     (weight, eps), with ``final``: x is h and the GEMV's input is transformers' RMSNorm of it (the layer's input norm
-    folded into the q/k/v GEMV: each program holds all of h). (Spy hook: ``on_launch("int4_gemv", x, words)``.)"""
+    folded into the q/k/v GEMV: each program holds all of h). ``late`` (PDL): each program signals the next grid
+    after its wait, not at its start, so the next grid may read what the kernels before this one wrote before its
+    own wait (``nested_down.py``'s D_EARLY). (Spy hook: ``on_launch("int4_gemv", x, words)``.)"""
     glu = activation is not None
     n, k, group = check(x, words, scale, offset, glu)
     cfg = config_for(n, k, config, x.device)
@@ -247,7 +252,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: to
     if bias is not None and (not final or bias.shape != (n,)):
         raise ValueError(f"a bias is added to a final output only, and has N = {n} values; got {tuple(bias.shape)}")
     out = new_output((n_splits, n), x.dtype if final else torch.float32, x.device)
-    pdl = pdl_mode(x)
+    pdl = pdl_mode(x) * (2 if late else 1)
     launching("int4_gemv", x, words)
     int4_gemv_kernel[(progs, n_splits)](
         x.contiguous(), words.contiguous(), scale.contiguous(), offset.contiguous(),

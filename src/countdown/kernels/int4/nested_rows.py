@@ -20,10 +20,9 @@ group's kept rows).
 low_gate_up: the arithmetic and the shape of work of ``rows_other.py`` (x paired once a program, ``word_dot`` on int32
 words, the group's scale, the asymmetric part in fp32), both low planes' rows of a tile at once; the corrections of
 slice s of K (``L_COLS`` columns; at most as many slices as gu has) are added to gu's partial slice s with an atomic
-add (one writer a value, so the sum is the same on every run). low_down: fp32 throughout, ``fl32(fl32(S l) + O)`` as the format de-quantizes (no
-fused multiply-add) times s, summed over the kept rows of a program's sets per column; partials ``[P, d_model]``
-(the program of the first sets adds q's partials), and with a residual h the last program of each column slice
-writes h + y (+ bias) in h's dtype (``rows_down.py``'s ``_add_when_last``; the select zeroes its counters).
+add (one writer a value, so the sum is the same on every run). low_down: ``nested_down.py`` (its own file: tiles
+of kept rows with the scales and offsets read as fp16 pairs, loads a tile ahead, its walk before its PDL wait behind
+a down GEMV that signals late, the residual add by the last program of each column slice).
 """
 
 from __future__ import annotations
@@ -32,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import act_code, act_torch, interpreting, new_output, op_count, pow2
+from ..common import act_torch, interpreting, op_count, pow2
 from ..config import launch_config, launch_kwargs, launching, pdl_mode
-from ..jit_helpers import act, gdc_enter
+from ..jit_helpers import gdc_enter
 from . import gemv
 from .gemv import _paired_x, _slice_grid, _tile, split_for
 from .rows import _config as rows_config, select
-from .rows_down import _add_when_last
+from .nested_down import down_slices, low_down
 from .rows_list import q_total, tile_at
 from .words import word_dot, xload
 
@@ -74,57 +73,11 @@ def low_gate_up_kernel(X, WG, SCG, OFG, WU, SCU, OFU, IDX, CNT, GU, n_sets, d_in
         tl.atomic_add(GU + s * 2 * d_inter + d_inter + rows, du, mask=ok, sem="relaxed")
 
 
-@triton.jit
-def low_down_kernel(IDX, CNT, GU, Q, QT, SCT, OFT, P, H, B, Y, LOCK, n_sets, d_inter, d_model, half, group,
-                    SET: tl.constexpr, SUB: tl.constexpr, T: tl.constexpr, CB: tl.constexpr, GS: tl.constexpr,
-                    QS: tl.constexpr, ACT: tl.constexpr, BIG: tl.constexpr, FIX: tl.constexpr = 0,
-                    NP: tl.constexpr = 1, HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
-    if PDL:  # gu and q are the kernels' before this one
-        gdc_enter(0)
-    part = tl.program_id(0)
-    cs = tl.program_id(1)
-    cb = cs * CB + tl.arange(0, CB)        # bytes of a row of codes: columns 2 cb (low nibble) and 2 cb + 1
-    cm = cb < half
-    ti = tl.arange(0, T)
-    acc_lo = tl.zeros([CB], dtype=tl.float32)
-    acc_hi = tl.zeros([CB], dtype=tl.float32)
-    total = q_total(CNT, part, n_sets, SUB, T)
-    for q in range(0, total):
-        rows, pos, ok = tile_at(IDX, CNT, q, part, n_sets, ti, d_inter, SET, SUB, T)
-        g = tl.load(GU + rows, mask=ok, other=0.0)
-        u = tl.load(GU + d_inter + rows, mask=ok, other=0.0)
-        for i in tl.static_range(1, GS):
-            g += tl.load(GU + i * 2 * d_inter + rows, mask=ok, other=0.0)
-            u += tl.load(GU + i * 2 * d_inter + d_inter + rows, mask=ok, other=0.0)
-        sv = tl.where(ok, act(g, ACT) * u, 0.0)[:, None]
-        m2 = ok[:, None] & cm[None, :]
-        if BIG:
-            r = rows.to(tl.int64)
-        else:
-            r = rows
-        b = tl.load(QT + r[:, None] * half + cb[None, :], mask=m2, other=0).to(tl.int32)
-        srow = (r // group)[:, None] * d_model + 2 * cb[None, :]
-        sc_lo = tl.load(SCT + srow, mask=m2, other=0.0).to(tl.float32)
-        sc_hi = tl.load(SCT + srow + 1, mask=m2, other=0.0).to(tl.float32)
-        of_lo = tl.load(OFT + srow, mask=m2, other=0.0).to(tl.float32)
-        of_hi = tl.load(OFT + srow + 1, mask=m2, other=0.0).to(tl.float32)
-        acc_lo += tl.sum(sv * ((b & 15).to(tl.float32) * sc_lo + of_lo), axis=0)   # no fma: the launch turns it off
-        acc_hi += tl.sum(sv * ((b >> 4).to(tl.float32) * sc_hi + of_hi), axis=0)
-    cols = 2 * cs * CB + tl.arange(0, 2 * CB)
-    colm = cols < d_model
-    acc = tl.reshape(tl.join(acc_lo, acc_hi), (2 * CB,))      # columns in order
-    qm = colm & ((cols * 0 + part) == 0)
-    for i in tl.static_range(QS):  # the high plane's down GEMV, added once (by the first sets' programs)
-        acc += tl.load(Q + i * d_model + cols, mask=qm, other=0.0)
-    tl.store(P + part * d_model + cols, acc, mask=colm)
-    if FIX:
-        _add_when_last(P, H, B, Y, LOCK + cs, cols, d_model, NP, HAS_B)
-
-
 def _config(config: dict | None, device) -> tuple[dict, dict]:
     """(the select's configuration, int4_rows; this file's, int4_nested)."""
-    cfg = launch_config("int4_nested", device, extra={k: v for k, v in (config or {}).items() if k.startswith(("L_", "D_"))})
-    return rows_config({k: v for k, v in (config or {}).items() if not k.startswith(("L_", "D_"))}), cfg
+    ours = ("L_", "D_", "Q_")
+    cfg = launch_config("int4_nested", device, extra={k: v for k, v in (config or {}).items() if k.startswith(ours)})
+    return rows_config({k: v for k, v in (config or {}).items() if not k.startswith(ours)}), cfg
 
 
 def low_gate_up(x, gate_low, up_low, idx, cnt, gu, set_rows: int, cfg: dict) -> None:
@@ -146,42 +99,6 @@ def low_gate_up(x, gate_low, up_low, idx, cnt, gu, set_rows: int, cfg: dict) -> 
         BIG=d_inter * n_words >= 2**31, PDL=pdl, num_warps=cfg["L_WARPS"], num_stages=1, **launch_kwargs(pdl))
 
 
-def down_slices(d_model: int, cfg: dict) -> int:
-    """The column slices of low_down (its residual add's counters)."""
-    return -(-(d_model // 2) // cfg["D_CB"])
-
-
-def low_down(idx, cnt, counters, gu, q, down_low_t, act_name, set_rows: int, cfg: dict, residual=None,
-             bias=None) -> torch.Tensor:
-    """fp32 partials ``[P, d_model]`` of ``q``'s sum (the high plane's down GEMV partials) plus the kept rows' low-plane
-    correction ``sum_i s_i Delta_down[:, i]`` (s from ``gu``, refined); with ``residual`` h, h + that sum (+ bias) in
-    h's dtype. ``down_low_t``: (codes uint8 [d_inter, d_model / 2], scale and offset [d_inter / G, d_model]).
-    (Spy hook: ``on_launch("int4_nested_low_down", idx)``.)"""
-    qt, sct, oft = down_low_t
-    d_inter, half = qt.shape
-    d_model = 2 * half
-    group = d_inter // sct.shape[0]
-    n_sets = cnt.numel()
-    n_parts = -(-n_sets // cfg["D_SUB"])
-    n_slices = down_slices(d_model, cfg)
-    out = new_output((n_parts, d_model), torch.float32, gu.device)
-    fix = residual is not None
-    if fix and (counters.dtype != torch.int32 or counters.numel() < n_slices):
-        raise ValueError(f"the residual add counts finished programs in {n_slices} int32 zeros (select's fourth "
-                         f"output), got {counters.dtype} {tuple(counters.shape)}")
-    y = new_output(tuple(residual.shape), residual.dtype, gu.device) if fix else out
-    pdl = pdl_mode(gu)
-    launching("int4_nested_low_down", idx)
-    low_down_kernel[(n_parts, n_slices)](
-        idx, cnt, gu, q, qt.contiguous(), sct.contiguous(), oft.contiguous(), out,
-        residual.contiguous() if fix else out, bias.contiguous() if bias is not None else out, y, counters, n_sets,
-        d_inter, d_model, half, group, SET=set_rows, SUB=cfg["D_SUB"], T=cfg["D_T"], CB=cfg["D_CB"],
-        GS=gu.shape[0], QS=q.shape[0], ACT=act_code(act_name), BIG=d_inter * half >= 2**31, FIX=int(fix),
-        NP=n_parts, HAS_B=int(bias is not None), PDL=pdl, num_warps=cfg["D_WARPS"], num_stages=1,
-        enable_fp_fusion=False, **launch_kwargs(pdl))
-    return y
-
-
 def mixed_mlp(x, gate_up_high, gate_low, up_low, down_high, down_low_t, cut: torch.Tensor, activation="silu",
               count=None, config=None, residual=None, bias=None, lists: bool = False,
               consts: torch.Tensor | None = None):
@@ -200,7 +117,8 @@ def mixed_mlp(x, gate_up_high, gate_low, up_low, down_high, down_low_t, cut: tor
     mode, xr = ("dual", None) if consts is None else ("error", x.reshape(-1))
     idx, _, cnt, counters = select(gu, d_inter, cut, mode, activation, count, sel_cfg, slices, consts, xr)
     low_gate_up(x.reshape(1, -1), gate_low, up_low, idx, cnt, gu, sel_cfg["SET"], cfg)
-    q = gemv.launch(gu, *down_high, activation=activation)
+    q = gemv.launch(gu, *down_high, activation=activation, late=bool(cfg["D_EARLY"]),  # low_down reads gu early
+                    config={"PER_SM": cfg["Q_PER_SM"]} if cfg["Q_PER_SM"] else None)
     y = low_down(idx, cnt, counters, gu, q, down_low_t, activation, sel_cfg["SET"], cfg, residual, bias)
     return (y, idx, cnt) if lists else y
 
