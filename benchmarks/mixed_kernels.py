@@ -127,7 +127,7 @@ def compile_check(d_model: int = 4096, d_inter: int = 14336, group: int = 64, se
              ({}, 1, "silu", low32, h, None)]
     pdl_mode = nested_down.pdl_mode
     try:
-        with stand_in(["int4_nested_low_down", "int4_gemv"], lambda name, jit: Compile(jit, failures)):
+        with stand_in(["int4_nested", "int4_gemv"], lambda name, jit: Compile(jit, failures)):
             for cfg, pdl, act_name, low_t, res, b in runs:
                 print(f"low_down {cfg} PDL {pdl} {act_name} scales {low_t[1].dtype} residual {res is not None} "
                       f"bias {b is not None}:", flush=True)

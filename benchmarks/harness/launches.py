@@ -21,7 +21,7 @@ KERNELS = {
     "few_tokens": ("countdown.kernels.sparse_mlp.few_tokens", "few_tokens_kernel"),
     "select": ("countdown.kernels.sparse_mlp.select", "select_kernel"),
     "int4_gemv": ("countdown.kernels.int4.gemv", "int4_gemv_kernel"),
-    "int4_nested_low_down": ("countdown.kernels.int4.nested_down", "low_down_kernel"),
+    "int4_nested": ("countdown.kernels.int4.nested_down", "low_down_kernel"),  # the mixed MLP's low_down
 }
 
 
