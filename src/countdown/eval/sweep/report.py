@@ -52,19 +52,21 @@ def agreement_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def versus_dense_markdown(averages: dict[Config, float], tests: PairedTests) -> str:
-    """Each configuration's average minus dense's, with the paired 95 % interval; * = significant."""
-    if DENSE not in averages or not tests:
+def versus_dense_markdown(averages: dict[Config, float], tests: PairedTests, dense: Config = DENSE) -> str:
+    """Each configuration's average minus ``dense``'s (dense, or dense on other weights: ``dense@mlp4g64``), with
+    the paired 95 % interval; * = significant."""
+    if dense not in averages or not tests:
         return ""
-    lines = ["| mode | method | k | score − dense | 95 % CI | significant |", "|---|---|---|---|---|---|"]
+    lines = [f"| mode | method | k | score − {dense[0]} | 95 % CI | significant |", "|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(methods_in_order(averages))}
-    for config in sorted((c for c in averages if c != DENSE),
-                         key=lambda c: (MODES.index(c[1]), order.get(c[0], 99), c[2] or 0)):
-        res = tests.test(config, DENSE)
+    for config in sorted((c for c in averages if c != dense),
+                         key=lambda c: (MODES.index(c[1]) if c[1] in MODES else -1, order.get(c[0], 99), c[2] or 0,
+                                        c[0])):
+        res = tests.test(config, dense)
         if res is None:
             continue
         sig = res["lo"] > 0 or res["hi"] < 0
-        lines.append(f"| {MODE_LABEL[config[1]]} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
+        lines.append(f"| {MODE_LABEL.get(config[1], 'Dense')} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
                      f"[{res['lo']:+.3f}, {res['hi']:+.3f}] | {'yes' if sig else 'no'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -89,6 +91,8 @@ def plot_scores(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequence[s
         dense = values.get(DENSE)
         if dense is not None:
             ax.axhline(dense, color="black", linestyle=":", label=f"dense ({dense:.3f})")
+        for config in sorted(c for c in values if not c[1] and c != DENSE):  # dense on other weights
+            ax.axhline(values[config], color="gray", linestyle="-.", label=f"{config[0]} ({values[config]:.3f})")
         for mode in MODES:
             for method in methods_in_order(values):
                 pts = sorted((c[2], v) for c, v in values.items() if c[:2] == (method, mode))
@@ -206,6 +210,10 @@ def write_report(rows: Sequence[dict], md_path: str | os.PathLike, png_path: str
         vs = versus_dense_markdown(averages, tests)
         if vs:
             md += ["### Difference from dense (paired, same documents)", "", vs, ""]
+        for other in sorted(c for c in averages if not c[1] and c != DENSE):  # dense on other weights
+            vs = versus_dense_markdown(averages, tests, other)
+            if vs:
+                md += [f"### Difference from {other[0]} (paired, same documents)", "", vs, ""]
     else:
         md += ["No per-document scores for these cells: no standard errors or significance tests (bold = best "
                "point estimate only).", ""]
