@@ -24,8 +24,7 @@ from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_
                     plan_cells, ppl_setting, row_key, short_hash)
 from .report import write_report
 from .store import DEFAULT_WAIT, SweepStore, encode_outcomes
-from .weights import model_weights, weight_groups
-from ...selectors.base import get_kind
+from .weights import group_weights, weight_groups
 
 
 def default_threads() -> int:
@@ -373,13 +372,12 @@ class _Run:
         """Inside: the model on the weights of ``cells``' group (:mod:`.weights`; put back after), yielding
         ``{label: SP-Prac artifacts}``; a kind with weights of its own (dual[mixed]) has made them."""
         (key, _), = weight_groups(cells, self.spec_of)
-        if not key:
-            yield {c.method: self.artifacts_for(c) for c in cells if c.mode == "prac"}
-            return
-        with model_weights(self.model, self.spec_of[cells[0].method].weights) as mlps:
-            arts = {c.method: self.artifacts_for(c) for c in cells if c.mode == "prac"}
-            for art in arts.values():  # a cached or already loaded artifact converts nothing by itself
-                get_kind(art.kind).prepare_model(self.model, mlps, art.meta)
+
+        def build():
+            return {c.method: self.artifacts_for(c) for c in cells if c.mode == "prac"}
+
+        with (group_weights(self.model, self.spec_of[cells[0].method].weights, build) if key  # made, put back after
+              else contextlib.nullcontext(build())) as arts:  # the weights as loaded: nothing to make or put back
             yield arts
 
     def save(self, cell: CellSpec, result: dict) -> int:

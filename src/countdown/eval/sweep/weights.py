@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from torch import nn
 
@@ -130,6 +130,21 @@ def model_weights(model: nn.Module, weights: MlpWeights | None = None) -> Iterat
             setattr(parent, attr, linear)
         if had is None and hasattr(model.config, CONFIG_ATTR):
             delattr(model.config, CONFIG_ATTR)
+
+
+@contextlib.contextmanager
+def group_weights(model: nn.Module, weights: MlpWeights | None, build_artifacts: Callable[[], dict]) -> Iterator[dict]:
+    """The model on one weight group's weights (:func:`model_weights`), yielding ``build_artifacts()`` (label ->
+    SP-Prac artifacts, built or loaded inside, so that a kind that converts the model while it builds converts it
+    here) after each artifact's kind has made its weights (a cached or already loaded artifact converts nothing by
+    itself: ``dual[mixed]``'s nested MLPs are made now, before any prompt runs)."""
+    from ...selectors.base import get_kind
+
+    with model_weights(model, weights) as mlps:
+        arts = build_artifacts()
+        for art in arts.values():
+            get_kind(art.kind).prepare_model(model, mlps, art.meta)
+        yield arts
 
 
 def weight_groups(cells, specs: dict) -> list[tuple[str, list]]:
