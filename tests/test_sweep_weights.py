@@ -166,6 +166,8 @@ def test_sweep_runs_the_three_configurations_and_resumes(tmp_path):
     assert {d["method"] for d in docs if d["metric"] == "acc"} == {"dense", "dense@mlp4g64", "dual[mixed]"}
     text = result["markdown"].read_text()
     assert "| Dense | dense@mlp4g64 |" in text and "### Difference from dense@mlp4g64" in text
+    assert "On weights of their own (countdown.eval.sweep.weights; each in a pass of its own, its prompts on those " \
+           "weights): dense@mlp4g64, dual[mixed]" in text
     assert torch.equal(_logits(model), before)  # every group put the model back
     assert sweep.run_sweep("tiny", **kwargs)["computed"] == 0  # resumed: nothing left
     with pytest.raises(ValueError, match="weights of their own"):

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Sequence
 
 from ...io import atomic_path, atomic_write
-from .cells import AGREEMENT_METRICS, AGREEMENT_TASK, MODE_LABEL, MODES, PPL_TASKS, format_k, row_key
+from .cells import AGREEMENT_METRICS, AGREEMENT_TASK, MODE_LABEL, MODES, PPL_TASKS, format_k, parse_methods, row_key
 from .orderings import orderings, orderings_markdown
 from .stats import PairedTests, doc_outcomes
 from .tables import (TABLE_ORDER, Config, average_scores, config_of, fmt, mean_sparsity_real, methods_in_order,
                      metric_values, score_metric, table1_markdown, task_scores)
+from .weights import weights_key
 
 DENSE = ("dense", "", None)
 
@@ -128,6 +129,14 @@ def _calibration_lines(artifacts: dict) -> list[str]:
     return lines
 
 
+def _own_weights(label: str, mode: str) -> bool:
+    """Does the configuration run on weights of its own (``dense@mlp4g64``, ``dual[mixed]``)?"""
+    try:
+        return bool(weights_key(parse_methods([label])[0], mode))
+    except ValueError:  # a label of an earlier file that no longer parses: as loaded
+        return False
+
+
 def _header(rows, model_name, tasks, info) -> list[str]:
     metrics_used = sorted({score_metric({r["metric"] for r in rows if r["task"] == t}) or "?" for t in tasks})
     limit = info.get("limit")
@@ -142,6 +151,10 @@ def _header(rows, model_name, tasks, info) -> list[str]:
            f"score = {' / '.join(metrics_used)} (acc_norm where lm-eval reports it, else acc); prompt dense, "
            "continuation sparse (countdown.eval.lmeval; all configurations of a task share each prompt's dense pass, "
            "countdown.eval.shared_prompt)"]
+    own = sorted({r["method"] for r in rows if r["task"] in tasks and _own_weights(r["method"], r["mode"])})
+    if own:
+        md.append(f"- On weights of their own (countdown.eval.sweep.weights; each in a pass of its own, its prompts on "
+                  f"those weights): {', '.join(own)}")
     splits = info.get("splits") or {}
     if tasks:
         md.append("- Data splits: " + "; ".join(f"{t}: {splits.get(t, '?')}" for t in tasks))
