@@ -67,7 +67,8 @@ def versus_dense_markdown(averages: dict[Config, float], tests: PairedTests, den
         if res is None:
             continue
         sig = res["lo"] > 0 or res["hi"] < 0
-        lines.append(f"| {MODE_LABEL.get(config[1], 'Dense')} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
+        mode = MODE_LABEL.get(config[1], "Dense")
+        lines.append(f"| {mode} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
                      f"[{res['lo']:+.3f}, {res['hi']:+.3f}] | {'yes' if sig else 'no'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
