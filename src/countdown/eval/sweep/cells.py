@@ -6,11 +6,12 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from ...spec import Spec, parse_spec, parse_specs
+from .weights import check_weighted, split_weights
 
 DEFAULT_METHODS = ("dense", "cats", "mono", "dual", "dejavu")
 DEFAULT_MODES = ("ideal", "prac")
@@ -50,6 +51,8 @@ def column_label(spec: str | Spec) -> str:
     always written it), the default kind's options without the kind (``teal[allocation=uniform]``), else the
     canonical label (``dual[hybrid]``, ``dual[shadow3]``)."""
     spec = parse_spec(spec)
+    if spec.weights is not None:  # dense@mlp4g64 (countdown.eval.sweep.weights)
+        return f"{column_label(replace(spec, weights=None))}@{spec.weights.label}"
     default = parse_spec(spec.method).resolved()
     if spec.is_dense or spec.resolved() == default:
         return spec.method
@@ -59,10 +62,30 @@ def column_label(spec: str | Spec) -> str:
     return label
 
 
+def is_dense_label(label: str) -> bool:
+    """``dense`` or a dense configuration on other weights (``dense@mlp4g64``)."""
+    return label == "dense" or label.startswith("dense@")
+
+
 def parse_methods(methods: Sequence[str | Spec] | str) -> list[Spec]:
-    """Every spec of ``methods`` (:func:`countdown.spec.parse_specs`), one per CSV label, order kept."""
+    """Every spec of ``methods`` (:func:`countdown.spec.parse_specs`), one per CSV label, order kept. An entry
+    ``dense@mlp4g64`` is dense on other weights (:mod:`countdown.eval.sweep.weights`, in the spec's ``weights``)."""
+    if isinstance(methods, str):
+        methods = [p for p in re.split(r",(?![^\[]*\])", methods) if p.strip()]
+    elif isinstance(methods, Spec):
+        methods = [methods]
+    specs = []
+    for entry in methods:
+        text, weights = split_weights(entry) if isinstance(entry, str) else (entry, None)
+        spec = parse_specs([text])[0]
+        if weights is not None:
+            spec = replace(spec, weights=weights)
+        check_weighted(spec)
+        specs.append(spec)
+    if not specs:
+        raise ValueError("give at least one method spec, e.g. mono,dual[shadow4]")
     first: dict[str, Spec] = {}
-    for spec in parse_specs(methods):
+    for spec in specs:
         first.setdefault(column_label(spec), spec)
     return list(first.values())
 
@@ -87,8 +110,8 @@ class CellSpec:
         return (self.method, self.mode, self.sparsity)
 
     def label(self) -> str:
-        if self.method == "dense":
-            return f"dense {self.task}"
+        if not self.mode:
+            return f"{self.method} {self.task}"
         return f"{self.method} {self.mode} k={format_k(self.sparsity)} {self.task}"
 
 
@@ -121,8 +144,8 @@ def configurations(specs: Sequence[Spec], modes: Sequence[str],
     """``(label, mode, k)`` of every configuration, dense first (``label``: :func:`column_label`). SP-Ideal
     has no kinds: a kinded spec adds only SP-Prac configurations (its SP-Ideal is the plain method's)."""
     configs: list[tuple[str, str, float | None]] = []
-    if any(s.is_dense for s in specs):
-        configs.append(("dense", "", None))
+    for label in dict.fromkeys(column_label(s) for s in specs if s.is_dense):  # dense, then dense@weights
+        configs.append((label, "", None))
     for mode in modes:
         names = [column_label(s) if mode == "prac" else s.method for s in specs if not s.is_dense]
         for name in dict.fromkeys(names):
@@ -138,13 +161,13 @@ def plan_cells(methods: Sequence[str | Spec], modes: Sequence[str], sparsities: 
     Per configuration: each lm-eval task, then perplexity in both styles (if ``ppl``), then
     agreement (if ``agreement``; not for dense, whose agreement with itself is 1 by definition).
     """
-    specs = [parse_spec(m) for m in methods]
+    specs = parse_methods(list(methods) if not isinstance(methods, str) else methods)
     cells = []
     for method, mode, k in configurations(specs, modes, sparsities):
         tag = artifacts_tag if mode == "prac" else ""
         cells += [CellSpec(method, mode, k, task, "lmeval", lmeval, tag) for task in tasks]
         if ppl is not None:
             cells += [CellSpec(method, mode, k, task, "ppl", ppl, tag) for task in PPL_TASKS]
-        if agreement is not None and method != "dense":
+        if agreement is not None and not is_dense_label(method):
             cells.append(CellSpec(method, mode, k, AGREEMENT_TASK, "agreement", agreement, tag))
     return cells

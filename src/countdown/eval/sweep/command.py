@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="catalogue name, .gguf file or HF folder (default smollm2-135m)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated method specs (countdown.spec); an SP-Prac kind in brackets, e.g. "
-                        "dense,mono,dual,dual[lowrank],dual[shadow4] (default: the five methods)")
+                        "dense,mono,dual,dual[lowrank],dual[shadow4]; dense@mlp4g64: dense with 4-bit MLP weights "
+                        "(default: the five methods)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="ideal,prac (dense has no mode; default both)")
     add_number(p, "--sparsity", "-k", range="sparsities", default=",".join(format_k(k) for k in DEFAULT_SPARSITIES),
                help="comma-separated k values (default 0.7,0.8,0.9)")

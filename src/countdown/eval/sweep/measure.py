@@ -69,7 +69,7 @@ def task_rows(cells, results: list[dict], task: str) -> list[dict]:
         if task not in res["tasks"]:
             raise RuntimeError(f"lm-eval returned no results for task {task!r} (got {sorted(res['tasks'])})")
         out.append({"metrics": sorted(res["tasks"][task].items()),
-                    "real": 0.0 if cell.method == "dense" else res["sparsity_real"],
+                    "real": 0.0 if not cell.mode else res["sparsity_real"],  # dense, dense@weights
                     "n": res["n_samples"].get(task, ""), "samples": res["samples"], "seconds": res["seconds"]})
     return out
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Sequence
 
 from ...io import atomic_path, atomic_write
-from .cells import AGREEMENT_METRICS, AGREEMENT_TASK, MODE_LABEL, MODES, PPL_TASKS, format_k, row_key
+from .cells import AGREEMENT_METRICS, AGREEMENT_TASK, MODE_LABEL, MODES, PPL_TASKS, format_k, parse_methods, row_key
 from .orderings import orderings, orderings_markdown
 from .stats import PairedTests, doc_outcomes
 from .tables import (TABLE_ORDER, Config, average_scores, config_of, fmt, mean_sparsity_real, methods_in_order,
                      metric_values, score_metric, table1_markdown, task_scores)
+from .weights import weights_key
 
 DENSE = ("dense", "", None)
 
@@ -52,19 +53,22 @@ def agreement_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def versus_dense_markdown(averages: dict[Config, float], tests: PairedTests) -> str:
-    """Each configuration's average minus dense's, with the paired 95 % interval; * = significant."""
-    if DENSE not in averages or not tests:
+def versus_dense_markdown(averages: dict[Config, float], tests: PairedTests, dense: Config = DENSE) -> str:
+    """Each configuration's average minus ``dense``'s (dense, or dense on other weights: ``dense@mlp4g64``), with
+    the paired 95 % interval; * = significant."""
+    if dense not in averages or not tests:
         return ""
-    lines = ["| mode | method | k | score − dense | 95 % CI | significant |", "|---|---|---|---|---|---|"]
+    lines = [f"| mode | method | k | score − {dense[0]} | 95 % CI | significant |", "|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(methods_in_order(averages))}
-    for config in sorted((c for c in averages if c != DENSE),
-                         key=lambda c: (MODES.index(c[1]), order.get(c[0], 99), c[2] or 0)):
-        res = tests.test(config, DENSE)
+    for config in sorted((c for c in averages if c != dense),
+                         key=lambda c: (MODES.index(c[1]) if c[1] in MODES else -1, order.get(c[0], 99), c[2] or 0,
+                                        c[0])):
+        res = tests.test(config, dense)
         if res is None:
             continue
         sig = res["lo"] > 0 or res["hi"] < 0
-        lines.append(f"| {MODE_LABEL[config[1]]} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
+        mode = MODE_LABEL.get(config[1], "Dense")
+        lines.append(f"| {mode} | {config[0]} | {format_k(config[2])} | {res['diff']:+.3f} | "
                      f"[{res['lo']:+.3f}, {res['hi']:+.3f}] | {'yes' if sig else 'no'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -89,6 +93,8 @@ def plot_scores(rows: Sequence[dict], path: str | os.PathLike, tasks: Sequence[s
         dense = values.get(DENSE)
         if dense is not None:
             ax.axhline(dense, color="black", linestyle=":", label=f"dense ({dense:.3f})")
+        for config in sorted(c for c in values if not c[1] and c != DENSE):  # dense on other weights
+            ax.axhline(values[config], color="gray", linestyle="-.", label=f"{config[0]} ({values[config]:.3f})")
         for mode in MODES:
             for method in methods_in_order(values):
                 pts = sorted((c[2], v) for c, v in values.items() if c[:2] == (method, mode))
@@ -124,6 +130,14 @@ def _calibration_lines(artifacts: dict) -> list[str]:
     return lines
 
 
+def _own_weights(label: str, mode: str) -> bool:
+    """Does the configuration run on weights of its own (``dense@mlp4g64``, ``dual[mixed]``)?"""
+    try:
+        return bool(weights_key(parse_methods([label])[0], mode))
+    except ValueError:  # a label of an earlier file that no longer parses: as loaded
+        return False
+
+
 def _header(rows, model_name, tasks, info) -> list[str]:
     metrics_used = sorted({score_metric({r["metric"] for r in rows if r["task"] == t}) or "?" for t in tasks})
     limit = info.get("limit")
@@ -138,6 +152,10 @@ def _header(rows, model_name, tasks, info) -> list[str]:
            f"score = {' / '.join(metrics_used)} (acc_norm where lm-eval reports it, else acc); prompt dense, "
            "continuation sparse (countdown.eval.lmeval; all configurations of a task share each prompt's dense pass, "
            "countdown.eval.shared_prompt)"]
+    own = sorted({r["method"] for r in rows if r["task"] in tasks and _own_weights(r["method"], r["mode"])})
+    if own:
+        md.append(f"- On weights of their own (countdown.eval.sweep.weights; each in a pass of its own, its prompts on "
+                  f"those weights): {', '.join(own)}")
     splits = info.get("splits") or {}
     if tasks:
         md.append("- Data splits: " + "; ".join(f"{t}: {splits.get(t, '?')}" for t in tasks))
@@ -206,6 +224,10 @@ def write_report(rows: Sequence[dict], md_path: str | os.PathLike, png_path: str
         vs = versus_dense_markdown(averages, tests)
         if vs:
             md += ["### Difference from dense (paired, same documents)", "", vs, ""]
+        for other in sorted(c for c in averages if not c[1] and c != DENSE):  # dense on other weights
+            vs = versus_dense_markdown(averages, tests, other)
+            if vs:
+                md += [f"### Difference from {other[0]} (paired, same documents)", "", vs, ""]
     else:
         md += ["No per-document scores for these cells: no standard errors or significance tests (bold = best "
                "point estimate only).", ""]

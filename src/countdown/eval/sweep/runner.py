@@ -3,6 +3,7 @@ every result under the folder's lock, write the report; Ctrl-C says how to resum
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -23,6 +24,7 @@ from .cells import (DEFAULT_METHODS, DEFAULT_MODES, DEFAULT_SPARSITIES, DEFAULT_
                     plan_cells, ppl_setting, row_key, short_hash)
 from .report import write_report
 from .store import DEFAULT_WAIT, SweepStore, encode_outcomes
+from .weights import group_weights, weight_groups
 
 
 def default_threads() -> int:
@@ -218,6 +220,11 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
         return [c for c in cells if c.key(label) not in done]
 
     todo = pending()
+    if export is not None or scores:  # their prompt passes run on the weights as loaded
+        other = sorted({c.method for c in todo if c.kind == "lmeval" and weight_groups([c], spec_of)[0][0]})
+        if other:
+            raise ValueError(f"{', '.join(other)} run on weights of their own (countdown.eval.sweep.weights), which "
+                             "--export / --scores do not carry: measure them on this machine without those flags")
     store.meta(), store.doc_rows()  # a damaged side file (or a FIFO there) is named now, not after the work
     n_measured = len(cells) - len(todo)
     if report_only:  # rewrite the report from the CSV as it stands (e.g. a sweep still under way)
@@ -256,9 +263,11 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                 continue
             if measure.is_generation_task(task_manager, task):
                 for cell in group:
-                    computed += run.save(cell, measure.measure_lmeval(
-                        model, tokenizer, cell, method_of[cell.method], run.artifacts_for(cell), limit, batch_size,
-                        num_fewshot, task_manager))
+                    with run.weights([cell]) as arts:
+                        result = measure.measure_lmeval(model, tokenizer, cell, method_of[cell.method],
+                                                        arts.get(cell.method), limit, batch_size, num_fewshot,
+                                                        task_manager)
+                    computed += run.save(cell, result)
                 continue
             if scored is not None:  # answers from the GPU, metrics from lm-eval here
                 have = [c for c in group if scored.has(task, c)]
@@ -271,26 +280,31 @@ def run_sweep(model_name: str = "smollm2-135m", methods: Sequence[str] = DEFAULT
                         model, tokenizer, task, have, method_of, arts, sparsities, scored, limit, batch_size,
                         num_fewshot, task_manager))
                 continue
-            for start in range(0, len(group), pass_configs):  # each pass is saved when it ends
-                part = group[start:start + pass_configs]
-                arts = {c.method: run.artifacts_for(c) for c in part if c.mode == "prac"}  # built when first needed
-                log(f"  {task}: {len(part)} configurations in one pass over {limit or 'all'} documents"
-                    + (f" ({start + len(part)} of {len(group)})" if len(group) > pass_configs else ""))
-                results = measure.measure_task_shared(model, tokenizer, task, part, method_of, arts, limit,
-                                                      batch_size, num_fewshot, task_manager, chunk=chunk)
+            # one pass per weight group (the model as loaded; dense@mlp4g64; dual[mixed]'s nested MLPs): its prompts
+            # run on those weights; each pass is saved when it ends
+            passes = [(key, cells[start:start + pass_configs]) for key, cells in weight_groups(group, spec_of)
+                      for start in range(0, len(cells), pass_configs)]
+            for n_pass, (key, part) in enumerate(passes, 1):
+                with run.weights(part) as arts:  # SP-Prac artifacts built when first needed
+                    log(f"  {task}: {len(part)} configurations in one pass over {limit or 'all'} documents"
+                        + (f" on weights {key}" if key else "")
+                        + (f" (pass {n_pass} of {len(passes)})" if len(passes) > 1 else ""))
+                    results = measure.measure_task_shared(model, tokenizer, task, part, method_of, arts, limit,
+                                                          batch_size, num_fewshot, task_manager, chunk=chunk)
                 computed += run.save_many(part, results)
         texts = None
         for cell in [c for c in todo if c.kind != "lmeval"]:
-            if cell.kind == "ppl":
-                if texts is None:
-                    from ...data.texts import eval_texts
+            if cell.kind == "ppl" and texts is None:
+                from ...data.texts import eval_texts
 
-                    texts = eval_texts() if ppl_texts is None else list(ppl_texts)
-                result = measure.measure_ppl(model, tokenizer, cell, method_of[cell.method], run.artifacts_for(cell),
-                                             texts, ppl_tokens, ppl_window, progress)
-            else:
-                result = measure.measure_agreement(model, tokenizer, cell, method_of[cell.method],
-                                                   run.artifacts_for(cell), prompt_list, max_new_tokens)
+                texts = eval_texts() if ppl_texts is None else list(ppl_texts)
+            with run.weights([cell]) as arts:
+                if cell.kind == "ppl":
+                    result = measure.measure_ppl(model, tokenizer, cell, method_of[cell.method], arts.get(cell.method),
+                                                 texts, ppl_tokens, ppl_window, progress)
+                else:
+                    result = measure.measure_agreement(model, tokenizer, cell, method_of[cell.method],
+                                                       arts.get(cell.method), prompt_list, max_new_tokens)
             computed += run.save(cell, result)
         device_txt = device_description(model) if model is not None else None
         if scored is not None and device_txt:
@@ -353,6 +367,19 @@ class _Run:
             self.store.add(meta_update=lambda meta: meta["artifacts"].__setitem__(cell.method, summary))
         return self.loaded[cell.method]
 
+    @contextlib.contextmanager
+    def weights(self, cells: Sequence[CellSpec]):
+        """Inside: the model on the weights of ``cells``' group (:mod:`.weights`; put back after), yielding
+        ``{label: SP-Prac artifacts}``; a kind with weights of its own (dual[mixed]) has made them."""
+        (key, _), = weight_groups(cells, self.spec_of)
+
+        def build():
+            return {c.method: self.artifacts_for(c) for c in cells if c.mode == "prac"}
+
+        with (group_weights(self.model, self.spec_of[cells[0].method].weights, build) if key  # made, put back after
+              else contextlib.nullcontext(build())) as arts:  # the weights as loaded: nothing to make or put back
+            yield arts
+
     def save(self, cell: CellSpec, result: dict) -> int:
         return self.save_many([cell], [result])
 
@@ -367,6 +394,6 @@ class _Run:
             self.count += 1
             shown = ", ".join(f"{m} {float(v):.4g}" for m, v in result["metrics"] if not m.endswith("stderr"))
             real = result["real"]
-            real_txt = "" if real is None or cell.method == "dense" else f"  Sparsity-Real {float(real):.3f}"
+            real_txt = "" if real is None or not cell.mode else f"  Sparsity-Real {float(real):.3f}"
             self.log(f"  [{self.count}] {cell.label()}: {shown}{real_txt}  ({result['seconds']:.1f} s)")
         return len(cells)

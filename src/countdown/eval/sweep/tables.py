@@ -92,7 +92,7 @@ def ks_of(values: dict[Config, float]) -> list[float]:
 
 
 def methods_in_order(values: dict[Config, float]) -> list[str]:
-    present = {c[0] for c in values if c[0] != "dense"}
+    present = {c[0] for c in values if c[1]}  # dense and dense@weights (mode "") are reference rows
     return [m for m in TABLE_ORDER if m in present] + sorted(present - set(TABLE_ORDER))
 
 
@@ -126,6 +126,8 @@ def table1_markdown(values: dict[Config, float], higher_is_better: bool = True, 
     dense = values.get(("dense", "", None))
     if dense is not None:
         lines.append("| Dense | full | " + " | ".join(text_of(("dense", "", None), dense) for _ in columns) + " |")
+    for config in sorted(c for c in values if not c[1] and c[0] != "dense"):  # dense on other weights: dense@mlp4g64
+        lines.append(f"| Dense | {config[0]} | " + " | ".join(text_of(config, values[config]) for _ in columns) + " |")
     pick = max if higher_is_better else min
     for mode in MODES:
         methods = [m for m in methods_in_order(values) if any(c[:2] == (m, mode) for c in values)]
