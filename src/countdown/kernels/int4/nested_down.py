@@ -40,35 +40,9 @@ import triton.language as tl
 
 from ..common import act_code, new_output, pow2
 from ..config import launch_kwargs, launching, pdl_mode
-from ..jit_helpers import act, gdc_launch_dependents, gdc_wait, partial_sum, round_to
-from .rows_list import listed
-
-
-@triton.jit
-def _set_counts(CNT, part, n_sets, SUB: tl.constexpr, SUBP: tl.constexpr, CG: tl.constexpr):
-    """The kept counts [SUBP] of program ``part``'s SUB sets (0 past them): read once a program (from L2 where CG,
-    where ``rows_list.tile_at`` would read them again each tile)."""
-    js = tl.arange(0, SUBP)
-    set_j = part * SUB + js
-    return listed(CNT, set_j, (js < SUB) & (set_j < n_sets), 0, CG)
-
-
-@triton.jit
-def _tile_rows(IDX, counts, q, part, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr,
-               T: tl.constexpr, CG: tl.constexpr):
-    """(row numbers, valid) of tile ``q`` of the program's flat sequence of kept rows (``rows_list.tile_at``'s, from
-    the counts in registers): row d_inter and valid False past the end."""
-    m = q * T + slot
-    pos = m * 0 - 1
-    start = q * 0
-    js = tl.arange(0, SUBP)
-    for jj in tl.static_range(SUB):
-        c = tl.sum(tl.where(js == jj, counts, 0), axis=0)
-        pos = tl.where((m >= start) & (m < start + c), (part * SUB + jj) * SET + (m - start), pos)
-        start += c
-    valid = pos >= 0
-    rows = listed(IDX, pos, valid, 0, CG)
-    return tl.where(valid, rows, d_inter), valid
+from ..jit_helpers import act, gdc_launch_dependents, gdc_wait
+from .rows_down import _add_when_last
+from .rows_list import set_counts, tile_rows
 
 
 @triton.jit
@@ -117,32 +91,9 @@ def _add_tile(acc_lo, acc_hi, b, sp, op, g, u, ok, ACT: tl.constexpr, WIDE: tl.c
 
 
 @triton.jit
-def _add_when_last(P, Q, H, B, Y, lock, cols, n, NP: tl.constexpr, QS: tl.constexpr, HAS_B: tl.constexpr,
-                   WAIT: tl.constexpr):
-    """Count this program done on its column slice's ``lock``; the last of the NP sums the slice's partials in
-    order (from L2), then q's QS partials (WAIT: after the PDL wait, q being the kernel before's output), adds h (and
-    the bias) and stores h' in Y's dtype, rounded once; then sets the lock back to 0."""
-    tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
-    done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-    if done == NP - 1:
-        tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
-        if WAIT:
-            gdc_wait()
-        DT: tl.constexpr = Y.dtype.element_ty
-        cm = cols < n
-        y = partial_sum(P, B, cols, n, NP, 0, True)
-        for i in tl.static_range(QS):
-            y += tl.load(Q + i * n + cols, mask=cm, other=0.0, cache_modifier=".cg")
-        if HAS_B:
-            y += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)
-        y = tl.load(H + cols, mask=cm, other=0.0).to(tl.float32) + y
-        tl.store(Y + cols, round_to(y, DT).to(DT), mask=cm)
-        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_inter, d_model, half,
-                    GROUP: tl.constexpr, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr, T: tl.constexpr, CB: tl.constexpr,
+                    GROUP: tl.constexpr, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr, T: tl.constexpr,
+                    CB: tl.constexpr,
                     GS: tl.constexpr, QS: tl.constexpr, ACT: tl.constexpr, BIG: tl.constexpr, WIDE: tl.constexpr,
                     AHEAD: tl.constexpr = 1, EARLY: tl.constexpr = 0, FIX: tl.constexpr = 0, NP: tl.constexpr = 1,
                     HAS_B: tl.constexpr = 0, PDL: tl.constexpr = 0):
@@ -158,17 +109,17 @@ def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_i
     ti = tl.arange(0, T)
     acc_lo = tl.zeros([T, CB], dtype=tl.float32)
     acc_hi = tl.zeros([T, CB], dtype=tl.float32)
-    counts = _set_counts(CNT, part, n_sets, SUB, SUBP, CG)
+    counts = set_counts(CNT, part, n_sets, SUB, SUBP, CG)
     total = (tl.sum(counts, axis=0) + T - 1) // T
-    rows, ok = _tile_rows(IDX, counts, 0, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+    rows, ok = tile_rows(IDX, counts, 0, part, ti, d_inter, SET, SUB, SUBP, T, CG)
     b, sp, op, g, u, ok = _row_loads(GU, QT, SCP, OFP, rows, ok, cb, cm, d_inter, half, GROUP, GS, BIG, CG)
     if AHEAD == 2:
-        rows, ok_m = _tile_rows(IDX, counts, 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+        rows, ok_m = tile_rows(IDX, counts, 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
         b_m, sp_m, op_m, g_m, u_m, ok_m = _row_loads(GU, QT, SCP, OFP, rows, ok_m, cb, cm, d_inter, half, GROUP, GS,
                                                      BIG, CG)
-    rows_n, ok_n = _tile_rows(IDX, counts, AHEAD, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+    rows_n, ok_n = tile_rows(IDX, counts, AHEAD, part, ti, d_inter, SET, SUB, SUBP, T, CG)
     for q in range(0, total):  # tile q summed while tile q + AHEAD's loads and tile q + AHEAD + 1's rows are out
-        rows_nn, ok_nn = _tile_rows(IDX, counts, q + AHEAD + 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
+        rows_nn, ok_nn = tile_rows(IDX, counts, q + AHEAD + 1, part, ti, d_inter, SET, SUB, SUBP, T, CG)
         b_n, sp_n, op_n, g_n, u_n, ok_n = _row_loads(GU, QT, SCP, OFP, rows_n, ok_n, cb, cm, d_inter, half, GROUP, GS,
                                                      BIG, CG)
         acc_lo, acc_hi = _add_tile(acc_lo, acc_hi, b, sp, op, g, u, ok, ACT, WIDE)
@@ -183,7 +134,7 @@ def low_down_kernel(IDX, CNT, GU, Q, QT, SCP, OFP, P, H, B, Y, LOCK, n_sets, d_i
     acc = tl.reshape(tl.join(tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)), (2 * CB,))  # columns in order
     if FIX:  # q's partials are added by the last program of the slice, with h
         tl.store(P + part * d_model + cols, acc, mask=colm)
-        _add_when_last(P, Q, H, B, Y, LOCK + cs, cols, d_model, NP, QS, HAS_B, CG)
+        _add_when_last(P, H, B, Y, LOCK + cs, cols, d_model, NP, HAS_B, Q, QS, CG)
     else:  # the first sets' programs add q's partials: only they wait for the down GEMV
         if CG:
             if part == 0:

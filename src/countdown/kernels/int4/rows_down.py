@@ -156,17 +156,26 @@ def _store_col(P, base, wcol, wm, acc, boff, J: tl.constexpr):
 
 
 @triton.jit
-def _add_when_last(P, H, B, Y, lock, i, n, S: tl.constexpr, HAS_B: tl.constexpr):
+def _add_when_last(P, H, B, Y, lock, i, n, S: tl.constexpr, HAS_B: tl.constexpr, Q, QS: tl.constexpr = 0,
+                   WAIT: tl.constexpr = 0):
     """For a launch whose S programs (one per partial) each store their partials [S, n] at entries ``i``: count this
     program done on its ``lock``; the last of the S sums the partials in order (``decode_add_partials``'s sum, from
-    L2), adds the residual H (and the bias B) and stores h' in Y's dtype, rounded once; then clears the lock for the
-    next launch. (The residual add of a decode step inside the down kernel's launch.)"""
+    L2), then the QS partials [QS, n] of Q (none where QS is 0; WAIT: after the PDL wait, Q being the kernel before's
+    output: nested_down.py), adds the bias B and the residual H and stores h' in Y's dtype, rounded once; then clears
+    the lock for the next launch. (The residual add of a decode step inside the down kernel's launch.)"""
     tl.debug_barrier()  # every thread's stores before the count (the atomic's release, by one thread, covers them)
     done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:
         tl.debug_barrier()  # the acquire (one thread) before any thread reads the others' partials
+        if WAIT:
+            gdc_wait()
         DT: tl.constexpr = Y.dtype.element_ty
-        y = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + partial_sum(P, B, i, n, S, HAS_B, True)
+        y = partial_sum(P, B, i, n, S, 0, True)
+        for k in tl.static_range(QS):
+            y += tl.load(Q + k * n + i, mask=i < n, other=0.0, cache_modifier=".cg")
+        if HAS_B:
+            y += tl.load(B + i, mask=i < n, other=0.0).to(tl.float32)
+        y = tl.load(H + i, mask=i < n, other=0.0).to(tl.float32) + y
         tl.store(Y + i, round_to(y, DT).to(DT), mask=i < n)
         tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
@@ -267,7 +276,7 @@ def rows_down_kernel(IDX, SV, CNT, O, WD, SCD, OFD, P, H, B, Y, LOCK, n_sets, d_
     _store_col(P, base, wcol, wm, acc7, boff, 7)
     if FIX:  # the last program of this column slice adds the residual (and the bias) to the slice's partials
         cols = wcol[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]   # the slice's columns (all < n_cols where wm)
-        _add_when_last(P, H, B, Y, LOCK + tl.program_id(1), cols, n_words * 8, NP, HAS_B)
+        _add_when_last(P, H, B, Y, LOCK + tl.program_id(1), cols, n_words * 8, NP, HAS_B, P)
 
 
 def column_slices(n_words: int, n_groups: int, cfg: dict) -> tuple[int, int]:

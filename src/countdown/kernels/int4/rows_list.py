@@ -49,3 +49,30 @@ def tile_at(IDX, CNT, q, part, n_sets, slot, d_inter, SET: tl.constexpr, SUB: tl
     valid = pos >= 0
     rows = listed(IDX, pos, valid, 0, CG)
     return tl.where(valid, rows, d_inter), pos, valid
+
+
+@triton.jit
+def set_counts(CNT, part, n_sets, SUB: tl.constexpr, SUBP: tl.constexpr, CG: tl.constexpr):
+    """The kept counts [SUBP] of program ``part``'s SUB sets (0 past them): read once a program (from L2 where CG,
+    where :func:`tile_at` reads them again each tile: nested_down.py)."""
+    js = tl.arange(0, SUBP)
+    set_j = part * SUB + js
+    return listed(CNT, set_j, (js < SUB) & (set_j < n_sets), 0, CG)
+
+
+@triton.jit
+def tile_rows(IDX, counts, q, part, slot, d_inter, SET: tl.constexpr, SUB: tl.constexpr, SUBP: tl.constexpr,
+              T: tl.constexpr, CG: tl.constexpr):
+    """(row numbers, valid) of tile ``q`` of the program's flat sequence of kept rows (:func:`tile_at`'s, from the
+    counts :func:`set_counts` read): row d_inter and valid False past the end."""
+    m = q * T + slot
+    pos = m * 0 - 1
+    start = q * 0
+    js = tl.arange(0, SUBP)
+    for jj in tl.static_range(SUB):
+        c = tl.sum(tl.where(js == jj, counts, 0), axis=0)
+        pos = tl.where((m >= start) & (m < start + c), (part * SUB + jj) * SET + (m - start), pos)
+        start += c
+    valid = pos >= 0
+    rows = listed(IDX, pos, valid, 0, CG)
+    return tl.where(valid, rows, d_inter), valid
