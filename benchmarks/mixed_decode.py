@@ -11,11 +11,15 @@ activations, groups of 64 for the 4-bit and the nested weights alike. Configurat
 
 * ``bf16``: the model as loaded on our fastest step;
 * ``int4``: every Linear and lm_head 4-bit (``countdown.quantize(group=64, lm_head=True)``);
+* ``int4-torch``: that model on PyTorch's int4 GEMV (``countdown.int4.use_backend(model, "torch")``:
+  ``aten._weight_int4pack_mm``, gpt-fast's kernel), the baseline a user has without us;
 * ``int8``: the MLPs nested 8-bit read whole (``to_nested``, then the other Linears and lm_head 4-bit as above; the
   mixed kernels with every row refined);
 * ``dual[mixed]`` at k = 0.8 / 0.9 / 0.95: that model, ``prepare`` then ``sparsify`` (the kernels refine the rows
   over each layer's calibrated cut). One compile serves the three k: the selectors' cuts are swapped in place
-  between runs (the artifact's cuts of that k; the step reads them as buffers).
+  between runs (the artifact's cuts of that k; the step reads them as buffers);
+* ``dual[mixed,rank=error]`` (``--configs mixed-error``): the same with rows ranked by the expected size of their
+  refinement (the select reads |x| and four constants a row besides).
 
 Each configuration is timed through ``countdown.generate`` (compiled, CUDA graphs; best of ``--repeats`` after a
 first, compiling call) over ``--new-tokens`` greedy tokens after a ``--prompt``-token prompt: ``<config>`` rows hold
@@ -43,6 +47,7 @@ SMOKE = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512, "
          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
 GROUP = 64
 KS = (0.8, 0.9, 0.95)
+MIXED = {"mixed": "dual[mixed]", "mixed-error": "dual[mixed,rank=error]"}  # --configs name: the method spec
 
 
 class ByteTokenizer:
@@ -183,10 +188,10 @@ def main(argv=None) -> None:
             mlp_us(model, mlp_inputs(model, ids), device, args.profile and config == "int4"),
             mlp_bytes(d_model, d_inter, config, 0))
 
-    def mixed(model):
-        art = countdown.prepare(model, ByteTokenizer(), "dual[mixed]", list(KS), texts=texts(),
+    def mixed(model, spec):
+        art = countdown.prepare(model, ByteTokenizer(), spec, list(KS), texts=texts(),
                                 num_tokens=512 if device == "cuda" else 128, window=64, refine=False, progress=False)
-        countdown.sparsify(model, "dual[mixed]", KS[1], artifacts=art)
+        countdown.sparsify(model, spec, KS[1], artifacts=art)
         patches = [layer.mlp.countdown_sparse for layer in model.model.layers]
         try:
             for k in (KS[1], KS[0], KS[2]):  # the compiled step reads the cuts in place
@@ -196,8 +201,8 @@ def main(argv=None) -> None:
                 stats = timed(model, ids, args.new_tokens, args.repeats)
                 real = countdown.sparsity_real(model)["mean"]
                 us = mlp_us(model, mlp_inputs(model, ids), device, args.profile and k == KS[1])
-                log(f"dual[mixed] k={k}: Sparsity-Real {real:.4f} (rows left at 4 bits, decode steps)")
-                add("dual[mixed]", k, stats, us, mlp_bytes(d_model, d_inter, "mixed", 1 - real))
+                log(f"{spec} k={k}: Sparsity-Real {real:.4f} (rows left at 4 bits, decode steps)")
+                add(spec, k, stats, us, mlp_bytes(d_model, d_inter, "mixed", 1 - real))
         finally:
             countdown.unsparsify(model)
 
@@ -207,6 +212,9 @@ def main(argv=None) -> None:
         d_model, d_inter = model.config.hidden_size, model.config.intermediate_size
         countdown.quantize(model, group=GROUP, lm_head=True)
         stage("int4", lambda: dense("int4", model))
+        if "int4-torch" in todo:
+            countdown.int4.use_backend(model, "torch")
+            stage("int4-torch", lambda: dense("int4-torch", model))
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
         from countdown.int4.nested_model import to_nested
@@ -214,7 +222,9 @@ def main(argv=None) -> None:
         model = to_nested(bf16_model(device), group=GROUP)
         model.generation_config.eos_token_id = None
         countdown.quantize(model, group=GROUP, lm_head=True)
-        stage("mixed", lambda: mixed(model))
+        for config, spec in MIXED.items():
+            if config in todo:
+                stage(config, lambda spec=spec: mixed(model, spec))
         stage("int8", lambda: dense("int8", model))  # unsparsify's result: the 8-bit MLPs read whole
         del model
         torch.cuda.empty_cache() if device == "cuda" else None

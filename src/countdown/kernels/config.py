@@ -131,7 +131,7 @@ LAUNCH: dict[str, dict] = {
     # column slice, D_WARPS, D_AHEAD tiles' loads in flight (1 or 2), D_EARLY: its walk before its PDL wait (the down
     # GEMV then signals after its own wait); Q_PER_SM: the down GEMV's PER_SM in the mixed MLP (None: int4_gemv's;
     # fewer leave SM room for low_down's early programs).
-    "int4_nested": dict(L_SUB=1, L_R=16, L_COLS=1024, L_WARPS=4, D_SUB=4, D_T=8, D_CB=128, D_WARPS=4, D_AHEAD=2,
+    "int4_nested": dict(L_SUB=1, L_R=16, L_COLS=1024, L_WARPS=4, D_SUB=4, D_T=8, D_CB=64, D_WARPS=4, D_AHEAD=2,
                         D_EARLY=1, Q_PER_SM=None),
 }
 
