@@ -116,3 +116,24 @@ def test_the_package_imports_without_triton():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_attention_function_sends_float64_to_sdpa():
+    """transformers' attention function of ours (decode/hf_attention.py): a one-token float64 decode (a model moved
+    to float64) runs PyTorch's SDPA, not the decode kernel (which computes in fp32 at most and does not compile for
+    float64 on a GPU); in float32 it runs the kernel. Both equal SDPA in float64 to the kernel's rounding."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from countdown.decode.hf_attention import decode_attention_forward
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, n, 16, generator=g, dtype=torch.float64).to(dev) for n in (1, 7, 7))
+    mask = torch.ones(1, 1, 1, 7, dtype=torch.bool, device=dev)
+    want = sdpa(q, k, v).transpose(1, 2)
+    for dtype, launches in ((torch.float64, []), (torch.float32, ["attention"])):
+        calls = []
+        with K.overrides(on_launch=lambda name, *a: calls.append(name)):
+            out, _ = decode_attention_forward(None, q.to(dtype), k.to(dtype), v.to(dtype), mask)
+        assert calls == launches and out.dtype == dtype
+        torch.testing.assert_close(out.double(), want, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=1e-5)

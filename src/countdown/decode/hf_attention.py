@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common import available
+from ..kernels.route import KERNEL_DTYPES
 
 NAME = "countdown_decode"
 _PREVIOUS = "_countdown_attn_before"
@@ -57,7 +58,7 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
     if (n_q == 1 and attention_mask is not None and not dropout and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None
             and available(query) and key.shape[1] > 0 and H % key.shape[1] == 0
-            and query.dtype == key.dtype == value.dtype):
+            and query.dtype == key.dtype == value.dtype and query.dtype in KERNEL_DTYPES):  # float64: SDPA
         row = mask_row(attention_mask, B, key.shape[2])
     if row is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
