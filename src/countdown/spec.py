@@ -212,20 +212,26 @@ def parse_spec(text: str | Spec | Method, k: float | None = None, scope: str | N
     return _parse_body(text, method.name, body)
 
 
-def parse_specs(text: str | Spec | list) -> list[Spec]:
-    """A comma-separated list (commas inside brackets belong to their spec) or a list of specs; duplicates
-    dropped, order kept."""
+def spec_parts(text: str | Spec | list) -> list:
+    """The entries of a comma-separated list (commas inside brackets belong to their spec) or of a list of specs,
+    unparsed; none is a ValueError."""
     if isinstance(text, str):
         parts = [p for p in re.split(r",(?![^\[]*\])", text) if p.strip()]
     else:
         parts = [text] if isinstance(text, Spec) else list(text)
+    if not parts:
+        raise ValueError("give at least one method spec, e.g. mono,dual[shadow4]")
+    return parts
+
+
+def parse_specs(text: str | Spec | list) -> list[Spec]:
+    """A comma-separated list (commas inside brackets belong to their spec) or a list of specs; duplicates
+    dropped, order kept."""
     specs: list[Spec] = []
-    for part in parts:
+    for part in spec_parts(text):
         spec = parse_spec(part)
         if spec not in specs:
             specs.append(spec)
-    if not specs:
-        raise ValueError("give at least one method spec, e.g. mono,dual[shadow4]")
     return specs
 
 

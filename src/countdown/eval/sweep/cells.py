@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...spec import Spec, parse_spec, parse_specs
+from ...spec import Spec, parse_spec, spec_parts
 from .weights import check_weighted, split_weights
 
 DEFAULT_METHODS = ("dense", "cats", "mono", "dual", "dejavu")
@@ -62,28 +62,17 @@ def column_label(spec: str | Spec) -> str:
     return label
 
 
-def is_dense_label(label: str) -> bool:
-    """``dense`` or a dense configuration on other weights (``dense@mlp4g64``)."""
-    return label == "dense" or label.startswith("dense@")
-
-
 def parse_methods(methods: Sequence[str | Spec] | str) -> list[Spec]:
     """Every spec of ``methods`` (:func:`countdown.spec.parse_specs`), one per CSV label, order kept. An entry
     ``dense@mlp4g64`` is dense on other weights (:mod:`countdown.eval.sweep.weights`, in the spec's ``weights``)."""
-    if isinstance(methods, str):
-        methods = [p for p in re.split(r",(?![^\[]*\])", methods) if p.strip()]
-    elif isinstance(methods, Spec):
-        methods = [methods]
     specs = []
-    for entry in methods:
+    for entry in spec_parts(methods):
         text, weights = split_weights(entry) if isinstance(entry, str) else (entry, None)
-        spec = parse_specs([text])[0]
+        spec = parse_spec(text)
         if weights is not None:
             spec = replace(spec, weights=weights)
         check_weighted(spec)
         specs.append(spec)
-    if not specs:
-        raise ValueError("give at least one method spec, e.g. mono,dual[shadow4]")
     first: dict[str, Spec] = {}
     for spec in specs:
         first.setdefault(column_label(spec), spec)
@@ -161,13 +150,13 @@ def plan_cells(methods: Sequence[str | Spec], modes: Sequence[str], sparsities: 
     Per configuration: each lm-eval task, then perplexity in both styles (if ``ppl``), then
     agreement (if ``agreement``; not for dense, whose agreement with itself is 1 by definition).
     """
-    specs = parse_methods(list(methods) if not isinstance(methods, str) else methods)
+    specs = parse_methods(methods)
     cells = []
     for method, mode, k in configurations(specs, modes, sparsities):
         tag = artifacts_tag if mode == "prac" else ""
         cells += [CellSpec(method, mode, k, task, "lmeval", lmeval, tag) for task in tasks]
         if ppl is not None:
             cells += [CellSpec(method, mode, k, task, "ppl", ppl, tag) for task in PPL_TASKS]
-        if agreement is not None and not is_dense_label(method):
+        if agreement is not None and mode:  # dense and dense@weights have no mode
             cells.append(CellSpec(method, mode, k, AGREEMENT_TASK, "agreement", agreement, tag))
     return cells
